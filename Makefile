@@ -1,0 +1,41 @@
+# Two-command set-up: `make demo` and `make test` each build the virtual env when it is missing.
+# On a CUDA machine pick the torch build you want, e.g.  make test TORCH="torch==2.8.0" EXTRAS=test,gpu
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+EXTRAS ?= test,deepspeed
+PYTEST_ARGS ?=
+
+BIN   := $(VENV)/bin
+comma := ,
+# One stamp per (torch, extras) choice, so changing either reinstalls.
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
+
+.PHONY: setup test demo kernel-bench env clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python examples/train_packed_tiny.py
+
+kernel-bench: $(STAMP)
+	$(BIN)/distca-hf kernel-bench
+
+env: $(STAMP)
+	$(BIN)/distca-hf env
+
+clean-venv:
+	rm -rf $(VENV)
