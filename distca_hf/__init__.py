@@ -1,0 +1,31 @@
+"""distca_hf: Core Attention Disaggregation (CAD) for the HuggingFace stack.
+
+Importing the package registers ``attn_implementation="distca"`` with transformers::
+
+    import distca_hf
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="distca")
+"""
+
+__version__ = "0.1.0"
+
+from .attention import ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, register
+from .documents import DocumentBoundaryError, PackedDocuments, find_documents
+from .kernels import varlen_causal_attention
+from .tasks import CATask, fuse_tasks, split_document, whole_document_tasks
+
+register()
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CATask",
+    "DocumentBoundaryError",
+    "PackedDocuments",
+    "UnsupportedAttentionError",
+    "distca_attention_forward",
+    "find_documents",
+    "fuse_tasks",
+    "register",
+    "split_document",
+    "varlen_causal_attention",
+    "whole_document_tasks",
+]

@@ -1,0 +1,144 @@
+"""Varlen causal attention over a fused batch of CA-tasks, behind one signature.
+
+Shapes (flash-attn's varlen convention):
+    q:   ``[total_q, num_heads, head_dim]``
+    k,v: ``[total_k, num_kv_heads, head_dim]`` (grouped-query: ``num_heads % num_kv_heads == 0``)
+    cu_seqlens_q, cu_seqlens_k: ``[num_tasks + 1]`` int32, cumulative rows per task
+    out: ``[total_q, num_heads, head_dim]``; lse: ``[num_heads, total_q]`` fp32 (natural log)
+
+Task ``i`` has queries ``q[cu_q[i]:cu_q[i+1]]`` and keys ``k[cu_k[i]:cu_k[i+1]]`` with
+``lk >= lq``; the causal mask is aligned bottom-right: query ``j`` sees keys ``0 .. j + lk - lq``.
+
+Backends: ``flash_attn`` (CUDA, fp16/bf16, when installed), ``torch_cpu`` (PyTorch's fused CPU
+flash kernel, the winner of ``distca-hf kernel-bench``), ``math`` (plain torch, any device; the
+fallback). ``DISTCA_KERNEL`` or the ``backend`` argument forces one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+from . import flash_attn as _flash_attn
+from . import math as _math
+from . import torch_cpu as _torch_cpu
+
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "select_backend",
+    "varlen_attention_forward",
+    "varlen_attention_backward",
+    "varlen_causal_attention",
+]
+
+BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (_flash_attn, _torch_cpu, _math)}
+_AUTO_ORDER = (_flash_attn, _torch_cpu)
+_warned_fallback: set[tuple[str, str]] = set()
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Names of the backends that can run on ``device`` with ``dtype``, fastest first."""
+    device = torch.device(device)
+    return [name for name, m in BACKENDS.items() if m.is_available(device, dtype)]
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None) -> ModuleType:
+    """The backend to use: ``name``, else ``$DISTCA_KERNEL``, else the fastest available."""
+    device = torch.device(device)
+    name = name or os.environ.get("DISTCA_KERNEL") or "auto"
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(
+                f"unknown distca kernel backend {name!r} (from the backend argument or DISTCA_KERNEL); "
+                f"expected one of {['auto', *BACKENDS]}"
+            )
+        backend = BACKENDS[name]
+        if not backend.is_available(device, dtype):
+            raise ValueError(f"distca kernel backend {name!r} cannot run on {device} with {dtype}")
+        return backend
+    for backend in _AUTO_ORDER:
+        if backend.is_available(device, dtype):
+            return backend
+    key = (device.type, str(dtype))
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        hint = " (install flash-attn: pip install 'distca-hf[gpu]'; it needs fp16/bf16)" if device.type == "cuda" else ""
+        warnings.warn(f"distca: no fused varlen kernel for {device.type}/{dtype}; using the slow math backend{hint}")
+    return _math
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q's head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1D with one entry per task plus one")
+    if cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu":
+        if int(cu_seqlens_q[-1]) != q.shape[0] or int(cu_seqlens_k[-1]) != k.shape[0]:
+            raise ValueError(
+                f"cu_seqlens end at ({int(cu_seqlens_q[-1])}, {int(cu_seqlens_k[-1])}) but q has {q.shape[0]} "
+                f"rows and k has {k.shape[0]}"
+            )
+
+
+def varlen_attention_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+):
+    """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded."""
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    kernel = select_backend(q.device, q.dtype, backend)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    with torch.no_grad():
+        return kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+
+
+def varlen_attention_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+):
+    """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
+    (gradients of grouped K/V heads summed over their query heads)."""
+    kernel = select_backend(q.device, q.dtype, backend)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    with torch.no_grad():
+        return kernel.backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale
+        )
+
+
+class _VarlenCausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend):
+        out, lse = varlen_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, backend = ctx.args
+        dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, backend)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def varlen_causal_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+) -> torch.Tensor:
+    """Differentiable bottom-right causal attention over a fused batch of CA-tasks.
+
+    Returns ``out [total_q, num_heads, head_dim]``; see the module docstring for the layout.
+    """
+    return _VarlenCausalAttention.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend
+    )

@@ -1,0 +1,126 @@
+"""CPU backend: PyTorch's fused flash-attention CPU kernel, made bottom-right and varlen.
+
+The CPU kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) is blocked, multithreaded,
+skips masked blocks when ``is_causal``, handles grouped-query attention without repeating K/V, and
+returns the log-sum-exp that a split computation needs. Its causal mask is aligned top-left, so a
+CA-task with ``lq`` queries and a ``lk``-token prefix is run as two blocks and merged:
+
+- the diagonal block, queries against the last ``lq`` keys, causal (top-left = bottom-right there);
+- the prefix block, queries against the first ``lk - lq`` keys, no mask.
+
+Backward runs the kernel's own backward on each block with the *merged* output and log-sum-exp,
+which gives each block its exact share of the gradient. Tasks of identical shape are stacked into
+one call when ``GROUP_SAME_SHAPE`` (the benchmark decides; see ``kernels/benchmark.py``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+NAME = "torch_cpu"
+GROUP_SAME_SHAPE = True
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def is_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _shape_groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, group: bool):
+    """Yield lists of (q_start, k_start) of tasks sharing (lq, lk), with that (lq, lk)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for i in range(len(cu_q) - 1):
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if lk < lq:
+            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
+        if lq == 0:
+            continue
+        groups[(lq, lk)].append((cu_q[i], cu_k[i]))
+    for (lq, lk), starts in groups.items():
+        if group:
+            yield lq, lk, starts
+        else:
+            for s in starts:
+                yield lq, lk, [s]
+
+
+def _gather(t: torch.Tensor, starts, length: int) -> torch.Tensor:
+    """Rows ``[s, s + length)`` for each start, as ``[n, heads, length, dim]`` (a view when n == 1)."""
+    if len(starts) == 1:
+        s = starts[0]
+        return t[s : s + length].transpose(0, 1).unsqueeze(0)
+    return torch.stack([t[s : s + length] for s in starts]).transpose(1, 2)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The kernel accumulates in fp64 for fp64 inputs and in fp32 otherwise.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gather_lse(lse: torch.Tensor, starts, length: int) -> torch.Tensor:
+    return torch.stack([lse[:, s : s + length] for s in starts]).contiguous()
+
+
+def _scatter(dst: torch.Tensor, src: torch.Tensor, starts, length: int) -> None:
+    """Inverse of ``_gather``: src ``[n, heads, length, dim]`` into rows of dst."""
+    for i, s in enumerate(starts):
+        dst[s : s + length] = src[i].transpose(0, 1)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE):
+        q_starts = [s for s, _ in starts]
+        diag_starts = [s + lk - lq for _, s in starts]
+        qb = _gather(q, q_starts, lq)
+        o, l = _flash_cpu(qb, _gather(k, diag_starts, lq), _gather(v, diag_starts, lq), 0.0, True, scale=softmax_scale)
+        if lk > lq:
+            prefix_starts = [s for _, s in starts]
+            o2, l2 = _flash_cpu(
+                qb, _gather(k, prefix_starts, lk - lq), _gather(v, prefix_starts, lk - lq), 0.0, False, scale=softmax_scale
+            )
+            o, l = _merge(o, l, o2, l2)
+        _scatter(out, o, q_starts, lq)
+        for i, s in enumerate(q_starts):
+            lse[:, s : s + lq] = l[i]
+    return out, lse
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Combine two partial attentions over disjoint key sets (log-sum-exp weighted)."""
+    acc = _lse_dtype(o1.dtype)
+    lse = torch.logaddexp(lse1.to(acc), lse2.to(acc))
+    w1 = torch.exp(lse1.to(acc) - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2.to(acc) - lse).unsqueeze(-1)
+    return (o1.to(acc) * w1 + o2.to(acc) * w2).to(o1.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE):
+        q_starts = [s for s, _ in starts]
+        diag_starts = [s + lk - lq for _, s in starts]
+        qb, ob, dob = (_gather(t, q_starts, lq) for t in (q, out, dout))
+        lb = _gather_lse(lse, q_starts, lq).to(_lse_dtype(q.dtype))
+        dqb, dkb, dvb = _flash_cpu_backward(
+            dob, qb, _gather(k, diag_starts, lq), _gather(v, diag_starts, lq), ob, lb, 0.0, True, scale=softmax_scale
+        )
+        _scatter(dk, dkb, diag_starts, lq)
+        _scatter(dv, dvb, diag_starts, lq)
+        if lk > lq:
+            prefix_starts = [s for _, s in starts]
+            dq2, dk2, dv2 = _flash_cpu_backward(
+                dob, qb, _gather(k, prefix_starts, lk - lq), _gather(v, prefix_starts, lk - lq), ob, lb, 0.0, False,
+                scale=softmax_scale,
+            )
+            dqb = dqb + dq2
+            _scatter(dk, dk2, prefix_starts, lk - lq)
+            _scatter(dv, dv2, prefix_starts, lk - lq)
+        _scatter(dq, dqb, q_starts, lq)
+    return dq, dk, dv

@@ -1,0 +1,148 @@
+"""CA-tasks: a query shard of one document plus the K/V prefix it attends to.
+
+A document of ``n`` tokens may be cut into query shards ``[start, end)``. Because the causal mask is
+aligned bottom-right (query ``start + j`` sees keys ``0 .. start + j``), the task only needs the
+K/V prefix ``[0, end)``, and any set of tasks covering a document's queries reproduces the attention
+of the whole document exactly. That composability is what lets the planner move tasks anywhere.
+
+This module also lays a list of tasks out as one fused varlen batch (``cu_seqlens_q/k`` plus the
+flat token indices to gather) for the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .cost import causal_pairs
+from .documents import PackedDocuments
+
+__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks"]
+
+
+@dataclass(frozen=True)
+class CATask:
+    """Queries ``[q_start, q_end)`` of document ``doc``, attending to its keys ``[0, q_end)``."""
+
+    doc: int
+    q_start: int
+    q_end: int
+
+    def __post_init__(self):
+        if not 0 <= self.q_start < self.q_end:
+            raise ValueError(f"a CA-task needs 0 <= q_start < q_end, got [{self.q_start}, {self.q_end})")
+
+    @property
+    def num_queries(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def kv_len(self) -> int:
+        """Length of the K/V prefix the shard attends to (tokens)."""
+        return self.q_end
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs computed by this task (the causal cost)."""
+        return causal_pairs(self.q_start, self.q_end)
+
+
+def whole_document_tasks(docs: PackedDocuments) -> list[CATask]:
+    """One task per document, covering all of its queries (``[past, length)``)."""
+    return [CATask(d, int(p), int(n)) for d, (p, n) in enumerate(zip(docs.past, docs.lengths))]
+
+
+def split_document(doc: int, first_query: int, length: int, cuts: Iterable[int]) -> list[CATask]:
+    """Cut the queries ``[first_query, length)`` of a document at the given positions.
+
+    ``cuts`` are query indices strictly inside ``(first_query, length)``; duplicates are ignored.
+    """
+    bounds = sorted({first_query, length, *cuts})
+    if bounds[0] < first_query or bounds[-1] > length:
+        raise ValueError(f"cuts {sorted(cuts)} fall outside the document's queries [{first_query}, {length})")
+    return [CATask(doc, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass(frozen=True, eq=False)
+class FusedBatch:
+    """A list of CA-tasks laid out as one varlen batch.
+
+    Attributes:
+        q_index: ``[total_q]`` int64, flat query token (in ``PackedDocuments`` numbering) of each
+            fused query row, or ``None`` when the fused rows are the query stream itself.
+        k_index: ``[total_k]`` int64, flat key token of each fused K/V row, or ``None`` likewise.
+        cu_seqlens_q, cu_seqlens_k: ``[num_tasks + 1]`` int32 cumulative row counts.
+        max_seqlen_q, max_seqlen_k: longest query shard and K/V prefix (tokens).
+        pairs: query-key pairs the batch computes.
+    """
+
+    q_index: torch.Tensor | None
+    k_index: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    pairs: int
+
+    def to(self, device) -> "FusedBatch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return FusedBatch(
+            move(self.q_index), move(self.k_index), move(self.cu_seqlens_q), move(self.cu_seqlens_k),
+            self.max_seqlen_q, self.max_seqlen_k, self.pairs,
+        )
+
+
+def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
+    """Lay ``tasks`` (of the documents ``docs``) out as one varlen batch, in the given order."""
+    if not tasks:
+        raise ValueError("fuse_tasks needs at least one CA-task")
+    doc_ids = np.fromiter((t.doc for t in tasks), dtype=np.int64, count=len(tasks))
+    q_start = np.fromiter((t.q_start for t in tasks), dtype=np.int64, count=len(tasks))
+    q_end = np.fromiter((t.q_end for t in tasks), dtype=np.int64, count=len(tasks))
+    if doc_ids.min() < 0 or doc_ids.max() >= docs.num_docs:
+        raise ValueError(f"task refers to a document outside 0..{docs.num_docs - 1}")
+    past, lengths = docs.past[doc_ids], docs.lengths[doc_ids]
+    if (q_start < past).any() or (q_end > lengths).any():
+        bad = int(np.flatnonzero((q_start < past) | (q_end > lengths))[0])
+        raise ValueError(
+            f"task {tasks[bad]} asks for queries outside its document's queries "
+            f"[{int(past[bad])}, {int(lengths[bad])})"
+        )
+    q_lens, k_lens = q_end - q_start, q_end
+    cu_q = np.concatenate(([0], np.cumsum(q_lens)))
+    cu_k = np.concatenate(([0], np.cumsum(k_lens)))
+    pairs = int(sum(causal_pairs(int(s), int(e)) for s, e in zip(q_start, q_end)))
+
+    covers_in_order = (
+        docs.tiles_stream
+        and len(tasks) == docs.num_docs
+        and np.array_equal(doc_ids, np.arange(docs.num_docs))
+        and not q_start.any()
+        and np.array_equal(q_end, docs.lengths)
+    )
+    if covers_in_order:
+        q_index = k_index = None
+    else:
+        # Query row of task t, position j: docs.q_starts[doc] + (q_start - past) + j.
+        q_first = docs.q_starts[doc_ids] + (q_start - past)
+        q_index = torch.from_numpy(_ranges(q_first, q_lens))
+        k_index = torch.from_numpy(_ranges(docs.k_starts[doc_ids], k_lens))
+    return FusedBatch(
+        q_index,
+        k_index,
+        torch.from_numpy(cu_q.astype(np.int32)),
+        torch.from_numpy(cu_k.astype(np.int32)),
+        int(q_lens.max()),
+        int(k_lens.max()),
+        pairs,
+    )
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
+    total = int(lengths.sum())
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return (np.arange(total, dtype=np.int64) + offsets).astype(np.int64)
