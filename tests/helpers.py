@@ -1,0 +1,78 @@
+"""Shared test helpers: tiny random models and the independent per-document reference."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+import distca_hf  # noqa: F401  (registers "distca")
+
+VOCAB = 96
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        # A window at least as long as every test document: exact, so it must be accepted.
+        return MistralConfig(**{"sliding_window": 64, **common})
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(**{"head_dim": 8, **common})
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_model(family: str, attn: str = "distca", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation=attn,
+                                             dtype=torch.float32)
+    return model.train()
+
+
+def objective_weights(shape, seed: int = 1234) -> torch.Tensor:
+    """A fixed random projection of the logits: an objective whose gradient touches every logit."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def param_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def per_document_reference(model, docs: list[torch.Tensor], weights: list[torch.Tensor]):
+    """Each document alone through ``model`` with eager attention.
+
+    docs: list of ``[n_i]`` token tensors; weights: list of ``[n_i, vocab]`` objective weights.
+    Returns (list of ``[n_i, vocab]`` logits, parameter gradients of sum_i <logits_i, weights_i>).
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    try:
+        logits = [model(input_ids=d.unsqueeze(0), use_cache=False).logits[0] for d in docs]
+        sum((lg * w).sum() for lg, w in zip(logits, weights)).backward()
+        return [lg.detach() for lg in logits], param_grads(model)
+    finally:
+        model.set_attn_implementation(previous)
+        model.zero_grad(set_to_none=True)
+
+
+def assert_grads_close(actual: dict, expected: dict, atol=1e-5, rtol=1e-4):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")

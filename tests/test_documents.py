@@ -1,0 +1,128 @@
+"""Document boundaries from every input form, and CA-task cost accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distca_hf import CATask, DocumentBoundaryError, find_documents, split_document
+from distca_hf.cost import attention_flops, causal_pairs
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.lists(st.integers(1, 12), min_size=1, max_size=4), st.integers(0, 5)),
+        min_size=1,
+        max_size=4,
+    ),
+    use_mask=st.booleans(),
+)
+def test_documents_from_position_ids_and_padding(rows, use_mask):
+    """Rows of packed documents followed by padding: every document is found, in order."""
+    width = max(sum(lengths) + pad for lengths, pad in rows)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    expected_lengths, expected_starts = [], []
+    for r, (lengths, _) in enumerate(rows):
+        col = 0
+        for n in lengths:
+            positions[r, col : col + n] = torch.arange(n)
+            mask[r, col : col + n] = 1
+            expected_lengths.append(n)
+            expected_starts.append(r * width + col)
+            col += n
+        if not use_mask:  # without a mask the tail is one more document (positions restart at 0)
+            if col < width:
+                positions[r, col:] = torch.arange(width - col)
+                expected_lengths.append(width - col)
+                expected_starts.append(r * width + col)
+    docs = find_documents(len(rows), width, width, attention_mask=mask if use_mask else None, position_ids=positions)
+    assert docs.lengths.tolist() == expected_lengths
+    assert docs.q_starts.tolist() == expected_starts == docs.k_starts.tolist()
+    assert not docs.past.any()
+
+
+def test_plain_rows_and_shared_position_ids():
+    docs = find_documents(3, 5, 5)
+    assert docs.lengths.tolist() == [5, 5, 5] and docs.q_starts.tolist() == [0, 5, 10]
+    docs = find_documents(2, 6, 6, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))  # [1, S] broadcast
+    assert docs.lengths.tolist() == [3, 3, 3, 3]
+
+
+def test_left_padding_and_chunks_that_start_mid_document():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    docs = find_documents(2, 5, 5, attention_mask=mask, position_ids=torch.arange(5).expand(2, 5))
+    assert docs.lengths.tolist() == [3, 5] and docs.q_starts.tolist() == [2, 5]
+    # a row that begins inside a document (a chunk of a longer text) is one document
+    docs = find_documents(1, 6, 6, position_ids=torch.tensor([[7, 8, 9, 0, 1, 2]]))
+    assert docs.lengths.tolist() == [3, 3]
+
+
+def test_cu_seq_lens_take_precedence_and_skip_empty_documents():
+    cu = torch.tensor([0, 4, 4, 10, 10], dtype=torch.int32)
+    docs = find_documents(1, 10, 10, position_ids=torch.arange(10)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert docs.lengths.tolist() == [4, 6] and docs.q_starts.tolist() == [0, 4]
+    with pytest.raises(DocumentBoundaryError, match="given together"):
+        find_documents(1, 10, 10, cu_seq_lens_q=cu)
+    with pytest.raises(DocumentBoundaryError, match="padding attention_mask"):
+        find_documents(1, 10, 10, attention_mask=torch.tensor([[1] * 9 + [0]]), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_decoding_with_a_cache_is_one_bottom_right_task_per_row():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    docs = find_documents(2, 2, 6, attention_mask=mask)
+    assert docs.lengths.tolist() == [4, 6]
+    assert docs.past.tolist() == [2, 4]
+    assert docs.q_starts.tolist() == [0, 2] and docs.k_starts.tolist() == [2, 6]
+    with pytest.raises(DocumentBoundaryError, match="newest tokens must be real"):
+        find_documents(1, 1, 4, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with pytest.raises(DocumentBoundaryError, match="fewer than queries"):
+        find_documents(1, 4, 2)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(DocumentBoundaryError, match="KV cache"):
+        find_documents(1, 2, 6, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(position_ids=torch.zeros(1, 4)), "must be integers"),
+        (dict(position_ids=torch.zeros(1, 3, dtype=torch.long)), "shape"),
+        (dict(attention_mask=torch.tensor([[1, 2, 1, 1]])), "only 0/1"),
+        (dict(attention_mask=torch.ones(2, 4)), "does not match the batch"),
+    ],
+)
+def test_malformed_inputs(kwargs, match):
+    with pytest.raises(DocumentBoundaryError, match=match):
+        find_documents(1, 4, 4, **kwargs)
+
+
+@given(st.integers(0, 300), st.integers(1, 300))
+def test_causal_pairs_counts_every_visible_key(start, n):
+    end = start + n
+    assert causal_pairs(start, end) == sum(t + 1 for t in range(start, end))
+    assert CATask(0, start, end).pairs == causal_pairs(start, end)
+
+
+def test_split_document_and_flops():
+    tasks = split_document(3, 0, 10, [4, 4, 7])
+    assert [(t.q_start, t.q_end, t.kv_len) for t in tasks] == [(0, 4, 4), (4, 7, 7), (7, 10, 10)]
+    assert all(t.doc == 3 for t in tasks)
+    with pytest.raises(ValueError, match="outside"):
+        split_document(0, 0, 10, [11])
+    with pytest.raises(ValueError, match="q_start < q_end"):
+        CATask(0, 5, 5)
+    assert attention_flops(10, 2, 4) == 4 * 10 * 2 * 4
+    assert attention_flops(10, 2, 4, backward=True) == 3.5 * 4 * 10 * 2 * 4
+
+
+def test_from_lengths_validates():
+    with pytest.raises(DocumentBoundaryError):
+        from distca_hf import PackedDocuments
+
+        PackedDocuments.from_lengths([3, 0])
+    assert np.array_equal(find_documents(1, 7, 7, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1]])).lengths, [3, 2, 2])

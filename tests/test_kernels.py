@@ -1,0 +1,144 @@
+"""Varlen CA-task kernels: exact against per-task attention computed independently, and
+composable: any cut of documents into CA-tasks gives the attention of the uncut documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distca_hf import CATask, PackedDocuments, fuse_tasks, split_document, varlen_causal_attention, whole_document_tasks
+from distca_hf.kernels import available_backends, select_backend, varlen_attention_backward, varlen_attention_forward
+
+CPU_BACKENDS = ["torch_cpu", "math"]
+
+
+def _independent_attention(q, k, v, cu_q, cu_k, scale):
+    """Per task: SDPA with an explicit bottom-right boolean mask and K/V repeated per head."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        lq, lk = qe - qs, ke - ks
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        kt = k[ks:ke].repeat_interleave(groups, dim=1)
+        vt = v[ks:ke].repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kt.transpose(0, 1), vt.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _random_qkv(total_q, total_k, heads, kv_heads, dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda n, h: torch.randn(n, h, dim, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return make(total_q, heads), make(total_k, kv_heads), make(total_k, kv_heads)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _grads(out, inputs, seed=99):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad((out * weight).sum(), inputs)
+
+
+TASK_SHAPES = [(3, 3), (2, 7), (5, 9), (2, 7), (1, 1), (4, 4), (1, 12), (6, 6)]  # (lq, lk), repeats included
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_kernel_matches_independent_attention(backend, heads, kv_heads):
+    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
+    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), heads, kv_heads, 16, torch.float64)
+    scale = 0.3
+    out = varlen_causal_attention(q, k, v, cu_q, cu_k, 6, 12, scale, backend)
+    ref = _independent_attention(q, k, v, cu_q, cu_k, scale)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    for got, want in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_low_precision(dtype, tol):
+    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
+    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 16, dtype)
+    out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, 6, 12, None, "torch_cpu")
+    ref = _independent_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 16**-0.5)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (4, q.shape[0])
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    dout = torch.randn_like(out)
+    dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, 6, 12, None, "torch_cpu")
+    ref_grads = torch.autograd.grad((ref * dout.double()).sum(), (q, k, v))
+    for got, want in zip((dq, dk, dv), ref_grads):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.double(), atol=5 * tol, rtol=5 * tol)
+
+
+def test_kernel_rejects_a_task_with_more_queries_than_keys():
+    q, k, v = _random_qkv(5, 3, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="lk >= lq"):
+        varlen_causal_attention(q, k, v, _cu([5]), _cu([3]), 5, 3, None, "torch_cpu")
+
+
+def test_kernel_rejects_cu_seqlens_that_do_not_cover_the_rows():
+    q, k, v = _random_qkv(6, 6, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="cu_seqlens end at"):
+        varlen_causal_attention(q, k, v, _cu([5]), _cu([5]), 5, 5, None, "torch_cpu")
+
+
+def test_auto_backend_on_cpu_is_the_fused_kernel():
+    assert select_backend("cpu", torch.float32).NAME == "torch_cpu"
+    assert available_backends("cpu", torch.float32) == ["torch_cpu", "math"]
+
+
+def _run_tasks(tasks, docs, q, k, v, backend):
+    """Gather a fused batch for ``tasks``, run it, scatter the outputs back to the token stream."""
+    batch = fuse_tasks(tasks, docs)
+    q_index = batch.q_index if batch.q_index is not None else torch.arange(q.shape[0])
+    k_index = batch.k_index if batch.k_index is not None else torch.arange(k.shape[0])
+    out = varlen_causal_attention(
+        q.index_select(0, q_index), k.index_select(0, k_index), v.index_select(0, k_index),
+        batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, None, backend,
+    )
+    return torch.zeros_like(q).index_add(0, q_index, out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    data=st.data(),
+    backend=st.sampled_from(CPU_BACKENDS),
+)
+def test_any_cut_into_ca_tasks_equals_the_uncut_documents(lengths, data, backend):
+    docs = PackedDocuments.from_lengths(lengths)
+    tasks = []
+    for d, n in enumerate(lengths):
+        cuts = data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4).map(lambda c, n=n: [x for x in c if x < n]))
+        tasks += split_document(d, 0, n, cuts)
+    tasks = data.draw(st.permutations(tasks))  # a server receives tasks in any order
+    total = sum(lengths)
+    q, k, v = _random_qkv(total, total, 4, 2, 8, torch.float64, seed=len(tasks))
+    cut = _run_tasks(tasks, docs, q, k, v, backend)
+    whole = _run_tasks(whole_document_tasks(docs), docs, q, k, v, backend)
+    torch.testing.assert_close(cut, whole, atol=1e-12, rtol=1e-10)
+    for got, want in zip(_grads(cut, (q, k, v)), _grads(whole, (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    # and the cut tasks cost exactly the pairs of the documents
+    assert sum(t.pairs for t in tasks) == sum(n * (n + 1) // 2 for n in lengths)
+
+
+def test_fused_batch_of_whole_documents_needs_no_gather():
+    docs = PackedDocuments.from_lengths([3, 5])
+    batch = fuse_tasks(whole_document_tasks(docs), docs)
+    assert batch.q_index is None and batch.k_index is None
+    assert batch.cu_seqlens_q.tolist() == [0, 3, 8] == batch.cu_seqlens_k.tolist()
+    cut = fuse_tasks([CATask(1, 2, 5), CATask(0, 0, 3)], docs)
+    assert cut.q_index.tolist() == [5, 6, 7, 0, 1, 2]
+    assert cut.k_index.tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
+    assert cut.cu_seqlens_q.tolist() == [0, 3, 6] and cut.cu_seqlens_k.tolist() == [0, 5, 8]
+    assert (cut.max_seqlen_q, cut.max_seqlen_k, cut.pairs) == (3, 5, 12 + 6)

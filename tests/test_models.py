@@ -1,0 +1,157 @@
+"""distca in real HF models equals each document run alone with eager attention (fp32):
+logits and every parameter gradient, for every way of describing documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from helpers import FAMILIES, VOCAB, assert_grads_close, objective_weights, param_grads, per_document_reference, tiny_model
+
+DOC_LENGTHS = [13, 1, 29, 6, 17]  # odd lengths and a one-token document
+
+
+def _documents(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _check_packed(model, docs, call_kwargs, use_cache):
+    """Run the packed call, compare with the per-document reference."""
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    model.zero_grad(set_to_none=True)
+    logits = model(use_cache=use_cache, **call_kwargs).logits[0]
+    (logits * torch.cat(weights)).sum().backward()
+    torch.testing.assert_close(logits, torch.cat(ref_logits), atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_position_ids(family, use_cache):
+    model = tiny_model(family)
+    docs = _documents(DOC_LENGTHS)
+    input_ids = torch.cat(docs).unsqueeze(0)
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    _check_packed(model, docs, dict(input_ids=input_ids, position_ids=position_ids), use_cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_cu_seq_lens_kwargs(family):
+    """Boundaries from cu_seq_lens alone (positions run on across documents: RoPE is relative)."""
+    model = tiny_model(family)
+    docs = _documents(DOC_LENGTHS, seed=1)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = dict(
+        input_ids=torch.cat(docs).unsqueeze(0),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(DOC_LENGTHS),
+        max_length_k=max(DOC_LENGTHS),
+    )
+    _check_packed(model, docs, kwargs, use_cache=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_data_collator_with_flattening(family):
+    model = tiny_model(family)
+    docs = _documents(DOC_LENGTHS, seed=2)
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    assert "cu_seq_lens_q" in batch
+    _check_packed(model, docs, dict(batch), use_cache=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch(family, side):
+    model = tiny_model(family)
+    docs = _documents([11, 4, 23, 1], seed=3)
+    width = max(len(d) for d in docs)
+    input_ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros(len(docs), width, dtype=torch.long)
+    cols = [slice(0, len(d)) if side == "right" else slice(width - len(d), width) for d in docs]
+    for row, (d, col) in enumerate(zip(docs, cols)):
+        input_ids[row, col] = d
+        mask[row, col] = 1
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    logits = model(input_ids=input_ids, attention_mask=mask).logits
+    objective = sum((logits[row, col] * w).sum() for row, (col, w) in enumerate(zip(cols, weights)))
+    objective.backward()
+    for row, col in enumerate(cols):
+        torch.testing.assert_close(logits[row, col], ref_logits[row], atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_rows(family):
+    model = tiny_model(family)
+    docs = _documents([19, 19, 19], seed=4)
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    logits = model(input_ids=torch.stack(docs)).logits
+    (logits * torch.stack(weights)).sum().backward()
+    torch.testing.assert_close(logits, torch.stack(ref_logits), atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+def test_packed_and_padded_rows():
+    """Rows that hold several documents and end in padding (a padding packer's output)."""
+    model = tiny_model("llama")
+    docs = _documents([7, 5, 9, 3, 8], seed=5)
+    rows = [[0, 1], [2], [3, 4]]
+    width = 14
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(docs[i])
+            input_ids[r, col : col + n] = docs[i]
+            position_ids[r, col : col + n] = torch.arange(n)
+            mask[r, col : col + n] = 1
+            col += n
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
+    objective = 0
+    for r, members in enumerate(rows):
+        col = 0
+        for i in members:
+            n = len(docs[i])
+            torch.testing.assert_close(logits[r, col : col + n], ref_logits[i], atol=1e-5, rtol=1e-4)
+            objective = objective + (logits[r, col : col + n] * weights[i]).sum()
+            col += n
+    objective.backward()
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+def test_gradient_checkpointing():
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    docs = _documents(DOC_LENGTHS, seed=6)
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=position_ids), False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_generation_matches_eager(family):
+    """Decoding with a KV cache and left padding: each new query is a CA-task at the end of its row."""
+    model = tiny_model(family).eval()
+    prompts = _documents([5, 9], seed=7)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
+    kwargs = dict(input_ids=input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ours = model.generate(**kwargs)
+        model.set_attn_implementation("eager")
+        theirs = model.generate(**kwargs)
+    assert torch.equal(ours, theirs)

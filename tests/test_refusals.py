@@ -1,0 +1,127 @@
+"""Inputs and model features distca cannot compute exactly raise a clear error naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
+
+import distca_hf
+from distca_hf import DocumentBoundaryError, UnsupportedAttentionError
+from helpers import VOCAB, tiny_model
+
+
+def _packed(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return ids, pos
+
+
+def test_sliding_window_shorter_than_a_document():
+    model = tiny_model("mistral", sliding_window=8)
+    ids, pos = _packed([5, 8, 3])
+    model(input_ids=ids, position_ids=pos)  # every document fits the window: exact, accepted
+    ids, pos = _packed([5, 9, 3])
+    with pytest.raises(UnsupportedAttentionError, match=r"sliding_window=8.*9 tokens"):
+        model(input_ids=ids, position_ids=pos)
+
+
+def test_attention_softcapping():
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+    with pytest.raises(UnsupportedAttentionError, match="softcapping"):
+        model(input_ids=torch.arange(6).unsqueeze(0))
+
+
+def test_attention_sinks():
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                          num_experts_per_tok=1, layer_types=["full_attention"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+    with pytest.raises(UnsupportedAttentionError, match="sinks"):
+        model(input_ids=torch.arange(6).unsqueeze(0))
+
+
+def test_dropout_in_training_only():
+    model = tiny_model("llama", attention_dropout=0.1)
+    ids, pos = _packed([4, 6])
+    with pytest.raises(UnsupportedAttentionError, match="dropout=0.1"):
+        model.train()(input_ids=ids, position_ids=pos)
+    model.eval()(input_ids=ids, position_ids=pos)  # no dropout at evaluation: accepted
+
+
+def test_non_causal_module():
+    model = tiny_model("llama")
+    model.model.layers[0].self_attn.is_causal = False
+    with pytest.raises(UnsupportedAttentionError, match="non-causal"):
+        model(input_ids=torch.arange(6).unsqueeze(0))
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, match",
+    [
+        ([0, 4, 9], [0, 4, 9], "ends at 9 but the batch holds 10"),
+        ([0, 4, 11], [0, 4, 11], "ends at 11 but the batch holds 10"),
+        ([0, 4, 10], [0, 5, 10], "cu_seq_lens_q and cu_seq_lens_k differ"),
+        ([0, 6, 4, 10], [0, 6, 4, 10], "never decrease"),
+        ([1, 4, 10], [1, 4, 10], "start at 0"),
+    ],
+)
+def test_cu_seq_lens_that_disagree_with_the_sequence(cu_q, cu_k, match):
+    model = tiny_model("llama")
+    kwargs = dict(cu_seq_lens_q=torch.tensor(cu_q, dtype=torch.int32), cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32),
+                  max_length_q=6, max_length_k=6)
+    with pytest.raises(DocumentBoundaryError, match=match):
+        model(input_ids=torch.arange(10).unsqueeze(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "positions, match",
+    [
+        ([0, 1, 2, 5, 6, 7], r"position_ids\[0, 3\] = 5 follows 2"),
+        ([0, 1, 1, 2, 3, 4], r"position_ids\[0, 2\] = 1 follows 1"),
+        ([0, 1, 2, 0, 2, 3], r"position_ids\[0, 4\] = 2 follows 0"),
+        ([0, 1, -1, 0, 1, 2], "negative"),
+    ],
+)
+def test_position_ids_that_do_not_describe_documents(positions, match):
+    model = tiny_model("llama")
+    with pytest.raises(DocumentBoundaryError, match=match):
+        model(input_ids=torch.arange(6).unsqueeze(0), position_ids=torch.tensor([positions]))
+
+
+def test_padding_inside_a_document():
+    model = tiny_model("llama")
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
+    with pytest.raises(DocumentBoundaryError, match="padding inside the row"):
+        model(input_ids=torch.arange(6).unsqueeze(0), attention_mask=mask)
+
+
+def test_custom_4d_mask():
+    model = tiny_model("llama")
+    mask = torch.zeros(1, 1, 6, 6)
+    with pytest.raises(DocumentBoundaryError, match="2D padding mask"):
+        model(input_ids=torch.arange(6).unsqueeze(0), attention_mask=mask)
+
+
+def test_all_padding_batch():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no real tokens"):
+        model(input_ids=torch.arange(6).unsqueeze(0), attention_mask=torch.zeros(1, 6, dtype=torch.long))
+
+
+def test_unknown_kernel_backend(monkeypatch):
+    monkeypatch.setenv("DISTCA_KERNEL", "triton")
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="DISTCA_KERNEL"):
+        model(input_ids=torch.arange(6).unsqueeze(0))
+
+
+def test_registration_names():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["distca"] is distca_hf.distca_attention_forward
+    assert "distca" in AttentionMaskInterface._global_mapping
