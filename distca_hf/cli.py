@@ -1,0 +1,95 @@
+"""The ``distca-hf`` command.
+
+    distca-hf env            versions, device and usable kernel backends (paste it into bug reports)
+    distca-hf kernel-bench   exact CPU attention paths side by side (see kernels/benchmark.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "flash-attn", "datasets", "numpy")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict:
+    """What ``distca-hf env`` reports, as a dict."""
+    import torch
+    import torch.distributed as dist
+
+    from . import __version__
+    from .kernels import available_backends, select_backend
+
+    info = {
+        "distca_hf": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        **{p: _version(p) for p in PACKAGES},
+        "cpu_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "distributed_backends": [b for b in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{b}_available")()],
+    }
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda_version"] = torch.version.cuda
+        devices.append("cuda")
+    info["kernel_backends"] = {
+        f"{device}/{str(dtype).removeprefix('torch.')}": {
+            "usable": available_backends(device, dtype),
+            "auto": select_backend(device, dtype).NAME,
+        }
+        for device in devices
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    return info
+
+
+def _print_env(args) -> int:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the math-fallback warning is reported in the table instead
+        info = environment()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print("distca_hf environment (paste this into bug reports)\n")
+    for key, value in info.items():
+        if key == "kernel_backends":
+            print("- kernel backends (auto choice first):")
+            for where, choice in value.items():
+                print(f"    {where}: {choice['auto']}  (usable: {', '.join(choice['usable'])})")
+        else:
+            print(f"- {key}: {value}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="distca-hf", description="Core Attention Disaggregation for HF transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", help="versions, device and usable kernel backends")
+    env.add_argument("--json", action="store_true", help="print as JSON")
+    sub.add_parser("kernel-bench", help="time the exact CPU attention paths side by side", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "kernel-bench":
+        from .kernels import benchmark
+
+        return benchmark.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return _print_env(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
