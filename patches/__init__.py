@@ -1,0 +1,19 @@
+"""Per-model-family knowledge and patches, installed as ``distca_hf.patches``.
+
+The attention function itself is model-agnostic: any decoder that dispatches through
+transformers' attention interface runs with ``attn_implementation="distca"``. What is family
+specific lives here: which families are tested end to end, and (with ping-pong) how a family's
+decoder layer splits into stages so two nano-batches can overlap.
+"""
+
+from .llama_family import LLAMA_FAMILY_MODEL_TYPES, is_llama_family
+
+# model_type -> what the tests check for it (tests/test_models.py runs every one of these).
+TESTED_MODEL_TYPES = {
+    "llama": "exact logits and gradients; packed, padded, plain rows; generation",
+    "mistral": "exact; a sliding window at least as long as every document is accepted, a shorter one refused",
+    "qwen2": "exact; sliding-window layers follow the Mistral rule",
+    "qwen3": "exact (q/k norms); generation",
+}
+
+__all__ = ["LLAMA_FAMILY_MODEL_TYPES", "TESTED_MODEL_TYPES", "is_llama_family"]

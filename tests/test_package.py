@@ -1,0 +1,87 @@
+"""Packaging and CLI: the installed package carries `patches/`, the console script reports the
+environment, and the registration works through every HF entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import distca_hf
+from helpers import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_distca_hf_env_json():
+    beside_python = Path(sys.executable).parent / "distca-hf"
+    exe = str(beside_python) if beside_python.exists() else shutil.which("distca-hf")
+    assert exe, "the distca-hf console script is not installed (install the package: `make test` does)"
+    result = subprocess.run([exe, "env", "--json"], capture_output=True, text=True, check=True)
+    info = json.loads(result.stdout)
+    for key in ("torch", "transformers", "accelerate", "deepspeed", "flash-attn", "kernel_backends"):
+        assert key in info
+    assert info["torch"] == torch.__version__
+    assert info["kernel_backends"]["cpu/float32"]["auto"] == "torch_cpu"
+
+
+def test_distca_hf_env_table_and_bad_command():
+    from distca_hf.cli import main
+
+    assert main(["env"]) == 0
+    with pytest.raises(SystemExit):
+        main(["bogus"])
+
+
+def test_kernel_bench_cli_runs_small(capsys):
+    from distca_hf.cli import main
+
+    assert main(["kernel-bench", "--workload", "short_documents", "--repeats", "1", "--heads", "2",
+                 "--kv-heads", "1", "--head-dim", "8", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["short_documents"]
+    assert {"torch_cpu", "torch_cpu_stacked", "sdpa_mask", "math", "dense_packed_sdpa"} <= row.keys()
+
+
+def test_patches_ship_in_the_wheel(tmp_path):
+    """A non-editable build must contain `patches/` as `distca_hf.patches`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = tmp_path.glob("distca_hf-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "distca_hf/patches/__init__.py" in names
+    assert "distca_hf/patches/llama_family.py" in names
+    assert "distca_hf/kernels/torch_cpu.py" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "distca-hf = distca_hf.cli:main" in entry_points
+
+
+def test_patches_importable_from_the_package():
+    from distca_hf.patches import TESTED_MODEL_TYPES, is_llama_family
+
+    assert set(TESTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert is_llama_family(tiny_config("qwen3")) and not is_llama_family(object())
+
+
+def test_from_pretrained_and_set_attn_implementation(tmp_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="distca")
+    assert model.config._attn_implementation == "distca"
+    ids = torch.arange(10).unsqueeze(0)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    ours = model(input_ids=ids, position_ids=pos).logits
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("distca")
+    assert model.config._attn_implementation == "distca"
+    torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ours)
+    assert distca_hf.__version__
