@@ -15,6 +15,15 @@ from distca_hf.kernels import available_backends, select_backend, varlen_attenti
 CPU_BACKENDS = ["torch_cpu", "math"]
 
 
+@pytest.fixture(params=[False, True], ids=["per_task", "stacked"])
+def stacked(request, monkeypatch):
+    """Run the torch_cpu backend both ways: one call per task, and same-shape tasks stacked."""
+    from distca_hf.kernels import torch_cpu
+
+    monkeypatch.setattr(torch_cpu, "GROUP_SAME_SHAPE", request.param)
+    return request.param
+
+
 def _independent_attention(q, k, v, cu_q, cu_k, scale):
     """Per task: SDPA with an explicit bottom-right boolean mask and K/V repeated per head."""
     groups = q.shape[1] // k.shape[1]
@@ -52,7 +61,7 @@ TASK_SHAPES = [(3, 3), (2, 7), (5, 9), (2, 7), (1, 1), (4, 4), (1, 12), (6, 6)] 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_kernel_matches_independent_attention(backend, heads, kv_heads):
+def test_kernel_matches_independent_attention(backend, heads, kv_heads, stacked):
     cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
     q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), heads, kv_heads, 16, torch.float64)
     scale = 0.3

@@ -18,8 +18,12 @@ def _packed(lengths, seed=0):
     return ids, pos
 
 
-def test_sliding_window_shorter_than_a_document():
-    model = tiny_model("mistral", sliding_window=8)
+@pytest.mark.parametrize("family, window_config", [
+    ("mistral", dict(sliding_window=8)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+])
+def test_sliding_window_shorter_than_a_document(family, window_config):
+    model = tiny_model(family, **window_config)
     ids, pos = _packed([5, 8, 3])
     model(input_ids=ids, position_ids=pos)  # every document fits the window: exact, accepted
     ids, pos = _packed([5, 9, 3])

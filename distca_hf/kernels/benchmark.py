@@ -97,8 +97,13 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, repeats=3, flex=False, workloads=None, threads=None):
-    """Returns ``{workload: {candidate: milliseconds (forward + backward)}}``."""
+CANDIDATES = ("torch_cpu", "torch_cpu_stacked", "sdpa_mask", "math", "dense_packed_sdpa")
+
+
+def run(heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, repeats=3, flex=False, workloads=None, threads=None,
+        candidates=None):
+    """Returns ``{workload: {candidate: median milliseconds (forward + backward)}}``."""
+    candidates = set(candidates or CANDIDATES)
     if threads:
         torch.set_num_threads(threads)
     results = {}
@@ -131,15 +136,15 @@ def run(heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, repeats=3, flex=F
 
             return forward
 
-        candidates = {
+        steps = {
             "torch_cpu": train_step(backend("torch_cpu")),
             "torch_cpu_stacked": train_step(backend("torch_cpu", group=True)),
             "sdpa_mask": train_step(lambda: _sdpa_mask(q, k, v, cu_q, cu_k, scale)),
             "math": train_step(backend("math")),
         }
         if spec["shard"] is None:  # the dense packed mask describes whole documents only
-            candidates["dense_packed_sdpa"] = train_step(lambda: _dense_packed(q, k, v, spec["docs"], scale))
-        row = {c: _time(fn, repeats) for c, fn in candidates.items()}
+            steps["dense_packed_sdpa"] = train_step(lambda: _dense_packed(q, k, v, spec["docs"], scale))
+        row = {c: _time(fn, repeats) for c, fn in steps.items() if c in candidates}
         if flex and spec["shard"] is None:
             row["flex_attention_forward_only"] = _time(_flex_forward(q, k, v, spec["docs"], scale), repeats)
             with torch.no_grad():
@@ -168,12 +173,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default all")
+    parser.add_argument("--candidate", action="append", choices=CANDIDATES, help="repeatable; default all")
     parser.add_argument("--flex", action="store_true", help="also time compiled flex attention (forward only)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:
         parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     results = run(args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype), args.repeats, args.flex,
-                  args.workload, args.threads)
+                  args.workload, args.threads, args.candidate)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0

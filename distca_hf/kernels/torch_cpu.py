@@ -10,8 +10,8 @@ CA-task with ``lq`` queries and a ``lk``-token prefix is run as two blocks and m
 
 Backward runs the kernel's own backward on each block with the *merged* output and log-sum-exp,
 which gives each block its exact share of the gradient. Tasks of identical shape are stacked into
-one call when ``GROUP_SAME_SHAPE``; measured by ``distca-hf kernel-bench``, the copies that stacking
-needs cost more than the calls they save, so it is off.
+one call when ``GROUP_SAME_SHAPE``; ``distca-hf kernel-bench`` measures that within noise of one call
+per task, so it is off and the copies it needs are saved.
 """
 
 from __future__ import annotations
