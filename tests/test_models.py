@@ -133,7 +133,7 @@ def test_packed_and_padded_rows():
 def test_gradient_checkpointing():
     model = tiny_model("llama")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    assert model.is_gradient_checkpointing
+    assert model.is_activation_checkpointing
     docs = _documents(DOC_LENGTHS, seed=6)
     position_ids = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=position_ids), False)
