@@ -1,0 +1,376 @@
+"""The planner: assign CA-tasks to attention servers so every server does the same attention work,
+moving as few bytes as possible. Pure numpy; no torch, no torch.distributed.
+
+Input: every rank's packed document pieces (a document that spans ranks appears as one piece per
+rank, each with its query range inside the document). Output: a ``Plan``, a list of CA-tasks with
+source rank (where the queries live), document, query range ``[q_start, q_end)`` (the K/V prefix is
+``[0, q_end)``) and server rank.
+
+How it works. The cost of a piece is its causal pair count. With ``S`` servers the mean load is
+``total / S`` and every server may hold at most ``cap = (1 + tolerance) * mean``. Ranks above their
+target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers below ``cap``
+are receivers. Donors, largest excess first, are matched with receivers, largest room first (two
+pointers, so there are at most ``donors + receivers - 1`` transfers, which bounds how many
+(source, server) pairs need K/V). Each transfer carves shards out of the donor's pieces, latest
+document positions first (a query late in a long document carries the most pairs per byte), at the
+position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving ``P`` pairs the
+bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix), minimised by a width
+near ``sqrt(P * kv / (q + o + kv / 2))``. Shards never exceed the receiver's room, so the
+guarantee ``max server load <= cap`` holds up to one shard block of the longest document (the
+granularity; 1-token blocks make it negligible). Everything a donor keeps stays local, in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["DocumentPieces", "PlannerConfig", "Plan", "TokenBytes", "plan_tasks", "pairs_of"]
+
+
+def pairs_of(start, end):
+    """Causal pairs of queries ``[start, end)`` of a document (vectorised ``cost.causal_pairs``)."""
+    start = np.asarray(start, dtype=np.int64)
+    end = np.asarray(end, dtype=np.int64)
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one token costs on the wire in one layer's forward.
+
+    Attributes:
+        q: query, ``num_heads * head_dim * dtype_bytes``.
+        kv: key + value, ``2 * num_kv_heads * head_dim * dtype_bytes``.
+        o: attention output returned, same size as the query.
+    """
+
+    q: int
+    kv: int
+    o: int
+
+    @classmethod
+    def for_model(cls, hidden: int, heads: int, kv_heads: int, dtype_bytes: int = 2, head_dim: int | None = None):
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+        head_dim = head_dim or hidden // heads
+        if head_dim <= 0:
+            raise ValueError(f"head_dim must be positive (hidden={hidden}, heads={heads})")
+        q = heads * head_dim * dtype_bytes
+        return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q)
+
+
+LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the planner balances.
+
+    Attributes:
+        tolerance: allowed max/mean - 1 of server attention load (pairs). Smaller balances more
+            tightly and moves more bytes. Must be >= 0.
+        block: shard granularity in tokens: every cut inside a piece is a multiple of ``block``
+            tokens from the piece start (flash-attn likes 128; 1 is fine on CPU).
+        servers: ranks that serve attention (``None``: every rank).
+        token_bytes: wire size of a token, used to choose what moves.
+    """
+
+    tolerance: float = 0.02
+    block: int = 1
+    servers: tuple[int, ...] | None = None
+    token_bytes: TokenBytes = field(default=LLAMA3_8B_BYTES)
+
+    def __post_init__(self):
+        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ValueError(f"tolerance must be a finite number >= 0, got {self.tolerance!r}")
+        if not isinstance(self.block, (int, np.integer)) or self.block < 1:
+            raise ValueError(f"block must be an integer >= 1 (tokens), got {self.block!r}")
+        if self.servers is not None:
+            servers = tuple(int(s) for s in self.servers)
+            if not servers or len(set(servers)) != len(servers) or min(servers) < 0:
+                raise ValueError(f"servers must be distinct non-negative ranks, got {self.servers!r}")
+            object.__setattr__(self, "servers", tuple(sorted(servers)))
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentPieces:
+    """Every rank's packed documents as pieces (arrays of shape ``[num_pieces]``, int64).
+
+    Piece ``i`` holds the tokens ``[start[i], end[i])`` of document ``doc[i]`` on rank ``rank[i]``;
+    they are queries there and also the K/V of those positions. A document's pieces must not overlap
+    and must cover ``[0, max end)`` (every K/V prefix exists somewhere).
+    """
+
+    rank: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    num_ranks: int
+
+    def __post_init__(self):
+        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (self.rank, self.doc, self.start, self.end)]
+        if len({a.size for a in arrays}) != 1:
+            raise ValueError("rank, doc, start and end must have one entry per piece")
+        for name, a in zip(("rank", "doc", "start", "end"), arrays):
+            object.__setattr__(self, name, a)
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.rank.size:
+            if self.rank.min() < 0 or self.rank.max() >= self.num_ranks:
+                raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
+            if (self.start < 0).any() or (self.end <= self.start).any():
+                i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
+                raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
+            order = np.lexsort((self.start, self.doc))
+            d, s, e = self.doc[order], self.start[order], self.end[order]
+            first = np.ones(d.size, dtype=bool)
+            first[1:] = d[1:] != d[:-1]
+            expected = np.where(first, 0, np.concatenate(([0], e[:-1])))
+            if (s != expected).any():
+                i = int(np.flatnonzero(s != expected)[0])
+                raise ValueError(
+                    f"document {int(d[i])}: its pieces must tile [0, length) without gaps or overlaps; a piece "
+                    f"starts at {int(s[i])} where {int(expected[i])} was expected (a K/V prefix would be missing)"
+                )
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.rank.size)
+
+    @classmethod
+    def from_rank_lists(cls, per_rank) -> "DocumentPieces":
+        """``per_rank[r]`` is a list of ``(doc, start, end)`` (a piece) or of plain lengths (whole
+        documents, numbered in order across ranks)."""
+        rank, doc, start, end = [], [], [], []
+        next_doc = 0
+        for r, pieces in enumerate(per_rank):
+            for p in pieces:
+                if isinstance(p, (int, np.integer)):
+                    rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
+                    next_doc += 1
+                else:
+                    d, s, e = p
+                    rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
+        return cls(np.array(rank), np.array(doc), np.array(start), np.array(end), len(per_rank))
+
+    def local_pairs(self) -> np.ndarray:
+        """``[num_ranks]`` pairs each rank computes colocated (its own queries, full prefixes)."""
+        return np.bincount(self.rank, weights=pairs_of(self.start, self.end), minlength=self.num_ranks).astype(np.int64)
+
+    def tokens(self) -> np.ndarray:
+        return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """CA-tasks and where they run (arrays of shape ``[num_tasks]``, int64).
+
+    Task ``i``: queries ``[q_start[i], q_end[i])`` of document ``doc[i]`` live on rank ``source[i]``
+    and are computed on ``server[i]`` with K/V prefix ``[0, q_end[i])``.
+    """
+
+    source: np.ndarray
+    server: np.ndarray
+    doc: np.ndarray
+    q_start: np.ndarray
+    q_end: np.ndarray
+    num_ranks: int
+    servers: tuple[int, ...]
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.source.size)
+
+    def pairs(self) -> np.ndarray:
+        return pairs_of(self.q_start, self.q_end)
+
+    def server_pairs(self) -> np.ndarray:
+        """``[num_ranks]`` pairs each rank computes as a server under the plan."""
+        return np.bincount(self.server, weights=self.pairs(), minlength=self.num_ranks).astype(np.int64)
+
+    def moved_queries(self) -> int:
+        moved = self.source != self.server
+        return int((self.q_end[moved] - self.q_start[moved]).sum())
+
+    def tasks_on(self, server: int) -> np.ndarray:
+        """Indices of the tasks that ``server`` computes, in plan order."""
+        return np.flatnonzero(self.server == server)
+
+
+def imbalance(loads: np.ndarray, ranks=None) -> float:
+    """max / mean of ``loads`` over ``ranks`` (all by default); 1.0 when there is no load."""
+    loads = np.asarray(loads, dtype=np.float64)
+    if ranks is not None:
+        loads = loads[list(ranks)]
+    mean = loads.mean() if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
+    """Assign every query of ``pieces`` to a server; see the module docstring."""
+    num_ranks = pieces.num_ranks
+    servers = config.servers if config.servers is not None else tuple(range(num_ranks))
+    if servers[-1] >= num_ranks:
+        raise ValueError(f"server rank {servers[-1]} does not exist in a world of {num_ranks} ranks")
+    is_server = np.zeros(num_ranks, dtype=bool)
+    is_server[list(servers)] = True
+
+    piece_pairs = pairs_of(pieces.start, pieces.end)
+    load = np.bincount(pieces.rank, weights=piece_pairs, minlength=num_ranks).astype(np.float64)
+    cap = (1.0 + config.tolerance) * load.sum() / len(servers)
+    target = np.where(is_server, cap, 0.0)
+    excess = np.maximum(load - target, 0.0)
+    room = np.where(is_server, np.maximum(cap - load, 0.0), 0.0)
+
+    donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
+    if not donors:
+        return _local_plan(pieces, servers)
+    receivers = [int(r) for r in np.lexsort((np.arange(num_ranks), -room)) if room[r] > 0]
+
+    # Pieces not on a donor stay whole and local; a donor's pieces become carvable intervals.
+    on_donor = np.zeros(num_ranks, dtype=bool)
+    on_donor[donors] = True
+    keep = ~on_donor[pieces.rank]
+    out = _TaskList()
+    out.extend_local(pieces.rank[keep], pieces.doc[keep], pieces.start[keep], pieces.end[keep])
+
+    tb = config.token_bytes
+    carver = _Carver(config.block, tb.q + tb.o, tb.kv)
+    # Server loads as the plan fills them, to place what block rounding leaves over (see below).
+    current = np.where(is_server, np.minimum(load, cap), np.inf)
+    ri = 0
+    for donor in donors:
+        mine = np.flatnonzero(pieces.rank == donor)
+        mine = mine[np.lexsort((pieces.doc[mine], -pieces.end[mine]))]  # latest positions first
+        intervals = [[int(pieces.doc[i]), int(pieces.start[i]), int(pieces.end[i])] for i in mine]
+        need = float(excess[donor])
+        while need > 0 and intervals:
+            while ri < len(receivers) and room[receivers[ri]] <= 0:
+                ri += 1
+            if ri < len(receivers):
+                receiver, budget = receivers[ri], room[receivers[ri]]
+            else:
+                # Only rounding shards to blocks can exhaust the room: the rest (less than a block
+                # per donor) goes to the least-loaded server.
+                receiver, budget = int(np.argmin(current)), math.inf
+            moved = carver.move(intervals, need, budget, donor, receiver, out)
+            if moved == 0:  # its room is smaller than any shard: try the next receiver
+                ri += 1
+                continue
+            need -= moved
+            room[receiver] -= moved
+            current[receiver] += moved
+        for d, s, e in intervals:  # what the donor keeps
+            out.add(donor, donor, d, s, e)
+    return out.to_plan(num_ranks, servers)
+
+
+def _local_plan(pieces: DocumentPieces, servers) -> Plan:
+    order = np.lexsort((pieces.start, pieces.doc, pieces.rank))
+    r = pieces.rank[order]
+    return Plan(r, r.copy(), pieces.doc[order], pieces.start[order], pieces.end[order], pieces.num_ranks, servers)
+
+
+class _TaskList:
+    """Accumulates tasks: numpy blocks for the untouched pieces, Python rows for carved ones."""
+
+    def __init__(self):
+        self.blocks: list[tuple[np.ndarray, ...]] = []
+        self.rows: list[tuple[int, int, int, int, int]] = []
+
+    def extend_local(self, rank, doc, start, end):
+        self.blocks.append((rank, rank, doc, start, end))
+
+    def add(self, source, server, doc, start, end):
+        self.rows.append((source, server, doc, start, end))
+
+    def to_plan(self, num_ranks, servers) -> Plan:
+        cols = [np.concatenate([b[i] for b in self.blocks]) if self.blocks else np.zeros(0, np.int64) for i in range(5)]
+        if self.rows:
+            extra = np.asarray(self.rows, dtype=np.int64).T
+            cols = [np.concatenate((c, x)) for c, x in zip(cols, extra)]
+        source, server, doc, q_start, q_end = cols
+        order = np.lexsort((q_start, doc, source, server))
+        return Plan(*(c[order] for c in (source, server, doc, q_start, q_end)), num_ranks, servers)
+
+
+class _Carver:
+    """Cuts shards out of a donor's intervals ``[doc, lo, hi]`` (latest positions first).
+
+    Cut points lie a multiple of ``block`` tokens from the start of the interval's original piece,
+    so every shard is a multiple of ``block`` long except one that ends at a piece's end. ``q_o``
+    and ``kv`` are wire bytes per token (query out + output back; K and V)."""
+
+    def __init__(self, block: int, q_o: int, kv: int):
+        self.block, self.q_o, self.kv = block, q_o, kv
+
+    def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
+        """Move about ``need`` pairs, never more than ``budget``, from the first intervals to
+        ``receiver``; returns the pairs moved."""
+        moved = 0.0
+        while intervals and moved < need:
+            d, lo, hi = intervals[0]
+            whole = _pairs(lo, hi)
+            want, allowed = need - moved, budget - moved
+            if whole <= allowed and whole <= want + self.block * hi:
+                out.add(donor, receiver, d, lo, hi)
+                intervals.pop(0)
+                moved += whole
+                continue
+            shard = self._shard(lo, hi, want, allowed)
+            if shard is None:
+                break
+            a, b = shard
+            out.add(donor, receiver, d, a, b)
+            moved += _pairs(a, b)
+            rest = [iv for iv in ([d, b, hi], [d, lo, a]) if iv[2] > iv[1]]
+            intervals[0:1] = rest
+        return moved
+
+    def _aligned_up(self, lo: int, x: float, hi: int) -> int:
+        """Smallest cut point >= x: lo + k * block, or hi."""
+        return min(hi, lo + max(0, math.ceil((x - lo) / self.block)) * self.block)
+
+    def _shard(self, lo: int, hi: int, want: float, budget: float):
+        """A shard ``[a, b)`` inside ``[lo, hi)`` with about ``want`` pairs (never more than
+        ``budget``), at the cut points that move the fewest bytes per pair."""
+        # Candidate ends: the interval's end (a tail shard), the byte-optimal end, and the end of a
+        # head shard starting at lo. For P pairs and width w the bytes are w (q + o) + b kv with
+        # b = P / w + w / 2, smallest at w = sqrt(P kv / (q + o + kv / 2)).
+        width = math.sqrt(want * self.kv / (self.q_o + self.kv / 2)) if self.kv else float(hi - lo)
+        ideal_end = want / max(width, 1.0) + width / 2
+        head_end = (-1.0 + math.sqrt(1.0 + 4.0 * (lo * (lo + 1) + 2.0 * want))) / 2.0
+        ends = {hi, self._aligned_up(lo, ideal_end, hi), self._aligned_up(lo, head_end, hi)}
+        best = None
+        for b in sorted(e for e in ends if e > lo):
+            a = self._start_for(lo, b, want, budget)
+            if a is None:
+                continue
+            got = _pairs(a, b)
+            key = (got < want - self.block * b, ((b - a) * self.q_o + b * self.kv) / got)
+            if best is None or key < best[0]:
+                best = (key, (a, b))
+        return None if best is None else best[1]
+
+    def _start_for(self, lo: int, b: int, want: float, budget: float):
+        """The cut point ``a`` in ``[lo, b)`` whose shard ``[a, b)`` is the smallest holding at least
+        ``want`` pairs, moved up while it exceeds ``budget``; ``None`` if no shard fits."""
+        block = self.block
+        a = lo + max(0, math.floor((_start_with_pairs(b, want) - lo) / block)) * block
+        if budget != math.inf:
+            a = max(a, lo + max(0, math.ceil((_start_with_pairs(b, budget) - lo) / block)) * block)
+            while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
+                a += block
+        return a if a < b else None
+
+
+def _pairs(a: int, b: int) -> int:
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def _start_with_pairs(b: int, pairs: float) -> float:
+    """Real ``a`` with ``pairs(a, b) == pairs``: ``a (a + 1) = b (b + 1) - 2 pairs``."""
+    return (-1.0 + math.sqrt(max(1.0 + 4.0 * (b * (b + 1) - 2.0 * pairs), 0.0))) / 2.0
