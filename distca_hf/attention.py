@@ -47,6 +47,12 @@ def distca_mask(
     """Mask function for ``AttentionMaskInterface``: the 2D padding mask ``[batch, kv_length]``
     (bool) when some token is padding, else ``None``. Causality, documents and sliding windows are
     handled by the attention function itself."""
+    filled = int(q_offset) + q_length
+    if filled < kv_length:
+        raise UnsupportedAttentionError(
+            f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
+            f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
+        )
     if attention_mask is None or attention_mask.dim() != 2:
         return attention_mask
     attention_mask = attention_mask[:, -kv_length:]
@@ -97,7 +103,9 @@ _last_layout: _LocalLayout | None = None
 
 
 def _layout_key(shape: tuple, device: torch.device, tensors: tuple) -> tuple:
-    return (shape, device, tuple(None if t is None else (id(t), t._version) for t in tensors))
+    # Inference tensors keep no version counter; they cannot change outside inference mode.
+    versions = tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
+    return (shape, device, versions)
 
 
 def local_layout(
@@ -109,13 +117,21 @@ def local_layout(
     position_ids: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
+    new_forward: bool = False,
 ) -> _LocalLayout:
-    """Documents and fused batch (one CA-task per document) for a call, cached across layers."""
+    """Documents and fused batch (one CA-task per document) for a call, cached across the layers of
+    one forward. ``new_forward`` (the first layer is calling) forces a fresh layout, so a caller
+    that rewrites its input buffers in place between steps never meets a stale one."""
     global _last_layout
     inputs = (attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     key = _layout_key((batch_size, query_len, kv_len), device, inputs)
     cached = _last_layout
-    if cached is not None and cached.key == key and all(a is b for a, b in zip(cached.inputs, inputs)):
+    if (
+        not new_forward
+        and cached is not None
+        and cached.key == key
+        and all(a is b for a, b in zip(cached.inputs, inputs))
+    ):
         return cached
     docs = find_documents(
         batch_size,
@@ -157,6 +173,7 @@ def distca_attention_forward(
         position_ids=kwargs.get("position_ids"),
         cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
         cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+        new_forward=getattr(module, "layer_idx", None) == 0,
     )
     window = kwargs.get("sliding_window")
     longest = int(layout.docs.lengths.max())

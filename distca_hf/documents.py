@@ -122,7 +122,7 @@ def find_documents(
                 "both cu_seq_lens_q/k and a padding attention_mask were given; packed inputs from "
                 "DataCollatorWithFlattening carry no padding: pass one or the other"
             )
-        return _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size * query_len)
+        return _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size, query_len)
     if position_ids is not None:
         positions = _check_position_ids(position_ids, batch_size, query_len)
     else:
@@ -177,7 +177,8 @@ def _check_position_ids(position_ids: torch.Tensor, batch_size: int, query_len: 
     return np.broadcast_to(_to_numpy(position_ids).astype(np.int64), (batch_size, query_len))
 
 
-def _documents_from_cu_seq_lens(cu_q, cu_k, total_tokens: int) -> PackedDocuments:
+def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, query_len: int) -> PackedDocuments:
+    total_tokens = batch_size * query_len
     if cu_q is None or cu_k is None:
         raise DocumentBoundaryError("cu_seq_lens_q and cu_seq_lens_k must be given together")
     cu_q_np = _to_numpy(cu_q).astype(np.int64).reshape(-1)
@@ -195,6 +196,12 @@ def _documents_from_cu_seq_lens(cu_q, cu_k, total_tokens: int) -> PackedDocument
         raise DocumentBoundaryError(
             f"cu_seq_lens_q ends at {int(cu_q_np[-1])} but the batch holds {total_tokens} tokens "
             "(batch * seq_len); the cumulative lengths must cover the flattened sequence exactly"
+        )
+    crossing = np.setdiff1d(np.arange(query_len, total_tokens, query_len), cu_q_np)
+    if crossing.size:
+        raise DocumentBoundaryError(
+            f"cu_seq_lens_q has a document that crosses from row {int(crossing[0]) // query_len - 1} into the next "
+            f"(no boundary at token {int(crossing[0])}); with batch > 1 every row must start a document"
         )
     lengths = np.diff(cu_q_np)
     keep = lengths > 0  # zero-length entries (e.g. trailing padding documents) hold no tokens

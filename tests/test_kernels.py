@@ -121,9 +121,23 @@ def _run_tasks(tasks, docs, q, k, v, backend):
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
     data=st.data(),
-    backend=st.sampled_from(CPU_BACKENDS),
+    backend=st.sampled_from(["torch_cpu", "torch_cpu_stacked", "math", "math_chunked"]),
 )
 def test_any_cut_into_ca_tasks_equals_the_uncut_documents(lengths, data, backend):
+    from distca_hf.kernels import math as math_backend
+    from distca_hf.kernels import torch_cpu
+
+    saved = torch_cpu.GROUP_SAME_SHAPE, math_backend.SCORE_ELEMENTS
+    torch_cpu.GROUP_SAME_SHAPE = backend == "torch_cpu_stacked"
+    math_backend.SCORE_ELEMENTS = 50 if backend == "math_chunked" else saved[1]  # a few query rows per chunk
+    backend = backend.split("_")[0] if backend.startswith("math") else "torch_cpu"
+    try:
+        _check_cut_equals_uncut(lengths, data, backend)
+    finally:
+        torch_cpu.GROUP_SAME_SHAPE, math_backend.SCORE_ELEMENTS = saved
+
+
+def _check_cut_equals_uncut(lengths, data, backend):
     docs = PackedDocuments.from_lengths(lengths)
     tasks = []
     for d, n in enumerate(lengths):
@@ -151,3 +165,87 @@ def test_fused_batch_of_whole_documents_needs_no_gather():
     assert cut.k_index.tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
     assert cut.cu_seqlens_q.tolist() == [0, 3, 6] and cut.cu_seqlens_k.tolist() == [0, 5, 8]
     assert (cut.max_seqlen_q, cut.max_seqlen_k, cut.pairs) == (3, 5, 12 + 6)
+
+
+def test_math_backend_in_query_chunks(monkeypatch):
+    """Long tasks are processed a few query rows at a time: same numbers."""
+    from distca_hf.kernels import math as math_backend
+
+    monkeypatch.setattr(math_backend, "SCORE_ELEMENTS", 64)
+    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
+    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8, torch.float64)
+    out = varlen_causal_attention(q, k, v, cu_q, cu_k, 6, 12, None, "math")
+    ref = _independent_attention(q, k, v, cu_q, cu_k, 8**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    for got, want in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+class _FakeFlashAttn:
+    """Stands in for ``flash_attn.flash_attn_interface`` (no CUDA here): the same keyword API, backed
+    by the math backend, in the 2.6 (8 outputs, ``window_size``) or 2.7+ (4 outputs, left/right) form."""
+
+    def __init__(self, legacy: bool):
+        from distca_hf.kernels import math as math_backend
+
+        self.math, self.legacy, self.calls = math_backend, legacy, []
+        if legacy:
+            def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, return_softmax, block_table=None):
+                return self._forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size)
+
+            def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+                return self._backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, softmax_scale, causal,
+                                      window_size)
+        else:
+            def fwd(*args, **kwargs):
+                names = ["q", "k", "v", "cu_q", "cu_k", "max_q", "max_k"]
+                a = dict(zip(names, args), **kwargs)
+                assert (a["window_size_left"], a["window_size_right"]) == (-1, -1)
+                return self._forward(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["max_q"], a["max_k"],
+                                     a["dropout_p"], a["softmax_scale"], a["causal"], (-1, -1))
+
+            def bwd(*args, **kwargs):
+                names = ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "cu_q", "cu_k", "max_q", "max_k"]
+                a = dict(zip(names, args), **kwargs)
+                return self._backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["dq"], a["dk"],
+                                      a["dv"], a["cu_q"], a["cu_k"], a["softmax_scale"], a["causal"], (-1, -1))
+        self._flash_attn_varlen_forward = fwd
+        self._flash_attn_varlen_backward = bwd
+
+    def _forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window):
+        assert causal and dropout_p == 0.0 and tuple(window) == (-1, -1) and q.shape[-1] % 8 == 0
+        self.calls.append("fwd")
+        out, lse = self.math.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        if self.legacy:
+            return out, q, k, v, out, lse, torch.empty(0), torch.empty(2)
+        return out, lse, torch.empty(0), torch.empty(2)
+
+    def _backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, scale, causal, window):
+        assert causal and tuple(window) == (-1, -1) and lse.shape == (q.shape[1], q.shape[0])
+        self.calls.append("bwd")
+        gq, gk, gv = self.math.backward(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, scale)
+        dq.copy_(gq), dk.copy_(gk), dv.copy_(gv)
+        return torch.empty(0)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["flash_attn_2.7+", "flash_attn_2.6"])
+@pytest.mark.parametrize("head_dim", [16, 12])  # 12 exercises the pad-to-multiple-of-8 path
+def test_flash_attn_backend_glue(monkeypatch, legacy, head_dim):
+    from distca_hf.kernels import flash_attn
+
+    fake = _FakeFlashAttn(legacy)
+    monkeypatch.setattr(flash_attn, "_interface", lambda: fake)
+    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
+    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, head_dim, torch.float64)
+    out, lse = flash_attn.forward(q, k, v, cu_q, cu_k, 6, 12, 0.25)
+    ref = _independent_attention(q, k, v, cu_q, cu_k, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    dout = torch.randn_like(out)
+    grads = flash_attn.backward(dout, q, k, v, out, lse, cu_q, cu_k, 6, 12, 0.25)
+    ref_grads = torch.autograd.grad((ref * dout).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    assert fake.calls == ["fwd", "bwd"]

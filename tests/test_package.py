@@ -80,7 +80,9 @@ def test_from_pretrained_and_set_attn_implementation(tmp_path):
     ids = torch.arange(10).unsqueeze(0)
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
     ours = model(input_ids=ids, position_ids=pos).logits
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("eager")
+    alone = torch.cat([model(input_ids=ids[:, :4]).logits, model(input_ids=ids[:, 4:]).logits], 1)
+    torch.testing.assert_close(ours, alone, atol=1e-5, rtol=1e-4)
     model.set_attn_implementation("distca")
     assert model.config._attn_implementation == "distca"
     torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ours)

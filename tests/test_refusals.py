@@ -129,3 +129,19 @@ def test_registration_names():
 
     assert AttentionInterface._global_mapping["distca"] is distca_hf.distca_attention_forward
     assert "distca" in AttentionMaskInterface._global_mapping
+
+
+def test_cu_seq_lens_document_crossing_rows():
+    model = tiny_model("llama")
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # the second document runs from row 0 into row 1
+    with pytest.raises(DocumentBoundaryError, match="crosses from row 0"):
+        model(input_ids=torch.arange(12).view(2, 6), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_static_cache():
+    from transformers import StaticCache
+
+    model = tiny_model("llama").eval()
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(UnsupportedAttentionError, match="static"):
+        model(input_ids=torch.arange(6).unsqueeze(0), past_key_values=cache)

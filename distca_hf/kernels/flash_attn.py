@@ -62,7 +62,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
         dropout_p=0.0, softmax_scale=softmax_scale, causal=True, softcap=0.0, alibi_slopes=None,
         return_softmax=False, **_window_kwargs(fn),
     )
-    out, lse = result[0], result[1]
+    # flash-attn 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+ (out, lse, S_dmask, rng_state).
+    out, lse = result[0], result[5] if len(result) == 8 else result[1]
     return out[..., :head_dim], lse
 
 

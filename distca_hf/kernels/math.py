@@ -1,8 +1,10 @@
-"""Plain-torch reference backend: one CA-task at a time, explicit softmax, fp32 (fp64 for fp64) accumulation.
+"""Plain-torch reference backend: explicit softmax, fp32 (fp64 for fp64) accumulation.
 
-Runs on any device and is exact, but materialises each task's ``[heads, q, k]`` score matrix: it
-is the fallback when no fused kernel fits (e.g. fp32 on CUDA) and an independent cross-check of the
-fast backends in tests. Shapes follow flash-attn's varlen convention, see ``kernels/__init__.py``.
+Runs on any device and is exact. It materialises scores for a chunk of query rows at a time
+(``[kv_heads, groups, chunk, lk]``, at most ``SCORE_ELEMENTS`` elements), so memory stays bounded
+for long documents. It is the fallback when no fused kernel fits (e.g. fp32 on CUDA) and an
+independent cross-check of the fast backends in tests. Shapes follow flash-attn's varlen
+convention, see ``kernels/__init__.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 NAME = "math"
+SCORE_ELEMENTS = 1 << 26  # 256 MiB of fp32 scores per chunk
 
 
 def is_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -20,20 +23,27 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _task_slices(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int):
+    """Yield (query rows, key rows, offset of the first query row inside its task's queries, lq, lk)."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
-        yield slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        rows = max(1, SCORE_ELEMENTS // max(1, num_heads * lk))
+        for first in range(0, lq, rows):
+            last = min(lq, first + rows)
+            yield slice(cu_q[i] + first, cu_q[i] + last), slice(cu_k[i], cu_k[i + 1]), first, lq, lk
 
 
-def _probabilities(q, k, scale):
-    """Scores and bottom-right causal softmax of one task, grouped-query layout.
+def _probabilities(q, k, scale, first: int, lq: int):
+    """Bottom-right causal softmax of query rows ``first ..`` of a task with ``lq`` queries.
 
-    q: [lq, Hkv, G, D], k: [lk, Hkv, D], both in the accumulation dtype -> (probs [Hkv, G, lq, lk], lse [Hkv, G, lq]).
+    q: ``[rows, Hkv, G, D]``, k: ``[lk, Hkv, D]`` (accumulation dtype) ->
+    (probs ``[Hkv, G, rows, lk]``, lse ``[Hkv, G, rows]``).
     """
-    lq, lk = q.shape[0], k.shape[0]
+    rows, lk = q.shape[0], k.shape[0]
     scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
-    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    query_pos = torch.arange(first, first + rows, device=q.device) + (lk - lq)
+    visible = torch.arange(lk, device=q.device)[None, :] <= query_pos[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse.unsqueeze(-1)), lse
@@ -45,11 +55,11 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     acc = _accumulation_dtype(q.dtype)
     out = torch.empty_like(q)
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
-    for qs, ks in _task_slices(cu_seqlens_q, cu_seqlens_k):
+    for qs, ks, first, lq, _ in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads):
         qt = q[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
-        probs, task_lse = _probabilities(qt, k[ks].to(acc), softmax_scale)
+        probs, chunk_lse = _probabilities(qt, k[ks].to(acc), softmax_scale, first, lq)
         out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, head_dim).to(q.dtype)
-        lse[:, qs] = task_lse.reshape(num_heads, -1)
+        lse[:, qs] = chunk_lse.reshape(num_heads, -1)
     return out, lse
 
 
@@ -57,16 +67,18 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, ks in _task_slices(cu_seqlens_q, cu_seqlens_k):
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for qs, ks, first, lq, _ in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads):
         grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
         qt, do, ot = grouped(q), grouped(dout), grouped(out)
         kt, vt = k[ks].to(acc), v[ks].to(acc)
-        probs, _ = _probabilities(qt, kt, softmax_scale)
+        probs, _ = _probabilities(qt, kt, softmax_scale, first, lq)
         dp = torch.einsum("qhgd,khd->hgqk", do, vt)
-        delta = (do * ot).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, lq, 1]
+        delta = (do * ot).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, rows, 1]
         ds = probs * (dp - delta) * softmax_scale
         dq[qs] = torch.einsum("hgqk,khd->qhgd", ds, kt).reshape(-1, num_heads, head_dim).to(q.dtype)
-        dk[ks] = torch.einsum("hgqk,qhgd->khd", ds, qt).to(k.dtype)
-        dv[ks] = torch.einsum("hgqk,qhgd->khd", probs, do).to(v.dtype)
-    return dq, dk, dv
+        dk[ks] += torch.einsum("hgqk,qhgd->khd", ds, qt)
+        dv[ks] += torch.einsum("hgqk,qhgd->khd", probs, do)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
