@@ -1,0 +1,84 @@
+"""What a plan moves: the Q, K/V and O token ranges that cross ranks, and their bytes.
+
+Pure numpy. A server needs, for each document it serves, the K/V prefix ``[0, max q_end)`` of its
+tasks of that document; each K/V token is sent once per (source rank, server) pair, from the rank
+that holds it, however many of the server's tasks use it. Queries go from their rank to the server
+when the two differ, and outputs come back the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .planner import DocumentPieces, Plan, TokenBytes
+
+__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes"]
+
+
+@dataclass(frozen=True, eq=False)
+class KVTransfers:
+    """K/V ranges to send (arrays ``[num_transfers]``, int64): tokens ``[start, end)`` of document
+    ``doc`` go from ``source`` (where they live) to ``server``."""
+
+    source: np.ndarray
+    server: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    def tokens(self) -> int:
+        return int((self.end - self.start).sum())
+
+
+def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
+    """The K/V ranges every server must receive to run its tasks of ``plan``."""
+    # The prefix each server needs per document: max q_end over its tasks of that document.
+    key = plan.server * (int(plan.doc.max(initial=0)) + 1) + plan.doc
+    order = np.lexsort((-plan.q_end, key))
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = key[order][1:] != key[order][:-1]
+    need_server, need_doc, need_end = plan.server[order][first], plan.doc[order][first], plan.q_end[order][first]
+
+    # Join each need with every piece of its document (pieces grouped by document).
+    by_doc = np.argsort(pieces.doc, kind="stable")
+    piece_docs = pieces.doc[by_doc]
+    lo = np.searchsorted(piece_docs, need_doc, side="left")
+    hi = np.searchsorted(piece_docs, need_doc, side="right")
+    counts = hi - lo
+    need_idx = np.repeat(np.arange(need_doc.size), counts)
+    piece_idx = by_doc[np.repeat(lo, counts) + _within_group(counts)]
+
+    source = pieces.rank[piece_idx]
+    server = need_server[need_idx]
+    start = pieces.start[piece_idx]
+    end = np.minimum(pieces.end[piece_idx], need_end[need_idx])
+    send = (source != server) & (end > start)
+    return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])
+
+
+def _within_group(counts: np.ndarray) -> np.ndarray:
+    """``[0, 1, .., c0-1, 0, 1, .., c1-1, ...]`` for the given group sizes."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes crossing ranks in one layer's forward under a plan."""
+
+    q: int
+    kv: int
+    o: int
+
+    @property
+    def total(self) -> int:
+        return self.q + self.kv + self.o
+
+
+def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes) -> CommBytes:
+    moved_q = plan.moved_queries()
+    kv_tokens = kv_transfers(plan, pieces).tokens()
+    return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * token_bytes.o)
