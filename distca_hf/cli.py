@@ -2,6 +2,7 @@
 
     distca-hf env            versions, device and usable kernel backends (paste it into bug reports)
     distca-hf kernel-bench   exact CPU attention paths side by side (see kernels/benchmark.py)
+    distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
 """
 
 from __future__ import annotations
@@ -81,7 +82,15 @@ def main(argv=None) -> int:
     env = sub.add_parser("env", help="versions, device and usable kernel backends")
     env.add_argument("--json", action="store_true", help="print as JSON")
     sub.add_parser("kernel-bench", help="time the exact CPU attention paths side by side", add_help=False)
+    from . import simulate
+
+    sim = sub.add_parser("simulate", help="what CAD gains on N ranks: balance, bytes, plan time, speedup")
+    simulate.add_arguments(sim)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "simulate":
+        if rest:
+            sim.error(f"unrecognized arguments: {' '.join(rest)}")
+        return simulate.run_cli(args, sim)
     if args.command == "kernel-bench":
         from .kernels import benchmark
 

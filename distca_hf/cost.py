@@ -1,12 +1,18 @@
 """Cost of core attention, counted in query-key pairs and FLOPs.
 
 Units: pairs are (query token, key token) couples that the causal mask keeps; FLOPs count a
-multiply-add as 2. The profiled time model arrives with the planner.
+multiply-add as 2; times are seconds of one layer, forward + backward. ``TimeModel`` turns tokens,
+pairs and task counts into time; ``distca-hf profile`` measures its constants on a device.
 """
 
 from __future__ import annotations
 
-__all__ = ["causal_pairs", "document_pairs", "attention_flops"]
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+__all__ = ["causal_pairs", "document_pairs", "attention_flops", "TimeModel", "LLAMA3_8B_H100"]
 
 
 def causal_pairs(q_start: int, q_end: int) -> int:
@@ -29,3 +35,63 @@ def attention_flops(pairs: int, num_heads: int, head_dim: int, backward: bool = 
     """
     forward = 4 * pairs * num_heads * head_dim
     return forward * 7 // 2 if backward else forward
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Seconds of one transformer layer, forward + backward, on one device.
+
+    ``rank_time = linear_s_per_token * tokens + attn_s_per_pair * pairs + task_s * tasks``
+
+    Attributes:
+        linear_s_per_token: projections, MLP, norms: everything but core attention, per token.
+        attn_s_per_pair: core attention per query-key pair.
+        task_s: fixed cost of one CA-task (one varlen sequence) in the kernel.
+        bytes_per_s: network bandwidth per rank, to report communication time.
+        source: where the constants come from (``distca-hf profile`` writes the device here).
+    """
+
+    linear_s_per_token: float
+    attn_s_per_pair: float
+    task_s: float = 0.0
+    bytes_per_s: float = 50e9
+    source: str = "model"
+
+    def __post_init__(self):
+        for name in ("linear_s_per_token", "attn_s_per_pair", "task_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"TimeModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
+        if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
+            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
+
+    def rank_seconds(self, tokens, pairs, tasks=0):
+        """Per-rank layer time; works on scalars and numpy arrays alike."""
+        return self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_s * tasks
+
+    @classmethod
+    def from_flops(cls, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int | None = None,
+                   linear_flops_per_s: float = 600e12, attn_flops_per_s: float = 400e12, task_s: float = 2e-6,
+                   bytes_per_s: float = 50e9) -> "TimeModel":
+        """Constants from FLOP counts at assumed sustained rates (defaults: an H100 in bf16)."""
+        head_dim = head_dim or hidden // heads
+        params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+        linear = 6 * params / linear_flops_per_s  # forward 2 FLOPs per weight, backward 4
+        attn = attention_flops(1, heads, head_dim, backward=True) / attn_flops_per_s
+        return cls(linear, attn, task_s, bytes_per_s, source=f"FLOP model ({linear_flops_per_s / 1e12:.0f}/"
+                   f"{attn_flops_per_s / 1e12:.0f} TFLOP/s linear/attention)")
+
+    @classmethod
+    def load(cls, path) -> "TimeModel":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"shape"}
+        if unknown:
+            raise ValueError(f"{path}: unknown time-model keys {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path, **extra) -> None:
+        Path(path).write_text(json.dumps({**asdict(self), **extra}, indent=2) + "\n")
+
+
+LLAMA3_8B_H100 = TimeModel.from_flops(hidden=4096, intermediate=14336, heads=32, kv_heads=8)

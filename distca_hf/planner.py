@@ -16,8 +16,9 @@ document positions first (a query late in a long document carries the most pairs
 position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving ``P`` pairs the
 bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix), minimised by a width
 near ``sqrt(P * kv / (q + o + kv / 2))``. Shards never exceed the receiver's room, so the
-guarantee ``max server load <= cap`` holds up to one shard block of the longest document (the
-granularity; 1-token blocks make it negligible). Everything a donor keeps stays local, in place.
+guarantee ``max server load <= cap`` holds up to one granule, a block at the end of the longest
+document (only when block rounding leaves a remainder no server has room for; negligible at
+realistic sizes). Everything a donor keeps stays local, in place.
 """
 
 from __future__ import annotations
@@ -239,9 +240,12 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
 
     tb = config.token_bytes
     carver = _Carver(config.block, tb.q + tb.o, tb.kv)
-    # Server loads as the plan fills them, to place what block rounding leaves over (see below).
+    # Server loads as the plan fills them. Rounding shards to blocks can leave a donor with a
+    # remainder no receiver has room for; the donor keeps it when it is under one block, else a
+    # second round allows one granule (a block at the end of the longest document) above the cap.
     current = np.where(is_server, np.minimum(load, cap), np.inf)
-    ri = 0
+    granule = float(config.block * int(pieces.end.max()))
+    relaxed, ri = False, 0
     for donor in donors:
         mine = np.flatnonzero(pieces.rank == donor)
         mine = mine[np.lexsort((pieces.doc[mine], -pieces.end[mine]))]  # latest positions first
@@ -250,13 +254,17 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
         while need > 0 and intervals:
             while ri < len(receivers) and room[receivers[ri]] <= 0:
                 ri += 1
-            if ri < len(receivers):
-                receiver, budget = receivers[ri], room[receivers[ri]]
-            else:
-                # Only rounding shards to blocks can exhaust the room: the rest (less than a block
-                # per donor) goes to the least-loaded server.
-                receiver, budget = int(np.argmin(current)), math.inf
-            moved = carver.move(intervals, need, budget, donor, receiver, out)
+            if ri == len(receivers):
+                if relaxed:
+                    raise AssertionError("distca planner: no server can take a single block; please report this input")
+                relaxed, ri = True, 0
+                room = np.where(is_server & ~on_donor, cap + granule - current, 0.0)
+                receivers = [int(r) for r in np.lexsort((np.arange(num_ranks), -room)) if room[r] > 0]
+                continue
+            if relaxed and is_server[donor] and need <= config.block * intervals[0][2]:
+                break  # less than one block is left: the donor keeps it (within one granule of cap)
+            receiver = receivers[ri]
+            moved = carver.move(intervals, need, room[receiver], donor, receiver, out)
             if moved == 0:  # its room is smaller than any shard: try the next receiver
                 ri += 1
                 continue

@@ -1,0 +1,191 @@
+"""Planner properties (hypothesis): every query exactly once, exact K/V prefixes, deterministic,
+block-aligned shards, and the balance guarantee; exact byte accounting on hand-checked cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distca_hf.layout import comm_bytes, kv_transfers
+from distca_hf.planner import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, pairs_of, plan_tasks
+from distca_hf.simulate import draw_batch, pack_pieces
+
+
+@st.composite
+def packed_batches(draw):
+    """Documents packed in order into ranks of a token budget (spanning ranks when longer), with
+    some ranks possibly left empty at the end."""
+    ranks = draw(st.integers(1, 9))
+    budget = draw(st.integers(1, 64))
+    docs = draw(st.lists(st.integers(1, 200), min_size=1, max_size=25))
+    total = sum(docs)
+    filled_ranks = min(ranks, -(-total // budget))
+    docs_np = np.asarray(docs, dtype=np.int64)
+    capacity = filled_ranks * budget
+    if total > capacity:  # cut the batch where it is full, like the simulator
+        ends = np.cumsum(docs_np)
+        keep = int(np.searchsorted(ends, capacity)) + 1
+        docs_np = docs_np[:keep].copy()
+        docs_np[-1] -= int(ends[keep - 1]) - capacity
+    pieces = pack_pieces(docs_np, filled_ranks, budget)
+    return DocumentPieces(pieces.rank, pieces.doc, pieces.start, pieces.end, ranks)
+
+
+configs = st.builds(
+    PlannerConfig,
+    tolerance=st.sampled_from([0.0, 0.01, 0.05, 0.3]),
+    block=st.sampled_from([1, 2, 3, 8]),
+    token_bytes=st.sampled_from([TokenBytes(8, 4, 8), TokenBytes(1, 10, 1), TokenBytes(4, 0, 4)]),
+)
+
+
+def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig):
+    # every query token of every document exactly once, computed from the rank that holds it
+    for d in np.unique(pieces.doc):
+        mine = plan.doc == d
+        starts, ends, sources = plan.q_start[mine], plan.q_end[mine], plan.source[mine]
+        order = np.argsort(starts)
+        starts, ends, sources = starts[order], ends[order], sources[order]
+        length = int(pieces.end[pieces.doc == d].max())
+        assert starts[0] == 0 and ends[-1] == length
+        assert np.array_equal(starts[1:], ends[:-1]), "tasks of a document must tile it without overlap"
+        for s, e, src in zip(starts, ends, sources):
+            holder = (pieces.doc == d) & (pieces.start <= s) & (pieces.end >= e)
+            assert holder.any(), f"task [{s}, {e}) of doc {d} straddles two pieces"
+            assert pieces.rank[holder][0] == src
+            piece_start, piece_end = pieces.start[holder][0], pieces.end[holder][0]
+            # shards are cut at block multiples from the piece start (the last one may end the piece)
+            assert (s - piece_start) % config.block == 0
+            assert e == piece_end or (e - piece_start) % config.block == 0
+    assert (plan.q_end > plan.q_start).all()
+    assert plan.server_pairs().sum() == pieces.local_pairs().sum()
+    servers = plan.servers
+    non_servers = np.setdiff1d(np.arange(pieces.num_ranks), servers)
+    assert not plan.server_pairs()[non_servers].any(), "only pool ranks may serve"
+    # the guarantee: max load <= (1 + tolerance) * mean, up to one block of the longest document
+    loads = plan.server_pairs()[list(servers)]
+    cap = (1 + config.tolerance) * loads.sum() / len(servers)
+    granule = config.block * int(pieces.end.max())
+    assert loads.max() <= cap + granule + 1e-6
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=packed_batches(), config=configs)
+def test_plan_properties(pieces, config):
+    plan = plan_tasks(pieces, config)
+    _check_plan(pieces, plan, config)
+    again = plan_tasks(pieces, config)
+    for name in ("source", "server", "doc", "q_start", "q_end"):
+        assert np.array_equal(getattr(plan, name), getattr(again, name)), "plans must be deterministic"
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=packed_batches(), config=configs, data=st.data())
+def test_server_pool(pieces, config, data):
+    pool = data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))
+    config = PlannerConfig(config.tolerance, config.block, tuple(pool), config.token_bytes)
+    _check_plan(pieces, plan_tasks(pieces, config), config)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=packed_batches(), config=configs)
+def test_kv_transfers_are_exactly_the_missing_prefixes(pieces, config):
+    plan = plan_tasks(pieces, config)
+    transfers = kv_transfers(plan, pieces)
+    received = {}
+    for src, srv, d, s, e in zip(transfers.source, transfers.server, transfers.doc, transfers.start, transfers.end):
+        assert src != srv
+        holder = (pieces.doc == d) & (pieces.rank == src) & (pieces.start <= s) & (pieces.end >= e)
+        assert holder.any(), "K/V must come from the rank that holds it"
+        received.setdefault((int(srv), int(d)), set()).update(range(int(s), int(e)))
+    for srv in np.unique(plan.server):
+        for d in np.unique(plan.doc[plan.server == srv]):
+            need = int(plan.q_end[(plan.server == srv) & (plan.doc == d)].max())
+            local = set()
+            for s, e in zip(pieces.start[(pieces.doc == d) & (pieces.rank == srv)],
+                            pieces.end[(pieces.doc == d) & (pieces.rank == srv)]):
+                local.update(range(int(s), min(int(e), need)))
+            got = received.get((int(srv), int(d)), set())
+            assert not got & local, "a server never receives K/V it holds"
+            assert got | local == set(range(need)), "a server receives exactly the prefix it lacks"
+
+
+def test_hand_checked_bytes():
+    # doc 0: [0, 6) on rank 0 and [6, 8) on rank 1; doc 1: [0, 2) on rank 1
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 6)], [(0, 6, 8), (1, 0, 2)]])
+    plan = Plan(
+        source=np.array([0, 0, 1, 1]), server=np.array([0, 1, 1, 0]), doc=np.array([0, 0, 0, 1]),
+        q_start=np.array([0, 4, 6, 0]), q_end=np.array([4, 6, 8, 2]), num_ranks=2, servers=(0, 1),
+    )
+    tb = TokenBytes(q=100, kv=10, o=1000)
+    # queries moved: doc 0 [4, 6) to rank 1 and doc 1 [0, 2) to rank 0: 4 tokens, outputs back the same.
+    # K/V: rank 1 needs doc 0 [0, 8) for two tasks and holds [6, 8): rank 0 sends [0, 6) once;
+    # rank 0 needs doc 1 [0, 2), held by rank 1. 8 K/V tokens in all.
+    bytes_ = comm_bytes(plan, pieces, tb)
+    assert (bytes_.q, bytes_.kv, bytes_.o) == (4 * 100, 8 * 10, 4 * 1000)
+    assert plan.server_pairs().tolist() == [10 + 3, 11 + 15]
+
+
+def test_hand_checked_plan_two_ranks():
+    # rank 0 holds a 10-token document (55 pairs), rank 1 holds 10 one-token documents (10 pairs)
+    pieces = DocumentPieces.from_rank_lists([[10], [1] * 10])
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1, token_bytes=TokenBytes(1, 1, 1)))
+    assert plan.server_pairs().tolist() == [33, 32] or plan.server_pairs().tolist() == [32, 33]
+    assert plan.moved_queries() > 0 and (plan.source[plan.source != plan.server] == 0).all()
+
+
+def test_edge_cases():
+    one_rank = DocumentPieces.from_rank_lists([[5, 1, 7]])
+    plan = plan_tasks(one_rank)
+    assert plan.num_tasks == 3 and (plan.server == 0).all()
+    empty_ranks = DocumentPieces.from_rank_lists([[], [9], []])
+    plan = plan_tasks(empty_ranks, PlannerConfig(block=1))
+    assert plan.server_pairs().sum() == 45 and imbalance(plan.server_pairs()) <= 1.2
+    nothing = DocumentPieces.from_rank_lists([[], []])
+    assert plan_tasks(nothing).num_tasks == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(tolerance=-0.1), "tolerance"),
+    (dict(tolerance=float("nan")), "tolerance"),
+    (dict(block=0), "block"),
+    (dict(servers=()), "servers"),
+    (dict(servers=(1, 1)), "servers"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(**bad)
+
+
+def test_pieces_validation():
+    with pytest.raises(ValueError, match="tile"):
+        DocumentPieces.from_rank_lists([[(0, 2, 5)]])  # K/V prefix [0, 2) missing
+    with pytest.raises(ValueError, match="tile"):
+        DocumentPieces.from_rank_lists([[(0, 0, 5)], [(0, 3, 8)]])  # overlap
+    with pytest.raises(ValueError, match="empty"):
+        DocumentPieces.from_rank_lists([[(0, 0, 0)]])
+    with pytest.raises(ValueError, match="does not exist"):
+        plan_tasks(DocumentPieces.from_rank_lists([[3]]), PlannerConfig(servers=(1,)))
+
+
+@pytest.mark.parametrize("sample", ["prolong", "wlbllm"])
+def test_balance_targets_on_shared_samples(sample):
+    """Default tolerance on the real length samples: every batch within 1.05, mean within 1.02."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / f"doc_lengths_{sample}.json"
+    if not path.exists():
+        pytest.skip(f"{path} not available")
+    import json
+
+    lengths = np.asarray(json.loads(path.read_text()))
+    rng = np.random.default_rng(0)
+    for ranks, tokens in [(8, 16384), (64, 65536), (16, 524288)]:
+        imbalances = []
+        for _ in range(3):
+            pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
+            plan = plan_tasks(pieces, PlannerConfig(block=128))
+            imbalances.append(imbalance(plan.server_pairs()))
+        assert max(imbalances) <= 1.05 and np.mean(imbalances) <= 1.02, (ranks, tokens, imbalances)
