@@ -11,7 +11,7 @@ comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
 
-.PHONY: setup test demo kernel-bench env clean-venv
+.PHONY: setup test demo kernel-bench bench-sim env clean-venv
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 kernel-bench: $(STAMP)
 	$(BIN)/distca-hf kernel-bench
+
+# The README's simulator table (needs ../shared/data/doc_lengths_*.json).
+bench-sim: $(STAMP)
+	$(BIN)/python examples/bench_sim.py --update-readme
 
 env: $(STAMP)
 	$(BIN)/distca-hf env

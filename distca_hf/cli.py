@@ -3,6 +3,7 @@
     distca-hf env            versions, device and usable kernel backends (paste it into bug reports)
     distca-hf kernel-bench   exact CPU attention paths side by side (see kernels/benchmark.py)
     distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
+    distca-hf profile        measure the time model's constants on this device (see profile.py)
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def main(argv=None) -> int:
 
     sim = sub.add_parser("simulate", help="what CAD gains on N ranks: balance, bytes, plan time, speedup")
     simulate.add_arguments(sim)
+    sub.add_parser("profile", help="measure time-model constants on this device", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "profile":
+        from . import profile
+
+        return profile.main(rest)
     if args.command == "simulate":
         if rest:
             sim.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -261,7 +261,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
                 room = np.where(is_server & ~on_donor, cap + granule - current, 0.0)
                 receivers = [int(r) for r in np.lexsort((np.arange(num_ranks), -room)) if room[r] > 0]
                 continue
-            if relaxed and is_server[donor] and need <= config.block * intervals[0][2]:
+            if relaxed and is_server[donor] and need <= carver.finest_granule(intervals):
                 break  # less than one block is left: the donor keeps it (within one granule of cap)
             receiver = receivers[ri]
             moved = carver.move(intervals, need, room[receiver], donor, receiver, out)
@@ -320,12 +320,17 @@ class _Carver:
         ``receiver``; returns the pairs moved."""
         moved = 0.0
         while intervals and moved < need:
-            d, lo, hi = intervals[0]
-            whole = _pairs(lo, hi)
             want, allowed = need - moved, budget - moved
+            i = 0
+            if min(want, allowed) < self.block * intervals[0][2]:
+                # Less than a block of the latest interval is wanted (or fits): take it from the
+                # interval that ends earliest, where a block holds the fewest pairs.
+                i = min(range(len(intervals)), key=lambda j: (intervals[j][2], j))
+            d, lo, hi = intervals[i]
+            whole = _pairs(lo, hi)
             if whole <= allowed and whole <= want + self.block * hi:
                 out.add(donor, receiver, d, lo, hi)
-                intervals.pop(0)
+                intervals.pop(i)
                 moved += whole
                 continue
             shard = self._shard(lo, hi, want, allowed)
@@ -334,9 +339,12 @@ class _Carver:
             a, b = shard
             out.add(donor, receiver, d, a, b)
             moved += _pairs(a, b)
-            rest = [iv for iv in ([d, b, hi], [d, lo, a]) if iv[2] > iv[1]]
-            intervals[0:1] = rest
+            intervals[i : i + 1] = [iv for iv in ([d, b, hi], [d, lo, a]) if iv[2] > iv[1]]
         return moved
+
+    def finest_granule(self, intervals) -> float:
+        """Pairs of one block at the end of the interval that ends earliest."""
+        return float(self.block * min(iv[2] for iv in intervals))
 
     def _aligned_up(self, lo: int, x: float, hi: int) -> int:
         """Smallest cut point >= x: lo + k * block, or hi."""

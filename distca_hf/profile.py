@@ -1,0 +1,121 @@
+"""``distca-hf profile``: measure the time model's constants on this device.
+
+Linear cost per token: one Llama-style layer without core attention (RMSNorms, q/k/v/o projections,
+gated MLP), forward + backward, timed at several token counts; the slope of a least-squares line.
+Attention cost per pair and per task: the selected varlen kernel, forward + backward, on fused
+batches that vary pair and task counts independently; a least-squares fit of
+``time = attn_s_per_pair * pairs + task_s * tasks + c``. The JSON it writes is what
+``distca-hf simulate --time-model`` (and the planner's callers) load with ``TimeModel.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .cost import TimeModel, causal_pairs
+from .kernels import select_backend, varlen_causal_attention
+
+__all__ = ["profile", "main"]
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class _LinearPart(torch.nn.Module):
+    """A decoder layer minus core attention: what scales with tokens."""
+
+    def __init__(self, hidden, intermediate, heads, kv_heads):
+        super().__init__()
+        head_dim = hidden // heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.o = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+        self.gate_up = torch.nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = torch.nn.Linear(intermediate, hidden, bias=False)
+        self.q_width = heads * head_dim
+
+    def forward(self, x):
+        qkv = self.qkv(self.norm1(x))
+        x = x + self.o(qkv[..., : self.q_width])  # stands in for attention's output
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def profile(hidden=512, intermediate=1408, heads=8, kv_heads=2, dtype=torch.float32, device="cpu", repeats=3,
+            token_counts=(256, 512, 1024, 2048)) -> TimeModel:
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+
+    layer = _LinearPart(hidden, intermediate, heads, kv_heads).to(device, dtype)
+    linear_times = []
+    for n in token_counts:
+        x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+        linear_times.append(_median_seconds(lambda: layer(x).sum().backward(), repeats, sync))
+    slope, _ = np.polyfit(np.asarray(token_counts, dtype=np.float64), linear_times, 1)
+
+    head_dim = hidden // heads
+    rows, targets = [], []
+    largest = max(token_counts)
+    for doc_len in (largest // 8, largest // 4, largest // 2, largest):
+        for docs in (1, 4):
+            lengths = [max(1, doc_len // docs)] * docs
+            total = sum(lengths)
+            cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device=device)
+            q = torch.randn(total, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+            step = lambda: varlen_causal_attention(q, k, v, cu, cu, max(lengths), max(lengths)).sum().backward()
+            targets.append(_median_seconds(step, repeats, sync))
+            rows.append([sum(causal_pairs(0, n) for n in lengths), docs, 1.0])
+    (per_pair, per_task, _), *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64), np.asarray(targets), rcond=None)
+    backend = select_backend(device, dtype).NAME
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    return TimeModel(
+        linear_s_per_token=max(float(slope), 0.0),
+        attn_s_per_pair=max(float(per_pair), 0.0),
+        task_s=max(float(per_task), 0.0),
+        source=f"distca-hf profile on {where}, {str(dtype).removeprefix('torch.')}, kernel {backend}",
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="distca-hf profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="distca_time_model.json", help="where to write the JSON")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1408)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=2048, help="largest token count timed")
+    args = parser.parse_args(argv)
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    if args.max_tokens < 64 or args.repeats < 1:
+        parser.error("--max-tokens must be >= 64 and --repeats >= 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    counts = tuple(args.max_tokens // d for d in (8, 4, 2, 1))
+    model = profile(args.hidden, args.intermediate, args.heads, args.kv_heads, dtype, device, args.repeats, counts)
+    model.save(args.out, shape={"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
+                                "kv_heads": args.kv_heads})
+    print(f"linear {model.linear_s_per_token * 1e6:.3f} us/token, attention {model.attn_s_per_pair * 1e9:.4f} ns/pair, "
+          f"task {model.task_s * 1e6:.1f} us ({model.source}); written to {args.out}")
+    return 0
