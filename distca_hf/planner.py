@@ -23,6 +23,7 @@ realistic sizes). Everything a donor keeps stays local, in place.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -219,61 +220,102 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     is_server = np.zeros(num_ranks, dtype=bool)
     is_server[list(servers)] = True
 
-    piece_pairs = pairs_of(pieces.start, pieces.end)
-    load = np.bincount(pieces.rank, weights=piece_pairs, minlength=num_ranks).astype(np.float64)
+    load = np.bincount(pieces.rank, weights=pairs_of(pieces.start, pieces.end), minlength=num_ranks)
     cap = (1.0 + config.tolerance) * load.sum() / len(servers)
-    target = np.where(is_server, cap, 0.0)
-    excess = np.maximum(load - target, 0.0)
-    room = np.where(is_server, np.maximum(cap - load, 0.0), 0.0)
-
+    excess = load - np.where(is_server, cap, 0.0)
     donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
     if not donors:
         return _local_plan(pieces, servers)
-    receivers = [int(r) for r in np.lexsort((np.arange(num_ranks), -room)) if room[r] > 0]
-
-    # Pieces not on a donor stay whole and local; a donor's pieces become carvable intervals.
-    on_donor = np.zeros(num_ranks, dtype=bool)
-    on_donor[donors] = True
-    keep = ~on_donor[pieces.rank]
-    out = _TaskList()
-    out.extend_local(pieces.rank[keep], pieces.doc[keep], pieces.start[keep], pieces.end[keep])
 
     tb = config.token_bytes
-    carver = _Carver(config.block, tb.q + tb.o, tb.kv)
-    # Server loads as the plan fills them. Rounding shards to blocks can leave a donor with a
-    # remainder no receiver has room for; the donor keeps it when it is under one block, else a
-    # second round allows one granule (a block at the end of the longest document) above the cap.
-    current = np.where(is_server, np.minimum(load, cap), np.inf)
-    granule = float(config.block * int(pieces.end.max()))
-    relaxed, ri = False, 0
+    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv))
+    # Pass 1: donors, largest excess first, fill the servers with the most room. A room smaller than
+    # the donor's smallest shard is overfilled by less than one block rather than wasted...
     for donor in donors:
-        mine = np.flatnonzero(pieces.rank == donor)
-        mine = mine[np.lexsort((pieces.doc[mine], -pieces.end[mine]))]  # latest positions first
-        intervals = [[int(pieces.doc[i]), int(pieces.start[i]), int(pieces.end[i])] for i in mine]
-        need = float(excess[donor])
+        shedder.shed(donor, float(excess[donor]), overfill=True)
+    # ...and pass 2 trims every overfilled server with its own finest local work.
+    over = shedder.served - cap
+    for server in [int(r) for r in np.lexsort((np.arange(num_ranks), -over)) if over[r] > 1e-9 * cap]:
+        shedder.shed(server, float(shedder.served[server] - cap), overfill=False)
+    return shedder.plan(servers)
+
+
+class _Shedder:
+    """State of one planning: server loads, each opened rank's carvable intervals, the tasks."""
+
+    def __init__(self, pieces: DocumentPieces, is_server, load, cap: float, carver: "_Carver"):
+        self.pieces, self.is_server, self.cap, self.carver = pieces, is_server, cap, carver
+        self.served = load.astype(np.float64).copy()  # pairs each rank computes so far
+        self.intervals: dict[int, list[list[int]]] = {}
+        self.out = _TaskList()
+        self.heap = [(-self._room(r), r) for r in np.flatnonzero(is_server).tolist() if self._room(r) > 0]
+        heapq.heapify(self.heap)
+
+    def _room(self, rank: int) -> float:
+        return self.cap - self.served[rank] if self.is_server[rank] else 0.0
+
+    def _open(self, rank: int) -> list[list[int]]:
+        """The rank's own pieces as intervals, latest document positions first (most pairs per byte)."""
+        if rank not in self.intervals:
+            p = self.pieces
+            mine = np.flatnonzero(p.rank == rank)
+            mine = mine[np.lexsort((p.doc[mine], -p.end[mine]))]
+            self.intervals[rank] = [[int(p.doc[i]), int(p.start[i]), int(p.end[i])] for i in mine]
+        return self.intervals[rank]
+
+    def _roomiest(self, exclude: int):
+        """The server with the most room (lazy heap: stale entries are dropped as they surface)."""
+        skipped, found = [], None
+        while self.heap:
+            neg_room, r = self.heap[0]
+            if -neg_room != self._room(r) or self._room(r) <= 0:
+                heapq.heappop(self.heap)
+                continue
+            if r == exclude:
+                skipped.append(heapq.heappop(self.heap))
+                continue
+            found = r
+            break
+        for item in skipped:
+            heapq.heappush(self.heap, item)
+        return found
+
+    def shed(self, donor: int, need: float, overfill: bool) -> None:
+        """Move about ``need`` pairs of ``donor``'s own work to servers with room."""
+        intervals = self._open(donor)
+        must_empty = not self.is_server[donor]
         while need > 0 and intervals:
-            while ri < len(receivers) and room[receivers[ri]] <= 0:
-                ri += 1
-            if ri == len(receivers):
-                if relaxed:
-                    raise AssertionError("distca planner: no server can take a single block; please report this input")
-                relaxed, ri = True, 0
-                room = np.where(is_server & ~on_donor, cap + granule - current, 0.0)
-                receivers = [int(r) for r in np.lexsort((np.arange(num_ranks), -room)) if room[r] > 0]
-                continue
-            if relaxed and is_server[donor] and need <= carver.finest_granule(intervals):
-                break  # less than one block is left: the donor keeps it (within one granule of cap)
-            receiver = receivers[ri]
-            moved = carver.move(intervals, need, room[receiver], donor, receiver, out)
-            if moved == 0:  # its room is smaller than any shard: try the next receiver
-                ri += 1
-                continue
+            receiver = self._roomiest(exclude=donor)
+            if receiver is None:
+                if not must_empty:
+                    return  # pass 2: what no room can take (under one block) stays
+                servers = np.flatnonzero(self.is_server)
+                receiver = int(servers[np.argmin(self.served[servers])])
+            budget = max(self._room(receiver), 0.0)
+            moved = self.carver.move(intervals, need, budget, donor, receiver, self.out)
+            if moved == 0:
+                if not (overfill or must_empty):
+                    return
+                # one block of the latest interval holds at most block * end pairs
+                moved = self.carver.move(intervals, need, budget + self.carver.block * intervals[0][2], donor,
+                                         receiver, self.out)
             need -= moved
-            room[receiver] -= moved
-            current[receiver] += moved
-        for d, s, e in intervals:  # what the donor keeps
-            out.add(donor, donor, d, s, e)
-    return out.to_plan(num_ranks, servers)
+            self.served[receiver] += moved
+            self.served[donor] -= moved
+            for r in (receiver, donor):  # a donor that shed below the cap can receive later
+                if self._room(r) > 0:
+                    heapq.heappush(self.heap, (-self._room(r), r))
+
+    def plan(self, servers) -> Plan:
+        p = self.pieces
+        opened = np.zeros(p.num_ranks, dtype=bool)
+        opened[list(self.intervals)] = True
+        keep = ~opened[p.rank]
+        self.out.extend_local(p.rank[keep], p.doc[keep], p.start[keep], p.end[keep])
+        for rank, intervals in self.intervals.items():
+            for d, s, e in intervals:
+                self.out.add(rank, rank, d, s, e)
+        return self.out.to_plan(p.num_ranks, servers)
 
 
 def _local_plan(pieces: DocumentPieces, servers) -> Plan:
@@ -342,9 +384,6 @@ class _Carver:
             intervals[i : i + 1] = [iv for iv in ([d, b, hi], [d, lo, a]) if iv[2] > iv[1]]
         return moved
 
-    def finest_granule(self, intervals) -> float:
-        """Pairs of one block at the end of the interval that ends earliest."""
-        return float(self.block * min(iv[2] for iv in intervals))
 
     def _aligned_up(self, lo: int, x: float, hi: int) -> int:
         """Smallest cut point >= x: lo + k * block, or hi."""

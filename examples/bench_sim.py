@@ -78,10 +78,10 @@ def main(argv=None) -> int:
     if args.update_readme:
         readme = HERE.parent / "README.md"
         text = readme.read_text()
-        pattern = re.compile(r"(<!-- bench-sim:start -->\n).*?(\n<!-- bench-sim:end -->)", re.S)
+        pattern = re.compile(r"(<!-- bench-sim:start -->\n).*?(<!-- bench-sim:end -->)", re.S)
         if not pattern.search(text):
             parser.error("README.md lacks the <!-- bench-sim:start --> / <!-- bench-sim:end --> markers")
-        readme.write_text(pattern.sub(lambda m: m.group(1) + table + m.group(2), text))
+        readme.write_text(pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text))
         print(f"updated {readme}", file=sys.stderr)
     return 0
 
