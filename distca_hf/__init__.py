@@ -9,8 +9,11 @@ Importing the package registers ``attn_implementation="distca"`` with transforme
 __version__ = "0.1.0"
 
 from .attention import ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, register
+from .comm import DistCATimeoutError
+from .config import DistCAConfig, configure, current_config, reset_config
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .kernels import varlen_causal_attention
+from .step import plan_stats
 from .tasks import CATask, fuse_tasks, split_document, whole_document_tasks
 
 register()
@@ -18,13 +21,19 @@ register()
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CATask",
+    "DistCAConfig",
+    "DistCATimeoutError",
     "DocumentBoundaryError",
     "PackedDocuments",
     "UnsupportedAttentionError",
+    "configure",
+    "current_config",
     "distca_attention_forward",
     "find_documents",
     "fuse_tasks",
+    "plan_stats",
     "register",
+    "reset_config",
     "split_document",
     "varlen_causal_attention",
     "whole_document_tasks",

@@ -11,19 +11,17 @@
 
 Document boundaries are found from the call's own arguments (``documents.find_documents``), so the
 result does not depend on ``use_cache`` (with a cache, transformers skips its own packed-sequence
-detection). The boundaries and the fused task layout are computed once per forward and reused by
-every layer: all layers receive the same ``position_ids`` / mask / ``cu_seq_lens`` tensors.
+detection). Boundaries, plan and layouts are made once per forward (``step.py``) and reused by every
+layer; under ``torch.distributed`` the CA-tasks run where the plan puts them (``dispatch.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .documents import PackedDocuments, find_documents
+from .dispatch import dispatched_attention
 from .kernels import varlen_causal_attention
-from .tasks import FusedBatch, fuse_tasks, whole_document_tasks
+from .step import step_for_call
 
 __all__ = ["ATTN_IMPLEMENTATION", "distca_attention_forward", "distca_mask", "register", "UnsupportedAttentionError"]
 
@@ -89,66 +87,6 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -
         )
 
 
-@dataclass(eq=False)
-class _LocalLayout:
-    """Documents and fused task layout of one forward, shared by its layers."""
-
-    key: tuple
-    inputs: tuple  # the tensors the layout was derived from, kept to make identity checks sound
-    docs: PackedDocuments
-    batch: FusedBatch
-
-
-_last_layout: _LocalLayout | None = None
-
-
-def _layout_key(shape: tuple, device: torch.device, tensors: tuple) -> tuple:
-    # Inference tensors keep no version counter; they cannot change outside inference mode.
-    versions = tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
-    return (shape, device, versions)
-
-
-def local_layout(
-    batch_size: int,
-    query_len: int,
-    kv_len: int,
-    device: torch.device,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
-    new_forward: bool = False,
-) -> _LocalLayout:
-    """Documents and fused batch (one CA-task per document) for a call, cached across the layers of
-    one forward. ``new_forward`` (the first layer is calling) forces a fresh layout, so a caller
-    that rewrites its input buffers in place between steps never meets a stale one."""
-    global _last_layout
-    inputs = (attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    key = _layout_key((batch_size, query_len, kv_len), device, inputs)
-    cached = _last_layout
-    if (
-        not new_forward
-        and cached is not None
-        and cached.key == key
-        and all(a is b for a, b in zip(cached.inputs, inputs))
-    ):
-        return cached
-    docs = find_documents(
-        batch_size,
-        query_len,
-        kv_len,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cu_seq_lens_q=cu_seq_lens_q,
-        cu_seq_lens_k=cu_seq_lens_k,
-    )
-    if docs.num_docs == 0:
-        raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
-    batch = fuse_tasks(whole_document_tasks(docs), docs).to(device)
-    _last_layout = _LocalLayout(key, inputs, docs, batch)
-    return _last_layout
-
-
 def distca_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -164,29 +102,24 @@ def distca_attention_forward(
     _refuse_unsupported(module, dropout, kwargs)
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
-    layout = local_layout(
-        batch_size,
-        query_len,
-        kv_len,
-        query.device,
-        attention_mask=attention_mask,
-        position_ids=kwargs.get("position_ids"),
-        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-        cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-        new_forward=getattr(module, "layer_idx", None) == 0,
-    )
+    step = step_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
+                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     window = kwargs.get("sliding_window")
-    longest = int(layout.docs.lengths.max())
+    longest = int(step.docs.lengths.max(initial=0))
     if window is not None and longest > window:
         raise UnsupportedAttentionError(
             f"distca does not support sliding-window attention: {type(module).__name__} has sliding_window="
             f"{window} but a document holds {longest} tokens (windows at least as long as every document are "
             "exact and allowed); shorten the documents or disable the window"
         )
-    batch = layout.batch
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
+    if step.dispatch is not None:
+        scale = head_dim**-0.5 if scaling is None else float(scaling)
+        out = dispatched_attention(q, k, v, step.dispatch, scale)
+        return out.view(batch_size, query_len, num_heads, head_dim), None
+    batch = step.local
     if batch.q_index is not None:
         q = q.index_select(0, batch.q_index)
         k = k.index_select(0, batch.k_index)

@@ -143,7 +143,7 @@ def test_time_model_roundtrip_and_validation(tmp_path):
 def test_profile_writes_a_loadable_time_model(tmp_path):
     out = tmp_path / "tm.json"
     result = _cli("profile", "--out", str(out), "--hidden", "64", "--intermediate", "128", "--heads", "4",
-                  "--kv-heads", "2", "--max-tokens", "256", "--repeats", "1")
+                  "--kv-heads", "2", "--max-tokens", "1024", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     model = TimeModel.load(out)
     assert model.linear_s_per_token > 0 and model.attn_s_per_pair > 0

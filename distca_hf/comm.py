@@ -1,0 +1,68 @@
+"""Collectives distca uses, over ``torch.distributed`` (NCCL on GPU, gloo on CPU).
+
+Every call is asynchronous underneath and waited on with distca's timeout, so a dead or stuck peer
+raises ``DistCATimeoutError`` naming the operation and the step instead of hanging. Every rank calls
+the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_lengths"]
+
+
+class DistCATimeoutError(RuntimeError):
+    """A distca collective did not complete: a peer died, hung or diverged."""
+
+
+class CommHandle:
+    """A started collective; ``wait()`` returns its output or raises ``DistCATimeoutError``."""
+
+    def __init__(self, work, output, timeout_s: float, what: str):
+        self._work, self._output, self._timeout_s, self._what = work, output, timeout_s, what
+
+    def wait(self):
+        if self._work is not None:
+            try:
+                self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
+            except Exception as e:  # gloo and NCCL raise RuntimeError (or DistBackendError) subclasses
+                raise DistCATimeoutError(
+                    f"distca: {self._what} did not complete within {self._timeout_s:g}s (DISTCA_TIMEOUT_S); a peer "
+                    f"rank probably died or hung. Backend said: {str(e).splitlines()[0][:300]}"
+                ) from e
+            self._work = None
+        return self._output
+
+
+def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, timeout_s: float,
+               what: str, out: torch.Tensor | None = None, async_op: bool = False):
+    """Uneven all-to-all of a 1D buffer. ``send_splits[r]`` elements go to rank ``r``;
+    ``recv_splits[r]`` come from it. Returns the received buffer, or a ``CommHandle`` when ``async_op``."""
+    total = int(sum(recv_splits))
+    recv = out if out is not None and out.numel() == total else torch.empty(total, dtype=send.dtype, device=send.device)
+    work = dist.all_to_all_single(recv, send, list(map(int, recv_splits)), list(map(int, send_splits)), group=group,
+                                  async_op=True)
+    handle = CommHandle(work, recv, timeout_s, what)
+    return handle if async_op else handle.wait()
+
+
+def all_gather_lengths(lengths: np.ndarray, group, device, timeout_s: float, what: str) -> list[np.ndarray]:
+    """Every rank's document lengths (int64 arrays of any length), in rank order."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([lengths.size], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    CommHandle(dist.all_gather(counts, count, group=group, async_op=True), None, timeout_s,
+               f"{what} (all-gather of document counts)").wait()
+    sizes = [int(c.item()) for c in counts]
+    width = max(1, max(sizes))
+    padded = torch.zeros(width, dtype=torch.int64, device=device)
+    padded[: lengths.size] = torch.from_numpy(lengths.astype(np.int64)).to(device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    CommHandle(dist.all_gather(gathered, padded, group=group, async_op=True), None, timeout_s,
+               f"{what} (all-gather of document lengths)").wait()
+    return [g[:n].cpu().numpy() for g, n in zip(gathered, sizes)]

@@ -1,0 +1,312 @@
+"""Dispatch: run a plan's CA-tasks on their servers, forward and backward.
+
+Each rank is both a *source* (its tokens' q, k, v live here, and their output must come back here)
+and a *server* (it computes the CA-tasks the plan gives it). Per layer, forward:
+
+1. sources pack, per destination server, the query rows of their moved tasks and the K/V rows that
+   server lacks (``num_key_value_heads`` heads, each token once per (source, server) pair) into one
+   buffer, and one uneven all-to-all moves them;
+2. each server builds one fused varlen batch from its own tokens and what it received, runs the
+   kernel once, and keeps the outputs of its local tasks;
+3. one all-to-all returns the other outputs to their sources.
+
+Backward mirrors it. In ``saved`` mode a server keeps its fused q, k, v, out and log-sum-exp, so
+only dO travels out and dQ, dK, dV travel back (K/V gradients of a token used by several tasks or
+servers are summed). In ``resend`` mode servers keep nothing: sources keep their own q, k, v, out
+and log-sum-exp and send them again with dO, trading bytes for flat server memory.
+
+Shapes: local q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]`` where tokens is
+the rank's flattened ``batch * seq``; padding tokens belong to no task and get zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .comm import all_to_all
+from .documents import PackedDocuments
+from .kernels import varlen_attention_backward, varlen_attention_forward
+from .layout import KVTransfers
+from .planner import Plan
+from .tasks import _ranges
+
+__all__ = ["DispatchLayout", "build_dispatch_layout", "dispatched_attention"]
+
+
+@dataclass(eq=False)
+class DispatchLayout:
+    """One rank's index tables for one plan (rows are tokens; tensors on the compute device).
+
+    Source side: ``send_q_rows`` / ``send_kv_rows`` are local token rows to send, grouped by
+    destination in rank order, ``send_q_counts`` / ``send_kv_counts`` the rows per destination.
+    Server side: ``recv_q_counts`` / ``recv_kv_counts`` rows from each source; the *pools* are
+    ``[local rows] ++ [received rows, by source]``; ``q_index`` / ``k_index`` pick each fused task's
+    query rows and K/V prefix rows from them; ``cu_seqlens_*`` describe the fused batch.
+    """
+
+    world: int
+    rank: int
+    num_local: int
+    send_q_rows: torch.Tensor
+    send_q_counts: list[int]
+    send_kv_rows: torch.Tensor
+    send_kv_counts: list[int]
+    recv_q_counts: list[int]
+    recv_kv_counts: list[int]
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    group: object = None
+    timeout_s: float = 600.0
+    backward_mode: str = "saved"
+    step: int = 0
+    bytes_sent: dict = field(default_factory=dict)  # this rank's bytes per collective kind, last layer
+    saved_bytes: int = 0  # bytes kept for backward by the last layer's dispatch on this rank
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.cu_seqlens_q.numel()) - 1
+
+
+def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
+                          device, **settings) -> DispatchLayout:
+    """Index tables for ``rank``. Documents are numbered globally in rank order: rank ``r`` holds
+    documents ``doc_offset[r] .. doc_offset[r + 1] - 1``, whole (``docs`` are its own)."""
+    world = plan.num_ranks
+    src, srv, doc, a, b = plan.source, plan.server, plan.doc, plan.q_start, plan.q_end
+    lengths = b - a
+    num_local = docs.num_query_tokens
+
+    moved_out = (src == rank) & (srv != rank)
+    local_doc = doc[moved_out] - doc_offset[rank]
+    send_q_rows = _ranges(docs.q_starts[local_doc] + a[moved_out], lengths[moved_out])
+    send_q_counts = np.bincount(srv[moved_out], weights=lengths[moved_out], minlength=world)
+
+    kv_len = kv.end - kv.start
+    kv_out = kv.source == rank
+    send_kv_rows = _ranges(docs.k_starts[kv.doc[kv_out] - doc_offset[rank]] + kv.start[kv_out], kv_len[kv_out])
+    send_kv_counts = np.bincount(kv.server[kv_out], weights=kv_len[kv_out], minlength=world)
+
+    on_me = srv == rank
+    remote = on_me & (src != rank)
+    recv_q_counts = np.bincount(src[remote], weights=lengths[remote], minlength=world).astype(np.int64)
+    kv_in = kv.server == rank
+    recv_kv_counts = np.bincount(kv.source[kv_in], weights=kv_len[kv_in], minlength=world).astype(np.int64)
+
+    # Tasks this rank serves, in plan order (grouped by source, as the received rows are).
+    t_src, t_doc, t_a, t_b = src[on_me], doc[on_me], a[on_me], b[on_me]
+    t_len = t_b - t_a
+    is_local = t_src == rank
+    q_first = np.zeros(t_src.size, dtype=np.int64)
+    k_first = np.zeros(t_src.size, dtype=np.int64)
+    own = t_doc[is_local] - doc_offset[rank]
+    q_first[is_local] = docs.q_starts[own] + t_a[is_local]
+    k_first[is_local] = docs.k_starts[own]
+
+    # Received query rows: per source, its tasks' rows in plan order.
+    q_region = num_local + np.concatenate(([0], np.cumsum(recv_q_counts)[:-1]))
+    r_src, r_len = t_src[~is_local], t_len[~is_local]
+    within = np.cumsum(r_len) - r_len
+    group_start = np.concatenate(([0], np.cumsum(np.bincount(r_src, weights=r_len, minlength=world))[:-1]))
+    q_first[~is_local] = q_region[r_src] + within - group_start[r_src].astype(np.int64)
+
+    # Received K/V rows: per source, its transfers in order; one transfer per (source, doc) prefix.
+    kv_region = num_local + np.concatenate(([0], np.cumsum(recv_kv_counts)[:-1]))
+    in_src, in_doc, in_len = kv.source[kv_in], kv.doc[kv_in], kv_len[kv_in]
+    if (kv.start[kv_in] != 0).any():
+        raise NotImplementedError("distca dispatch expects every document whole on one rank")
+    in_within = np.cumsum(in_len) - in_len
+    in_group_start = np.concatenate(([0], np.cumsum(np.bincount(in_src, weights=in_len, minlength=world))[:-1]))
+    in_first = kv_region[in_src] + in_within - in_group_start[in_src].astype(np.int64)
+    key = in_src * (int(doc.max(initial=0)) + 1) + in_doc
+    order = np.argsort(key)
+    want = t_src[~is_local] * (int(doc.max(initial=0)) + 1) + t_doc[~is_local]
+    k_first[~is_local] = in_first[order][np.searchsorted(key[order], want)]
+
+    as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
+    cu_q = np.concatenate(([0], np.cumsum(t_len))).astype(np.int32)
+    cu_k = np.concatenate(([0], np.cumsum(t_b))).astype(np.int32)
+    return DispatchLayout(
+        world=world,
+        rank=rank,
+        num_local=num_local,
+        send_q_rows=as_tensor(send_q_rows),
+        send_q_counts=send_q_counts.astype(np.int64).tolist(),
+        send_kv_rows=as_tensor(send_kv_rows),
+        send_kv_counts=send_kv_counts.astype(np.int64).tolist(),
+        recv_q_counts=recv_q_counts.tolist(),
+        recv_kv_counts=recv_kv_counts.tolist(),
+        q_index=as_tensor(_ranges(q_first, t_len)),
+        k_index=as_tensor(_ranges(k_first, t_b)),
+        cu_seqlens_q=torch.from_numpy(cu_q).to(device),
+        cu_seqlens_k=torch.from_numpy(cu_k).to(device),
+        max_seqlen_q=int(t_len.max(initial=0)),
+        max_seqlen_k=int(t_b.max(initial=0)),
+        **settings,
+    )
+
+
+def _row_width(t: torch.Tensor) -> int:
+    return int(t.shape[1] * t.shape[2]) if t.dim() == 3 else int(t.shape[1])
+
+
+def _pack(parts_by_dest: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """One 1D buffer holding, for each destination in rank order, its parts flattened."""
+    flat = [p.reshape(-1) for parts in parts_by_dest for p in parts]
+    splits = [sum(p.numel() for p in parts) for parts in parts_by_dest]
+    dtype = flat[0].dtype if flat else torch.float32
+    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+    return buffer, splits
+
+
+def _split_rows(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, counts, dim=0))
+
+
+def _unpack(buffer: torch.Tensor, counts_by_part: list[list[int]], shapes: list[tuple[int, ...]]):
+    """Inverse of ``_pack`` on the receive side: ``counts_by_part[j][r]`` rows of part ``j`` came
+    from rank ``r``, each row of shape ``shapes[j]``. Returns one tensor per part, sources in order."""
+    world = len(counts_by_part[0])
+    pieces = [[] for _ in shapes]
+    offset = 0
+    for r in range(world):
+        for j, shape in enumerate(shapes):
+            n = counts_by_part[j][r] * int(np.prod(shape))
+            pieces[j].append(buffer[offset : offset + n].view(-1, *shape))
+            offset += n
+    return [torch.cat(p) if p else buffer.new_empty(0, *s) for p, s in zip(pieces, shapes)]
+
+
+def _exchange(layout: DispatchLayout, send_parts, recv_counts, shapes, what: str, kind: str):
+    """Send ``send_parts[r]`` to rank ``r``; receive parts with ``recv_counts[j][r]`` rows of shape
+    ``shapes[j]`` from each rank. Returns the received parts, concatenated over sources."""
+    buffer, splits = _pack(send_parts)
+    recv_splits = [sum(recv_counts[j][r] * int(np.prod(s)) for j, s in enumerate(shapes)) for r in range(layout.world)]
+    dtype = send_parts[0][0].dtype if send_parts and send_parts[0] else buffer.dtype
+    if buffer.numel() == 0:
+        buffer = buffer.to(dtype)
+    received = all_to_all(buffer, splits, recv_splits, layout.group, layout.timeout_s,
+                          f"{what} (step {layout.step})")
+    sent = sum(splits[r] for r in range(layout.world) if r != layout.rank) * buffer.element_size()
+    layout.bytes_sent[kind] = layout.bytes_sent.get(kind, 0) + int(sent)
+    return _unpack(received, recv_counts, shapes)
+
+
+def _by_dest(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    return _split_rows(t, counts)
+
+
+def _send_inputs(layout, q, k, v, what):
+    """Move query rows and K/V rows to their servers; returns the received (q, k, v) rows."""
+    qs = _by_dest(q.index_select(0, layout.send_q_rows), layout.send_q_counts)
+    ks = _by_dest(k.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+    vs = _by_dest(v.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+    return _exchange(layout, [[a, b, c] for a, b, c in zip(qs, ks, vs)],
+                     [layout.recv_q_counts, layout.recv_kv_counts, layout.recv_kv_counts],
+                     [tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:])], what, "forward_inputs")
+
+
+def _fused(layout, q_pool, k_pool, v_pool):
+    return q_pool.index_select(0, layout.q_index), k_pool.index_select(0, layout.k_index), \
+        v_pool.index_select(0, layout.k_index)
+
+
+class _DispatchedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: DispatchLayout, scale: float):
+        layout.bytes_sent.clear()
+        recv_q, recv_k, recv_v = _send_inputs(layout, q, k, v, "distca forward: sending q/k/v to servers")
+        q_pool, k_pool, v_pool = torch.cat([q, recv_q]), torch.cat([k, recv_k]), torch.cat([v, recv_v])
+        fq, fk, fv = _fused(layout, q_pool, k_pool, v_pool)
+        heads = q.shape[1]
+        if layout.num_tasks:
+            f_out, f_lse = varlen_attention_forward(fq, fk, fv, layout.cu_seqlens_q, layout.cu_seqlens_k,
+                                                    layout.max_seqlen_q, layout.max_seqlen_k, scale)
+        else:
+            f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
+        out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, layout.q_index, f_out)
+        lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
+        lse_pool.index_copy_(0, layout.q_index, f_lse.t())
+        # return the outputs (and, for resend, their log-sum-exp) of other sources' tasks
+        back = [[o] for o in _split_rows(out_pool[layout.num_local :], layout.recv_q_counts)]
+        (got_out,) = _exchange(layout, back, [layout.send_q_counts], [tuple(q.shape[1:])],
+                               "distca forward: returning outputs", "forward_outputs")
+        out = out_pool[: layout.num_local].index_copy(0, layout.send_q_rows, got_out)
+        ctx.layout, ctx.scale = layout, scale
+        if layout.backward_mode == "saved":
+            ctx.save_for_backward(fq, fk, fv, f_out, f_lse)
+            kept = (fq, fk, fv, f_out, f_lse)
+        else:
+            lse_back = [[x] for x in _split_rows(lse_pool[layout.num_local :], layout.recv_q_counts)]
+            (got_lse,) = _exchange(layout, lse_back, [layout.send_q_counts], [(heads,)],
+                                   "distca forward: returning log-sum-exp", "forward_outputs")
+            lse = lse_pool[: layout.num_local].index_copy(0, layout.send_q_rows, got_lse)
+            ctx.save_for_backward(q, k, v, out, lse)
+            kept = (q, k, v, out, lse)
+        layout.saved_bytes = sum(t.numel() * t.element_size() for t in kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        layout, scale = ctx.layout, ctx.scale
+        dout = dout.contiguous()
+        qshape = tuple(dout.shape[1:])
+        if layout.backward_mode == "saved":
+            fq, fk, fv, f_out, f_lse = ctx.saved_tensors
+            kshape = tuple(fk.shape[1:])
+            sends = [[x] for x in _by_dest(dout.index_select(0, layout.send_q_rows), layout.send_q_counts)]
+            (recv_do,) = _exchange(layout, sends, [layout.recv_q_counts], [qshape],
+                                   "distca backward: sending dO to servers", "backward_inputs")
+            f_do = torch.cat([dout, recv_do]).index_select(0, layout.q_index)
+            pool_rows = layout.num_local + sum(layout.recv_q_counts)
+            kv_rows = layout.num_local + sum(layout.recv_kv_counts)
+        else:
+            q, k, v, out, lse = ctx.saved_tensors
+            kshape = tuple(k.shape[1:])
+            rows = lambda t: _by_dest(t.index_select(0, layout.send_q_rows), layout.send_q_counts)
+            krows = lambda t: _by_dest(t.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+            sends = [list(p) for p in zip(rows(q), krows(k), krows(v), rows(dout), rows(out))]
+            rq, rk, rv, rdo, ro = _exchange(
+                layout, sends,
+                [layout.recv_q_counts, layout.recv_kv_counts, layout.recv_kv_counts, layout.recv_q_counts,
+                 layout.recv_q_counts],
+                [qshape, kshape, kshape, qshape, qshape], "distca backward: resending q/k/v/out/dO", "backward_inputs")
+            (rlse,) = _exchange(layout, [[x] for x in rows(lse)], [layout.recv_q_counts], [(lse.shape[1],)],
+                                "distca backward: resending log-sum-exp", "backward_inputs")
+            fq, fk, fv = _fused(layout, torch.cat([q, rq]), torch.cat([k, rk]), torch.cat([v, rv]))
+            f_do = torch.cat([dout, rdo]).index_select(0, layout.q_index)
+            f_out = torch.cat([out, ro]).index_select(0, layout.q_index)
+            f_lse = torch.cat([lse, rlse]).index_select(0, layout.q_index).t().contiguous()
+            pool_rows, kv_rows = q.shape[0] + rq.shape[0], k.shape[0] + rk.shape[0]
+        if layout.num_tasks:
+            fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, layout.cu_seqlens_q,
+                                                      layout.cu_seqlens_k, layout.max_seqlen_q,
+                                                      layout.max_seqlen_k, scale)
+        else:
+            fdq, fdk, fdv = fq, fk, fv  # empty
+        dq_pool = dout.new_zeros(pool_rows, *qshape).index_copy(0, layout.q_index, fdq)
+        dk_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, layout.k_index, fdk)
+        dv_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, layout.k_index, fdv)
+        n = layout.num_local
+        back = [list(p) for p in zip(_split_rows(dq_pool[n:], layout.recv_q_counts),
+                                     _split_rows(dk_pool[n:], layout.recv_kv_counts),
+                                     _split_rows(dv_pool[n:], layout.recv_kv_counts))]
+        got_dq, got_dk, got_dv = _exchange(layout, back, [layout.send_q_counts, layout.send_kv_counts,
+                                                          layout.send_kv_counts], [qshape, kshape, kshape],
+                                           "distca backward: returning dQ/dK/dV", "backward_outputs")
+        dq = dq_pool[:n].index_copy(0, layout.send_q_rows, got_dq)
+        dk = dk_pool[:n].index_add(0, layout.send_kv_rows, got_dk)  # a K/V token used on several servers
+        dv = dv_pool[:n].index_add(0, layout.send_kv_rows, got_dv)
+        return dq, dk, dv, None, None
+
+
+def dispatched_attention(q, k, v, layout: DispatchLayout, scale: float) -> torch.Tensor:
+    """Causal attention of the rank's documents, computed where the plan says. q ``[tokens, heads,
+    head_dim]``, k/v ``[tokens, kv_heads, head_dim]`` -> ``[tokens, heads, head_dim]``."""
+    return _DispatchedAttention.apply(q, k, v, layout, scale)

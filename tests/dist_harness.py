@@ -1,0 +1,55 @@
+"""Run a function on N gloo ranks in spawned processes, with a deadline; collect what each returns."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, out_dir, env, args):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = {}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        result = {"ok": True, "value": fn(rank, world, *args)}
+    except BaseException as e:  # report everything, including the errors the tests expect
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
+                  "traceback": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # skip process-group teardown: a peer may be dead on purpose
+
+
+def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(deadline_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world):
+        path = Path(tmp_path, f"rank{r}.json")
+        results.append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": "no result (killed)"})
+    return results

@@ -1,0 +1,175 @@
+"""Distributed CAD on spawned gloo ranks: every rank's logits and parameter gradients equal its own
+per-document eager reference, whatever the plan moved, in both backward modes, with and without
+gradient checkpointing, over consecutive steps; plan_stats shows the balance; a dead or hung peer
+raises a clear distca error instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+SKEWED = {  # per step, per rank: document lengths (one long, many short and odd, a single token)
+    0: [[200], [3, 5, 7, 1, 9, 11, 2, 13, 4, 6], [1], [17, 9, 1, 33]],
+    1: [[5, 1, 3], [151, 2], [7, 7, 7], [1]],
+}
+
+
+def _documents_for(rank, world, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = SKEWED[step][rank] if world > 2 else (SKEWED[step][rank] + SKEWED[step][rank + 2])
+    return [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+
+
+def _exactness_worker(rank, world, family):
+    import distca_hf
+    from helpers import objective_weights, param_grads, per_document_reference, tiny_model
+
+    model = tiny_model(family)
+    report = []
+    for backward in ("saved", "resend"):
+        for checkpointing in (False, True):
+            distca_hf.configure(backward=backward)
+            if checkpointing:
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.activation_checkpointing_disable()
+            for step in (0, 1):
+                docs = _documents_for(rank, world, step)
+                weights = [objective_weights((len(d), 96), seed=7 * step + i) for i, d in enumerate(docs)]
+                ref_logits, ref_grads = per_document_reference(model, docs, weights)
+                model.zero_grad(set_to_none=True)
+                ids = torch.cat(docs).unsqueeze(0)
+                pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+                logits = model(input_ids=ids, position_ids=pos).logits[0]
+                (logits * torch.cat(weights)).sum().backward()
+                grads = param_grads(model)
+                # like torch.testing: |got - want| <= atol + rtol |want|, reported as the worst excess
+                grad_err = max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                               for n in ref_grads)
+                stats = distca_hf.plan_stats()
+                report.append({
+                    "backward": backward, "checkpointing": checkpointing, "step": step,
+                    "logit_err": float((logits.detach() - torch.cat(ref_logits)).abs().max()),
+                    "grad_excess": grad_err, "same_grad_keys": sorted(grads) == sorted(ref_grads),
+                    "stats": stats,
+                })
+    with torch.no_grad():  # evaluation
+        docs = _documents_for(rank, world, 0)
+        ids = torch.cat(docs).unsqueeze(0)
+        pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+        model.eval()
+        evaluated = model(input_ids=ids, position_ids=pos).logits[0]
+        model.set_attn_implementation("eager")
+        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    report.append({"eval_err": float((evaluated - alone).abs().max())})
+    return report
+
+
+@pytest.mark.parametrize("world, family", [(2, "llama"), (3, "qwen3"), (4, "llama")])
+def test_dispatch_is_exact(tmp_path, world, family):
+    results = run_ranks(_exactness_worker, world, tmp_path, family, env={"DISTCA_TOLERANCE": "0.02"})
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        *runs, evaluation = result["value"]
+        assert evaluation["eval_err"] < 1e-5
+        assert len(runs) == 8
+        for run in runs:
+            assert run["same_grad_keys"]
+            assert run["logit_err"] < 1e-5, (rank, run)
+            assert run["grad_excess"] < 1e-5, (rank, run)
+            stats = run["stats"]
+            assert stats["dispatched"] and stats["backward"] == run["backward"]
+            local, served = np.array(stats["attn_pairs_local"]), np.array(stats["attn_pairs_served"])
+            assert len(local) == world and local.sum() == served.sum()
+            if local.max() / local.mean() >= 1.5:
+                assert served.max() / served.mean() <= 1.05, (rank, run)
+            assert stats["bytes_sent_per_layer"] > 0
+    # every rank saw the same plan
+    for i in range(len(results[0]["value"]) - 1):
+        plans = {str(r["value"][i]["stats"]["attn_pairs_served"]) for r in results}
+        assert len(plans) == 1
+
+
+def _hang_worker(rank, world, how):
+    import distca_hf
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    if rank == 1:
+        def stop(*_):
+            if how == "die":
+                os._exit(3)
+            time.sleep(15)
+
+        model.model.layers[1].register_forward_pre_hook(stop)
+    docs = _documents_for(rank, world, 0)
+    ids = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    start = time.perf_counter()
+    try:
+        model(input_ids=ids, position_ids=pos)
+    except distca_hf.DistCATimeoutError as e:
+        return {"error": str(e), "seconds": time.perf_counter() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_dead_or_hung_peer_raises_a_clear_error(tmp_path, how):
+    results = run_ranks(_hang_worker, 2, tmp_path, how, env={"DISTCA_TIMEOUT_S": "4"}, deadline_s=120)
+    rank0 = results[0]
+    assert rank0["ok"], rank0.get("traceback")
+    message = rank0["value"]["error"]
+    assert message is not None, "rank 0 finished a step its peer never joined"
+    assert "distca" in message and "step" in message and "DISTCA_TIMEOUT_S" in message
+    assert rank0["value"]["seconds"] < 14  # the timeout (4 s), not the peer, ended the wait
+
+
+def test_plan_stats_before_any_forward():
+    import importlib
+
+    import distca_hf.step as step_module
+
+    saved = step_module._current
+    step_module._current = None
+    try:
+        with pytest.raises(RuntimeError, match="no forward"):
+            importlib.import_module("distca_hf").plan_stats()
+    finally:
+        step_module._current = saved
+
+
+def test_configure_and_environment(monkeypatch):
+    import distca_hf
+
+    distca_hf.reset_config()
+    monkeypatch.setenv("DISTCA_TOLERANCE", "0.1")
+    monkeypatch.setenv("DISTCA_BACKWARD", "resend")
+    assert distca_hf.current_config().tolerance == 0.1
+    assert distca_hf.current_config().backward == "resend"
+    distca_hf.configure(tolerance=0.05)  # code beats the environment
+    try:
+        assert distca_hf.current_config().tolerance == 0.05
+        monkeypatch.setenv("DISTCA_BACKWARD", "sometimes")
+        with pytest.raises(ValueError, match="DISTCA_BACKWARD"):
+            distca_hf.current_config()
+        monkeypatch.setenv("DISTCA_BACKWARD", "saved")
+        monkeypatch.setenv("DISTCA_TIMEOUT_S", "-3")
+        with pytest.raises(ValueError, match="DISTCA_TIMEOUT_S"):
+            distca_hf.current_config()
+        monkeypatch.setenv("DISTCA_TIMEOUT_S", "5")
+        monkeypatch.setenv("DISTCA_OVERLAP", "maybe")
+        with pytest.raises(ValueError, match="DISTCA_OVERLAP"):
+            distca_hf.current_config()
+        monkeypatch.delenv("DISTCA_OVERLAP")
+        with pytest.raises(TypeError, match="unknown distca settings"):
+            distca_hf.configure(tolerence=0.1)
+        with pytest.raises(ValueError, match="backward mode"):
+            distca_hf.configure(backward="later")
+    finally:
+        distca_hf.reset_config()
