@@ -7,22 +7,25 @@ source rank (where the queries live), document, query range ``[q_start, q_end)``
 ``[0, q_end)``) and server rank.
 
 How it works. The cost of a piece is its causal pair count. With ``S`` servers the mean load is
-``total / S`` and every server may hold at most ``cap = (1 + tolerance) * mean``. Ranks above their
-target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers below ``cap``
-are receivers. Donors, largest excess first, are matched with receivers, largest room first (two
-pointers, so there are at most ``donors + receivers - 1`` transfers, which bounds how many
-(source, server) pairs need K/V). Each transfer carves shards out of the donor's pieces, latest
-document positions first (a query late in a long document carries the most pairs per byte), at the
-position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving ``P`` pairs the
-bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix), minimised by a width
-near ``sqrt(P * kv / (q + o + kv / 2))``. Shards never exceed the receiver's room, so the
-guarantee ``max server load <= cap`` holds up to one granule, a block at the end of the longest
-document (only when block rounding leaves a remainder no server has room for; negligible at
-realistic sizes). Everything a donor keeps stays local, in place.
+``total / S``; the guarantee is ``max server load <= (1 + tolerance) * mean``, and the planner aims
+at the tighter ``cap = (1 + 0.85 tolerance) * mean`` to keep a margin for block rounding. Ranks
+above their target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers
+below ``cap`` are receivers. Donors, largest excess first, give to the receiver with the most room
+(a heap), so few (source, server) pairs need K/V. Each transfer carves shards out of the donor's
+pieces, latest document positions first (a query late in a long document carries the most pairs
+per byte), at the position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving
+``P`` pairs the bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix),
+minimised by a width near ``sqrt(P * kv / (q + o + kv / 2))``. Shards never exceed the receiver's
+room, except when no room can take a single block: then the rank with the most room that still
+holds all its own work takes it, and a second pass trims every server above the cap with its own
+finest work (short documents). What cannot be trimmed is under one block (a granule): the bound is
+exact up to that granule, which only matters when a block of the longest document is a sizeable
+fraction of the mean. Everything a donor keeps stays local, in place.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -65,6 +68,7 @@ class TokenBytes:
 
 
 LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
+PLANNING_MARGIN = 0.85  # the planner aims at (1 + 0.85 tolerance) x mean
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,8 @@ class DocumentPieces:
         if self.rank.size:
             if self.rank.min() < 0 or self.rank.max() >= self.num_ranks:
                 raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
+            if (self.doc < 0).any():
+                raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
             if (self.start < 0).any() or (self.end <= self.start).any():
                 i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
                 raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
@@ -221,7 +227,10 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     is_server[list(servers)] = True
 
     load = np.bincount(pieces.rank, weights=pairs_of(pieces.start, pieces.end), minlength=num_ranks)
-    cap = (1.0 + config.tolerance) * load.sum() / len(servers)
+    # Plan to a cap a little inside the tolerance, so that the rare block that cannot be placed
+    # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow.
+    margin = PLANNING_MARGIN * config.tolerance if config.tolerance > 0 else 1e-3
+    cap = (1.0 + margin) * load.sum() / len(servers)
     excess = load - np.where(is_server, cap, 0.0)
     donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
     if not donors:
@@ -246,6 +255,11 @@ class _Shedder:
     def __init__(self, pieces: DocumentPieces, is_server, load, cap: float, carver: "_Carver"):
         self.pieces, self.is_server, self.cap, self.carver = pieces, is_server, cap, carver
         self.served = load.astype(np.float64).copy()  # pairs each rank computes so far
+        self.own_load = load.astype(np.float64).copy()
+        self.was_donor = np.zeros(len(is_server), dtype=bool)
+        # pieces grouped by rank, latest document positions first inside each rank
+        self.by_rank = np.lexsort((pieces.doc, -pieces.end, pieces.rank))
+        self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(len(is_server) + 1))
         self.intervals: dict[int, list[list[int]]] = {}
         self.out = _TaskList()
         self.heap = [(-self._room(r), r) for r in np.flatnonzero(is_server).tolist() if self._room(r) > 0]
@@ -258,9 +272,8 @@ class _Shedder:
         """The rank's own pieces as intervals, latest document positions first (most pairs per byte)."""
         if rank not in self.intervals:
             p = self.pieces
-            mine = np.flatnonzero(p.rank == rank)
-            mine = mine[np.lexsort((p.doc[mine], -p.end[mine]))]
-            self.intervals[rank] = [[int(p.doc[i]), int(p.start[i]), int(p.end[i])] for i in mine]
+            mine = self.by_rank[self.rank_start[rank] : self.rank_start[rank + 1]]
+            self.intervals[rank] = np.stack((p.doc[mine], p.start[mine], p.end[mine]), axis=1).tolist()
         return self.intervals[rank]
 
     def _roomiest(self, exclude: int):
@@ -280,8 +293,22 @@ class _Shedder:
             heapq.heappush(self.heap, item)
         return found
 
+    def _overfill_target(self, donor: int) -> int:
+        """The server within the cap whose load after trimming would be lowest: a rank that was
+        never a donor can still give away all of its own work in the second pass; a former donor
+        cannot."""
+        trimmable = np.where(self.was_donor, 0.0, self.own_load)
+        # only servers still within the cap, so none goes over by more than one block
+        eligible = self.is_server & (self.served <= self.cap)
+        eligible[donor] = False
+        if not eligible.any():
+            eligible = self.is_server.copy()
+            eligible[donor] = False
+        return int(np.argmin(np.where(eligible, self.served - trimmable, np.inf)))
+
     def shed(self, donor: int, need: float, overfill: bool) -> None:
         """Move about ``need`` pairs of ``donor``'s own work to servers with room."""
+        self.was_donor[donor] = True
         intervals = self._open(donor)
         must_empty = not self.is_server[donor]
         while need > 0 and intervals:
@@ -296,9 +323,11 @@ class _Shedder:
             if moved == 0:
                 if not (overfill or must_empty):
                     return
-                # one block of the latest interval holds at most block * end pairs
-                moved = self.carver.move(intervals, need, budget + self.carver.block * intervals[0][2], donor,
-                                         receiver, self.out)
+                # No room fits one block: overfill the rank that can best trim itself in the
+                # second pass. One block of the latest interval holds at most block * end pairs.
+                receiver = self._overfill_target(donor)
+                budget = max(self._room(receiver), 0.0) + self.carver.block * intervals[0][2]
+                moved = self.carver.move(intervals, need, budget, donor, receiver, self.out)
             need -= moved
             self.served[receiver] += moved
             self.served[donor] -= moved
@@ -358,16 +387,16 @@ class _Carver:
         self.block, self.q_o, self.kv = block, q_o, kv
 
     def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
-        """Move about ``need`` pairs, never more than ``budget``, from the first intervals to
-        ``receiver``; returns the pairs moved."""
+        """Move about ``need`` pairs, never more than ``budget``, from ``intervals`` (kept sorted by
+        end, latest first) to ``receiver``; returns the pairs moved."""
         moved = 0.0
         while intervals and moved < need:
             want, allowed = need - moved, budget - moved
             i = 0
             if min(want, allowed) < self.block * intervals[0][2]:
                 # Less than a block of the latest interval is wanted (or fits): take it from the
-                # interval that ends earliest, where a block holds the fewest pairs.
-                i = min(range(len(intervals)), key=lambda j: (intervals[j][2], j))
+                # interval that ends earliest (the last), where a block holds the fewest pairs.
+                i = len(intervals) - 1
             d, lo, hi = intervals[i]
             whole = _pairs(lo, hi)
             if whole <= allowed and whole <= want + self.block * hi:
@@ -381,7 +410,12 @@ class _Carver:
             a, b = shard
             out.add(donor, receiver, d, a, b)
             moved += _pairs(a, b)
-            intervals[i : i + 1] = [iv for iv in ([d, b, hi], [d, lo, a]) if iv[2] > iv[1]]
+            if b < hi:
+                intervals[i] = [d, b, hi]  # same end: the order by end is kept
+            else:
+                intervals.pop(i)
+            if a > lo:
+                bisect.insort(intervals, [d, lo, a], key=_neg_end)
         return moved
 
 
@@ -392,12 +426,16 @@ class _Carver:
     def _shard(self, lo: int, hi: int, want: float, budget: float):
         """A shard ``[a, b)`` inside ``[lo, hi)`` with about ``want`` pairs (never more than
         ``budget``), at the cut points that move the fewest bytes per pair."""
+        want = min(want, budget)
         # Candidate ends: the interval's end (a tail shard), the byte-optimal end, and the end of a
         # head shard starting at lo. For P pairs and width w the bytes are w (q + o) + b kv with
         # b = P / w + w / 2, smallest at w = sqrt(P kv / (q + o + kv / 2)).
         width = math.sqrt(want * self.kv / (self.q_o + self.kv / 2)) if self.kv else float(hi - lo)
         ideal_end = want / max(width, 1.0) + width / 2
         head_end = (-1.0 + math.sqrt(1.0 + 4.0 * (lo * (lo + 1) + 2.0 * want))) / 2.0
+        if ideal_end >= hi:  # the byte-optimal shard would end past the interval: take its tail
+            a = self._start_for(lo, hi, want, budget)
+            return None if a is None else (a, hi)
         ends = {hi, self._aligned_up(lo, ideal_end, hi), self._aligned_up(lo, head_end, hi)}
         best = None
         for b in sorted(e for e in ends if e > lo):
@@ -420,6 +458,10 @@ class _Carver:
             while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
                 a += block
         return a if a < b else None
+
+
+def _neg_end(interval) -> int:
+    return -interval[2]
 
 
 def _pairs(a: int, b: int) -> int:

@@ -183,9 +183,9 @@ def test_balance_targets_on_shared_samples(sample):
 
     lengths = np.asarray(json.loads(path.read_text()))
     rng = np.random.default_rng(0)
-    for ranks, tokens in [(8, 16384), (64, 65536), (16, 524288)]:
+    for ranks, tokens in [(8, 16384), (64, 65536), (16, 524288), (128, 16384), (512, 16384)]:
         imbalances = []
-        for _ in range(3):
+        for _ in range(4):
             pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
             plan = plan_tasks(pieces, PlannerConfig(block=128))
             imbalances.append(imbalance(plan.server_pairs()))
