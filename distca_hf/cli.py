@@ -4,6 +4,7 @@
     distca-hf kernel-bench   exact CPU attention paths side by side (see kernels/benchmark.py)
     distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
     distca-hf profile        measure the time model's constants on this device (see profile.py)
+    distca-hf bench          multi-process step time, colocated against distca (see bench.py)
 """
 
 from __future__ import annotations
@@ -88,11 +89,19 @@ def main(argv=None) -> int:
     sim = sub.add_parser("simulate", help="what CAD gains on N ranks: balance, bytes, plan time, speedup")
     simulate.add_arguments(sim)
     sub.add_parser("profile", help="measure time-model constants on this device", add_help=False)
+    from . import bench
+
+    bench_parser = sub.add_parser("bench", help="multi-process step time: colocated against distca")
+    bench.add_arguments(bench_parser)
     args, rest = parser.parse_known_args(argv)
     if args.command == "profile":
         from . import profile
 
         return profile.main(rest)
+    if args.command == "bench":
+        if rest:
+            bench_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return bench.run_cli(args, bench_parser)
     if args.command == "simulate":
         if rest:
             sim.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_lengths"]
+__all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_lengths", "free_port"]
 
 
 class DistCATimeoutError(RuntimeError):
@@ -66,3 +66,12 @@ def all_gather_lengths(lengths: np.ndarray, group, device, timeout_s: float, wha
     CommHandle(dist.all_gather(gathered, padded, group=group, async_op=True), None, timeout_s,
                f"{what} (all-gather of document lengths)").wait()
     return [g[:n].cpu().numpy() for g, n in zip(gathered, sizes)]
+
+
+def free_port() -> int:
+    """A free TCP port on this machine, for a local rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -66,8 +66,8 @@ class DispatchLayout:
     timeout_s: float = 600.0
     backward_mode: str = "saved"
     step: int = 0
-    bytes_sent: dict = field(default_factory=dict)  # this rank's bytes per collective kind, last layer
-    saved_bytes: int = 0  # bytes kept for backward by the last layer's dispatch on this rank
+    bytes_sent: dict = field(default_factory=dict)  # bytes this rank sent in this step, by collective kind
+    saved_bytes: int = 0  # bytes this rank kept for backward in this step, all layers
 
     @property
     def num_tasks(self) -> int:
@@ -220,7 +220,6 @@ def _fused(layout, q_pool, k_pool, v_pool):
 class _DispatchedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: DispatchLayout, scale: float):
-        layout.bytes_sent.clear()
         recv_q, recv_k, recv_v = _send_inputs(layout, q, k, v, "distca forward: sending q/k/v to servers")
         q_pool, k_pool, v_pool = torch.cat([q, recv_q]), torch.cat([k, recv_k]), torch.cat([v, recv_v])
         fq, fk, fv = _fused(layout, q_pool, k_pool, v_pool)
@@ -249,7 +248,7 @@ class _DispatchedAttention(torch.autograd.Function):
             lse = lse_pool[: layout.num_local].index_copy(0, layout.send_q_rows, got_lse)
             ctx.save_for_backward(q, k, v, out, lse)
             kept = (q, k, v, out, lse)
-        layout.saved_bytes = sum(t.numel() * t.element_size() for t in kept)
+        layout.saved_bytes += sum(t.numel() * t.element_size() for t in kept)
         return out
 
     @staticmethod

@@ -135,8 +135,13 @@ def _plan(docs: PackedDocuments, config, group, token_bytes: TokenBytes, device,
 def plan_stats() -> dict:
     """About the last plan on this rank (contract): ``attn_pairs_local`` (per rank, colocated),
     ``attn_pairs_served`` (per rank, under the plan), ``bytes_sent_per_layer`` (all ranks, one
-    layer's forward); plus ``step``, ``dispatched``, and for dispatched plans ``backward``, ``tasks``
-    and ``moved_query_fraction``."""
+    layer's forward); plus ``step``, ``dispatched``, and for dispatched plans ``backward``, ``tasks``,
+    ``moved_query_fraction`` and this rank's running totals for the step so far
+    (``rank_bytes_sent_this_step`` by collective kind, ``rank_saved_for_backward_bytes``)."""
     if _current is None:
         raise RuntimeError("distca_hf.plan_stats(): no forward has run with attn_implementation='distca' yet")
-    return dict(_current.stats)
+    stats = dict(_current.stats)
+    if _current.dispatch is not None:  # running totals of this step on this rank
+        stats["rank_bytes_sent_this_step"] = dict(_current.dispatch.bytes_sent)
+        stats["rank_saved_for_backward_bytes"] = _current.dispatch.saved_bytes
+    return stats

@@ -1,0 +1,261 @@
+"""``distca-hf bench``: a real multi-process step-time comparison, colocated against distca.
+
+Every rank builds the same small Llama-like model and its own skewed packed batch: even ranks hold
+one long document, odd ranks many short ones (the straggler pattern CAD removes). Both methods run
+the same data with the same exact per-document kernel; *colocated* computes each rank's documents
+where they are, *distca* plans and dispatches. Step time is forward + backward, timed between
+barriers (so it is the slowest rank's), median over ``--steps`` after ``--warmup``.
+
+The *ideal* is measured from the colocated run: each rank's time outside the attention kernel plus
+the mean over ranks of the kernel time, i.e. the step if attention were perfectly balanced and
+communication were free.
+
+CPU: ``distca-hf bench`` (gloo, one thread per process). GPUs: ``distca-hf bench --world N`` on a
+machine with N GPUs (NCCL, bf16, flash-attn when installed), or under ``torchrun --nproc-per-node N
+-m distca_hf.cli bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def _batch(rank: int, tokens: int, short_docs: int):
+    """Document lengths of ``rank``'s micro-batch: one long document on even ranks, ``short_docs``
+    equal ones (the remainder spread over the first) on odd ranks."""
+    if rank % 2 == 0:
+        return [tokens]
+    base = tokens // short_docs
+    return [base + (1 if i < tokens % short_docs else 0) for i in range(short_docs)]
+
+
+def _worker(rank: int, world: int, args, port: int, result_path: str | None):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda"
+    torch.set_num_threads(args.threads)
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    import distca_hf
+    from distca_hf import kernels
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    device = torch.device("cuda" if use_cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.tokens, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, dtype)
+    lengths = _batch(rank, args.tokens, args.short_docs)
+    g = torch.Generator().manual_seed(rank)
+    input_ids = torch.randint(0, args.vocab, (1, sum(lengths)), generator=g).to(device)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+
+    kernel_seconds = [0.0]
+    forward, backward = kernels.varlen_attention_forward, kernels.varlen_attention_backward
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            sync()
+            start = time.perf_counter()
+            result = fn(*a, **k)
+            sync()
+            kernel_seconds[0] += time.perf_counter() - start
+            return result
+        return wrapper
+
+    kernels.varlen_attention_forward, kernels.varlen_attention_backward = timed(forward), timed(backward)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=input_ids, position_ids=position_ids).logits
+        out.float().square().mean().backward()
+
+    def run(mode, backward_mode="saved"):
+        distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance)
+        for _ in range(args.warmup):
+            step()
+        times, kernel, stats = [], [], None
+        for _ in range(args.steps):
+            kernel_seconds[0] = 0.0
+            sync()
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            sync()
+            mine = time.perf_counter() - start
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            kernel.append((mine, kernel_seconds[0]))
+            stats = distca_hf.plan_stats()
+        return times, kernel, stats
+
+    results = {}
+    colocated, colocated_kernel, _ = run("colocated")
+    results["colocated"] = {"step_s": colocated}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, colocated_kernel)
+    # per step: slowest rank's non-attention time + mean attention time
+    ideal = [max(r[i][0] - r[i][1] for r in everyone) + sum(r[i][1] for r in everyone) / world
+             for i in range(args.steps)]
+    results["ideal_step_s"] = ideal
+    modes = ["saved", "resend"] if args.backward == "both" else [args.backward]
+    for mode in modes:
+        times, _, stats = run("distca", mode)
+        sent = [None] * world
+        dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
+                                      stats["rank_saved_for_backward_bytes"]))
+        results[f"distca_{mode}"] = {
+            "step_s": times, "stats": stats,
+            "bytes_sent_per_step": sum(s[0] for s in sent),
+            "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+    if rank == 0 and result_path:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(results: dict, args) -> dict:
+    median = statistics.median
+    colocated = median(results["colocated"]["step_s"])
+    ideal = median(results["ideal_step_s"])
+    first = "distca_" + ("saved" if args.backward in ("saved", "both") else "resend")
+    distca = median(results[first]["step_s"])
+    stats = results[first]["stats"]
+    local, served = stats["attn_pairs_local"], stats["attn_pairs_served"]
+    summary = {
+        "colocated_step_s": colocated,
+        "distca_step_s": distca,
+        "speedup": colocated / distca,
+        "attn_imbalance_before": max(local) / (sum(local) / len(local)),
+        "attn_imbalance_after": max(served) / (sum(served) / len(served)),
+        "ideal_step_s": ideal,
+        "distca_over_ideal": distca / ideal,
+        "ideal_speedup": colocated / ideal,
+        "world": args.world,
+        "device": args.device,
+        "bytes_sent_per_layer_forward": stats["bytes_sent_per_layer"],
+    }
+    for mode in ("saved", "resend"):
+        if f"distca_{mode}" in results:
+            r = results[f"distca_{mode}"]
+            summary[f"backward_{mode}"] = {
+                "step_s": median(r["step_s"]),
+                "bytes_sent_per_step_all_ranks": r["bytes_sent_per_step"],
+                "saved_for_backward_bytes_max_rank": r["saved_for_backward_bytes_max_rank"],
+                "peak_rss_bytes_rank0": r["peak_rss_bytes"],
+            }
+    return summary
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("world / device", f"{s['world']} x {s['device']}"),
+        ("attention imbalance before -> after", f"{s['attn_imbalance_before']:.2f} -> {s['attn_imbalance_after']:.3f}"),
+        ("colocated step (median)", f"{s['colocated_step_s']:.3f} s"),
+        ("distca step (median)", f"{s['distca_step_s']:.3f} s"),
+        ("speedup", f"{s['speedup']:.2f}x"),
+        ("ideal step (balanced, free comm)", f"{s['ideal_step_s']:.3f} s  ({s['ideal_speedup']:.2f}x)"),
+        ("distca / ideal", f"{s['distca_over_ideal']:.3f}"),
+        ("bytes per layer forward (all ranks)", f"{s['bytes_sent_per_layer_forward'] / 1e6:.2f} MB"),
+    ]
+    for mode in ("saved", "resend"):
+        if f"backward_{mode}" in s:
+            b = s[f"backward_{mode}"]
+            rows.append((f"backward={mode}: step / bytes per step / kept for backward (max rank)",
+                         f"{b['step_s']:.3f} s / {b['bytes_sent_per_step_all_ranks'] / 1e6:.1f} MB / "
+                         f"{b['saved_for_backward_bytes_max_rank'] / 1e6:.1f} MB"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="processes (GPUs on a CUDA machine)")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--short-docs", type=int, default=32, help="documents on the odd (short) ranks")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=688)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--backward", choices=["saved", "resend", "both"], default="saved")
+    parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object")
+
+
+def run_cli(args, parser) -> int:
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.world < 2 and "WORLD_SIZE" not in os.environ:
+        parser.error("--world must be >= 2: the benchmark compares ranks")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    if args.short_docs > args.tokens:
+        parser.error("--short-docs cannot exceed --tokens")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
+            args.world = int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["RANK"])
+            _worker(rank, args.world, args, int(os.environ.get("MASTER_PORT", 29500)), path if rank == 0 else None)
+            if rank != 0:
+                return 0
+        else:
+            from .comm import free_port
+
+            mp.start_processes(_worker, args=(args.world, args, free_port(), path), nprocs=args.world,
+                               start_method="spawn")
+        with open(path) as f:
+            results = json.load(f)
+    summary = summarize(results, args)
+    print(json.dumps(summary) if args.json else format_table(summary))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="distca-hf bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
