@@ -173,3 +173,31 @@ def test_configure_and_environment(monkeypatch):
             distca_hf.configure(backward="later")
     finally:
         distca_hf.reset_config()
+
+
+def test_bench_cli_contract():
+    """`distca-hf bench --json` on two real processes (tiny sizes): the contract's keys."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "distca-hf"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
+    result = subprocess.run([*cmd, "bench", "--tokens", "512", "--short-docs", "8", "--layers", "1", "--hidden", "64",
+                             "--intermediate", "128", "--steps", "2", "--warmup", "1", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("colocated_step_s", "distca_step_s", "speedup", "attn_imbalance_before", "attn_imbalance_after"):
+        assert isinstance(out[key], float) and out[key] > 0
+    assert out["attn_imbalance_before"] > 1.5 and out["attn_imbalance_after"] <= 1.05
+    assert out["speedup"] == pytest.approx(out["colocated_step_s"] / out["distca_step_s"])
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    from distca_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--world", "1"])
+    assert "--world must be >= 2" in capsys.readouterr().err
