@@ -68,6 +68,7 @@ class DispatchLayout:
     step: int = 0
     bytes_sent: dict = field(default_factory=dict)  # bytes this rank sent in this step, by collective kind
     saved_bytes: int = 0  # bytes this rank kept for backward in this step, all layers
+    buffers: dict = field(default_factory=dict)  # send/receive buffers shared by the step's layers
 
     @property
     def num_tasks(self) -> int:
@@ -156,12 +157,22 @@ def _row_width(t: torch.Tensor) -> int:
     return int(t.shape[1] * t.shape[2]) if t.dim() == 3 else int(t.shape[1])
 
 
-def _pack(parts_by_dest: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+def _buffer(layout: "DispatchLayout", name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A 1D buffer of ``numel`` elements, reused by every layer of the step (grown when needed)."""
+    key = (name, like.dtype)
+    pooled = layout.buffers.get(key)
+    if pooled is None or pooled.numel() < numel:
+        pooled = torch.empty(numel, dtype=like.dtype, device=like.device)
+        layout.buffers[key] = pooled
+    return pooled[:numel]
+
+
+def _pack(layout: "DispatchLayout", name: str, parts_by_dest: list[list[torch.Tensor]]):
     """One 1D buffer holding, for each destination in rank order, its parts flattened."""
     flat = [p.reshape(-1) for parts in parts_by_dest for p in parts]
     splits = [sum(p.numel() for p in parts) for parts in parts_by_dest]
-    dtype = flat[0].dtype if flat else torch.float32
-    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+    buffer = _buffer(layout, name, sum(splits), flat[0])
+    torch.cat(flat, out=buffer)
     return buffer, splits
 
 
@@ -186,13 +197,10 @@ def _unpack(buffer: torch.Tensor, counts_by_part: list[list[int]], shapes: list[
 def _exchange(layout: DispatchLayout, send_parts, recv_counts, shapes, what: str, kind: str):
     """Send ``send_parts[r]`` to rank ``r``; receive parts with ``recv_counts[j][r]`` rows of shape
     ``shapes[j]`` from each rank. Returns the received parts, concatenated over sources."""
-    buffer, splits = _pack(send_parts)
+    buffer, splits = _pack(layout, kind + ".send", send_parts)
     recv_splits = [sum(recv_counts[j][r] * int(np.prod(s)) for j, s in enumerate(shapes)) for r in range(layout.world)]
-    dtype = send_parts[0][0].dtype if send_parts and send_parts[0] else buffer.dtype
-    if buffer.numel() == 0:
-        buffer = buffer.to(dtype)
     received = all_to_all(buffer, splits, recv_splits, layout.group, layout.timeout_s,
-                          f"{what} (step {layout.step})")
+                          f"{what} (step {layout.step})", out=_buffer(layout, kind + ".recv", sum(recv_splits), buffer))
     sent = sum(splits[r] for r in range(layout.world) if r != layout.rank) * buffer.element_size()
     layout.bytes_sent[kind] = layout.bytes_sent.get(kind, 0) + int(sent)
     return _unpack(received, recv_counts, shapes)
