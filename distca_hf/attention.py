@@ -53,8 +53,9 @@ def distca_mask(
         )
     if attention_mask is None or attention_mask.dim() != 2:
         return attention_mask
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+    if attention_mask.shape[1] != kv_length:
+        attention_mask = attention_mask[:, -kv_length:]
+    if bool(attention_mask.all()):
         return None
     return attention_mask
 
@@ -105,7 +106,7 @@ def distca_attention_forward(
     step = step_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
                          kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
     window = kwargs.get("sliding_window")
-    longest = int(step.docs.lengths.max(initial=0))
+    longest = step.longest_document  # over every rank: all ranks refuse together, none waits for the others
     if window is not None and longest > window:
         raise UnsupportedAttentionError(
             f"distca does not support sliding-window attention: {type(module).__name__} has sliding_window="

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -126,7 +125,6 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
             "step_s": times, "stats": stats,
             "bytes_sent_per_step": sum(s[0] for s in sent),
             "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
@@ -163,7 +161,6 @@ def summarize(results: dict, args) -> dict:
                 "step_s": median(r["step_s"]),
                 "bytes_sent_per_step_all_ranks": r["bytes_sent_per_step"],
                 "saved_for_backward_bytes_max_rank": r["saved_for_backward_bytes_max_rank"],
-                "peak_rss_bytes_rank0": r["peak_rss_bytes"],
             }
     return summary
 

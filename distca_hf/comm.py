@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_lengths", "free_port"]
+__all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_documents", "free_port"]
 
 
 class DistCATimeoutError(RuntimeError):
@@ -51,21 +51,22 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
     return handle if async_op else handle.wait()
 
 
-def all_gather_lengths(lengths: np.ndarray, group, device, timeout_s: float, what: str) -> list[np.ndarray]:
-    """Every rank's document lengths (int64 arrays of any length), in rank order."""
+def all_gather_documents(header: list[int], lengths: np.ndarray, group, device, timeout_s: float, what: str):
+    """Every rank's small int header and its document lengths (any count), in rank order.
+    Returns ``(headers, lengths)``: lists of tuples and int64 arrays."""
     world = dist.get_world_size(group)
-    count = torch.tensor([lengths.size], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    CommHandle(dist.all_gather(counts, count, group=group, async_op=True), None, timeout_s,
+    mine = torch.tensor([lengths.size, *header], dtype=torch.int64, device=device)
+    heads = [torch.empty_like(mine) for _ in range(world)]
+    CommHandle(dist.all_gather(heads, mine, group=group, async_op=True), None, timeout_s,
                f"{what} (all-gather of document counts)").wait()
-    sizes = [int(c.item()) for c in counts]
-    width = max(1, max(sizes))
+    heads = [h.cpu().tolist() for h in heads]
+    width = max(1, max(h[0] for h in heads))
     padded = torch.zeros(width, dtype=torch.int64, device=device)
     padded[: lengths.size] = torch.from_numpy(lengths.astype(np.int64)).to(device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     CommHandle(dist.all_gather(gathered, padded, group=group, async_op=True), None, timeout_s,
                f"{what} (all-gather of document lengths)").wait()
-    return [g[:n].cpu().numpy() for g, n in zip(gathered, sizes)]
+    return [tuple(h[1:]) for h in heads], [g[: h[0]].cpu().numpy() for g, h in zip(gathered, heads)]
 
 
 def free_port() -> int:

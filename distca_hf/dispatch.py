@@ -256,7 +256,8 @@ class _DispatchedAttention(torch.autograd.Function):
             lse = lse_pool[: layout.num_local].index_copy(0, layout.send_q_rows, got_lse)
             ctx.save_for_backward(q, k, v, out, lse)
             kept = (q, k, v, out, lse)
-        layout.saved_bytes += sum(t.numel() * t.element_size() for t in kept)
+        if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
+            layout.saved_bytes += sum(t.numel() * t.element_size() for t in kept)
         return out
 
     @staticmethod

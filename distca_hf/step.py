@@ -1,23 +1,30 @@
 """The per-step context: documents, plan and layouts, made once per forward and reused by every
 layer and by the backward (gradient checkpointing's recomputation included).
 
-A new step starts when the first attention layer (``layer_idx == 0``) is called outside a backward
-pass; otherwise a call whose inputs are the very same tensors (same objects, unchanged) reuses the
-current step. Under ``torch.distributed`` with more than one rank in the server group, making a
-step all-gathers every rank's document lengths, runs the planner (identical on every rank) and
-builds this rank's dispatch layout; with one rank, a KV cache or ``mode="colocated"``, each rank
-computes its own documents locally.
+A new step starts at the first attention call of a forward: a call outside a backward pass whose
+layer index is not above the previous call's (layers run in increasing order, so the index falls
+back when the next forward begins; this also holds for hybrid models and pipeline stages whose
+first attention layer is not 0). Other calls reuse the current step when they see the same
+``position_ids`` / ``cu_seq_lens`` tensors (HF passes one set to every layer; masks differ per
+layer type, so they only count when there are no positions).
+
+Under ``torch.distributed`` with more than one rank in the server group, making a step is a
+collective: every rank all-gathers a header (document count, or -1 if its inputs were invalid;
+whether it holds a KV cache; a fingerprint of its settings) and its document lengths. So every rank
+makes the same decision: all raise if one rank's inputs are invalid or settings differ, all compute
+locally if one rank decodes with a cache, and otherwise all run the same plan.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_lengths
+from .comm import all_gather_documents
 from .config import current_config
 from .dispatch import DispatchLayout, build_dispatch_layout
 from .documents import PackedDocuments, find_documents
@@ -25,7 +32,11 @@ from .layout import comm_bytes, kv_transfers
 from .planner import DocumentPieces, PlannerConfig, TokenBytes, pairs_of, plan_tasks
 from .tasks import FusedBatch, fuse_tasks, whole_document_tasks
 
-__all__ = ["Step", "step_for_call", "plan_stats"]
+__all__ = ["Step", "step_for_call", "plan_stats", "DistCAPeerError"]
+
+
+class DistCAPeerError(RuntimeError):
+    """Another rank could not take part in this step (its own error says why)."""
 
 
 @dataclass(eq=False)
@@ -39,10 +50,12 @@ class Step:
     dispatch: DispatchLayout | None  # set when dispatching to servers
     stats: dict
     number: int
+    longest_document: int  # over all ranks of the server group
 
 
 _current: Step | None = None
 _steps_made = 0
+_last_layer_idx: int | None = None
 
 
 def _in_backward() -> bool:
@@ -50,60 +63,101 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def _key(shape: tuple, tensors: tuple) -> tuple:
+def _identity(tensors: tuple) -> tuple:
     # Inference tensors keep no version counter; they cannot change outside inference mode.
-    return (shape, tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors))
+    return tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
+
+
+def _starts_forward(module) -> bool:
+    global _last_layer_idx
+    if _in_backward():
+        return False
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        return False
+    starts = _last_layer_idx is None or layer_idx <= _last_layer_idx
+    _last_layer_idx = layer_idx
+    return starts
 
 
 def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
                   cu_seq_lens_k) -> Step:
-    """The step this attention call belongs to (made now if it is the first layer of a forward)."""
+    """The step this attention call belongs to (made now if the call starts a forward)."""
     global _current, _steps_made
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
-    inputs = (attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    call_key = _key((batch_size, query_len, kv_len, num_heads, num_kv_heads, head_dim, query.dtype, query.device),
-                    inputs)
-    new_forward = getattr(module, "layer_idx", None) == 0 and not _in_backward()
+    # The mask identifies the documents only when nothing else does (it is a new view per layer type).
+    identifying = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    if all(t is None for t in identifying):
+        identifying = (attention_mask,)
+    call_key = ((batch_size, query_len, kv_len, num_heads, num_kv_heads, head_dim, query.dtype, query.device),
+                _identity(identifying))
+    new_forward = _starts_forward(module)
     current = _current
     if (not new_forward and current is not None and current.key == call_key
-            and all(a is b for a, b in zip(current.inputs, inputs))):
+            and all(a is b for a, b in zip(current.inputs, identifying))):
         return current
-    docs = find_documents(batch_size, query_len, kv_len, attention_mask=attention_mask, position_ids=position_ids,
-                          cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+
     config = current_config()
     group = config.group
-    distributed = (
-        config.mode == "distca" and kv_len == query_len and dist.is_available() and dist.is_initialized()
-        and dist.get_world_size(group) > 1
-    )
     _steps_made += 1
-    if distributed:
-        token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
-                                 kv=2 * num_kv_heads * head_dim * query.element_size(),
-                                 o=num_heads * head_dim * query.element_size())
-        dispatch, stats = _plan(docs, config, group, token_bytes, query.device, _steps_made, num_heads)
-        _current = Step(call_key, inputs, docs, None, dispatch, stats, _steps_made)
-    else:
-        if docs.num_docs == 0:
-            raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
-        pairs = int(pairs_of(docs.past, docs.lengths).sum())
-        stats = {"attn_pairs_local": [pairs], "attn_pairs_served": [pairs], "bytes_sent_per_layer": 0,
-                 "step": _steps_made, "dispatched": False}
-        _current = Step(call_key, inputs, docs, fuse_tasks(whole_document_tasks(docs), docs).to(query.device), None,
-                        stats, _steps_made)
+    number = _steps_made
+    distributed = config.mode == "distca" and dist.is_available() and dist.is_initialized() \
+        and dist.get_world_size(group) > 1
+    if not distributed:
+        docs = find_documents(batch_size, query_len, kv_len, attention_mask=attention_mask,
+                              position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+        _current = _local_step(call_key, identifying, docs, query.device, number, int(docs.lengths.max(initial=0)))
+        return _current
+
+    error, docs = None, None
+    try:
+        docs = find_documents(batch_size, query_len, kv_len, attention_mask=attention_mask,
+                              position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+    except ValueError as e:  # still join the collective, so the other ranks learn of it
+        error = e
+    fingerprint = zlib.crc32(repr((config.tolerance, config.block, config.servers, config.backward,
+                                   config.overlap)).encode())
+    lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
+    header = [-1 if error else lengths.size, int(kv_len != query_len), fingerprint]
+    gather_device = query.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    headers, per_rank = all_gather_documents(header, lengths, group, gather_device, config.timeout_s,
+                                             f"distca step {number}: planning")
+    if error is not None:
+        raise error
+    failed = [r for r, h in enumerate(headers) if h[0] < 0]
+    if failed:
+        raise DistCAPeerError(f"distca step {number}: rank(s) {failed} could not describe their documents (see "
+                              "their error); every rank stops this step")
+    if len({h[2] for h in headers}) > 1:
+        raise ValueError(f"distca step {number}: ranks use different settings (tolerance, block, servers, backward "
+                         "or overlap); set the same DISTCA_* variables / configure() on every rank")
+    longest = int(max((x.max(initial=0) for x in per_rank), default=0))
+    if any(h[1] for h in headers):  # someone decodes with a KV cache: everyone computes locally
+        _current = _local_step(call_key, identifying, docs, query.device, number, longest)
+        return _current
+    token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
+                             kv=2 * num_kv_heads * head_dim * query.element_size(),
+                             o=num_heads * head_dim * query.element_size())
+    dispatch, stats = _plan(docs, per_rank, config, group, token_bytes, query.device, number, num_heads)
+    _current = Step(call_key, identifying, docs, None, dispatch, stats, number, longest)
     return _current
 
 
-def _plan(docs: PackedDocuments, config, group, token_bytes: TokenBytes, device, number: int, num_heads: int):
-    if docs.past.any():
-        raise ValueError("distca: cannot dispatch a call with a KV cache")
+def _local_step(call_key, inputs, docs: PackedDocuments, device, number: int, longest: int) -> Step:
+    if docs.num_docs == 0:
+        raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
+    pairs = int(pairs_of(docs.past, docs.lengths).sum())
+    stats = {"attn_pairs_local": [pairs], "attn_pairs_served": [pairs], "bytes_sent_per_layer": 0,
+             "step": number, "dispatched": False}
+    return Step(call_key, inputs, docs, fuse_tasks(whole_document_tasks(docs), docs).to(device), None, stats, number,
+                longest)
+
+
+def _plan(docs: PackedDocuments, per_rank, config, group, token_bytes: TokenBytes, device, number: int,
+          num_heads: int):
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    # NCCL all-gathers need device tensors; gloo takes CPU ones.
-    gather_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    per_rank = all_gather_lengths(docs.lengths, group, gather_device, config.timeout_s,
-                                  f"distca step {number}: planning")
     counts = np.array([len(x) for x in per_rank], dtype=np.int64)
     doc_offset = np.concatenate(([0], np.cumsum(counts)))
     lengths = np.concatenate(per_rank) if counts.sum() else np.zeros(0, dtype=np.int64)

@@ -201,3 +201,92 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--world", "1"])
     assert "--world must be >= 2" in capsys.readouterr().err
+
+
+def _agreement_worker(rank, world):
+    """Situations where ranks could fall out of step; every rank must decide the same thing."""
+    import distca_hf
+    from distca_hf.step import DistCAPeerError
+    from helpers import tiny_model
+
+    report = {}
+
+    def outcome(fn):
+        try:
+            fn()
+            return "ok"
+        except (ValueError, RuntimeError) as e:
+            return type(e).__name__
+
+    # a. full + sliding layers (one mask per layer type) with padding on one rank only: one plan, exact
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=3)
+    g = torch.Generator().manual_seed(rank)
+    if rank == 0:
+        ids, mask = torch.randint(1, 96, (2, 20), generator=g), torch.ones(2, 20, dtype=torch.long)
+        mask[1, 15:] = 0
+        docs = [ids[0], ids[1, :15]]
+    else:
+        ids, mask = torch.randint(1, 96, (1, 30), generator=g), None
+        docs = [ids[0]]
+    steps_before = distca_hf.plan_stats()["step"] if distca_hf.step._current else 0
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        report["plans_in_one_forward"] = distca_hf.plan_stats()["step"] - steps_before
+        model.set_attn_implementation("eager")
+        alone = [model(input_ids=d[None]).logits[0] for d in docs]
+        model.set_attn_implementation("distca")
+    got = [logits[0], logits[1, :15]] if rank == 0 else [logits[0]]
+    report["mixed_err"] = max(float((a - b).abs().max()) for a, b in zip(got, alone))
+
+    # b. a document longer than a sliding window on one rank: everyone refuses
+    mistral = tiny_model("mistral")  # window 64
+    report["window"] = outcome(lambda: mistral(input_ids=torch.randint(1, 96, (1, 100 if rank == 0 else 30))))
+    # c. invalid position_ids on one rank: it names its problem, the others stop with a peer error
+    bad = torch.tensor([[0, 1, 2, 5, 6, 7]]) if rank == 1 else torch.arange(6)[None]
+    report["invalid"] = outcome(lambda: mistral(input_ids=torch.arange(6)[None], position_ids=bad))
+    # d. different settings on the ranks
+    distca_hf.configure(tolerance=0.3 if rank == 1 else 0.02)
+    report["settings"] = outcome(lambda: mistral(input_ids=torch.arange(6)[None]))
+    distca_hf.reset_config()
+    # e. generation on every rank, different prompts: prefill dispatches, decoding runs locally
+    llama = tiny_model("llama").eval()
+    prompt = torch.randint(1, 96, (1, 9 if rank == 0 else 4), generator=g)
+    with torch.no_grad():
+        ours = llama.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        llama.set_attn_implementation("eager")
+        theirs = llama.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    report["generate_equal"] = bool(torch.equal(ours, theirs))
+    # f. first attention layer is not layer 0, and one rank reuses its input tensors
+    shifted = tiny_model("llama")
+    for layer in shifted.model.layers:
+        layer.self_attn.layer_idx += 1
+    docs = _documents_for(rank, world, 0)
+    ids = torch.cat(docs).unsqueeze(0)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    errs = []
+    for _ in range(2):
+        if rank == 1:
+            ids, pos = ids.clone(), pos.clone()
+        with torch.no_grad():
+            errs.append(shifted(input_ids=ids, position_ids=pos, use_cache=False).logits[0])
+    shifted.set_attn_implementation("eager")
+    with torch.no_grad():
+        alone = torch.cat([shifted(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    report["shifted_err"] = max(float((e - alone).abs().max()) for e in errs)
+    report["peer_error_type"] = DistCAPeerError.__name__
+    return report
+
+
+def test_ranks_agree_on_every_decision(tmp_path):
+    results = run_ranks(_agreement_worker, 2, tmp_path, env={"DISTCA_TIMEOUT_S": "20"}, deadline_s=240)
+    for r in results:
+        assert r["ok"], r.get("traceback", r["error"])
+    r0, r1 = results[0]["value"], results[1]["value"]
+    for report in (r0, r1):
+        assert report["plans_in_one_forward"] == 1
+        assert report["mixed_err"] < 1e-5
+        assert report["window"] == "UnsupportedAttentionError"
+        assert report["settings"] == "ValueError"
+        assert report["generate_equal"]
+        assert report["shifted_err"] < 1e-5
+    assert r1["invalid"] == "DocumentBoundaryError" and r0["invalid"] == "DistCAPeerError"
