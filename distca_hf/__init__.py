@@ -13,7 +13,7 @@ from .comm import DistCATimeoutError
 from .config import DistCAConfig, configure, current_config, reset_config
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .kernels import varlen_causal_attention
-from .step import plan_stats
+from .step import DistCAPeerError, plan_stats
 from .tasks import CATask, fuse_tasks, split_document, whole_document_tasks
 
 register()
@@ -22,6 +22,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "CATask",
     "DistCAConfig",
+    "DistCAPeerError",
     "DistCATimeoutError",
     "DocumentBoundaryError",
     "PackedDocuments",

@@ -10,7 +10,8 @@ and a *server* (it computes the CA-tasks the plan gives it). Per layer, forward:
    kernel once, and keeps the outputs of its local tasks;
 3. one all-to-all returns the other outputs to their sources.
 
-Backward mirrors it. In ``saved`` mode a server keeps its fused q, k, v, out and log-sum-exp, so
+Backward mirrors it. In ``saved`` mode a server keeps its fused q, out and log-sum-exp and its K/V
+pool (each token once), so
 only dO travels out and dQ, dK, dV travel back (K/V gradients of a token used by several tasks or
 servers are summed). In ``resend`` mode servers keep nothing: sources keep their own q, k, v, out
 and log-sum-exp and send them again with dO, trading bytes for flat server memory.
@@ -31,7 +32,7 @@ from .documents import PackedDocuments
 from .kernels import varlen_attention_backward, varlen_attention_forward
 from .layout import KVTransfers
 from .planner import Plan
-from .tasks import _ranges
+from .tasks import concat_ranges
 
 __all__ = ["DispatchLayout", "build_dispatch_layout", "dispatched_attention"]
 
@@ -86,12 +87,12 @@ def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, d
 
     moved_out = (src == rank) & (srv != rank)
     local_doc = doc[moved_out] - doc_offset[rank]
-    send_q_rows = _ranges(docs.q_starts[local_doc] + a[moved_out], lengths[moved_out])
+    send_q_rows = concat_ranges(docs.q_starts[local_doc] + a[moved_out], lengths[moved_out])
     send_q_counts = np.bincount(srv[moved_out], weights=lengths[moved_out], minlength=world)
 
     kv_len = kv.end - kv.start
     kv_out = kv.source == rank
-    send_kv_rows = _ranges(docs.k_starts[kv.doc[kv_out] - doc_offset[rank]] + kv.start[kv_out], kv_len[kv_out])
+    send_kv_rows = concat_ranges(docs.k_starts[kv.doc[kv_out] - doc_offset[rank]] + kv.start[kv_out], kv_len[kv_out])
     send_kv_counts = np.bincount(kv.server[kv_out], weights=kv_len[kv_out], minlength=world)
 
     on_me = srv == rank
@@ -143,18 +144,14 @@ def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, d
         send_kv_counts=send_kv_counts.astype(np.int64).tolist(),
         recv_q_counts=recv_q_counts.tolist(),
         recv_kv_counts=recv_kv_counts.tolist(),
-        q_index=as_tensor(_ranges(q_first, t_len)),
-        k_index=as_tensor(_ranges(k_first, t_b)),
+        q_index=as_tensor(concat_ranges(q_first, t_len)),
+        k_index=as_tensor(concat_ranges(k_first, t_b)),
         cu_seqlens_q=torch.from_numpy(cu_q).to(device),
         cu_seqlens_k=torch.from_numpy(cu_k).to(device),
         max_seqlen_q=int(t_len.max(initial=0)),
         max_seqlen_k=int(t_b.max(initial=0)),
         **settings,
     )
-
-
-def _row_width(t: torch.Tensor) -> int:
-    return int(t.shape[1] * t.shape[2]) if t.dim() == 3 else int(t.shape[1])
 
 
 def _buffer(layout: "DispatchLayout", name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -206,15 +203,11 @@ def _exchange(layout: DispatchLayout, send_parts, recv_counts, shapes, what: str
     return _unpack(received, recv_counts, shapes)
 
 
-def _by_dest(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    return _split_rows(t, counts)
-
-
 def _send_inputs(layout, q, k, v, what):
     """Move query rows and K/V rows to their servers; returns the received (q, k, v) rows."""
-    qs = _by_dest(q.index_select(0, layout.send_q_rows), layout.send_q_counts)
-    ks = _by_dest(k.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
-    vs = _by_dest(v.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+    qs = _split_rows(q.index_select(0, layout.send_q_rows), layout.send_q_counts)
+    ks = _split_rows(k.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+    vs = _split_rows(v.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
     return _exchange(layout, [[a, b, c] for a, b, c in zip(qs, ks, vs)],
                      [layout.recv_q_counts, layout.recv_kv_counts, layout.recv_kv_counts],
                      [tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:])], what, "forward_inputs")
@@ -238,8 +231,6 @@ class _DispatchedAttention(torch.autograd.Function):
         else:
             f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
         out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, layout.q_index, f_out)
-        lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
-        lse_pool.index_copy_(0, layout.q_index, f_lse.t())
         # return the outputs (and, for resend, their log-sum-exp) of other sources' tasks
         back = [[o] for o in _split_rows(out_pool[layout.num_local :], layout.recv_q_counts)]
         (got_out,) = _exchange(layout, back, [layout.send_q_counts], [tuple(q.shape[1:])],
@@ -247,9 +238,12 @@ class _DispatchedAttention(torch.autograd.Function):
         out = out_pool[: layout.num_local].index_copy(0, layout.send_q_rows, got_out)
         ctx.layout, ctx.scale = layout, scale
         if layout.backward_mode == "saved":
-            ctx.save_for_backward(fq, fk, fv, f_out, f_lse)
-            kept = (fq, fk, fv, f_out, f_lse)
+            # K/V pools hold each token once; the fused K/V repeat a prefix for every task using it
+            ctx.save_for_backward(fq, k_pool, v_pool, f_out, f_lse)
+            kept = (fq, k_pool, v_pool, f_out, f_lse)
         else:
+            lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
+            lse_pool.index_copy_(0, layout.q_index, f_lse.t())
             lse_back = [[x] for x in _split_rows(lse_pool[layout.num_local :], layout.recv_q_counts)]
             (got_lse,) = _exchange(layout, lse_back, [layout.send_q_counts], [(heads,)],
                                    "distca forward: returning log-sum-exp", "forward_outputs")
@@ -266,9 +260,10 @@ class _DispatchedAttention(torch.autograd.Function):
         dout = dout.contiguous()
         qshape = tuple(dout.shape[1:])
         if layout.backward_mode == "saved":
-            fq, fk, fv, f_out, f_lse = ctx.saved_tensors
+            fq, k_pool, v_pool, f_out, f_lse = ctx.saved_tensors
+            fk, fv = k_pool.index_select(0, layout.k_index), v_pool.index_select(0, layout.k_index)
             kshape = tuple(fk.shape[1:])
-            sends = [[x] for x in _by_dest(dout.index_select(0, layout.send_q_rows), layout.send_q_counts)]
+            sends = [[x] for x in _split_rows(dout.index_select(0, layout.send_q_rows), layout.send_q_counts)]
             (recv_do,) = _exchange(layout, sends, [layout.recv_q_counts], [qshape],
                                    "distca backward: sending dO to servers", "backward_inputs")
             f_do = torch.cat([dout, recv_do]).index_select(0, layout.q_index)
@@ -277,8 +272,8 @@ class _DispatchedAttention(torch.autograd.Function):
         else:
             q, k, v, out, lse = ctx.saved_tensors
             kshape = tuple(k.shape[1:])
-            rows = lambda t: _by_dest(t.index_select(0, layout.send_q_rows), layout.send_q_counts)
-            krows = lambda t: _by_dest(t.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
+            rows = lambda t: _split_rows(t.index_select(0, layout.send_q_rows), layout.send_q_counts)
+            krows = lambda t: _split_rows(t.index_select(0, layout.send_kv_rows), layout.send_kv_counts)
             sends = [list(p) for p in zip(rows(q), krows(k), krows(v), rows(dout), rows(out))]
             rq, rk, rv, rdo, ro = _exchange(
                 layout, sends,

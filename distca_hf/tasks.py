@@ -20,7 +20,7 @@ import torch
 from .cost import causal_pairs
 from .documents import PackedDocuments
 
-__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks"]
+__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks", "concat_ranges"]
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
     else:
         # Query row of task t, position j: docs.q_starts[doc] + (q_start - past) + j.
         q_first = docs.q_starts[doc_ids] + (q_start - past)
-        q_index = torch.from_numpy(_ranges(q_first, q_lens))
-        k_index = torch.from_numpy(_ranges(docs.k_starts[doc_ids], k_lens))
+        q_index = torch.from_numpy(concat_ranges(q_first, q_lens))
+        k_index = torch.from_numpy(concat_ranges(docs.k_starts[doc_ids], k_lens))
     return FusedBatch(
         q_index,
         k_index,
@@ -141,7 +141,7 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
     )
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
     total = int(lengths.sum())
     offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
