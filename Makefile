@@ -20,6 +20,8 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	# flash-attn compiles against the installed torch, so it must see it (no build isolation).
+	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*

@@ -237,7 +237,10 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
         return _local_plan(pieces, servers)
 
     tb = config.token_bytes
-    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv))
+    # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
+    # margin between the planning cap and the guarantee (so the guarantee still holds).
+    slack = 0.1 * max(config.tolerance - margin, 0.0) * load.sum() / len(servers)
+    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv, slack))
     # Pass 1: donors, largest excess first, fill the servers with the most room. A room smaller than
     # the donor's smallest shard is overfilled by less than one block rather than wasted...
     for donor in donors:
@@ -311,7 +314,8 @@ class _Shedder:
         self.was_donor[donor] = True
         intervals = self._open(donor)
         must_empty = not self.is_server[donor]
-        while need > 0 and intervals:
+        keep = 0.0 if must_empty else self.carver.slack
+        while need > keep and intervals:
             receiver = self._roomiest(exclude=donor)
             if receiver is None:
                 if not must_empty:
@@ -319,7 +323,7 @@ class _Shedder:
                 servers = np.flatnonzero(self.is_server)
                 receiver = int(servers[np.argmin(self.served[servers])])
             budget = max(self._room(receiver), 0.0)
-            moved = self.carver.move(intervals, need, budget, donor, receiver, self.out)
+            moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
             if moved == 0:
                 if not (overfill or must_empty):
                     return
@@ -327,7 +331,7 @@ class _Shedder:
                 # second pass. One block of the latest interval holds at most block * end pairs.
                 receiver = self._overfill_target(donor)
                 budget = max(self._room(receiver), 0.0) + self.carver.block * intervals[0][2]
-                moved = self.carver.move(intervals, need, budget, donor, receiver, self.out)
+                moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
             need -= moved
             self.served[receiver] += moved
             self.served[donor] -= moved
@@ -383,8 +387,8 @@ class _Carver:
     so every shard is a multiple of ``block`` long except one that ends at a piece's end. ``q_o``
     and ``kv`` are wire bytes per token (query out + output back; K and V)."""
 
-    def __init__(self, block: int, q_o: int, kv: int):
-        self.block, self.q_o, self.kv = block, q_o, kv
+    def __init__(self, block: int, q_o: int, kv: int, slack: float = 0.0):
+        self.block, self.q_o, self.kv, self.slack = block, q_o, kv, slack
 
     def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
         """Move about ``need`` pairs, never more than ``budget``, from ``intervals`` (kept sorted by
@@ -392,6 +396,8 @@ class _Carver:
         moved = 0.0
         while intervals and moved < need:
             want, allowed = need - moved, budget - moved
+            if moved and allowed <= self.slack:
+                break  # the receiver is as good as full: the next one has more room
             i = 0
             if min(want, allowed) < self.block * intervals[0][2]:
                 # Less than a block of the latest interval is wanted (or fits): take it from the
@@ -432,31 +438,32 @@ class _Carver:
         # b = P / w + w / 2, smallest at w = sqrt(P kv / (q + o + kv / 2)).
         width = math.sqrt(want * self.kv / (self.q_o + self.kv / 2)) if self.kv else float(hi - lo)
         ideal_end = want / max(width, 1.0) + width / 2
-        head_end = (-1.0 + math.sqrt(1.0 + 4.0 * (lo * (lo + 1) + 2.0 * want))) / 2.0
         if ideal_end >= hi:  # the byte-optimal shard would end past the interval: take its tail
             a = self._start_for(lo, hi, want, budget)
             return None if a is None else (a, hi)
-        ends = {hi, self._aligned_up(lo, ideal_end, hi), self._aligned_up(lo, head_end, hi)}
-        best = None
-        for b in sorted(e for e in ends if e > lo):
+        head_end = (-1.0 + math.sqrt(1.0 + 4.0 * (lo * (lo + 1) + 2.0 * want))) / 2.0
+        best, best_key = None, None
+        for b in (hi, self._aligned_up(lo, ideal_end, hi), self._aligned_up(lo, head_end, hi)):
+            if b <= lo or (best is not None and b == best[1]):
+                continue
             a = self._start_for(lo, b, want, budget)
             if a is None:
                 continue
             got = _pairs(a, b)
             key = (got < want - self.block * b, ((b - a) * self.q_o + b * self.kv) / got)
-            if best is None or key < best[0]:
-                best = (key, (a, b))
-        return None if best is None else best[1]
+            if best_key is None or key < best_key:
+                best, best_key = (a, b), key
+        return best
 
     def _start_for(self, lo: int, b: int, want: float, budget: float):
         """The cut point ``a`` in ``[lo, b)`` whose shard ``[a, b)`` is the smallest holding at least
         ``want`` pairs, moved up while it exceeds ``budget``; ``None`` if no shard fits."""
         block = self.block
-        a = lo + max(0, math.floor((_start_with_pairs(b, want) - lo) / block)) * block
-        if budget != math.inf:
-            a = max(a, lo + max(0, math.ceil((_start_with_pairs(b, budget) - lo) / block)) * block)
-            while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
-                a += block
+        a = lo + max(0, math.ceil((_start_with_pairs(b, budget) - lo) / block)) * block  # pairs <= budget
+        if want < budget:
+            a = max(a, lo + max(0, math.floor((_start_with_pairs(b, want) - lo) / block)) * block)
+        while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
+            a += block
         return a if a < b else None
 
 

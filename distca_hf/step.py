@@ -17,6 +17,7 @@ locally if one rank decodes with a cache, and otherwise all run the same plan.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class Step:
 _current: Step | None = None
 _steps_made = 0
 _last_layer_idx: int | None = None
+_warned_overlap: set[str] = set()
 
 
 def _in_backward() -> bool:
@@ -136,6 +138,10 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
     if any(h[1] for h in headers):  # someone decodes with a KV cache: everyone computes locally
         _current = _local_step(call_key, identifying, docs, query.device, number, longest)
         return _current
+    if config.overlap != "none" and config.overlap not in _warned_overlap:
+        _warned_overlap.add(config.overlap)
+        warnings.warn(f"distca: overlap mode {config.overlap!r} (DISTCA_OVERLAP) is not implemented yet; "
+                      "communication runs without overlap")
     token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
                              kv=2 * num_kv_heads * head_dim * query.element_size(),
                              o=num_heads * head_dim * query.element_size())
