@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.layout import comm_bytes, kv_transfers
-from distca_hf.planner import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, pairs_of, plan_tasks
+from distca_hf.planner import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, plan_tasks
 from distca_hf.simulate import draw_batch, pack_pieces
 
 
