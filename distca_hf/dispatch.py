@@ -111,25 +111,20 @@ def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, d
     q_first[is_local] = docs.q_starts[own] + t_a[is_local]
     k_first[is_local] = docs.k_starts[own]
 
-    # Received query rows: per source, its tasks' rows in plan order.
-    q_region = num_local + np.concatenate(([0], np.cumsum(recv_q_counts)[:-1]))
+    # Received rows sit after the local ones, grouped by source in rank order (the plan is sorted by
+    # server then source; documents are numbered in rank order, so transfers by document are too):
+    # each task's or transfer's first row is the running total of the rows before it.
     r_src, r_len = t_src[~is_local], t_len[~is_local]
-    within = np.cumsum(r_len) - r_len
-    group_start = np.concatenate(([0], np.cumsum(np.bincount(r_src, weights=r_len, minlength=world))[:-1]))
-    q_first[~is_local] = q_region[r_src] + within - group_start[r_src].astype(np.int64)
-
-    # Received K/V rows: per source, its transfers in order; one transfer per (source, doc) prefix.
-    kv_region = num_local + np.concatenate(([0], np.cumsum(recv_kv_counts)[:-1]))
     in_src, in_doc, in_len = kv.source[kv_in], kv.doc[kv_in], kv_len[kv_in]
+    if (np.diff(r_src) < 0).any() or (np.diff(in_src) < 0).any():
+        raise AssertionError("distca: received rows are not grouped by source; please report this")
     if (kv.start[kv_in] != 0).any():
         raise NotImplementedError("distca dispatch expects every document whole on one rank")
-    in_within = np.cumsum(in_len) - in_len
-    in_group_start = np.concatenate(([0], np.cumsum(np.bincount(in_src, weights=in_len, minlength=world))[:-1]))
-    in_first = kv_region[in_src] + in_within - in_group_start[in_src].astype(np.int64)
-    key = in_src * (int(doc.max(initial=0)) + 1) + in_doc
-    order = np.argsort(key)
-    want = t_src[~is_local] * (int(doc.max(initial=0)) + 1) + t_doc[~is_local]
-    k_first[~is_local] = in_first[order][np.searchsorted(key[order], want)]
+    q_first[~is_local] = num_local + np.cumsum(r_len) - r_len
+    in_first = num_local + np.cumsum(in_len) - in_len
+    # one transfer per document (its prefix up to the longest task here): find each task's
+    order = np.argsort(in_doc)
+    k_first[~is_local] = in_first[order][np.searchsorted(in_doc[order], t_doc[~is_local])]
 
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
     cu_q = np.concatenate(([0], np.cumsum(t_len))).astype(np.int32)
