@@ -78,38 +78,27 @@ def _print_env(args) -> int:
     return 0
 
 
+# Subcommands with their own parser: name -> (module, one-line help). Imported only when used.
+SUBCOMMANDS = {
+    "kernel-bench": ("distca_hf.kernels.benchmark", "time the exact CPU attention paths side by side"),
+    "simulate": ("distca_hf.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
+    "profile": ("distca_hf.profile", "measure time-model constants on this device"),
+    "bench": ("distca_hf.bench", "multi-process step time: colocated against distca"),
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="distca-hf", description="Core Attention Disaggregation for HF transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="versions, device and usable kernel backends")
     env.add_argument("--json", action="store_true", help="print as JSON")
-    sub.add_parser("kernel-bench", help="time the exact CPU attention paths side by side", add_help=False)
-    from . import simulate
-
-    sim = sub.add_parser("simulate", help="what CAD gains on N ranks: balance, bytes, plan time, speedup")
-    simulate.add_arguments(sim)
-    sub.add_parser("profile", help="measure time-model constants on this device", add_help=False)
-    from . import bench
-
-    bench_parser = sub.add_parser("bench", help="multi-process step time: colocated against distca")
-    bench.add_arguments(bench_parser)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "profile":
-        from . import profile
+    if args.command in SUBCOMMANDS:
+        import importlib
 
-        return profile.main(rest)
-    if args.command == "bench":
-        if rest:
-            bench_parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return bench.run_cli(args, bench_parser)
-    if args.command == "simulate":
-        if rest:
-            sim.error(f"unrecognized arguments: {' '.join(rest)}")
-        return simulate.run_cli(args, sim)
-    if args.command == "kernel-bench":
-        from .kernels import benchmark
-
-        return benchmark.main(rest)
+        return importlib.import_module(SUBCOMMANDS[args.command][0]).main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return _print_env(args)

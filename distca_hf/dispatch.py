@@ -30,9 +30,9 @@ import torch
 from .comm import all_to_all
 from .documents import PackedDocuments
 from .kernels import varlen_attention_backward, varlen_attention_forward
-from .layout import KVTransfers
-from .planner import Plan
-from .tasks import concat_ranges
+from .layout import KVTransfers, concat_ranges
+from .planner import Plan, pairs_of
+from .tasks import FusedBatch
 
 __all__ = ["DispatchLayout", "build_dispatch_layout", "dispatched_attention"]
 
@@ -44,8 +44,8 @@ class DispatchLayout:
     Source side: ``send_q_rows`` / ``send_kv_rows`` are local token rows to send, grouped by
     destination in rank order, ``send_q_counts`` / ``send_kv_counts`` the rows per destination.
     Server side: ``recv_q_counts`` / ``recv_kv_counts`` rows from each source; the *pools* are
-    ``[local rows] ++ [received rows, by source]``; ``q_index`` / ``k_index`` pick each fused task's
-    query rows and K/V prefix rows from them; ``cu_seqlens_*`` describe the fused batch.
+    ``[local rows] ++ [received rows, by source]``; ``served`` is the fused batch of the CA-tasks
+    this rank computes, its ``q_index`` / ``k_index`` picking query and K/V prefix rows from the pools.
     """
 
     world: int
@@ -57,12 +57,7 @@ class DispatchLayout:
     send_kv_counts: list[int]
     recv_q_counts: list[int]
     recv_kv_counts: list[int]
-    q_index: torch.Tensor
-    k_index: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
+    served: FusedBatch
     group: object = None
     timeout_s: float = 600.0
     backward_mode: str = "saved"
@@ -73,7 +68,7 @@ class DispatchLayout:
 
     @property
     def num_tasks(self) -> int:
-        return int(self.cu_seqlens_q.numel()) - 1
+        return int(self.served.cu_seqlens_q.numel()) - 1
 
 
 def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
@@ -139,12 +134,15 @@ def build_dispatch_layout(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, d
         send_kv_counts=send_kv_counts.astype(np.int64).tolist(),
         recv_q_counts=recv_q_counts.tolist(),
         recv_kv_counts=recv_kv_counts.tolist(),
-        q_index=as_tensor(concat_ranges(q_first, t_len)),
-        k_index=as_tensor(concat_ranges(k_first, t_b)),
-        cu_seqlens_q=torch.from_numpy(cu_q).to(device),
-        cu_seqlens_k=torch.from_numpy(cu_k).to(device),
-        max_seqlen_q=int(t_len.max(initial=0)),
-        max_seqlen_k=int(t_b.max(initial=0)),
+        served=FusedBatch(
+            as_tensor(concat_ranges(q_first, t_len)),
+            as_tensor(concat_ranges(k_first, t_b)),
+            torch.from_numpy(cu_q).to(device),
+            torch.from_numpy(cu_k).to(device),
+            int(t_len.max(initial=0)),
+            int(t_b.max(initial=0)),
+            int(pairs_of(t_a, t_b).sum()),
+        ),
         **settings,
     )
 
@@ -209,23 +207,25 @@ def _send_inputs(layout, q, k, v, what):
 
 
 def _fused(layout, q_pool, k_pool, v_pool):
-    return q_pool.index_select(0, layout.q_index), k_pool.index_select(0, layout.k_index), \
-        v_pool.index_select(0, layout.k_index)
+    served = layout.served
+    return (q_pool.index_select(0, served.q_index), k_pool.index_select(0, served.k_index),
+            v_pool.index_select(0, served.k_index))
 
 
 class _DispatchedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: DispatchLayout, scale: float):
+        served = layout.served
         recv_q, recv_k, recv_v = _send_inputs(layout, q, k, v, "distca forward: sending q/k/v to servers")
         q_pool, k_pool, v_pool = torch.cat([q, recv_q]), torch.cat([k, recv_k]), torch.cat([v, recv_v])
         fq, fk, fv = _fused(layout, q_pool, k_pool, v_pool)
         heads = q.shape[1]
         if layout.num_tasks:
-            f_out, f_lse = varlen_attention_forward(fq, fk, fv, layout.cu_seqlens_q, layout.cu_seqlens_k,
-                                                    layout.max_seqlen_q, layout.max_seqlen_k, scale)
+            f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
+                                                    served.max_seqlen_q, served.max_seqlen_k, scale)
         else:
             f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
-        out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, layout.q_index, f_out)
+        out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, served.q_index, f_out)
         # return the outputs (and, for resend, their log-sum-exp) of other sources' tasks
         back = [[o] for o in _split_rows(out_pool[layout.num_local :], layout.recv_q_counts)]
         (got_out,) = _exchange(layout, back, [layout.send_q_counts], [tuple(q.shape[1:])],
@@ -238,7 +238,7 @@ class _DispatchedAttention(torch.autograd.Function):
             kept = (fq, k_pool, v_pool, f_out, f_lse)
         else:
             lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
-            lse_pool.index_copy_(0, layout.q_index, f_lse.t())
+            lse_pool.index_copy_(0, served.q_index, f_lse.t())
             lse_back = [[x] for x in _split_rows(lse_pool[layout.num_local :], layout.recv_q_counts)]
             (got_lse,) = _exchange(layout, lse_back, [layout.send_q_counts], [(heads,)],
                                    "distca forward: returning log-sum-exp", "forward_outputs")
@@ -252,16 +252,17 @@ class _DispatchedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         layout, scale = ctx.layout, ctx.scale
+        served = layout.served
         dout = dout.contiguous()
         qshape = tuple(dout.shape[1:])
         if layout.backward_mode == "saved":
             fq, k_pool, v_pool, f_out, f_lse = ctx.saved_tensors
-            fk, fv = k_pool.index_select(0, layout.k_index), v_pool.index_select(0, layout.k_index)
+            fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
             kshape = tuple(fk.shape[1:])
             sends = [[x] for x in _split_rows(dout.index_select(0, layout.send_q_rows), layout.send_q_counts)]
             (recv_do,) = _exchange(layout, sends, [layout.recv_q_counts], [qshape],
                                    "distca backward: sending dO to servers", "backward_inputs")
-            f_do = torch.cat([dout, recv_do]).index_select(0, layout.q_index)
+            f_do = torch.cat([dout, recv_do]).index_select(0, served.q_index)
             pool_rows = layout.num_local + sum(layout.recv_q_counts)
             kv_rows = layout.num_local + sum(layout.recv_kv_counts)
         else:
@@ -278,19 +279,19 @@ class _DispatchedAttention(torch.autograd.Function):
             (rlse,) = _exchange(layout, [[x] for x in rows(lse)], [layout.recv_q_counts], [(lse.shape[1],)],
                                 "distca backward: resending log-sum-exp", "backward_inputs")
             fq, fk, fv = _fused(layout, torch.cat([q, rq]), torch.cat([k, rk]), torch.cat([v, rv]))
-            f_do = torch.cat([dout, rdo]).index_select(0, layout.q_index)
-            f_out = torch.cat([out, ro]).index_select(0, layout.q_index)
-            f_lse = torch.cat([lse, rlse]).index_select(0, layout.q_index).t().contiguous()
+            f_do = torch.cat([dout, rdo]).index_select(0, served.q_index)
+            f_out = torch.cat([out, ro]).index_select(0, served.q_index)
+            f_lse = torch.cat([lse, rlse]).index_select(0, served.q_index).t().contiguous()
             pool_rows, kv_rows = q.shape[0] + rq.shape[0], k.shape[0] + rk.shape[0]
         if layout.num_tasks:
-            fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, layout.cu_seqlens_q,
-                                                      layout.cu_seqlens_k, layout.max_seqlen_q,
-                                                      layout.max_seqlen_k, scale)
+            fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
+                                                      served.cu_seqlens_k, served.max_seqlen_q,
+                                                      served.max_seqlen_k, scale)
         else:
             fdq, fdk, fdv = fq, fk, fv  # empty
-        dq_pool = dout.new_zeros(pool_rows, *qshape).index_copy(0, layout.q_index, fdq)
-        dk_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, layout.k_index, fdk)
-        dv_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, layout.k_index, fdv)
+        dq_pool = dout.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)
+        dk_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, served.k_index, fdk)
+        dv_pool = dout.new_zeros(kv_rows, *kshape).index_add(0, served.k_index, fdv)
         n = layout.num_local
         back = [list(p) for p in zip(_split_rows(dq_pool[n:], layout.recv_q_counts),
                                      _split_rows(dk_pool[n:], layout.recv_kv_counts),

@@ -51,11 +51,6 @@ class PackedDocuments:
         return int(self.lengths.shape[0])
 
     @property
-    def query_counts(self) -> np.ndarray:
-        """Query tokens of each document, ``lengths - past``."""
-        return self.lengths - self.past
-
-    @property
     def tiles_stream(self) -> bool:
         """True when the documents cover the query and key streams exactly, in order, with no
         padding and no cache: the kernel can then read q/k/v in place, without a gather."""

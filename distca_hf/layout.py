@@ -14,7 +14,7 @@ import numpy as np
 
 from .planner import DocumentPieces, Plan, TokenBytes
 
-__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes"]
+__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes", "concat_ranges"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,7 +48,7 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     hi = np.searchsorted(piece_docs, need_doc, side="right")
     counts = hi - lo
     need_idx = np.repeat(np.arange(need_doc.size), counts)
-    piece_idx = by_doc[np.repeat(lo, counts) + _within_group(counts)]
+    piece_idx = by_doc[concat_ranges(lo, counts)]
 
     source = pieces.rank[piece_idx]
     server = need_server[need_idx]
@@ -58,11 +58,12 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])
 
 
-def _within_group(counts: np.ndarray) -> np.ndarray:
-    """``[0, 1, .., c0-1, 0, 1, .., c1-1, ...]`` for the given group sizes."""
-    total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - starts
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised (int64)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + offsets
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class CommBytes:
         return self.q + self.kv + self.o
 
 
-def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes) -> CommBytes:
+def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
+               transfers: KVTransfers | None = None) -> CommBytes:
+    """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran."""
     moved_q = plan.moved_queries()
-    kv_tokens = kv_transfers(plan, pieces).tokens()
+    kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces)).tokens()
     return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * token_bytes.o)

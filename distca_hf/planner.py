@@ -203,10 +203,6 @@ class Plan:
         moved = self.source != self.server
         return int((self.q_end[moved] - self.q_start[moved]).sum())
 
-    def tasks_on(self, server: int) -> np.ndarray:
-        """Indices of the tasks that ``server`` computes, in plan order."""
-        return np.flatnonzero(self.server == server)
-
 
 def imbalance(loads: np.ndarray, ranks=None) -> float:
     """max / mean of ``loads`` over ``ranks`` (all by default); 1.0 when there is no load."""

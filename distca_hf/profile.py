@@ -11,28 +11,15 @@ batches that vary pair and task counts independently; a least-squares fit of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
 from .cost import TimeModel, causal_pairs
 from .kernels import select_backend, varlen_causal_attention
+from .kernels.benchmark import median_seconds
 
 __all__ = ["profile", "main"]
-
-
-def _median_seconds(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class _LinearPart(torch.nn.Module):
@@ -65,7 +52,7 @@ def profile(hidden=512, intermediate=1408, heads=8, kv_heads=2, dtype=torch.floa
     linear_times = []
     for n in token_counts:
         x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
-        linear_times.append(_median_seconds(lambda: layer(x).sum().backward(), repeats, sync))
+        linear_times.append(median_seconds(lambda: layer(x).sum().backward(), repeats, sync))
     slope, _ = np.polyfit(np.asarray(token_counts, dtype=np.float64), linear_times, 1)
     if slope <= 0:  # timings too small to resolve a slope: the average cost is an upper bound
         slope = linear_times[-1] / token_counts[-1]
@@ -82,7 +69,7 @@ def profile(hidden=512, intermediate=1408, heads=8, kv_heads=2, dtype=torch.floa
             k = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
             v = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
             step = lambda: varlen_causal_attention(q, k, v, cu, cu, max(lengths), max(lengths)).sum().backward()
-            targets.append(_median_seconds(step, repeats, sync))
+            targets.append(median_seconds(step, repeats, sync))
             rows.append([sum(causal_pairs(0, n) for n in lengths), docs, 1.0])
     (per_pair, per_task, _), *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64), np.asarray(targets), rcond=None)
     if per_pair <= 0:

@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from .cost import LLAMA3_8B_H100, TimeModel
-from .layout import comm_bytes
+from .layout import comm_bytes, concat_ranges
 from .planner import DocumentPieces, PlannerConfig, TokenBytes, imbalance, pairs_of, plan_tasks
 
-__all__ = ["draw_batch", "pack_pieces", "wlb_loads", "simulate", "main"]
+__all__ = ["draw_batch", "cut_to", "pack_pieces", "wlb_loads", "simulate", "main"]
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,11 +43,19 @@ def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator)
     while drawn.sum() < total_tokens:
         more = rng.choice(lengths, size=max(16, int(1.2 * (total_tokens - drawn.sum()) / mean) + 1))
         drawn = np.concatenate((drawn, more))
-    ends = np.cumsum(drawn)
+    return cut_to(drawn, total_tokens)
+
+
+def cut_to(docs: np.ndarray, total_tokens: int) -> np.ndarray:
+    """The documents that fill ``total_tokens`` in order, the last one cut where the batch is full
+    (all of them when they hold no more than that)."""
+    ends = np.cumsum(docs)
+    if ends[-1] <= total_tokens:
+        return docs.copy()
     count = int(np.searchsorted(ends, total_tokens)) + 1
-    docs = drawn[:count].copy()
-    docs[-1] -= int(ends[count - 1]) - total_tokens
-    return docs
+    kept = docs[:count].copy()
+    kept[-1] -= int(ends[count - 1]) - total_tokens
+    return kept
 
 
 def pack_pieces(docs: np.ndarray, ranks: int, tokens_per_rank: int) -> DocumentPieces:
@@ -58,7 +66,7 @@ def pack_pieces(docs: np.ndarray, ranks: int, tokens_per_rank: int) -> DocumentP
     first, last = starts // tokens_per_rank, (ends - 1) // tokens_per_rank
     counts = last - first + 1
     doc = np.repeat(np.arange(docs.size), counts)
-    rank = np.repeat(first, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+    rank = concat_ranges(first, counts)
     lo = np.maximum(starts[doc], rank * tokens_per_rank)
     hi = np.minimum(ends[doc], (rank + 1) * tokens_per_rank)
     return DocumentPieces(rank, doc, lo - starts[doc], hi - starts[doc], ranks)

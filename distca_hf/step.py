@@ -46,7 +46,6 @@ class Step:
 
     key: tuple
     inputs: tuple  # the tensors the step was derived from, kept so identity checks are sound
-    docs: PackedDocuments
     local: FusedBatch | None  # set when computing locally
     dispatch: DispatchLayout | None  # set when dispatching to servers
     stats: dict
@@ -146,7 +145,7 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
                              kv=2 * num_kv_heads * head_dim * query.element_size(),
                              o=num_heads * head_dim * query.element_size())
     dispatch, stats = _plan(docs, per_rank, config, group, token_bytes, query.device, number, num_heads)
-    _current = Step(call_key, identifying, docs, None, dispatch, stats, number, longest)
+    _current = Step(call_key, identifying, None, dispatch, stats, number, longest)
     return _current
 
 
@@ -156,8 +155,7 @@ def _local_step(call_key, inputs, docs: PackedDocuments, device, number: int, lo
     pairs = int(pairs_of(docs.past, docs.lengths).sum())
     stats = {"attn_pairs_local": [pairs], "attn_pairs_served": [pairs], "bytes_sent_per_layer": 0,
              "step": number, "dispatched": False}
-    return Step(call_key, inputs, docs, fuse_tasks(whole_document_tasks(docs), docs).to(device), None, stats, number,
-                longest)
+    return Step(call_key, inputs, fuse_tasks(whole_document_tasks(docs), docs).to(device), None, stats, number, longest)
 
 
 def _plan(docs: PackedDocuments, per_rank, config, group, token_bytes: TokenBytes, device, number: int,
@@ -176,7 +174,7 @@ def _plan(docs: PackedDocuments, per_rank, config, group, token_bytes: TokenByte
     transfers = kv_transfers(plan, pieces)
     layout = build_dispatch_layout(plan, transfers, doc_offset, docs, rank, device, group=group,
                                    timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
-    sent = comm_bytes(plan, pieces, token_bytes)
+    sent = comm_bytes(plan, pieces, token_bytes, transfers)
     # in resend mode the forward also returns each moved query's log-sum-exp (fp32, one per head)
     lse_bytes = plan.moved_queries() * num_heads * 4 if config.backward == "resend" else 0
     stats = {

@@ -19,8 +19,9 @@ import torch
 
 from .cost import causal_pairs
 from .documents import PackedDocuments
+from .layout import concat_ranges
 
-__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks", "concat_ranges"]
+__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks"]
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,3 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
         int(k_lens.max()),
         pairs,
     )
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
-    total = int(lengths.sum())
-    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return (np.arange(total, dtype=np.int64) + offsets).astype(np.int64)

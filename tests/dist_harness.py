@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from distca_hf.comm import free_port
 
 
 def _entry(fn, rank, world, port, out_dir, env, args):

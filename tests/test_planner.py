@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from distca_hf.layout import comm_bytes, kv_transfers
 from distca_hf.planner import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, plan_tasks
-from distca_hf.simulate import draw_batch, pack_pieces
+from distca_hf.simulate import cut_to, draw_batch, pack_pieces
 
 
 @st.composite
@@ -22,13 +22,7 @@ def packed_batches(draw):
     docs = draw(st.lists(st.integers(1, 200), min_size=1, max_size=25))
     total = sum(docs)
     filled_ranks = min(ranks, -(-total // budget))
-    docs_np = np.asarray(docs, dtype=np.int64)
-    capacity = filled_ranks * budget
-    if total > capacity:  # cut the batch where it is full, like the simulator
-        ends = np.cumsum(docs_np)
-        keep = int(np.searchsorted(ends, capacity)) + 1
-        docs_np = docs_np[:keep].copy()
-        docs_np[-1] -= int(ends[keep - 1]) - capacity
+    docs_np = cut_to(np.asarray(docs, dtype=np.int64), filled_ranks * budget)  # like the simulator
     pieces = pack_pieces(docs_np, filled_ranks, budget)
     return DocumentPieces(pieces.rank, pieces.doc, pieces.start, pieces.end, ranks)
 

@@ -87,14 +87,22 @@ def _flex_forward(q, k, v, docs, scale):
     return run
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
+def median_seconds(fn, repeats: int, sync=lambda: None) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up; ``sync`` waits for the
+    device (``torch.cuda.synchronize`` on GPU)."""
+    fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times)
+
+
+def _time(fn, repeats: int) -> float:
+    return median_seconds(fn, repeats) * 1e3
 
 
 CANDIDATES = ("torch_cpu", "torch_cpu_stacked", "sdpa_mask", "math", "dense_packed_sdpa")
