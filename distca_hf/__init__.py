@@ -18,6 +18,10 @@ from .tasks import CATask, fuse_tasks, split_document, whole_document_tasks
 
 register()
 
+from . import patches  # noqa: E402  (after registration: the patches check the implementation name)
+
+patches.install()  # ping-pong decoder stacks for the Llama family (active only with overlap="pingpong")
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CATask",

@@ -8,10 +8,13 @@ the same collectives in the same order.
 from __future__ import annotations
 
 import datetime
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from . import timeline
 
 __all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_documents", "free_port"]
 
@@ -21,13 +24,22 @@ class DistCATimeoutError(RuntimeError):
 
 
 class CommHandle:
-    """A started collective; ``wait()`` returns its output or raises ``DistCATimeoutError``."""
+    """A started collective; ``wait()`` returns its output or raises ``DistCATimeoutError``.
+
+    With the timeline on (``distca_hf.timeline``), the collective's life from launch to completion
+    is recorded as a ``comm`` interval and the time ``wait()`` blocks as a ``wait`` interval.
+    """
 
     def __init__(self, work, output, timeout_s: float, what: str):
         self._work, self._output, self._timeout_s, self._what = work, output, timeout_s, what
+        if work is not None and timeline.enabled():
+            launched, phase = time.perf_counter(), timeline.current_phase()
+            work.get_future().add_done_callback(
+                lambda _: timeline.record(what, "comm", phase, launched, time.perf_counter()))
 
     def wait(self):
         if self._work is not None:
+            started = time.perf_counter()
             try:
                 self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
             except Exception as e:  # gloo and NCCL raise RuntimeError (or DistBackendError) subclasses
@@ -36,6 +48,8 @@ class CommHandle:
                     f"rank probably died or hung. Backend said: {str(e).splitlines()[0][:300]}"
                 ) from e
             self._work = None
+            if timeline.enabled():
+                timeline.record("wait: " + self._what, "wait", timeline.current_phase(), started, time.perf_counter())
         return self._output
 
 

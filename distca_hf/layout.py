@@ -52,7 +52,7 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
 
     source = pieces.rank[piece_idx]
     server = need_server[need_idx]
-    start = pieces.start[piece_idx]
+    start = pieces.kv_start[piece_idx]
     end = np.minimum(pieces.end[piece_idx], need_end[need_idx])
     send = (source != server) & (end > start)
     return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])

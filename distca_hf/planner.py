@@ -106,8 +106,11 @@ class DocumentPieces:
     """Every rank's packed documents as pieces (arrays of shape ``[num_pieces]``, int64).
 
     Piece ``i`` holds the tokens ``[start[i], end[i])`` of document ``doc[i]`` on rank ``rank[i]``;
-    they are queries there and also the K/V of those positions. A document's pieces must not overlap
-    and must cover ``[0, max end)`` (every K/V prefix exists somewhere).
+    they are queries there and also the K/V of those positions. A piece may also hold K/V of earlier
+    positions without their queries: its K/V are ``[kv_start[i], end[i])`` (``kv_start`` defaults to
+    ``start``; ping-pong's second nano-batch holds a cut document's prefix K/V this way). The K/V
+    ranges of a document's pieces must not overlap and must cover ``[0, max end)`` (every K/V prefix
+    exists somewhere).
     """
 
     rank: np.ndarray
@@ -115,13 +118,19 @@ class DocumentPieces:
     start: np.ndarray
     end: np.ndarray
     num_ranks: int
+    kv_start: np.ndarray | None = None
 
     def __post_init__(self):
-        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (self.rank, self.doc, self.start, self.end)]
+        if self.kv_start is None:
+            object.__setattr__(self, "kv_start", self.start)
+        names = ("rank", "doc", "start", "end", "kv_start")
+        arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
         if len({a.size for a in arrays}) != 1:
-            raise ValueError("rank, doc, start and end must have one entry per piece")
-        for name, a in zip(("rank", "doc", "start", "end"), arrays):
+            raise ValueError("rank, doc, start, end and kv_start must have one entry per piece")
+        for name, a in zip(names, arrays):
             object.__setattr__(self, name, a)
+        if (self.kv_start > self.start).any():
+            raise ValueError("a piece's kv_start must not exceed its start (its queries need their own K/V)")
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
         if self.rank.size:
@@ -132,8 +141,8 @@ class DocumentPieces:
             if (self.start < 0).any() or (self.end <= self.start).any():
                 i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
                 raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
-            order = np.lexsort((self.start, self.doc))
-            d, s, e = self.doc[order], self.start[order], self.end[order]
+            order = np.lexsort((self.kv_start, self.doc))
+            d, s, e = self.doc[order], self.kv_start[order], self.end[order]
             first = np.ones(d.size, dtype=bool)
             first[1:] = d[1:] != d[:-1]
             expected = np.where(first, 0, np.concatenate(([0], e[:-1])))

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from .comm import all_gather_documents
 from .config import current_config
-from .dispatch import DispatchLayout, build_dispatch_layout
+from .dispatch import Dispatch, DispatchCounters, build_dispatch
 from .documents import PackedDocuments, find_documents
-from .layout import comm_bytes, kv_transfers
+from .layout import comm_bytes
 from .planner import DocumentPieces, PlannerConfig, TokenBytes, pairs_of, plan_tasks
 from .tasks import FusedBatch, fuse_tasks, whole_document_tasks
 
@@ -47,7 +47,7 @@ class Step:
     key: tuple
     inputs: tuple  # the tensors the step was derived from, kept so identity checks are sound
     local: FusedBatch | None  # set when computing locally
-    dispatch: DispatchLayout | None  # set when dispatching to servers
+    dispatch: Dispatch | None  # set when dispatching to servers
     stats: dict
     number: int
     longest_document: int  # over all ranks of the server group
@@ -117,15 +117,44 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
                               position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
     except ValueError as e:  # still join the collective, so the other ranks learn of it
         error = e
-    fingerprint = zlib.crc32(repr((config.tolerance, config.block, config.servers, config.backward,
-                                   config.overlap)).encode())
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
-    header = [-1 if error else lengths.size, int(kv_len != query_len), fingerprint]
+    header = [-1 if error else lengths.size, int(kv_len != query_len), settings_fingerprint(config)]
     gather_device = query.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     headers, per_rank = all_gather_documents(header, lengths, group, gather_device, config.timeout_s,
                                              f"distca step {number}: planning")
     if error is not None:
         raise error
+    check_headers(headers, number)
+    longest = int(max((x.max(initial=0) for x in per_rank), default=0))
+    if any(h[1] == 1 for h in headers):  # someone decodes with a KV cache: everyone computes locally
+        _current = _local_step(call_key, identifying, docs, query.device, number, longest)
+        return _current
+    overlap = config.overlap
+    if overlap == "pingpong":  # reached only when the model's decoder stack is not ping-pong patched
+        overlap = "wave"
+        if type(module).__name__ not in _warned_overlap:
+            _warned_overlap.add(type(module).__name__)
+            warnings.warn(f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, "
+                          f"Qwen2, Qwen3 in training, see distca_hf.patches); {type(module).__name__} runs with "
+                          "overlap='wave' instead")
+    token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
+                             kv=2 * num_kv_heads * head_dim * query.element_size(),
+                             o=num_heads * head_dim * query.element_size())
+    dispatch, stats = plan_dispatch(docs, per_rank, [np.zeros_like(x) for x in per_rank], config, group, token_bytes,
+                                    query.device, number, num_heads, overlap)
+    _current = Step(call_key, identifying, None, dispatch, stats, number, longest)
+    return _current
+
+
+def settings_fingerprint(config) -> int:
+    """Ranks must plan with the same settings; they compare this number."""
+    return zlib.crc32(repr((config.tolerance, config.block, config.servers, config.backward, config.overlap)).encode())
+
+
+def check_headers(headers, number: int) -> None:
+    """Raise the same error on every rank when a rank could not describe its documents, when the
+    settings differ, or when some ranks run the ping-pong stack (header path 2) and others not.
+    Header: ``(document count or -1, path: 0 plain / 1 KV cache / 2 ping-pong, settings fingerprint)``."""
     failed = [r for r, h in enumerate(headers) if h[0] < 0]
     if failed:
         raise DistCAPeerError(f"distca step {number}: rank(s) {failed} could not describe their documents (see "
@@ -133,20 +162,18 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
     if len({h[2] for h in headers}) > 1:
         raise ValueError(f"distca step {number}: ranks use different settings (tolerance, block, servers, backward "
                          "or overlap); set the same DISTCA_* variables / configure() on every rank")
-    longest = int(max((x.max(initial=0) for x in per_rank), default=0))
-    if any(h[1] for h in headers):  # someone decodes with a KV cache: everyone computes locally
-        _current = _local_step(call_key, identifying, docs, query.device, number, longest)
-        return _current
-    if config.overlap != "none" and config.overlap not in _warned_overlap:
-        _warned_overlap.add(config.overlap)
-        warnings.warn(f"distca: overlap mode {config.overlap!r} (DISTCA_OVERLAP) is not implemented yet; "
-                      "communication runs without overlap")
-    token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
-                             kv=2 * num_kv_heads * head_dim * query.element_size(),
-                             o=num_heads * head_dim * query.element_size())
-    dispatch, stats = _plan(docs, per_rank, config, group, token_bytes, query.device, number, num_heads)
-    _current = Step(call_key, identifying, None, dispatch, stats, number, longest)
-    return _current
+    pingpong = [r for r, h in enumerate(headers) if h[1] == 2]
+    if pingpong and len(pingpong) != len(headers):
+        others = [r for r, h in enumerate(headers) if h[1] != 2]
+        raise DistCAPeerError(
+            f"distca step {number}: rank(s) {pingpong} run the ping-pong decoder stack but rank(s) {others} do not "
+            "(they pass a KV cache or ask for hidden states / attentions, which ping-pong does not produce); every "
+            "rank must run the same kind of forward")
+
+
+def set_current(step: Step) -> None:
+    global _current
+    _current = step
 
 
 def _local_step(call_key, inputs, docs: PackedDocuments, device, number: int, longest: int) -> Step:
@@ -158,23 +185,30 @@ def _local_step(call_key, inputs, docs: PackedDocuments, device, number: int, lo
     return Step(call_key, inputs, fuse_tasks(whole_document_tasks(docs), docs).to(device), None, stats, number, longest)
 
 
-def _plan(docs: PackedDocuments, per_rank, config, group, token_bytes: TokenBytes, device, number: int,
-          num_heads: int):
+def plan_dispatch(docs: PackedDocuments, per_rank_lengths, per_rank_past, config, group, token_bytes: TokenBytes,
+                  device, number: int, num_heads: int, overlap: str, counters: DispatchCounters | None = None):
+    """Plan one micro- (or nano-) batch from every rank's documents and build this rank's dispatch.
+
+    ``per_rank_lengths[r]`` / ``per_rank_past[r]``: K/V length and leading key-only tokens of each of
+    rank ``r``'s documents (``past`` is non-zero only for a ping-pong nano-batch's cut document).
+    Returns ``(dispatch, stats)``.
+    """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    counts = np.array([len(x) for x in per_rank], dtype=np.int64)
+    counts = np.array([len(x) for x in per_rank_lengths], dtype=np.int64)
     doc_offset = np.concatenate(([0], np.cumsum(counts)))
-    lengths = np.concatenate(per_rank) if counts.sum() else np.zeros(0, dtype=np.int64)
-    pieces = DocumentPieces(np.repeat(np.arange(world), counts), np.arange(lengths.size), np.zeros_like(lengths),
-                            lengths, world)
+    empty = np.zeros(0, dtype=np.int64)
+    lengths = np.concatenate(per_rank_lengths) if counts.sum() else empty
+    past = np.concatenate(per_rank_past) if counts.sum() else empty
+    pieces = DocumentPieces(np.repeat(np.arange(world), counts), np.arange(lengths.size), past, lengths, world,
+                            kv_start=np.zeros_like(lengths))
     servers = config.servers
     if servers is not None and max(servers) >= world:
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
     plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
-    transfers = kv_transfers(plan, pieces)
-    layout = build_dispatch_layout(plan, transfers, doc_offset, docs, rank, device, group=group,
-                                   timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
-    sent = comm_bytes(plan, pieces, token_bytes, transfers)
+    dispatch = build_dispatch(plan, pieces, doc_offset, docs, rank, device, overlap=overlap, counters=counters,
+                              group=group, timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
+    sent = comm_bytes(plan, pieces, token_bytes)
     # in resend mode the forward also returns each moved query's log-sum-exp (fp32, one per head)
     lse_bytes = plan.moved_queries() * num_heads * 4 if config.backward == "resend" else 0
     stats = {
@@ -184,10 +218,12 @@ def _plan(docs: PackedDocuments, per_rank, config, group, token_bytes: TokenByte
         "step": number,
         "dispatched": True,
         "backward": config.backward,
+        "overlap": overlap,
+        "waves": len(dispatch.waves),
         "tasks": plan.num_tasks,
-        "moved_query_fraction": plan.moved_queries() / max(1, int(lengths.sum())),
+        "moved_query_fraction": plan.moved_queries() / max(1, int((lengths - past).sum())),
     }
-    return layout, stats
+    return dispatch, stats
 
 
 def plan_stats() -> dict:
@@ -200,6 +236,6 @@ def plan_stats() -> dict:
         raise RuntimeError("distca_hf.plan_stats(): no forward has run with attn_implementation='distca' yet")
     stats = dict(_current.stats)
     if _current.dispatch is not None:  # running totals of this step on this rank
-        stats["rank_bytes_sent_this_step"] = dict(_current.dispatch.bytes_sent)
-        stats["rank_saved_for_backward_bytes"] = _current.dispatch.saved_bytes
+        stats["rank_bytes_sent_this_step"] = dict(_current.dispatch.counters.bytes_sent)
+        stats["rank_saved_for_backward_bytes"] = _current.dispatch.counters.saved_bytes
     return stats

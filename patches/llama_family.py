@@ -1,15 +1,198 @@
 """Llama-like decoder layers: ``input_layernorm -> self_attn -> residual -> post_attention_layernorm
 -> mlp -> residual``, with attention dispatched through ``ALL_ATTENTION_FUNCTIONS``.
 
-These families share the layer structure that the ping-pong schedule splits into stages
-(pre-attention projections, core attention, post-attention and MLP).
+These families share the layer structure that the ping-pong schedule splits into stages:
+
+- ``attention_inputs``: input norm, q/k/v projections (Qwen3's q/k norms), rotary embedding;
+- ``layer_output``: o_proj, residual, post-attention norm, MLP, residual.
+
+``install()`` (run by ``import distca_hf``) wraps the decoder stacks' ``forward`` (``LlamaModel``,
+``MistralModel``, ``Qwen2Model``, ``Qwen3Model``): when the model uses ``attn_implementation="distca"``,
+``DISTCA_OVERLAP=pingpong`` (or ``configure(overlap="pingpong")``) is set, the server group has more
+than one rank and no KV cache is passed (training, evaluation), the stack runs the ping-pong schedule
+of ``distca_hf.pingpong``; otherwise HF's own forward runs unchanged. The ping-pong stack returns no
+KV cache, hidden states or attentions: ask for those and HF's forward runs (with ``overlap="wave"``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+
+import torch
+import torch.distributed as dist
+
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
+                   for t, n in zip(LLAMA_FAMILY_MODEL_TYPES, ("Llama", "Mistral", "Qwen2", "Qwen3"))}
 
 
 def is_llama_family(config) -> bool:
     """True when ``config.model_type`` has the Llama decoder-layer structure."""
     return getattr(config, "model_type", None) in LLAMA_FAMILY_MODEL_TYPES
+
+
+def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Stage 1 of a layer. hidden ``[1, tokens, hidden]``, cos/sin ``[1, tokens, head_dim]`` ->
+    q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]`` (as HF would pass them to the
+    attention function, flattened)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotary embedding
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], attn.head_dim)
+    return flat(q), flat(k), flat(v.transpose(1, 2))
+
+
+def layer_output(layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """Stage 2 of a layer. residual ``[1, tokens, hidden]`` (the layer's input), attn_out ``[tokens,
+    heads, head_dim]`` -> the layer's output ``[1, tokens, hidden]``."""
+    h = residual + layer.self_attn.o_proj(attn_out.reshape(1, attn_out.shape[0], -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def sliding_window(attn):
+    """The layer's sliding window (tokens) or ``None``."""
+    if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer type
+        return attn.sliding_window
+    return getattr(attn.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
+
+
+def runs_pingpong(model, past_key_values, kwargs) -> bool:
+    """Whether this forward of a decoder stack takes the ping-pong path (see the module docstring)."""
+    from distca_hf.attention import ATTN_IMPLEMENTATION
+    from distca_hf.config import current_config
+
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    config = current_config()
+    if config.overlap != "pingpong" or config.mode != "distca":
+        return False
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(config.group) > 1):
+        return False
+    wants = lambda name: kwargs.get(name) or (kwargs.get(name) is None and getattr(model.config, name, False))
+    return past_key_values is None and not wants("output_hidden_states") and not wants("output_attentions")
+
+
+def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+    """The decoder stack's forward with the ping-pong schedule; returns ``BaseModelOutputWithPast``
+    with ``last_hidden_state [batch, seq, hidden]`` equal to HF's forward."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from distca_hf.attention import _refuse_unsupported, UnsupportedAttentionError
+    from distca_hf.documents import find_documents
+    from distca_hf.pingpong import NanoAttention, plan_pingpong
+    from distca_hf.planner import TokenBytes
+
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)
+    batch, seq, hidden_size = inputs_embeds.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0).expand(batch, -1)
+    layers = list(model.layers[: model.config.num_hidden_layers])
+    attn0 = layers[0].self_attn
+    for layer in layers:
+        dropout = layer.self_attn.attention_dropout if model.training else 0.0
+        _refuse_unsupported(layer.self_attn, dropout, {})
+    error, docs = None, None
+    try:
+        docs = find_documents(batch, seq, seq, attention_mask=attention_mask, position_ids=position_ids,
+                              cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
+    except ValueError as e:  # joins the planning collective first, so every rank stops
+        error = e
+    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
+    size = inputs_embeds.element_size()
+    token_bytes = TokenBytes(q=heads * head_dim * size, kv=2 * kv_heads * head_dim * size, o=heads * head_dim * size)
+    step = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads)
+    for layer in layers:
+        window = sliding_window(layer.self_attn)
+        if window is not None and step.longest_document > window:
+            raise UnsupportedAttentionError(
+                f"distca does not support sliding-window attention: {type(layer.self_attn).__name__} has "
+                f"sliding_window={window} but a document holds {step.longest_document} tokens")
+
+    cos, sin = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    cos, sin = cos.expand(batch, -1, -1).reshape(batch * seq, -1), sin.expand(batch, -1, -1).reshape(batch * seq, -1)
+    flat = inputs_embeds.reshape(batch * seq, hidden_size)
+    nano = lambda t, rows: t.index_select(0, rows).unsqueeze(0)
+    rope_a = (nano(cos, step.rows_a), nano(sin, step.rows_a))
+    rope_b = (nano(cos, step.rows_b), nano(sin, step.rows_b))
+    prefix_rows = step.prefix_rows if step.split.cut else None
+
+    def run_layer(layer, h_a, h_b):
+        scale = layer.self_attn.scaling
+        a = NanoAttention(step.dispatch_a, scale, f"A layer {layer.self_attn.layer_idx}")
+        b = NanoAttention(step.dispatch_b, scale, f"B layer {layer.self_attn.layer_idx}")
+        with _span(f"{a.name}: norm, q/k/v"):
+            q_a, k_a, v_a = attention_inputs(layer, h_a, *rope_a)
+        a.launch(q_a, k_a, v_a)
+        with _span(f"{b.name}: norm, q/k/v"):
+            q_b, k_b, v_b = attention_inputs(layer, h_b, *rope_b)
+            if prefix_rows is not None:  # B's cut document attends to its prefix's K/V, computed in A
+                k_b = torch.cat([k_a.index_select(0, prefix_rows), k_b])
+                v_b = torch.cat([v_a.index_select(0, prefix_rows), v_b])
+        b.launch(q_b, k_b, v_b)
+        a.serve()
+        b.serve()
+        out_a = a.finish()
+        with _span(f"{a.name}: o_proj, MLP"):
+            h_a = layer_output(layer, h_a, out_a)
+        out_b = b.finish()
+        with _span(f"{b.name}: o_proj, MLP"):
+            h_b = layer_output(layer, h_b, out_b)
+        return h_a, h_b
+
+    h_a, h_b = nano(flat, step.rows_a), nano(flat, step.rows_b)
+    for layer in layers:
+        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+            # Non-reentrant, and no early stop: the recomputation must run every collective of the
+            # layer on every rank, not stop once the tensors it needs are back.
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                h_a, h_b = torch.utils.checkpoint.checkpoint(functools.partial(run_layer, layer), h_a, h_b,
+                                                             use_reentrant=False)
+        else:
+            h_a, h_b = run_layer(layer, h_a, h_b)
+    out = flat.new_zeros(flat.shape).index_copy(0, step.rows_a, h_a[0]).index_copy(0, step.rows_b, h_b[0])
+    out = model.norm(out.view(batch, seq, hidden_size))
+    return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=None)
+
+
+def _span(name):
+    from distca_hf import timeline
+
+    return timeline.span(name)
+
+
+def install() -> list[str]:
+    """Wrap the Llama-family decoder stacks' ``forward`` with the ping-pong switch (idempotent).
+    Returns the class names wrapped; families missing from the installed transformers are skipped."""
+    wrapped = []
+    for module_name, class_name in _DECODER_STACKS.values():
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if not getattr(cls.forward, "_distca_pingpong", False):
+            cls.forward = _with_pingpong(cls.forward)
+        wrapped.append(class_name)
+    return wrapped
+
+
+def _with_pingpong(hf_forward):
+    @functools.wraps(hf_forward)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        if runs_pingpong(self, past_key_values, kwargs):
+            return pingpong_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
+        return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+    forward._distca_pingpong = True
+    return forward

@@ -26,7 +26,7 @@ def _documents_for(rank, world, step):
     return [torch.randint(0, 96, (n,), generator=g) for n in lengths]
 
 
-def _exactness_worker(rank, world, family):
+def _exactness_worker(rank, world, family, overlap="none"):
     import distca_hf
     from helpers import objective_weights, param_grads, per_document_reference, tiny_model
 
@@ -34,7 +34,7 @@ def _exactness_worker(rank, world, family):
     report = []
     for backward in ("saved", "resend"):
         for checkpointing in (False, True):
-            distca_hf.configure(backward=backward)
+            distca_hf.configure(backward=backward, overlap=overlap)
             if checkpointing:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
