@@ -1,0 +1,171 @@
+"""Accelerate integration: ``DistCAAccelerator`` and the checks every distca training entry point runs.
+
+``DistCAAccelerator(distca_plugin=DistCAPlugin(...), **accelerator_kwargs)`` is an
+``accelerate.Accelerator`` that, before the process group exists, repairs the CPU launch traps
+(``launch.py``); after it exists, checks that as many processes run as the launch asked for, builds
+the attention-server groups and applies the distca settings (``DistCAPlugin.attach``). Its
+``prepare`` refuses models whose attention distca cannot dispatch and turns the KV cache off.
+It composes with DDP and DeepSpeed ZeRO 1, 2 and 3 like a plain ``Accelerator``: CAD changes only
+where core attention runs, not how parameters, gradients or optimizer states are held.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import InitProcessGroupKwargs
+
+from .attention import ATTN_IMPLEMENTATION
+from .launch import LaunchError, check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
+from .plugin import DistCAPlugin
+
+__all__ = ["DistCAAccelerator", "require_distca_model", "repair_training_arguments"]
+
+
+def require_distca_model(model) -> None:
+    """Raise ``ValueError`` unless ``model`` runs its attention through distca.
+
+    ``model`` may be wrapped (DDP, DeepSpeed engine, PEFT); the HF model inside is checked. Plain
+    ``torch.nn.Module`` s without a transformers config are not attention models and pass."""
+    inner = _unwrap(model)
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return
+    name = type(inner).__name__
+    implementation = config._attn_implementation
+    if implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"distca training needs attn_implementation='distca', but this {name} uses {implementation!r}. Load it "
+            f"with from_pretrained(..., attn_implementation='distca') or call model.set_attn_implementation('distca') "
+            "(`import distca_hf` registers the implementation)"
+        )
+    if not getattr(type(inner), "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name} computes attention in its own code instead of through transformers' AttentionInterface "
+            "(_supports_attention_backend is False), so attn_implementation='distca' would be silently ignored and "
+            "packed documents would attend to each other. Use a model family that dispatches through the interface "
+            "(Llama, Mistral, Qwen2, Qwen3, ...)"
+        )
+
+
+def _unwrap(model):
+    """The HF model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    for _ in range(8):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif hasattr(getattr(model, "config", None), "_attn_implementation"):
+            return model
+        elif getattr(model, "module", None) is not None:
+            model = model.module
+        else:
+            return model
+    return model
+
+
+def _disable_kv_cache(model) -> None:
+    config = getattr(_unwrap(model), "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # training: no KV cache (it would also switch distca to local decoding)
+
+
+class DistCAAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` for Core Attention Disaggregation.
+
+    Args:
+        distca_plugin: the distca settings and process layout (default ``DistCAPlugin()``: settings
+            from ``DISTCA_*`` variables, server group = data-parallel group).
+        *args, **kwargs: as for ``accelerate.Accelerator``.
+
+    Attributes:
+        distca_plugin: the plugin.
+        distca: ``DistCAGroups``: topology, this rank's attention-server ranks and group, settings.
+    """
+
+    def __init__(self, *args, distca_plugin: DistCAPlugin | None = None, **kwargs):
+        if distca_plugin is not None and not isinstance(distca_plugin, DistCAPlugin):
+            raise TypeError(f"distca_plugin must be a distca_hf.DistCAPlugin, got {type(distca_plugin).__name__}")
+        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin()
+        deepspeed = kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None \
+            or uses_deepspeed()
+        backend = prepare_cpu_launch(deepspeed=deepspeed).get("backend")
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if backend and not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            handlers.append(InitProcessGroupKwargs(backend=backend))
+            kwargs["kwargs_handlers"] = handlers
+        _forget_miscounted_state()
+        super().__init__(*args, **kwargs)
+        check_world_size(self.num_processes)
+        self.distca = self.distca_plugin.attach()
+
+    def prepare(self, *args, device_placement=None):
+        for obj in args:
+            if _looks_like_model(obj):
+                require_distca_model(obj)
+                _disable_kv_cache(obj)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model, device_placement: bool | None = None, evaluation_mode: bool = False):
+        require_distca_model(model)
+        _disable_kv_cache(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+
+def _looks_like_model(obj) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
+
+
+def _forget_miscounted_state() -> None:
+    """If Accelerate's process state was already set up with fewer processes than were launched
+    (the CPU traps above), drop it so the next set-up counts again. The torch process group, if
+    any, is kept and reused."""
+    asked, _ = launched_world_size()
+    if not PartialState._shared_state or asked is None:
+        return
+    if PartialState().num_processes != asked:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def repair_training_arguments(args) -> None:
+    """Make ``transformers.TrainingArguments`` count the launched processes on a machine without GPU.
+
+    ``TrainingArguments`` sets up Accelerate's process state when it is created, so a script that
+    builds it before anything of distca runs meets the CPU traps. This redoes that set-up: with
+    ``ACCELERATE_USE_CPU=1`` (DDP), or with the ``gloo`` backend (DeepSpeed, whose branch of the
+    set-up ignores ``ddp_backend``). The torch process group, if one was made, is reused. Raises
+    ``LaunchError`` when it cannot (e.g. ``accelerate launch --cpu`` started a single process)."""
+    asked, _ = launched_world_size()
+    if asked is not None and asked > 1 and args.world_size != asked and "WORLD_SIZE" in os.environ:
+        backend = prepare_cpu_launch(deepspeed=uses_deepspeed(args)).get("backend")
+        if backend is None:  # DDP: ACCELERATE_USE_CPU is now set; let the arguments set up again
+            args.__dict__.pop("_setup_devices", None)  # a cached_property
+            _ = args.device
+        else:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments does for its own set-up
+            try:
+                state = PartialState(backend=backend, timeout=args.ddp_timeout_delta)
+            finally:
+                if previous is None:
+                    del os.environ["ACCELERATE_USE_DEEPSPEED"]
+                else:
+                    os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+            args.distributed_state = state
+            args.__dict__["_setup_devices"] = state.device
+            if getattr(args, "deepspeed", None):
+                # The "auto" batch sizes of the DeepSpeed config were filled for one process: fill them again
+                # (as TrainingArguments.__post_init__ does).
+                from accelerate.utils import DeepSpeedPlugin
+                from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+                args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+                args.hf_deepspeed_config.trainer_config_process(args)
+                args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+    check_world_size(args.world_size)
+
+
+__all__ += ["LaunchError"]

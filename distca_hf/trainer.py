@@ -1,0 +1,270 @@
+"""``DistCATrainer``: a ``transformers.Trainer`` for packed long-context training with CAD.
+
+    trainer = DistCATrainer(model=model, args=TrainingArguments(...), train_dataset=documents,
+                            packing=PackingConfig(tokens_per_rank=8192), distca_plugin=DistCAPlugin())
+    trainer.train()
+
+What it adds to the stock Trainer:
+
+- the model must use ``attn_implementation="distca"`` (anything else is refused, naming it), and
+  its KV cache is turned off;
+- documents (``input_ids``) are packed into one row of at most ``tokens_per_rank`` tokens per rank
+  and forward (``data.PackedDataset``, or ``StreamingPackedDataset`` for iterable datasets), the
+  same number of micro-batches on every rank, every document once per epoch; the collator emits
+  ``position_ids`` restarting at 0 and ``cu_seq_lens_q/k`` + ``max_length_q/k``;
+- the loss is normalised by the global count of label tokens across ranks and gradient
+  accumulation steps (the Trainer's ``num_items_in_batch`` with ``average_tokens_across_devices``),
+  so it equals the single-process loss on the same data, and so do the gradients (each rank's loss
+  is scaled by the world size because DDP / DeepSpeed average gradients over ranks);
+- the evaluation loss is the exact token-weighted mean over the whole evaluation set;
+- each logged step carries ``attn_imbalance_before`` / ``attn_imbalance_after`` (max/mean of
+  per-rank attention pairs without and with the plan, averaged over the micro-batches since the
+  last log) and ``tokens_per_s`` (all ranks);
+- the launch checks of ``DistCAAccelerator`` (CPU traps, process count) and the plugin's process
+  groups and settings.
+
+Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
+and resume, evaluation, DDP and DeepSpeed ZeRO 1/2/3 are the Trainer's own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from .accelerate import repair_training_arguments, require_distca_model
+from .data import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .launch import check_world_size
+from .plugin import DistCAPlugin
+
+__all__ = ["DistCATrainer", "StepTableCallback", "attention_imbalance"]
+
+
+def attention_imbalance(pairs_per_rank) -> float:
+    """max / mean of per-rank attention work (1.0 when there is none)."""
+    pairs = [float(p) for p in pairs_per_rank]
+    mean = sum(pairs) / len(pairs) if pairs else 0.0
+    return max(pairs) / mean if mean > 0 else 1.0
+
+
+class DistCATrainer(Trainer):
+    """A ``transformers.Trainer`` that trains packed documents with Core Attention Disaggregation.
+
+    Args:
+        model: a causal LM with ``attn_implementation="distca"``.
+        args: ``TrainingArguments``; ``per_device_train_batch_size`` and
+            ``per_device_eval_batch_size`` must be 1 (one packed row per rank; the token budget is
+            ``packing.tokens_per_rank``).
+        train_dataset, eval_dataset: documents with an ``input_ids`` column (``datasets``
+            dataset, streaming or not, or a sequence of token lists), packed with ``packing``; or
+            already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``).
+            ``eval_dataset`` may be a dict of them.
+        distca_plugin: distca settings and process layout (default ``DistCAPlugin()``).
+        packing: ``PackingConfig`` for raw documents.
+        **kwargs: the rest of ``transformers.Trainer``'s arguments.
+
+    Attributes:
+        distca: ``DistCAGroups`` built by the plugin (topology, server group, settings).
+        packing_reports: ``{"train": PackingReport, "eval...": ...}``.
+    """
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, *, distca_plugin: DistCAPlugin | None = None,
+                 packing: PackingConfig | None = None, **kwargs):
+        if distca_plugin is not None and not isinstance(distca_plugin, DistCAPlugin):
+            raise TypeError(f"distca_plugin must be a distca_hf.DistCAPlugin, got {type(distca_plugin).__name__}")
+        if packing is not None and not isinstance(packing, PackingConfig):
+            raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
+        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin()
+        if model is not None:
+            _prepare_model(model)
+        if args is not None:
+            _check_arguments(args)
+            repair_training_arguments(args)
+            world = args.world_size
+        else:
+            world = 1
+        self.packing_reports = {}
+        train_dataset = self._packed(train_dataset, packing, world, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: self._packed(d, packing, world, f"eval_{name}") for name, d in eval_dataset.items()}
+        else:
+            eval_dataset = self._packed(eval_dataset, packing, world, "eval")
+        streaming = any(isinstance(d, StreamingPackedDataset) for d in
+                        [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])])
+        if streaming and args is not None:
+            # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
+            # would concatenate rows of different lengths.
+            args.accelerator_config.dispatch_batches = False
+        super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(),
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                         **kwargs)
+        _check_arguments(self.args)
+        check_world_size(self.accelerator.num_processes)
+        if self.args.world_size != world:
+            raise RuntimeError(f"the world size changed from {world} to {self.args.world_size} while the Trainer was "
+                               "set up; create TrainingArguments before the DistCATrainer and do not reset the "
+                               "Accelerate state in between")
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            raise ValueError(
+                f"{type(self.model).__name__}.forward does not accept loss kwargs (num_items_in_batch), so the loss "
+                "could not be normalised by the global label-token count; pass compute_loss_func="
+            )
+        self.distca = self.distca_plugin.attach()
+        self._reset_window()
+        self._eval_totals = None
+
+    # -- set-up helpers ---------------------------------------------------------------------------
+
+    def _packed(self, dataset, packing: PackingConfig | None, world: int, name: str):
+        if dataset is None:
+            return None
+        if isinstance(dataset, (PackedDataset, StreamingPackedDataset)):
+            if packing is not None and dataset.config != packing:
+                raise ValueError(f"the {name} dataset is already packed with {dataset.config}; do not pass a different "
+                                 "packing= as well")
+            packed = dataset.with_world_size(world)
+        elif packing is None:
+            raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
+                             "or an already packed distca_hf.PackedDataset")
+        elif _is_iterable(dataset):
+            packed = StreamingPackedDataset(dataset, packing, world)
+        else:
+            packed = PackedDataset(dataset, packing, world)
+        self.packing_reports[name] = packed.report
+        return packed
+
+    def train(self, *args, **kwargs):
+        if self.model is not None:
+            _prepare_model(self.model)  # a model_init model is only known now
+        return super().train(*args, **kwargs)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record_plan(inputs)
+        return loss
+
+    def _record_plan(self, inputs) -> None:
+        """Attention balance of the micro-batch just run, and the tokens of all ranks."""
+        from .step import plan_stats
+
+        lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64)).cpu()
+        mine = torch.tensor([int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum())], dtype=torch.int64,
+                            device=self.args.device)
+        everyone = self.accelerator.gather(mine).view(-1, 2).cpu()
+        stats = plan_stats()
+        if stats.get("dispatched"):
+            before, after = stats["attn_pairs_local"], stats["attn_pairs_served"]
+        else:  # colocated (or one rank): every rank computes its own documents
+            before = after = everyone[:, 1].tolist()
+        self._window["before"].append(attention_imbalance(before))
+        self._window["after"].append(attention_imbalance(after))
+        self._window["tokens"] += int(everyone[:, 0].sum())
+
+    def _reset_window(self) -> None:
+        self._window = {"before": [], "after": [], "tokens": 0}
+        self._window_start = None
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and self._window["before"]:
+            elapsed = time.perf_counter() - self._window_start
+            logs["attn_imbalance_before"] = sum(self._window["before"]) / len(self._window["before"])
+            logs["attn_imbalance_after"] = sum(self._window["after"]) / len(self._window["after"])
+            logs["tokens_per_s"] = self._window["tokens"] / elapsed if elapsed > 0 else 0.0
+            self._reset_window()
+        super().log(logs, start_time)
+
+    # -- evaluation: the exact token-weighted loss -------------------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if "labels" not in inputs:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs["labels"]
+        count = labels[..., 1:].ne(-100).sum()
+        with torch.no_grad(), self.compute_loss_context_manager():
+            # num_items_in_batch=1 makes HF's causal-LM loss the sum over label tokens
+            outputs = model(**inputs, num_items_in_batch=1)
+        loss_sum = outputs.loss.detach().float()
+        if self._eval_totals is not None:
+            self._eval_totals += torch.stack([loss_sum, count.float()])
+        loss = loss_sum / count.clamp(min=1)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, outputs.logits.detach(), labels
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu()
+        finally:
+            self._eval_totals = None
+        if totals[1] > 0:
+            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
+        output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
+        return output
+
+
+def _is_iterable(dataset) -> bool:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        return isinstance(dataset, datasets.IterableDataset)
+    except ImportError:
+        return False
+
+
+def _prepare_model(model) -> None:
+    require_distca_model(model)
+    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # training: no KV cache
+
+
+def _check_arguments(args) -> None:
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(args, name) != 1:
+            raise ValueError(
+                f"DistCATrainer needs {name}=1 (got {getattr(args, name)}): each rank runs one packed row per forward, "
+                "and the number of tokens in it is PackingConfig.tokens_per_rank"
+            )
+    if not args.average_tokens_across_devices:
+        raise ValueError("DistCATrainer normalises the loss by the label tokens of all ranks; "
+                         "average_tokens_across_devices=False would weight each rank's tokens differently")
+
+
+class StepTableCallback(TrainerCallback):
+    """Prints one table row per logged training step on the main process:
+    step, loss, attention imbalance before -> after the plan, tokens/s (all ranks)."""
+
+    def __init__(self, title: str | None = None, out=None):
+        self.title = title
+        self.out = out
+        self.rows: list[dict] = []
+        self._header_printed = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs or "attn_imbalance_before" not in logs:
+            return
+        row = {"step": state.global_step, "loss": logs["loss"], "before": logs["attn_imbalance_before"],
+               "after": logs["attn_imbalance_after"], "tokens_per_s": logs["tokens_per_s"]}
+        self.rows.append(row)
+        if not state.is_world_process_zero:
+            return
+        if not self._header_printed:
+            if self.title:
+                print(self.title, file=self.out, flush=True)
+            print(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'tokens/s':>9}", file=self.out, flush=True)
+            self._header_printed = True
+        print(f"{row['step']:>5} {row['loss']:>9.4f} {row['before']:>8.2f} -> {row['after']:<6.3f} "
+              f"{row['tokens_per_s']:>9.0f}", file=self.out, flush=True)
