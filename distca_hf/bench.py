@@ -51,7 +51,8 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
     import distca_hf
-    from distca_hf import kernels
+    from distca_hf import kernels, timeline
+    from distca_hf.timeline import overlap_summary
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -87,13 +88,14 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         out = model(input_ids=input_ids, position_ids=position_ids).logits
         out.float().square().mean().backward()
 
-    def run(mode, backward_mode="saved"):
-        distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance)
+    def run(mode, backward_mode="saved", overlap="none"):
+        distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance, overlap=overlap)
         for _ in range(args.warmup):
             step()
-        times, kernel, stats = [], [], None
+        times, kernel, stats, traced = [], [], None, []
         for _ in range(args.steps):
             kernel_seconds[0] = 0.0
+            timeline.clear()
             sync()
             dist.barrier()
             start = time.perf_counter()
@@ -104,10 +106,12 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
             times.append(time.perf_counter() - start)
             kernel.append((mine, kernel_seconds[0]))
             stats = distca_hf.plan_stats()
-        return times, kernel, stats
+            traced.append(timeline.events())
+        return times, kernel, stats, traced
 
     results = {}
-    colocated, colocated_kernel, _ = run("colocated")
+    timeline.enable()
+    colocated, colocated_kernel, _, _ = run("colocated")
     results["colocated"] = {"step_s": colocated}
     everyone = [None] * world
     dist.all_gather_object(everyone, colocated_kernel)
@@ -116,21 +120,54 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
              for i in range(args.steps)]
     results["ideal_step_s"] = ideal
     modes = ["saved", "resend"] if args.backward == "both" else [args.backward]
+    overlaps = args.overlap.split(",")
     for mode in modes:
-        times, _, stats = run("distca", mode)
-        sent = [None] * world
-        dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
-                                      stats["rank_saved_for_backward_bytes"]))
-        results[f"distca_{mode}"] = {
-            "step_s": times, "stats": stats,
-            "bytes_sent_per_step": sum(s[0] for s in sent),
-            "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
-        }
+        for overlap in overlaps if mode == modes[0] else overlaps[:1]:
+            times, _, stats, traced = run("distca", mode, overlap)
+            sent = [None] * world
+            dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
+                                          stats["rank_saved_for_backward_bytes"],
+                                          [overlap_summary(events) for events in traced], traced[-1]))
+            key = f"distca_{mode}" if overlap == overlaps[0] else f"distca_{mode}_{overlap}"
+            results[key] = {
+                "step_s": times, "stats": stats, "overlap": overlap,
+                "bytes_sent_per_step": sum(s[0] for s in sent),
+                "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
+                "overlap_per_step": [_merge([s[2][i] for s in sent]) for i in range(len(times))],
+            }
+            if rank == 0 and args.trace and mode == modes[0]:
+                from .timeline import chrome_trace
+
+                chrome_trace([s[3] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """One step's overlap over all ranks: communication and blocked seconds summed."""
+    def part(key=None):
+        pick = (lambda d: d) if key is None else (lambda d: d[key])
+        comm = sum(pick(d)["comm_s"] for d in per_rank)
+        exposed = sum(pick(d)["exposed_s"] for d in per_rank)
+        return {"comm_s": comm, "exposed_s": exposed, "overlap_fraction": 1.0 - exposed / comm if comm > 0 else 0.0}
+
+    return {**part(), "forward": part("forward"), "backward": part("backward")}
+
+
+def _trace_path(path: str, overlap: str, modes: int) -> str:
+    if modes == 1:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.{overlap}.{ext}" if dot else f"{path}.{overlap}"
+
+
+def _median_overlap(steps: list[dict]) -> dict:
+    """The step with the median overlap fraction (its forward/backward split comes with it)."""
+    ordered = sorted(steps, key=lambda d: d["overlap_fraction"])
+    return ordered[len(ordered) // 2]
 
 
 def summarize(results: dict, args) -> dict:
@@ -153,7 +190,20 @@ def summarize(results: dict, args) -> dict:
         "world": args.world,
         "device": args.device,
         "bytes_sent_per_layer_forward": stats["bytes_sent_per_layer"],
+        "overlap_mode": results[first]["overlap"],
+        "overlap_fraction": _median_overlap(results[first]["overlap_per_step"])["overlap_fraction"],
     }
+    summary["overlap"] = {}
+    for key, r in results.items():
+        if key.startswith(first) and "overlap" in r:
+            o = _median_overlap(r["overlap_per_step"])
+            summary["overlap"][r["overlap"]] = {
+                "step_s": median(r["step_s"]), "speedup_vs_colocated": colocated / median(r["step_s"]),
+                "overlap_fraction": o["overlap_fraction"],
+                "forward_overlap_fraction": o["forward"]["overlap_fraction"],
+                "backward_overlap_fraction": o["backward"]["overlap_fraction"],
+                "comm_s_all_ranks": o["comm_s"], "exposed_comm_s_all_ranks": o["exposed_s"],
+            }
     for mode in ("saved", "resend"):
         if f"distca_{mode}" in results:
             r = results[f"distca_{mode}"]
@@ -176,6 +226,10 @@ def format_table(s: dict) -> str:
         ("distca / ideal", f"{s['distca_over_ideal']:.3f}"),
         ("bytes per layer forward (all ranks)", f"{s['bytes_sent_per_layer_forward'] / 1e6:.2f} MB"),
     ]
+    for overlap, o in s["overlap"].items():
+        rows.append((f"overlap={overlap}: step / speedup / comm hidden (fwd, bwd)",
+                     f"{o['step_s']:.3f} s / {o['speedup_vs_colocated']:.2f}x / {o['overlap_fraction']:.2f} "
+                     f"({o['forward_overlap_fraction']:.2f}, {o['backward_overlap_fraction']:.2f})"))
     for mode in ("saved", "resend"):
         if f"backward_{mode}" in s:
             b = s[f"backward_{mode}"]
@@ -200,6 +254,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--backward", choices=["saved", "resend", "both"], default="saved")
     parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--overlap", default="none",
+                        help="none|wave|pingpong, or several separated by commas (the first gives distca_step_s)")
+    parser.add_argument("--trace", metavar="OUT.json", help="write the last step's Chrome trace (one file per mode "
+                        "when several: OUT.<mode>.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -228,6 +286,10 @@ def run_cli(args, parser) -> int:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if args.short_docs > args.tokens:
         parser.error("--short-docs cannot exceed --tokens")
+    overlaps = args.overlap.split(",")
+    bad = [o for o in overlaps if o not in ("none", "wave", "pingpong")]
+    if bad or len(set(overlaps)) != len(overlaps):
+        parser.error(f"--overlap takes distinct values among none, wave, pingpong separated by commas; got {args.overlap!r}")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun

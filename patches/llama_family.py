@@ -39,8 +39,11 @@ def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.
     attention function, flattened)."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+    # explicit head counts: a nano-batch may hold no token on this rank (``view(..., -1, d)`` can't size 0 rows)
+    heads = lambda proj: proj.out_features // attn.head_dim
+    q = attn.q_proj(x).view(*x.shape[:-1], heads(attn.q_proj), attn.head_dim)
+    k = attn.k_proj(x).view(*x.shape[:-1], heads(attn.k_proj), attn.head_dim)
+    v = attn.v_proj(x).view(*x.shape[:-1], heads(attn.v_proj), attn.head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -52,7 +55,8 @@ def attention_inputs(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.
 def layer_output(layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Stage 2 of a layer. residual ``[1, tokens, hidden]`` (the layer's input), attn_out ``[tokens,
     heads, head_dim]`` -> the layer's output ``[1, tokens, hidden]``."""
-    h = residual + layer.self_attn.o_proj(attn_out.reshape(1, attn_out.shape[0], -1))
+    o_proj = layer.self_attn.o_proj
+    h = residual + o_proj(attn_out.reshape(1, attn_out.shape[0], o_proj.in_features))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
