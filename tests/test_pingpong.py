@@ -35,6 +35,8 @@ def _docs_with_padding(lengths, pad_after):
 
 
 def _attention(docs, q, k, v):
+    if docs.num_docs == 0:  # a nano-batch may be empty (a one-token micro-batch)
+        return q.new_zeros(docs.num_query_tokens, *q.shape[1:])
     batch = fuse_tasks(whole_document_tasks(docs), docs)
     if batch.q_index is not None:
         q, k, v = q.index_select(0, batch.q_index), k.index_select(0, batch.k_index), v.index_select(0, batch.k_index)
