@@ -43,3 +43,24 @@ __all__ = [
     "varlen_causal_attention",
     "whole_document_tasks",
 ]
+
+# Training integration: the plugin, packing and topology are light; the Trainer and the Accelerator
+# subclass import their libraries' heavier modules on first use.
+from .data import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, load_documents  # noqa: E402
+from .plugin import DistCAPlugin  # noqa: E402
+from .topology import ParallelTopology  # noqa: E402
+
+_LAZY_EXPORTS = {"DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerate",
+                 "LaunchError": "launch"}
+
+
+def __getattr__(name):
+    if name in _LAZY_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'distca_hf' has no attribute {name!r}")
+
+
+__all__ += ["DistCAAccelerator", "DistCAPlugin", "DistCATrainer", "LaunchError", "PackedCollator", "PackedDataset",
+            "PackingConfig", "ParallelTopology", "StepTableCallback", "StreamingPackedDataset", "load_documents"]

@@ -19,7 +19,7 @@ What it adds to the stock Trainer:
 - the evaluation loss is the exact token-weighted mean over the whole evaluation set;
 - each logged step carries ``attn_imbalance_before`` / ``attn_imbalance_after`` (max/mean of
   per-rank attention pairs without and with the plan, averaged over the micro-batches since the
-  last log) and ``tokens_per_s`` (all ranks);
+  last log), ``tokens_per_s`` (all ranks) and ``step_time_s`` (wall seconds per optimizer step);
 - the launch checks of ``DistCAAccelerator`` (CPU traps, process count) and the plugin's process
   groups and settings.
 
@@ -146,6 +146,7 @@ class DistCATrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._window_start is None:
             self._window_start = time.perf_counter()
+            self._window["first_step"] = self.state.global_step
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._record_plan(inputs)
         return loss
@@ -168,7 +169,7 @@ class DistCATrainer(Trainer):
         self._window["tokens"] += int(everyone[:, 0].sum())
 
     def _reset_window(self) -> None:
-        self._window = {"before": [], "after": [], "tokens": 0}
+        self._window = {"before": [], "after": [], "tokens": 0, "first_step": 0}
         self._window_start = None
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
@@ -177,6 +178,7 @@ class DistCATrainer(Trainer):
             logs["attn_imbalance_before"] = sum(self._window["before"]) / len(self._window["before"])
             logs["attn_imbalance_after"] = sum(self._window["after"]) / len(self._window["after"])
             logs["tokens_per_s"] = self._window["tokens"] / elapsed if elapsed > 0 else 0.0
+            logs["step_time_s"] = elapsed / max(1, self.state.global_step - self._window["first_step"])
             self._reset_window()
         super().log(logs, start_time)
 
@@ -245,7 +247,7 @@ def _check_arguments(args) -> None:
 
 class StepTableCallback(TrainerCallback):
     """Prints one table row per logged training step on the main process:
-    step, loss, attention imbalance before -> after the plan, tokens/s (all ranks)."""
+    step, loss, attention imbalance before -> after the plan, tokens/s (all ranks), seconds per step."""
 
     def __init__(self, title: str | None = None, out=None):
         self.title = title
@@ -257,14 +259,16 @@ class StepTableCallback(TrainerCallback):
         if not logs or "loss" not in logs or "attn_imbalance_before" not in logs:
             return
         row = {"step": state.global_step, "loss": logs["loss"], "before": logs["attn_imbalance_before"],
-               "after": logs["attn_imbalance_after"], "tokens_per_s": logs["tokens_per_s"]}
+               "after": logs["attn_imbalance_after"], "tokens_per_s": logs["tokens_per_s"],
+               "step_time_s": logs["step_time_s"]}
         self.rows.append(row)
         if not state.is_world_process_zero:
             return
         if not self._header_printed:
             if self.title:
                 print(self.title, file=self.out, flush=True)
-            print(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'tokens/s':>9}", file=self.out, flush=True)
+            print(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'tokens/s':>9} {'step s':>7}", file=self.out,
+                  flush=True)
             self._header_printed = True
         print(f"{row['step']:>5} {row['loss']:>9.4f} {row['before']:>8.2f} -> {row['after']:<6.3f} "
-              f"{row['tokens_per_s']:>9.0f}", file=self.out, flush=True)
+              f"{row['tokens_per_s']:>9.0f} {row['step_time_s']:>7.2f}", file=self.out, flush=True)
