@@ -1,0 +1,304 @@
+"""DistCAPlugin: validation naming the bad setting, precedence code > DISTCA_* > YAML file > defaults,
+the data x pipeline x tensor topology against a brute-force enumeration, the attention-server
+process groups on real gloo ranks, the recipes as Accelerate reads them, and the launch checks
+(`accelerate launch --cpu --num_processes 2` starting one process is stopped with an explanation)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_harness import run_ranks
+from distca_hf import DistCAPlugin, ParallelTopology
+from distca_hf import launch as launch_module
+from distca_hf.config import reset_config
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ("DISTCA_TOLERANCE", "DISTCA_BACKWARD", "DISTCA_OVERLAP", "DISTCA_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    reset_config()
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("overlap", "bogus", r"DistCAPlugin.overlap must be one of \['none', 'wave', 'pingpong'\], got 'bogus'"),
+    ("backward", "later", r"DistCAPlugin.backward must be one of"),
+    ("tolerance", -0.1, r"DistCAPlugin.tolerance must be a finite number >= 0"),
+    ("tolerance", float("nan"), r"DistCAPlugin.tolerance"),
+    ("block", 0, r"DistCAPlugin.block must be an integer >= 1"),
+    ("timeout_s", 0, r"DistCAPlugin.timeout_s must be a positive number"),
+    ("mode", "remote", r"DistCAPlugin.mode must be one of \['distca', 'colocated'\]"),
+    ("servers", [], r"DistCAPlugin.servers must be a non-empty list"),
+    ("servers", [0, 0], r"DistCAPlugin.servers must be a non-empty list of distinct ranks"),
+    ("servers", 3, r"DistCAPlugin.servers must be a list of ranks"),
+    ("server_group", "rack", r"DistCAPlugin.server_group must be one of \['data_parallel', 'node'\]"),
+    ("tensor_parallel_size", 0, r"DistCAPlugin.tensor_parallel_size must be an integer >= 1"),
+    ("data_parallel_size", 1.5, r"DistCAPlugin.data_parallel_size must be an integer >= 1"),
+])
+def test_bad_settings_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DistCAPlugin(**{field: value})
+
+
+@pytest.mark.parametrize("variable, value", [("DISTCA_OVERLAP", "bogus"), ("DISTCA_BACKWARD", "x"),
+                                             ("DISTCA_TOLERANCE", "lots"), ("DISTCA_TIMEOUT_S", "-1")])
+def test_bad_environment_names_the_variable(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"invalid {variable}="):
+        DistCAPlugin()
+
+
+def test_precedence_code_environment_file_defaults(monkeypatch, tmp_path):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n"
+                    "distca:\n  tolerance: 0.2\n  backward: resend\n  block: 16\n  overlap: wave\n"
+                    "  tensor_parallel_size: 2\n")
+    assert DistCAPlugin().resolved().tolerance == 0.02  # defaults
+    plugin = DistCAPlugin.from_accelerate_config(path)
+    resolved = plugin.resolved()
+    assert (resolved.tolerance, resolved.backward, resolved.block, resolved.overlap) == (0.2, "resend", 16, "wave")
+    assert plugin.tensor_parallel_size == 2
+    monkeypatch.setenv("DISTCA_TOLERANCE", "0.3")
+    monkeypatch.setenv("DISTCA_BACKWARD", "saved")
+    resolved = DistCAPlugin.from_accelerate_config(path).resolved()
+    assert (resolved.tolerance, resolved.backward, resolved.block) == (0.3, "saved", 16)  # environment beats file
+    resolved = DistCAPlugin.from_accelerate_config(path, tolerance=0.4, block=8).resolved()
+    assert (resolved.tolerance, resolved.block) == (0.4, 8)  # code beats both
+    assert DistCAPlugin(tolerance=0.5).resolved().tolerance == 0.5
+
+
+def test_attach_applies_the_settings_process_wide():
+    import distca_hf
+
+    distca_hf.configure(backward="resend")  # an earlier configure() does not leak into the plugin's job
+    groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
+    assert groups.server_ranks == (0,) and groups.group is None and groups.topology.world_size == 1
+    current = distca_hf.current_config()
+    assert (current.tolerance, current.mode, current.backward) == (0.07, "colocated", "saved")
+    assert groups.config == current
+
+
+def test_servers_beyond_the_group_are_refused_on_one_process():
+    with pytest.raises(ValueError, match=r"servers=\(0, 1\).*group of rank 0 has 1 rank\(s\) \[0\] \(world size 1"):
+        DistCAPlugin(servers=[0, 1]).attach()
+
+
+def test_yaml_section_errors_name_file_and_key(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("distca:\n  tolerence: 0.1\n")
+    with pytest.raises(ValueError, match=r"cfg.yaml: unknown key\(s\) \['tolerence'\] in the distca: section"):
+        DistCAPlugin.from_accelerate_config(path)
+    path.write_text("distca:\n  overlap: sideways\n")
+    with pytest.raises(ValueError, match=r"cfg.yaml: distca.overlap must be one of"):
+        DistCAPlugin.from_accelerate_config(path)
+    path.write_text("distca: 3\n")
+    with pytest.raises(ValueError, match="must be a mapping"):
+        DistCAPlugin.from_accelerate_config(path)
+    path.write_text("distca:\n  servers: 1\n")
+    with pytest.raises(ValueError, match="distca.servers must be a list"):
+        DistCAPlugin.from_accelerate_config(path)
+    path.write_text("num_processes: 2\n")
+    assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == 0.02  # no section: defaults
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        DistCAPlugin.from_accelerate_config(tmp_path / "missing.yaml")
+
+
+# -- recipes as Accelerate reads them ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, processes", [("cpu-2proc", 2), ("single-node", 8), ("multi-node", 16),
+                                             ("deepspeed-zero2", 8), ("deepspeed-zero3", 8)])
+def test_recipes_load_in_accelerate(name, processes):
+    from accelerate.commands.config import load_config_from_file
+
+    config = load_config_from_file(str(RECIPES / f"{name}.yaml"))
+    assert config.num_processes == processes
+    assert not config.use_cpu  # use_cpu would make accelerate launch start a single process
+    if name.startswith("deepspeed"):
+        ds_file = REPO / config.deepspeed_config["deepspeed_config_file"]
+        stage = int(name[-1])
+        assert json.loads(ds_file.read_text())["zero_optimization"]["stage"] == stage
+    else:
+        assert config.distributed_type.value == "MULTI_GPU"
+
+
+def test_accelerate_refuses_a_distca_key_so_the_section_has_its_own_file(tmp_path):
+    """The fact behind recipes/distca.yaml: accelerate launch rejects keys it does not know."""
+    from accelerate.commands.config import load_config_from_file
+
+    path = tmp_path / "with-section.yaml"
+    path.write_text((RECIPES / "cpu-2proc.yaml").read_text() + "distca:\n  tolerance: 0.1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(path))
+    plugin = DistCAPlugin.from_accelerate_config(RECIPES / "distca.yaml")
+    assert plugin.resolved().tolerance == 0.02 and plugin.server_group == "data_parallel"
+
+
+# -- topology ------------------------------------------------------------------------------------
+
+
+def _brute_force_groups(dp, pp, tp):
+    """Ranks enumerated pipeline-major, tensor-minor; groups by the coordinates they share."""
+    coordinates = list(itertools.product(range(pp), range(dp), range(tp)))  # rank = index
+
+    def group_by(key):
+        groups = {}
+        for rank, (p, d, t) in enumerate(coordinates):
+            groups.setdefault(key(p, d, t), []).append(rank)
+        return sorted(groups.values())
+
+    return {"data": group_by(lambda p, d, t: (p, t)), "tensor": group_by(lambda p, d, t: (p, d)),
+            "pipeline": group_by(lambda p, d, t: (d, t)), "coordinates": coordinates}
+
+
+@settings(max_examples=80, deadline=None)
+@given(dp=st.integers(1, 5), pp=st.integers(1, 4), tp=st.integers(1, 4))
+def test_topology_groups_match_brute_force(dp, pp, tp):
+    world = dp * pp * tp
+    topology = ParallelTopology(world, None, pp, tp)
+    assert topology.data_parallel == dp
+    expected = _brute_force_groups(dp, pp, tp)
+    assert sorted(topology.data_parallel_groups()) == expected["data"]
+    assert sorted(topology.tensor_parallel_groups()) == expected["tensor"]
+    assert sorted(topology.pipeline_parallel_groups()) == expected["pipeline"]
+    assert topology.server_groups() == topology.data_parallel_groups()
+    for rank, (p, d, t) in enumerate(expected["coordinates"]):
+        assert topology.coordinates(rank) == (d, p, t)
+        server = topology.group_of(rank, topology.server_groups())
+        assert all(topology.coordinates(r)[1:] == (p, t) for r in server)  # same stage, same tensor index
+    for group in topology.tensor_parallel_groups():
+        assert group == list(range(group[0], group[0] + tp))  # neighbours: one node
+
+
+@settings(max_examples=40, deadline=None)
+@given(dp=st.integers(1, 8), tp=st.integers(1, 3), per_node_factor=st.integers(1, 4))
+def test_node_scope_cuts_server_groups_at_node_boundaries(dp, tp, per_node_factor):
+    world = dp * tp
+    per_node = min(world, tp * per_node_factor)
+    if world % per_node:
+        return
+    topology = ParallelTopology(world, dp, 1, tp, ranks_per_node=per_node)
+    node_groups = topology.server_groups("node")
+    assert sorted(r for g in node_groups for r in g) == list(range(world))
+    for group in node_groups:
+        assert len({r // per_node for r in group}) == 1
+        parent = topology.group_of(group[0], topology.data_parallel_groups())
+        assert set(group) <= set(parent)
+        assert set(group) == {r for r in parent if r // per_node == group[0] // per_node}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=6, data_parallel=2, pipeline_parallel=2, tensor_parallel=2),
+     r"2 x 2 x 2 = 8, but the world size is 6"),
+    (dict(world_size=6, pipeline_parallel=4), r"world size 6 is not divisible by pipeline_parallel x tensor_parallel"),
+    (dict(world_size=0), r"world_size must be an integer >= 1"),
+    (dict(world_size=4, tensor_parallel=0), r"tensor_parallel must be an integer >= 1"),
+    (dict(world_size=6, ranks_per_node=4), r"not a multiple of ranks_per_node"),
+])
+def test_topology_errors_are_specific(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelTopology(**kwargs)
+
+
+def test_plugin_topology_and_node_scope_need_consistent_sizes():
+    with pytest.raises(ValueError, match="but the world size is 4"):
+        DistCAPlugin(data_parallel_size=3).topology(4)
+    with pytest.raises(ValueError, match="needs ranks_per_node"):
+        ParallelTopology(4).server_groups("node")
+    assert DistCAPlugin(tensor_parallel_size=2).topology(8).server_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+# -- process groups on real ranks ----------------------------------------------------------------
+
+
+def _groups_worker(rank, world, tensor_parallel):
+    import torch.distributed as dist
+
+    import distca_hf
+    from helpers import tiny_model
+
+    groups = DistCAPlugin(tensor_parallel_size=tensor_parallel, tolerance=0.05).attach()
+    total = torch.tensor([rank])
+    dist.all_reduce(total, group=groups.group)  # sums over this rank's server group only
+    g = torch.Generator().manual_seed(rank)
+    lengths = [[40], [3, 5, 7], [9, 2, 30], [1, 1, 20]][rank]
+    docs = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+    model = tiny_model("llama").eval()
+    with torch.no_grad():
+        ids = torch.cat(docs).unsqueeze(0)
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        packed = model(input_ids=ids, position_ids=pos).logits[0]
+        stats = distca_hf.plan_stats()
+        model.set_attn_implementation("eager")
+        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    return {"server_ranks": list(groups.server_ranks), "group_sum": int(total), "err": float((packed - alone).abs().max()),
+            "local": stats["attn_pairs_local"], "dispatched": stats["dispatched"],
+            "group_size": dist.get_world_size(groups.group)}
+
+
+def test_tensor_parallel_server_groups_on_four_ranks(tmp_path):
+    results = run_ranks(_groups_worker, 4, tmp_path, 2)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        value = result["value"]
+        expected = [0, 2] if rank % 2 == 0 else [1, 3]  # ranks sharing a tensor-parallel index
+        assert value["server_ranks"] == expected and value["group_size"] == 2
+        assert value["group_sum"] == sum(expected)
+        assert value["dispatched"] and len(value["local"]) == 2  # planned over the two-rank group
+        assert value["err"] < 1e-5
+
+
+# -- launch checks ---------------------------------------------------------------------------------
+
+
+def test_launched_world_size_reads_the_accelerate_command(monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = tmp_path / "cfg.yaml"
+    config.write_text("num_processes: 4\n")
+    cases = [
+        (["python", "/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train.py", "--x"], 2),
+        (["accelerate", "launch", "--num-processes=3", "train.py"], 3),
+        (["accelerate", "launch", "--config_file", "cfg.yaml", "train.py", "--num_processes", "9"], 4),
+        (["torchrun", "train.py"], None),
+    ]
+    for argv, expected in cases:
+        monkeypatch.setattr(launch_module, "_parent_command", lambda argv=argv: (argv, str(tmp_path)))
+        assert launch_module.launched_world_size()[0] == expected, argv
+    monkeypatch.setattr(launch_module, "_parent_command",
+                        lambda: (["accelerate", "launch", "--cpu", "--num_processes", "2", "t.py"], None))
+    with pytest.raises(launch_module.LaunchError, match=r"asked for 2 processes .* runs alone .*recipes/cpu-2proc.yaml"):
+        launch_module.check_world_size(1)
+    launch_module.check_world_size(2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(launch_module.LaunchError, match=r"asked for 4 processes \(WORLD_SIZE\) but the process group has 2"):
+        launch_module.check_world_size(2)
+
+
+def test_accelerate_launch_cpu_starting_one_process_fails_loudly(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text("from distca_hf.launch import check_world_size\ncheck_world_size(1)\nprint('NOT STOPPED')\n")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    result = subprocess.run([str(accelerate), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+                             "--mixed_precision", "no", "--dynamo_backend", "no", str(script)],
+                            capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode != 0
+    assert "NOT STOPPED" not in result.stdout
+    assert "LaunchError: the launch asked for 2 processes (accelerate launch --num_processes 2)" in result.stderr
