@@ -4,7 +4,15 @@ Every rank builds the same small Llama-like model and its own skewed packed batc
 one long document, odd ranks many short ones (the straggler pattern CAD removes). Both methods run
 the same data with the same exact per-document kernel; *colocated* computes each rank's documents
 where they are, *distca* plans and dispatches. Step time is forward + backward, timed between
-barriers (so it is the slowest rank's), median over ``--steps`` after ``--warmup``.
+barriers (so it is the slowest rank's), median over ``--steps`` after ``--warmup``. The methods
+take turns step by step (colocated, then each distca setting, then again), so the ratios are
+measured side by side even on a machine whose speed drifts.
+
+``--overlap none,wave,pingpong`` also runs the overlap modes; for each it reports the step time and
+``overlap_fraction``: communication time hidden under compute / total communication time, from the
+timeline (``distca_hf.timeline``: an all-to-all lasts from launch to completion, and the time a rank
+blocks waiting for it is the part not hidden), over all ranks, forward and backward apart.
+``--trace OUT.json`` writes the last step of each mode as a Chrome trace.
 
 The *ideal* is measured from the colocated run: each rank's time outside the attention kernel plus
 the mean over ranks of the kernel time, i.e. the step if attention were perfectly balanced and
@@ -88,57 +96,61 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         out = model(input_ids=input_ids, position_ids=position_ids).logits
         out.float().square().mean().backward()
 
-    def run(mode, backward_mode="saved", overlap="none"):
+    def timed_step(mode, backward_mode, overlap):
         distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance, overlap=overlap)
-        for _ in range(args.warmup):
-            step()
-        times, kernel, stats, traced = [], [], None, []
-        for _ in range(args.steps):
-            kernel_seconds[0] = 0.0
-            timeline.clear()
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            sync()
-            mine = time.perf_counter() - start
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-            kernel.append((mine, kernel_seconds[0]))
-            stats = distca_hf.plan_stats()
-            traced.append(timeline.events())
-        return times, kernel, stats, traced
+        kernel_seconds[0] = 0.0
+        timeline.clear()
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        sync()
+        mine = time.perf_counter() - start
+        dist.barrier()
+        return time.perf_counter() - start, (mine, kernel_seconds[0]), distca_hf.plan_stats(), timeline.events()
 
-    results = {}
-    timeline.enable()
-    colocated, colocated_kernel, _, _ = run("colocated")
-    results["colocated"] = {"step_s": colocated}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, colocated_kernel)
-    # per step: slowest rank's non-attention time + mean attention time
-    ideal = [max(r[i][0] - r[i][1] for r in everyone) + sum(r[i][1] for r in everyone) / world
-             for i in range(args.steps)]
-    results["ideal_step_s"] = ideal
+    # Every method runs once per round, in the same order, so a machine whose speed drifts (another
+    # job, thermal limits) affects all of them alike: the ratios are measured side by side.
     modes = ["saved", "resend"] if args.backward == "both" else [args.backward]
     overlaps = args.overlap.split(",")
-    for mode in modes:
-        for overlap in overlaps if mode == modes[0] else overlaps[:1]:
-            times, _, stats, traced = run("distca", mode, overlap)
-            sent = [None] * world
-            dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
-                                          stats["rank_saved_for_backward_bytes"],
-                                          [overlap_summary(events) for events in traced], traced[-1]))
-            key = f"distca_{mode}" if overlap == overlaps[0] else f"distca_{mode}_{overlap}"
-            results[key] = {
-                "step_s": times, "stats": stats, "overlap": overlap,
-                "bytes_sent_per_step": sum(s[0] for s in sent),
-                "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
-                "overlap_per_step": [_merge([s[2][i] for s in sent]) for i in range(len(times))],
-            }
-            if rank == 0 and args.trace and mode == modes[0]:
-                from .timeline import chrome_trace
+    methods = [("colocated", "saved", "none")] + [("distca", b, o) for b in modes
+                                                  for o in (overlaps if b == modes[0] else overlaps[:1])]
+    timeline.enable()
+    for method in methods:
+        distca_hf.configure(mode=method[0], backward=method[1], tolerance=args.tolerance, overlap=method[2])
+        for _ in range(args.warmup):
+            step()
+    runs = {method: [] for method in methods}
+    for _ in range(args.steps):
+        for method in methods:
+            runs[method].append(timed_step(*method))
 
-                chrome_trace([s[3] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
+    results = {}
+    colocated = runs[methods[0]]
+    results["colocated"] = {"step_s": [r[0] for r in colocated]}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [r[1] for r in colocated])
+    # per step: slowest rank's non-attention time + mean attention time
+    results["ideal_step_s"] = [max(r[i][0] - r[i][1] for r in everyone) + sum(r[i][1] for r in everyone) / world
+                               for i in range(args.steps)]
+    for (_, backward_mode, overlap) in methods[1:]:
+        done = runs[("distca", backward_mode, overlap)]
+        stats = done[-1][2]
+        sent = [None] * world
+        dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
+                                      stats["rank_saved_for_backward_bytes"],
+                                      [overlap_summary(r[3]) for r in done], done[-1][3]))
+        key = f"distca_{backward_mode}" if overlap == overlaps[0] else f"distca_{backward_mode}_{overlap}"
+        results[key] = {
+            "step_s": [r[0] for r in done], "stats": stats, "overlap": overlap,
+            "bytes_sent_per_step": sum(s[0] for s in sent),
+            "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
+            "overlap_per_step": [_merge([s[2][i] for s in sent]) for i in range(args.steps)],
+        }
+        if rank == 0 and args.trace and backward_mode == modes[0]:
+            from .timeline import chrome_trace
+
+            chrome_trace([s[3] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)

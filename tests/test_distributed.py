@@ -185,7 +185,8 @@ def test_bench_cli_contract():
     exe = Path(sys.executable).parent / "distca-hf"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
     result = subprocess.run([*cmd, "bench", "--tokens", "512", "--short-docs", "8", "--layers", "1", "--hidden", "64",
-                             "--intermediate", "128", "--steps", "2", "--warmup", "1", "--json"],
+                             "--intermediate", "128", "--steps", "2", "--warmup", "1", "--overlap", "none,pingpong",
+                             "--json"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -193,6 +194,14 @@ def test_bench_cli_contract():
         assert isinstance(out[key], float) and out[key] > 0
     assert out["attn_imbalance_before"] > 1.5 and out["attn_imbalance_after"] <= 1.05
     assert out["speedup"] == pytest.approx(out["colocated_step_s"] / out["distca_step_s"])
+    assert out["overlap_mode"] == "none" and set(out["overlap"]) == {"none", "pingpong"}
+    assert out["overlap"]["none"]["step_s"] == out["distca_step_s"]
+    for mode in out["overlap"].values():  # fractions of real communication time
+        assert mode["comm_s_all_ranks"] > 0 and mode["step_s"] > 0
+        for key in ("overlap_fraction", "forward_overlap_fraction", "backward_overlap_fraction"):
+            assert 0.0 <= mode[key] <= 1.0
+    # without overlap every all-to-all is waited on right after its launch: nothing is hidden
+    assert out["overlap"]["none"]["overlap_fraction"] < 0.3
 
 
 def test_bench_rejects_bad_arguments(capsys):
@@ -201,6 +210,9 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--world", "1"])
     assert "--world must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--overlap", "none,sometimes"])
+    assert "--overlap takes distinct values" in capsys.readouterr().err
 
 
 def _agreement_worker(rank, world):
