@@ -51,7 +51,7 @@ from .plugin import DistCAPlugin  # noqa: E402
 from .topology import ParallelTopology  # noqa: E402
 
 _LAZY_EXPORTS = {"DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerate",
-                 "LaunchError": "launch"}
+                 "prepare_training_arguments": "accelerate", "LaunchError": "launch"}
 
 
 def __getattr__(name):
@@ -63,4 +63,5 @@ def __getattr__(name):
 
 
 __all__ += ["DistCAAccelerator", "DistCAPlugin", "DistCATrainer", "LaunchError", "PackedCollator", "PackedDataset",
-            "PackingConfig", "ParallelTopology", "StepTableCallback", "StreamingPackedDataset", "load_documents"]
+            "PackingConfig", "ParallelTopology", "StepTableCallback", "StreamingPackedDataset", "load_documents",
+            "prepare_training_arguments"]

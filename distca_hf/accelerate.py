@@ -21,7 +21,7 @@ from .attention import ATTN_IMPLEMENTATION
 from .launch import LaunchError, check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
 from .plugin import DistCAPlugin
 
-__all__ = ["DistCAAccelerator", "require_distca_model", "repair_training_arguments"]
+__all__ = ["DistCAAccelerator", "prepare_training_arguments", "require_distca_model"]
 
 
 def require_distca_model(model) -> None:
@@ -129,11 +129,13 @@ def _forget_miscounted_state() -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def repair_training_arguments(args) -> None:
+def prepare_training_arguments(args) -> None:
     """Make ``transformers.TrainingArguments`` count the launched processes on a machine without GPU.
 
     ``TrainingArguments`` sets up Accelerate's process state when it is created, so a script that
-    builds it before anything of distca runs meets the CPU traps. This redoes that set-up: with
+    builds it before anything of distca runs meets the CPU traps. ``DistCATrainer`` calls this
+    itself; call it right after creating the arguments when something uses them before the trainer
+    exists (on CPU: DeepSpeed ZeRO-3's ``zero.Init`` while the model loads). It redoes the set-up: with
     ``ACCELERATE_USE_CPU=1`` (DDP), or with the ``gloo`` backend (DeepSpeed, whose branch of the
     set-up ignores ``ddp_backend``). The torch process group, if one was made, is reused. Raises
     ``LaunchError`` when it cannot (e.g. ``accelerate launch --cpu`` started a single process)."""

@@ -34,7 +34,7 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .accelerate import repair_training_arguments, require_distca_model
+from .accelerate import prepare_training_arguments, require_distca_model
 from .data import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
 from .launch import check_world_size
 from .plugin import DistCAPlugin
@@ -82,7 +82,7 @@ class DistCATrainer(Trainer):
             _prepare_model(model)
         if args is not None:
             _check_arguments(args)
-            repair_training_arguments(args)
+            prepare_training_arguments(args)
             world = args.world_size
         else:
             world = 1

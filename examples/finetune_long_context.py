@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Print
     TrainingArguments
 
 import distca_hf
-from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig, prepare_training_arguments
 from distca_hf.data import load_documents
 from distca_hf.trainer import StepTableCallback
 
@@ -159,6 +159,9 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
         save_steps=args.save_steps or 500, eval_strategy="no", report_to=[], bf16=args.bf16,
         activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
     )
+    # On CPU, make the arguments count the launched processes before the model is built (ZeRO-3's
+    # zero.Init partitions it using them); DistCATrainer would do it too, but only after.
+    prepare_training_arguments(training_args)
     table = StepTableCallback()
     trainer = DistCATrainer(
         model=make_model(), args=training_args, train_dataset=documents, eval_dataset=eval_documents,

@@ -1,0 +1,84 @@
+"""Pre-training on packed documents with a plain Accelerate loop and ``DistCAAccelerator``.
+
+The loop a ``transformers.Trainer`` hides, written out: pack documents into one row of at most
+``--tokens-per-rank`` tokens per rank (``PackedDataset``: the same number of micro-batches on every
+rank), normalise the loss by the label tokens of all ranks and scale it by the world size (DDP and
+DeepSpeed average gradients over ranks), and read the plan's balance with ``distca_hf.plan_stats()``.
+
+    accelerate launch --config_file recipes/cpu-2proc.yaml examples/pretrain_packed.py
+    accelerate launch --config_file recipes/deepspeed-zero2.yaml examples/pretrain_packed.py   # GPUs
+    torchrun --nproc-per-node 2 examples/pretrain_packed.py --steps 10
+
+Offline by default, like ``finetune_long_context.py``: Python's help topics, a BPE tokenizer trained
+on the spot and a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+import distca_hf
+from distca_hf import DistCAAccelerator, DistCAPlugin, PackedCollator, PackedDataset, PackingConfig
+from distca_hf.trainer import attention_imbalance
+
+from finetune_long_context import offline_tokenizer, pydoc_topics, tiny_llama
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tokens-per-rank", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--mode", choices=["distca", "colocated"], default="distca")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.tokens_per_rank < 2:
+        parser.error("--steps must be >= 1 and --tokens-per-rank >= 2")
+
+    accelerator = DistCAAccelerator(distca_plugin=DistCAPlugin(mode=args.mode))
+    texts = pydoc_topics()
+    tokenizer = offline_tokenizer(texts)
+    documents = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    packed = PackedDataset(documents, PackingConfig(tokens_per_rank=args.tokens_per_rank, seed=args.seed),
+                           world_size=accelerator.num_processes)
+    accelerator.print(f"packing: {packed.report}")
+    loader = DataLoader(packed, batch_size=1, shuffle=True, collate_fn=PackedCollator(),
+                        generator=torch.Generator().manual_seed(args.seed))
+    model = tiny_llama(len(tokenizer), max(4096, args.tokens_per_rank), args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    accelerator.print(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'step s':>7}")
+    model.train()
+    step = 0
+    while step < args.steps:
+        for batch in loader:
+            start = time.perf_counter()
+            labels = batch["labels"][..., 1:].ne(-100).sum()
+            label_tokens = accelerator.reduce(labels, reduction="sum")  # all ranks' label tokens
+            # HF's causal-LM loss with num_items_in_batch is sum / num_items_in_batch; times the world size
+            # because DDP / DeepSpeed average gradients over ranks.
+            loss = model(**batch, num_items_in_batch=label_tokens).loss * accelerator.num_processes
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = distca_hf.plan_stats()
+            reported = accelerator.reduce(loss.detach(), reduction="mean")  # = sum of token losses / label tokens
+            elapsed = time.perf_counter() - start
+            step += 1
+            before = stats["attn_pairs_local"] if stats.get("dispatched") else None
+            balance = (f"{attention_imbalance(before):>8.2f} -> {attention_imbalance(stats['attn_pairs_served']):<6.3f}"
+                       if before else f"{'(local)':>18}")
+            accelerator.print(f"{step:>5} {reported.item():>9.4f} {balance} {elapsed:>7.2f}")
+            if step == args.steps:
+                break
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
