@@ -148,6 +148,17 @@ def _mixed_stacks_worker(rank, world):
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (1, 40 if rank == 0 else 12), generator=torch.Generator().manual_seed(rank))
     report = {}
+    # padded rows through the ping-pong stack: the real tokens match each row run alone
+    g = torch.Generator().manual_seed(10 + rank)
+    rows, mask = torch.randint(1, 96, (2, 24), generator=g), torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17 - 5 * rank:] = 0
+    with torch.no_grad():
+        padded = model(input_ids=rows, attention_mask=mask).logits
+        report["padded_overlap"] = distca_hf.plan_stats()["overlap"]
+        model.set_attn_implementation("eager")
+        alone = [model(input_ids=rows[i : i + 1, : int(mask[i].sum())]).logits[0] for i in range(2)]
+        model.set_attn_implementation("distca")
+    report["padded_err"] = max(float((padded[i, : len(a)] - a).abs().max()) for i, a in enumerate(alone))
     with warnings.catch_warnings(record=True) as caught:  # hidden states: HF's stack, overlap="wave"
         warnings.simplefilter("always")
         out = model(input_ids=ids, output_hidden_states=True)
@@ -167,6 +178,7 @@ def test_ranks_running_different_stacks_stop_together(tmp_path):
     for r in results:
         assert r["ok"], r.get("traceback", r["error"])
         report = r["value"]
+        assert report["padded_overlap"] == "pingpong" and report["padded_err"] < 1e-5
         assert report["fallback_overlap"] == "wave" and report["warned"] and report["hidden_states"] == 3
         assert "ping-pong" in report["mixed"] and "rank(s) [0]" in report["mixed"]
 
