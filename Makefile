@@ -11,7 +11,7 @@ comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
 
-.PHONY: setup test demo kernel-bench bench-sim env clean-venv
+.PHONY: setup test demo demo-single kernel-bench bench-sim env clean-venv
 
 setup: $(STAMP)
 
@@ -30,7 +30,15 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The main job: two CPU processes fine-tune a tiny Llama through DistCATrainer (a per-step table of
+# loss, attention imbalance before -> after and tokens/s), then the same run colocated; prints the
+# largest loss difference and the speedup. The same line runs any recipe in recipes/.
+DEMO_ARGS ?= --compare-colocated --distca-config recipes/distca.yaml
 demo: $(STAMP)
+	$(BIN)/accelerate launch --config_file recipes/cpu-2proc.yaml examples/finetune_long_context.py $(DEMO_ARGS)
+
+# The first demo: one process, exactness check, then a few steps.
+demo-single: $(STAMP)
 	$(BIN)/python examples/train_packed_tiny.py
 
 kernel-bench: $(STAMP)

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Print
 import distca_hf
 from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig, prepare_training_arguments
 from distca_hf.data import load_documents
+from distca_hf.launch import prepare_cpu_launch
 from distca_hf.trainer import StepTableCallback
 
 
@@ -49,7 +50,7 @@ def parse_args(argv=None):
     pack.add_argument("--tokens-per-rank", type=int, default=8192, help="token budget of one rank's micro-batch")
     pack.add_argument("--length-aware", action="store_true", help="pack best-fit by length (fuller micro-batches)")
     train = parser.add_argument_group("training")
-    train.add_argument("--max-steps", type=int, default=24)
+    train.add_argument("--max-steps", type=int, default=30)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--optim", default="adamw_torch")
     train.add_argument("--grad-accum", type=int, default=1)
@@ -100,10 +101,13 @@ def offline_tokenizer(texts: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
 
 
-def tiny_llama(vocab_size: int, max_positions: int, seed: int):
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, use_cache=False)
+def tiny_llama(tokenizer, max_positions: int, seed: int):
+    """A 2-layer Llama with random weights. Narrow on purpose (hidden 64, two heads of 32): on a CPU
+    the attention of long documents then dominates a step, as it does for long contexts on GPUs."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False, use_cache=False, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="distca", dtype=torch.float32)
 
@@ -140,7 +144,7 @@ def load_data(args):
             torch.manual_seed(args.seed)
             return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca",
                                                         dtype=torch.bfloat16 if args.bf16 else torch.float32)
-        return tiny_llama(len(tokenizer), max(4096, args.tokens_per_rank), args.seed)
+        return tiny_llama(tokenizer, max(4096, args.tokens_per_rank), args.seed)
 
     return tokenizer, documents, eval_documents, make_model
 
@@ -151,16 +155,20 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
         plugin = DistCAPlugin.from_accelerate_config(args.distca_config, mode=mode)
     else:
         plugin = DistCAPlugin(mode=mode)
+    # Under a multi-process launcher without GPU, Accelerate needs ACCELERATE_USE_CPU=1 (DDP) or the
+    # gloo backend (DeepSpeed) to count the processes; set them before TrainingArguments sets up.
+    ddp_backend = prepare_cpu_launch().get("backend")
     training_args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+        output_dir=output_dir, ddp_backend=ddp_backend, dataloader_pin_memory=torch.cuda.is_available(),
+        ddp_find_unused_parameters=False, per_device_train_batch_size=1, per_device_eval_batch_size=1,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
         optim=args.optim, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=args.seed,
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, eval_strategy="no", report_to=[], bf16=args.bf16,
         activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
     )
-    # On CPU, make the arguments count the launched processes before the model is built (ZeRO-3's
-    # zero.Init partitions it using them); DistCATrainer would do it too, but only after.
+    # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
+    # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
     prepare_training_arguments(training_args)
     table = StepTableCallback()
     trainer = DistCATrainer(
@@ -203,6 +211,9 @@ def compare(distca: StepTableCallback, colocated: StepTableCallback, tolerance: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import datasets
+
+    datasets.disable_progress_bars()
     data = load_data(args)
     with tempfile.TemporaryDirectory(prefix="distca-finetune-") as scratch:
         output_dir = args.output_dir or scratch

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     accelerator.print(f"packing: {packed.report}")
     loader = DataLoader(packed, batch_size=1, shuffle=True, collate_fn=PackedCollator(),
                         generator=torch.Generator().manual_seed(args.seed))
-    model = tiny_llama(len(tokenizer), max(4096, args.tokens_per_rank), args.seed)
+    model = tiny_llama(tokenizer, max(4096, args.tokens_per_rank), args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
