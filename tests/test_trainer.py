@@ -112,7 +112,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         max_grad_norm=0.0, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 500,
         activation_checkpointing=case.get("checkpointing", False), deepspeed=deepspeed,
-        eval_strategy="no",
+        eval_strategy="no", dataloader_pin_memory=False,
     )
     trainer = RecordingTrainer(
         model=model, args=args, train_dataset=_documents(LENGTHS, 0),
