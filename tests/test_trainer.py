@@ -114,8 +114,13 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         activation_checkpointing=case.get("checkpointing", False), deepspeed=deepspeed,
         eval_strategy="no", dataloader_pin_memory=False,
     )
+    train_dataset = _documents(LENGTHS, 0)
+    if case.get("streaming"):
+        import datasets
+
+        train_dataset = datasets.Dataset.from_dict({"input_ids": train_dataset}).to_iterable_dataset(num_shards=2)
     trainer = RecordingTrainer(
-        model=model, args=args, train_dataset=_documents(LENGTHS, 0),
+        model=model, args=args, train_dataset=train_dataset,
         eval_dataset=_documents(EVAL_LENGTHS, 1) if case.get("evaluate") else None,
         packing=PackingConfig(tokens_per_rank=BUDGET, seed=0), distca_plugin=DistCAPlugin(tolerance=0.05),
     )
@@ -128,7 +133,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         "before": [h["attn_imbalance_before"] for h in trainer.state.log_history if "loss" in h],
         "after": [h["attn_imbalance_after"] for h in trainer.state.log_history if "loss" in h],
         "recorded": trainer.recorded,
-        "micro_batches_per_epoch": len(trainer.get_train_dataloader()),
+        "micro_batches_per_epoch": None if case.get("streaming") else len(trainer.get_train_dataloader()),
         "use_cache": trainer.model.config.use_cache,
     }
     if case.get("evaluate"):
@@ -201,10 +206,22 @@ def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp
 
 @pytest.mark.parametrize("zero, accumulation", [(2, 2), (3, 1)])
 def test_deepspeed_zero_matches_single_process(tmp_path, zero, accumulation):
-    case = {"zero": zero, "accumulation": accumulation, "max_steps": 3}
+    case = {"zero": zero, "accumulation": accumulation, "max_steps": 3, "evaluate": True}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path), deadline_s=420))
     assert all(v["world"] == 2 for v in values) and len(values[0]["losses"]) == 3
+    model = _assert_matches_reference(values, str(tmp_path))
+    expected_eval = reference_eval_loss(model, _documents(EVAL_LENGTHS, 1), BUDGET)
+    assert all(v["eval"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5) for v in values)
+
+
+def test_streaming_dataset_on_two_ranks_matches_single_process(tmp_path):
+    """Each rank reads the whole stream, packs it identically and keeps every second micro-batch."""
+    case = {"streaming": True, "accumulation": 2, "max_steps": 3}
+    values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
     _assert_matches_reference(values, str(tmp_path))
+    mine = [Counter(tuple(p) for _, pieces in v["recorded"] for p in pieces) for v in values]
+    assert len(values[0]["recorded"]) == len(values[1]["recorded"]) == 6
+    assert not (mine[0] & mine[1])  # the ranks train different micro-batches
 
 
 def test_single_process_matches_reference(tmp_path):
