@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SERVER_SCOPES", "ParallelTopology", "build_server_group"]
+__all__ = ["SERVER_SCOPES", "ParallelTopology", "build_server_group", "group_ranks"]
 
 SERVER_SCOPES = ("data_parallel", "node")
 
@@ -128,6 +128,20 @@ class ParallelTopology:
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an integer in [0, {self.world_size}), got {rank!r}")
+
+
+def group_ranks(world_size: int, rank: int, data_parallel: int | None = None, pipeline_parallel: int = 1,
+                tensor_parallel: int = 1, scope: str = "data_parallel", ranks_per_node: int | None = None) -> dict:
+    """The groups ``rank`` belongs to, as lists of global ranks (a pure function, for a pipeline or
+    tensor-parallel engine to build its communicators from): ``{"data": ..., "pipeline": ...,
+    "tensor": ..., "server": ...}``; ``pipeline`` lists the stages first to last."""
+    topology = ParallelTopology(world_size, data_parallel, pipeline_parallel, tensor_parallel, ranks_per_node)
+    return {
+        "data": topology.group_of(rank, topology.data_parallel_groups()),
+        "pipeline": topology.group_of(rank, topology.pipeline_parallel_groups()),
+        "tensor": topology.group_of(rank, topology.tensor_parallel_groups()),
+        "server": topology.group_of(rank, topology.server_groups(scope)),
+    }
 
 
 def build_server_group(topology: ParallelTopology, rank: int, scope: str = "data_parallel"):

@@ -217,6 +217,18 @@ def test_topology_errors_are_specific(kwargs, message):
         ParallelTopology(**kwargs)
 
 
+def test_group_ranks_of_one_rank():
+    from distca_hf.topology import group_ranks
+
+    # 16 ranks: 2 pipeline stages x 4 data-parallel x 2 tensor-parallel; rank 11 = stage 1, dp index 1, tp index 1
+    groups = group_ranks(16, 11, pipeline_parallel=2, tensor_parallel=2)
+    assert groups == {"data": [9, 11, 13, 15], "pipeline": [3, 11], "tensor": [10, 11], "server": [9, 11, 13, 15]}
+    assert group_ranks(16, 11, pipeline_parallel=2, tensor_parallel=2, scope="node", ranks_per_node=4)["server"] \
+        == [9, 11]
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 16\)"):
+        group_ranks(16, 16, tensor_parallel=2)
+
+
 def test_plugin_topology_and_node_scope_need_consistent_sizes():
     with pytest.raises(ValueError, match="but the world size is 4"):
         DistCAPlugin(data_parallel_size=3).topology(4)

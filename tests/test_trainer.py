@@ -258,14 +258,21 @@ def _resume_worker(rank, world, out_dir):
 # -- DistCAAccelerator in a plain loop -------------------------------------------------------------------
 
 
-def _accelerator_worker(rank, world):
+def _accelerator_worker(rank, world, zero_stage):
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate.utils import DeepSpeedPlugin
     from torch.utils.data import DataLoader
 
     from distca_hf import DistCAAccelerator, DistCAPlugin, PackedCollator, PackedDataset, PackingConfig
     from helpers import tiny_model
 
-    accelerator = DistCAAccelerator(distca_plugin=DistCAPlugin(tolerance=0.05, backward="resend"))
+    deepspeed = None
+    if zero_stage is not None:
+        deepspeed = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True})
+    accelerator = DistCAAccelerator(distca_plugin=DistCAPlugin(tolerance=0.05, backward="resend"),
+                                    deepspeed_plugin=deepspeed)
     dataset = PackedDataset(_documents(LENGTHS, 0), PackingConfig(tokens_per_rank=BUDGET, shuffle=False),
                             world_size=accelerator.num_processes)
     loader = DataLoader(dataset, batch_size=1, collate_fn=PackedCollator())
@@ -289,8 +296,10 @@ def _accelerator_worker(rank, world):
             "params": {n: p.detach().tolist() for n, p in unwrapped.named_parameters() if n.endswith("norm.weight")}}
 
 
-def test_distca_accelerator_ddp_loop_matches_single_process(tmp_path):
-    values = _check_ranks(run_ranks(_accelerator_worker, 2, tmp_path))
+@pytest.mark.parametrize("zero_stage", [None, 1])
+def test_distca_accelerator_loop_matches_single_process(tmp_path, zero_stage):
+    """DDP, and DeepSpeed ZeRO-1 (CPU: the accelerator creates the gloo group DeepSpeed needs)."""
+    values = _check_ranks(run_ranks(_accelerator_worker, 2, tmp_path, zero_stage))
     assert all(v["world"] == 2 and v["server_ranks"] == [0, 1] and v["backward"] == "resend" for v in values)
     steps = [values[0]["steps"][k] + values[1]["steps"][k] for k in range(3)]
     losses, params, _ = reference_run(steps, LR)
