@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 
+import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
 from .attention import ATTN_IMPLEMENTATION
-from .launch import LaunchError, check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
+from .launch import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCAAccelerator", "prepare_training_arguments", "require_distca_model"]
@@ -101,7 +102,7 @@ class DistCAAccelerator(Accelerator):
 
     def prepare(self, *args, device_placement=None):
         for obj in args:
-            if _looks_like_model(obj):
+            if isinstance(obj, torch.nn.Module):
                 require_distca_model(obj)
                 _disable_kv_cache(obj)
         return super().prepare(*args, device_placement=device_placement)
@@ -110,12 +111,6 @@ class DistCAAccelerator(Accelerator):
         require_distca_model(model)
         _disable_kv_cache(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-
-def _looks_like_model(obj) -> bool:
-    import torch
-
-    return isinstance(obj, torch.nn.Module)
 
 
 def _forget_miscounted_state() -> None:
@@ -169,5 +164,3 @@ def prepare_training_arguments(args) -> None:
                 args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
     check_world_size(args.world_size)
 
-
-__all__ += ["LaunchError"]

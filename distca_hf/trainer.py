@@ -67,7 +67,7 @@ class DistCATrainer(Trainer):
 
     Attributes:
         distca: ``DistCAGroups`` built by the plugin (topology, server group, settings).
-        packing_reports: ``{"train": PackingReport, "eval...": ...}``.
+        packing_reports: ``{"train": PackingReport, "eval": ...}`` (a property).
     """
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
@@ -86,7 +86,7 @@ class DistCATrainer(Trainer):
             world = args.world_size
         else:
             world = 1
-        self.packing_reports = {}
+        self._packed_datasets = {}
         train_dataset = self._packed(train_dataset, packing, world, "train")
         if isinstance(eval_dataset, dict):
             eval_dataset = {name: self._packed(d, packing, world, f"eval_{name}") for name, d in eval_dataset.items()}
@@ -133,8 +133,14 @@ class DistCATrainer(Trainer):
             packed = StreamingPackedDataset(dataset, packing, world)
         else:
             packed = PackedDataset(dataset, packing, world)
-        self.packing_reports[name] = packed.report
+        self._packed_datasets[name] = packed
         return packed
+
+    @property
+    def packing_reports(self) -> dict:
+        """``{"train": PackingReport, "eval": ...}``: what packing did (a streaming dataset's report
+        fills as the stream is read)."""
+        return {name: dataset.report for name, dataset in self._packed_datasets.items()}
 
     def train(self, *args, **kwargs):
         if self.model is not None:
