@@ -18,7 +18,7 @@ one into the model inputs ``DataCollatorWithFlattening(return_flash_attn_kwargs=
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 

@@ -30,7 +30,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PrinterCallback, ProgressCallback, \
     TrainingArguments
 
-import distca_hf
 from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig, prepare_training_arguments
 from distca_hf.data import load_documents
 from distca_hf.launch import prepare_cpu_launch
