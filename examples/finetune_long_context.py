@@ -75,6 +75,8 @@ def parse_args(argv=None):
         parser.error("--eval-documents and --save-steps must be >= 0")
     if args.compare_colocated and args.resume:
         parser.error("--compare-colocated trains from scratch; drop --resume")
+    if args.dataset and not args.model:
+        parser.error("--dataset needs --model (its tokenizer); the offline tokenizer only knows the pydoc topics")
     return args
 
 
@@ -130,8 +132,6 @@ def load_data(args):
         documents = load_documents(datasets.Dataset.from_dict({"text": texts}), tokenizer)
         if args.streaming:
             documents = documents.to_iterable_dataset()
-    if args.dataset and not args.model:
-        raise SystemExit("--dataset needs --model (its tokenizer); the offline tokenizer is trained on pydoc topics")
     eval_documents = None
     if args.eval_documents and not args.streaming:
         held_out = min(args.eval_documents, len(documents) // 4)
