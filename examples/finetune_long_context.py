@@ -180,10 +180,13 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
     trainer.remove_callback(PrinterCallback)  # the table replaces the raw log dicts
     trainer.remove_callback(ProgressCallback)
     if trainer.is_world_process_zero():
-        print(f"packing: {trainer.packing_reports['train']}", flush=True)
+        if not args.streaming:  # a stream's report fills as it is read: printed after training
+            print(f"packing: {trainer.packing_reports['train']}", flush=True)
         print(f"distca: {trainer.distca.config.mode}, tolerance {trainer.distca.config.tolerance}, server group "
               f"{list(trainer.distca.server_ranks)} of {trainer.distca.topology.world_size} ranks", flush=True)
     trainer.train(resume_from_checkpoint=args.resume)
+    if args.streaming and trainer.is_world_process_zero():
+        print(f"packing (the stream read so far): {trainer.packing_reports['train']}", flush=True)
     metrics = trainer.evaluate() if eval_documents is not None else {}
     if trainer.is_world_process_zero() and metrics:
         print(f"eval loss {metrics['eval_loss']:.4f} over {metrics['eval_label_tokens']} label tokens", flush=True)
