@@ -362,11 +362,21 @@ def test_bad_trainer_setups_say_what_is_wrong(tmp_path):
 # -- the recipes launch the examples ------------------------------------------------------------------------
 
 
-def _launch(*arguments, timeout=420):
+def _launch(*arguments, timeout=300):
+    """``accelerate launch ...`` in its own process group, killed whole (launcher and ranks) on timeout."""
+    import signal
+
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.run([str(accelerate), "launch", *arguments], cwd=REPO, capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    process = subprocess.Popen([str(accelerate), "launch", *arguments], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"accelerate launch {' '.join(arguments)} did not finish in {timeout}s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes():
