@@ -1,5 +1,6 @@
 """Draw a distca Chrome trace (``distca-hf bench --trace OUT.json``) as a picture: per rank, a compute
-lane (nano-batch A blue, B orange, attention kernels darker, time blocked on communication red) and a
+lane (nano-batch A blue, B orange, attention kernels darker, time blocked on communication red, work
+that is not instrumented grey: the loss, autograd's backward of projections and MLP) and a
 communication lane (each all-to-all from launch to completion).
 
     python examples/plot_timeline.py TRACE.json OUT.png [--title T] [--start-ms A --end-ms B]
@@ -51,6 +52,10 @@ def main(argv=None):
             labels.append(f"rank {rank} {'compute' if tid == 0 else 'comm'}")
             # nested spans (a stage holding a kernel or a wait) draw after their parents
             mine = sorted((e for e in events if e["pid"] == rank and e["tid"] == tid), key=lambda e: -e["dur"])
+            if tid == 0 and mine:  # what is not instrumented: loss, and autograd's backward of projections/MLP
+                first = min(e["ts"] for e in mine)
+                last = max(e["ts"] + e["dur"] for e in mine)
+                ax.broken_barh([(first / 1e3, (last - first) / 1e3)], (y, 1.0), color="#e8e8e8")
             for e in mine:
                 kind = e["cat"].split(",")[0]
                 ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (y, 1.0), color=colour(e["name"], kind),
@@ -62,9 +67,10 @@ def main(argv=None):
         ax.set_xlim(args.start_ms, args.end_ms)
     ax.set_title(args.title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in
-               ("#6baed6", "#1f3b73", "#fdae6b", "#8c4a00", "#98df8a", "#2ca02c", "#d62728")]
+               ("#6baed6", "#1f3b73", "#fdae6b", "#8c4a00", "#98df8a", "#2ca02c", "#d62728", "#e8e8e8")]
     ax.legend(handles, ["A: projections/MLP", "A: attention kernel", "B: projections/MLP", "B: attention kernel",
-                        "all-to-all (forward)", "all-to-all (backward)", "blocked on communication"],
+                        "all-to-all (forward)", "all-to-all (backward)", "blocked on communication",
+                        "other compute (loss; backward of projections, MLP)"],
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
