@@ -75,7 +75,7 @@ class DistCAAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` for Core Attention Disaggregation.
 
     Args:
-        distca_plugin: the distca settings and process layout (default ``DistCAPlugin()``: settings
+        distca_plugin: the distca settings and process layout (default ``DistCAPlugin.from_environment()``: settings
             from ``DISTCA_*`` variables, server group = data-parallel group).
         *args, **kwargs: as for ``accelerate.Accelerator``.
 
@@ -87,7 +87,7 @@ class DistCAAccelerator(Accelerator):
     def __init__(self, *args, distca_plugin: DistCAPlugin | None = None, **kwargs):
         if distca_plugin is not None and not isinstance(distca_plugin, DistCAPlugin):
             raise TypeError(f"distca_plugin must be a distca_hf.DistCAPlugin, got {type(distca_plugin).__name__}")
-        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin()
+        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
         deepspeed = kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None \
             or uses_deepspeed()
         backend = prepare_cpu_launch(deepspeed=deepspeed).get("backend")

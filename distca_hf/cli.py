@@ -5,6 +5,7 @@
     distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
     distca-hf profile        measure the time model's constants on this device (see profile.py)
     distca-hf bench          multi-process step time, colocated against distca (see bench.py)
+    distca-hf launch         accelerate launch with a distca: section in the config (see launcher.py)
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ SUBCOMMANDS = {
     "simulate": ("distca_hf.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
     "profile": ("distca_hf.profile", "measure time-model constants on this device"),
     "bench": ("distca_hf.bench", "multi-process step time: colocated against distca"),
+    "launch": ("distca_hf.launcher", "accelerate launch with a config file that has a distca: section"),
 }
 
 

@@ -116,6 +116,14 @@ class DistCAPlugin:
         layout = {k: section.pop(k) for k in list(section) if k not in _CONFIG_FIELDS}
         return cls(**{**layout, **overrides}, file_settings=section)
 
+    @classmethod
+    def from_environment(cls, **overrides) -> "DistCAPlugin":
+        """The plugin of this job: the ``distca:`` section of the file named by ``DISTCA_CONFIG_FILE``
+        (set by ``distca-hf launch``) when there is one, else the defaults; ``DISTCA_*`` variables
+        and ``overrides`` apply on top as usual."""
+        path = os.environ.get("DISTCA_CONFIG_FILE")
+        return cls.from_accelerate_config(path, **overrides) if path else cls(**overrides)
+
     # -- resolution -------------------------------------------------------------------------------
 
     def _code_settings(self) -> dict:

@@ -61,7 +61,7 @@ class DistCATrainer(Trainer):
             dataset, streaming or not, or a sequence of token lists), packed with ``packing``; or
             already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``).
             ``eval_dataset`` may be a dict of them.
-        distca_plugin: distca settings and process layout (default ``DistCAPlugin()``).
+        distca_plugin: distca settings and process layout (default ``DistCAPlugin.from_environment()``).
         packing: ``PackingConfig`` for raw documents.
         **kwargs: the rest of ``transformers.Trainer``'s arguments.
 
@@ -77,7 +77,7 @@ class DistCATrainer(Trainer):
             raise TypeError(f"distca_plugin must be a distca_hf.DistCAPlugin, got {type(distca_plugin).__name__}")
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
-        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin()
+        self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
         if model is not None:
             _prepare_model(model)
         if args is not None:

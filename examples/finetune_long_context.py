@@ -152,8 +152,8 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
     tokenizer, documents, eval_documents, make_model = data
     if args.distca_config:
         plugin = DistCAPlugin.from_accelerate_config(args.distca_config, mode=mode)
-    else:
-        plugin = DistCAPlugin(mode=mode)
+    else:  # the distca: section of a `distca-hf launch` config, if any, else the defaults
+        plugin = DistCAPlugin.from_environment(mode=mode)
     # Under a multi-process launcher without GPU, Accelerate needs ACCELERATE_USE_CPU=1 (DDP) or the
     # gloo backend (DeepSpeed) to count the processes; set them before TrainingArguments sets up.
     ddp_backend = prepare_cpu_launch().get("backend")
@@ -182,7 +182,8 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
     if trainer.is_world_process_zero():
         if not args.streaming:  # a stream's report fills as it is read: printed after training
             print(f"packing: {trainer.packing_reports['train']}", flush=True)
-        print(f"distca: {trainer.distca.config.mode}, tolerance {trainer.distca.config.tolerance}, server group "
+        config = trainer.distca.config
+        print(f"distca: {config.mode}, tolerance {config.tolerance}, overlap {config.overlap}, server group "
               f"{list(trainer.distca.server_ranks)} of {trainer.distca.topology.world_size} ranks", flush=True)
     trainer.train(resume_from_checkpoint=args.resume)
     if args.streaming and trainer.is_world_process_zero():

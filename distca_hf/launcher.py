@@ -1,0 +1,84 @@
+"""``distca-hf launch``: ``accelerate launch`` with a config file that carries a ``distca:`` section.
+
+    distca-hf launch --config_file job.yaml [other accelerate launch arguments] SCRIPT [script arguments]
+
+``accelerate launch`` (1.x) refuses config files with keys it does not know, so one file cannot
+describe both the launch and distca. This command reads ``job.yaml``, checks its ``distca:``
+section (a bad value fails here, before any process starts, naming the key), hands Accelerate the
+file without the section, and tells every process where the section is (``DISTCA_CONFIG_FILE``):
+``DistCAPlugin.from_environment()``, and so ``DistCATrainer`` / ``DistCAAccelerator`` without an
+explicit plugin, read it. Precedence stays code > ``DISTCA_*`` variables > file > defaults. Every
+other argument goes to ``accelerate launch`` untouched; its exit status is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
+
+CONFIG_FILE_VARIABLE = "DISTCA_CONFIG_FILE"
+_SPELLINGS = ("--config_file", "--config-file")
+
+
+def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``(accelerate settings, distca section)`` of a YAML config file; the section is validated."""
+    import yaml
+
+    from .plugin import read_distca_section
+
+    section = read_distca_section(path)  # checks the file, the mapping and every distca key
+    with open(path, encoding="utf-8") as f:
+        document = yaml.safe_load(f) or {}
+    document.pop("distca", None)
+    return document, section
+
+
+def _config_argument(argv: list[str]) -> tuple[int, str] | None:
+    """Index and value of ``--config_file`` among the launcher's own arguments, which end at the
+    script (the first ``*.py`` argument)."""
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py"):
+            return None
+        if arg in _SPELLINGS:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"distca-hf launch: {arg} needs a file")
+            return i, argv[i + 1]
+        key, sep, value = arg.partition("=")
+        if sep and key in _SPELLINGS:
+            return i, value
+    return None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    found = _config_argument(argv)
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="distca-launch-") as tmp:
+        if found is not None:
+            index, path = found
+            if not Path(path).is_file():
+                raise SystemExit(f"distca-hf launch: config file {path!r} does not exist")
+            try:
+                accelerate_settings, _ = split_config(path)
+            except ValueError as e:
+                raise SystemExit(f"distca-hf launch: {e}") from None
+            import yaml
+
+            stripped = Path(tmp) / Path(path).name
+            stripped.write_text(yaml.safe_dump(accelerate_settings))
+            env[CONFIG_FILE_VARIABLE] = str(Path(path).resolve())
+            value_at = index if "=" in argv[index] else index + 1
+            argv[value_at] = f"--config_file={stripped}" if "=" in argv[index] else str(stripped)
+        return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *argv], env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`distca-hf launch`: one config file holds both the launch and the distca: section; the section is
+checked before any process starts, and every launched process reads it through
+DistCAPlugin.from_environment()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distca_hf.launcher import split_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _job(tmp_path, distca) -> Path:
+    document = yaml.safe_load((ROOT / "recipes" / "cpu-2proc.yaml").read_text())
+    document["distca"] = distca
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_split_config_separates_and_checks_the_section(tmp_path):
+    accelerate, section = split_config(_job(tmp_path, {"overlap": "pingpong", "tolerance": 0.07}))
+    assert "distca" not in accelerate and accelerate["num_processes"] == 2
+    assert section == {"overlap": "pingpong", "tolerance": 0.07}
+    with pytest.raises(ValueError, match="overlap"):
+        split_config(_job(tmp_path, {"overlap": "sometimes"}))
+    with pytest.raises(ValueError, match="toleranse"):
+        split_config(_job(tmp_path, {"toleranse": 0.1}))
+
+
+def _cli():
+    exe = Path(sys.executable).parent / "distca-hf"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
+
+
+def test_bad_section_stops_before_launching(tmp_path):
+    result = subprocess.run([*_cli(), "launch", "--config_file", str(_job(tmp_path, {"backward": "later"})),
+                             "nothing.py"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "backward" in result.stderr and "later" in result.stderr
+
+
+def test_launched_processes_read_the_section(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(
+        "import os, sys\n"
+        "from distca_hf.plugin import DistCAPlugin\n"
+        "config = DistCAPlugin.from_environment().resolved()\n"
+        "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(\n"
+        "    f'{config.overlap} {config.tolerance} {config.backward}')\n"
+    )
+    env = {**os.environ, "DISTCA_BACKWARD": "resend"}  # the environment beats the file
+    env.pop("DISTCA_CONFIG_FILE", None)
+    job = _job(tmp_path, {"overlap": "pingpong", "tolerance": 0.07, "backward": "saved"})
+    result = subprocess.run([*_cli(), "launch", "--config_file", str(job), "--main_process_port", "0", str(script),
+                             str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text() == "pingpong 0.07 resend"
