@@ -10,9 +10,12 @@ layer type, so they only count when there are no positions).
 
 Under ``torch.distributed`` with more than one rank in the server group, making a step is a
 collective: every rank all-gathers a header (document count, or -1 if its inputs were invalid;
-whether it holds a KV cache; a fingerprint of its settings) and its document lengths. So every rank
-makes the same decision: all raise if one rank's inputs are invalid or settings differ, all compute
-locally if one rank decodes with a cache, and otherwise all run the same plan.
+its path: 0 plain, 1 decoding with a KV cache, 2 ping-pong stack; a fingerprint of its settings) and
+its document lengths. So every rank makes the same decision: all raise if one rank's inputs are
+invalid, settings differ or only some ranks run the ping-pong stack (``pingpong.plan_pingpong``
+sends the same header), all compute locally if one rank decodes with a cache, and otherwise all run
+the same plan. ``plan_dispatch`` turns every rank's documents into this rank's ``Dispatch``: one
+wave, or the waves of ``overlap="wave"`` (``dispatch.py``).
 """
 
 from __future__ import annotations
