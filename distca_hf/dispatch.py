@@ -101,6 +101,7 @@ class Dispatch:
     waves: list[DispatchLayout]
     counters: DispatchCounters
     overlap: str = "none"
+    kv_tokens_moved: int = 0  # K/V tokens crossing ranks per layer, all ranks (waves may resend a prefix)
 
 
 def build_dispatch(plan: Plan, pieces: DocumentPieces, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
@@ -109,24 +110,26 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, doc_offset: np.ndarray, d
     ``counters`` may be shared with another dispatch (ping-pong's two nano-batches)."""
     counters = counters if counters is not None else DispatchCounters()
     if overlap != "wave":
-        layout = build_dispatch_layout(plan, kv_transfers(plan, pieces), doc_offset, docs, rank, device,
-                                       counters=counters, **settings)
-        return Dispatch([layout], counters, overlap)
+        transfers = kv_transfers(plan, pieces)
+        layout = build_dispatch_layout(plan, transfers, doc_offset, docs, rank, device, counters=counters, **settings)
+        return Dispatch([layout], counters, overlap, transfers.tokens())
     plan = _cut_local_work_in_halves(plan)
     local = plan.source == plan.server
     early = _first_half_by_pairs(plan, local)
     first_remote = _first_half_by_pairs(plan, ~local)
-    waves = []
+    waves, kv_tokens = [], 0
     for name, mask in (("local, first half", local & early), ("remote 1", ~local & first_remote),
                        ("remote 2", ~local & ~first_remote), ("local, second half", local & ~early)):
         if not mask.any():  # the plan is the same on every rank, so every rank skips the same waves
             continue
         sub = _subplan(plan, mask)
-        layout = build_dispatch_layout(sub, kv_transfers(sub, pieces), doc_offset, docs, rank, device,
-                                       counters=counters, name=name, **settings)
+        transfers = kv_transfers(sub, pieces)
+        kv_tokens += transfers.tokens()
+        layout = build_dispatch_layout(sub, transfers, doc_offset, docs, rank, device, counters=counters, name=name,
+                                       **settings)
         layout.local_only = name.startswith("local")
         waves.append(layout)
-    return Dispatch(waves, counters, overlap)
+    return Dispatch(waves, counters, overlap, kv_tokens)
 
 
 def _subplan(plan: Plan, mask: np.ndarray) -> Plan:

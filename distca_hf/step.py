@@ -32,7 +32,6 @@ from .comm import all_gather_documents
 from .config import current_config
 from .dispatch import Dispatch, DispatchCounters, build_dispatch
 from .documents import PackedDocuments, find_documents
-from .layout import comm_bytes
 from .planner import DocumentPieces, PlannerConfig, TokenBytes, pairs_of, plan_tasks
 from .tasks import FusedBatch, fuse_tasks, whole_document_tasks
 
@@ -211,13 +210,15 @@ def plan_dispatch(docs: PackedDocuments, per_rank_lengths, per_rank_past, config
     plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
     dispatch = build_dispatch(plan, pieces, doc_offset, docs, rank, device, overlap=overlap, counters=counters,
                               group=group, timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
-    sent = comm_bytes(plan, pieces, token_bytes)
+    # queries out and outputs back per the plan; K/V as the waves really send them
+    moved = plan.moved_queries()
+    sent = moved * (token_bytes.q + token_bytes.o) + dispatch.kv_tokens_moved * token_bytes.kv
     # in resend mode the forward also returns each moved query's log-sum-exp (fp32, one per head)
-    lse_bytes = plan.moved_queries() * num_heads * 4 if config.backward == "resend" else 0
+    lse_bytes = moved * num_heads * 4 if config.backward == "resend" else 0
     stats = {
         "attn_pairs_local": pieces.local_pairs().tolist(),
         "attn_pairs_served": plan.server_pairs().tolist(),
-        "bytes_sent_per_layer": int(sent.total + lse_bytes),
+        "bytes_sent_per_layer": int(sent + lse_bytes),
         "step": number,
         "dispatched": True,
         "backward": config.backward,

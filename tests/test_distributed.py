@@ -94,6 +94,18 @@ def test_dispatch_is_exact(tmp_path, world, family):
     for i in range(len(results[0]["value"]) - 1):
         plans = {str(r["value"][i]["stats"]["attn_pairs_served"]) for r in results}
         assert len(plans) == 1
+    check_forward_bytes(results)
+
+
+def check_forward_bytes(results, layers=2):
+    """plan_stats' bytes_sent_per_layer is what the ranks really sent in one layer's forward (runs
+    without checkpointing, whose recomputation sends the forward again)."""
+    for i, run in enumerate(results[0]["value"][:-1]):
+        if run["checkpointing"]:
+            continue
+        sent = sum(v for r in results for kind, v in r["value"][i]["stats"]["rank_bytes_sent_this_step"].items()
+                   if kind.startswith("forward"))
+        assert sent == layers * run["stats"]["bytes_sent_per_layer"], (i, run["backward"], sent)
 
 
 def _hang_worker(rank, world, how):

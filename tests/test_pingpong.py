@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_harness import run_ranks
-from test_distributed import _exactness_worker
+from test_distributed import _exactness_worker, check_forward_bytes
 
 from distca_hf.documents import PackedDocuments
 from distca_hf.kernels import varlen_causal_attention
@@ -136,6 +136,7 @@ def test_overlap_modes_are_exact(tmp_path, world, family, overlap):
             assert local.sum() == served.sum()
             if local.max() / local.mean() >= 1.5:
                 assert served.max() / served.mean() <= 1.1, (rank, run)
+    check_forward_bytes(results)
 
 
 def _mixed_stacks_worker(rank, world):
