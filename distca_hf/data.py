@@ -299,6 +299,14 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             self.documents.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict]:
+        import torch.utils.data
+
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:
+            # every worker would read (and yield) the whole stream: each micro-batch num_workers times
+            raise ValueError(
+                f"a streaming packed dataset must be read by one DataLoader worker, got {worker.num_workers} "
+                "(dataloader_num_workers); set dataloader_num_workers to 0 or 1")
         report = PackingReport(self.config.tokens_per_rank)
         self.report = report
         # The token lists themselves are the document keys: pieces slice them directly.

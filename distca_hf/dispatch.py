@@ -105,15 +105,17 @@ class Dispatch:
 
 
 def build_dispatch(plan: Plan, pieces: DocumentPieces, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
-                   device, overlap: str = "none", counters: DispatchCounters | None = None, **settings) -> Dispatch:
+                   device, overlap: str = "none", counters: DispatchCounters | None = None, block: int = 1,
+                   **settings) -> Dispatch:
     """The waves of ``plan`` on ``rank`` (see ``Dispatch``); ``settings`` go to every wave's layout.
-    ``counters`` may be shared with another dispatch (ping-pong's two nano-batches)."""
+    ``counters`` may be shared with another dispatch (ping-pong's two nano-batches); ``block``: the
+    wave cut of a local task lands on a multiple of it from the task's start."""
     counters = counters if counters is not None else DispatchCounters()
     if overlap != "wave":
         transfers = kv_transfers(plan, pieces)
         layout = build_dispatch_layout(plan, transfers, doc_offset, docs, rank, device, counters=counters, **settings)
         return Dispatch([layout], counters, overlap, transfers.tokens())
-    plan = _cut_local_work_in_halves(plan)
+    plan = _cut_local_work_in_halves(plan, block)
     local = plan.source == plan.server
     early = _first_half_by_pairs(plan, local)
     first_remote = _first_half_by_pairs(plan, ~local)
@@ -149,10 +151,11 @@ def _first_half_by_pairs(plan: Plan, chosen: np.ndarray) -> np.ndarray:
     return first & chosen
 
 
-def _cut_local_work_in_halves(plan: Plan) -> Plan:
+def _cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
     """Cut the local task that straddles the half of each server's local pairs at that half, so the
     two local waves carry equal work even when a rank keeps a single long document (CA-tasks are
-    composable: the two pieces give exactly the attention of the whole)."""
+    composable: the two pieces give exactly the attention of the whole). The cut is ``block``
+    aligned from the task's start (kernels such as flash-attn prefer whole blocks)."""
     local = plan.source == plan.server
     pairs = np.where(local, plan.pairs(), 0)
     cut_at = np.full(plan.num_tasks, -1, dtype=np.int64)
@@ -163,7 +166,8 @@ def _cut_local_work_in_halves(plan: Plan) -> Plan:
         i = int(np.searchsorted(running, half))  # the task whose range holds the half
         a, b = int(plan.q_start[on[i]]), int(plan.q_end[on[i]])
         before = running[i] - pairs[on[i]]
-        c = int(round(_start_with_pairs(b, float(running[i] - half))))
+        c = _start_with_pairs(b, float(running[i] - half))
+        c = a + int(round((c - a) / block)) * block
         if a < c < b and before < half:
             cut_at[on[i]] = c
     cut = np.flatnonzero(cut_at >= 0)

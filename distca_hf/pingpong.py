@@ -204,12 +204,16 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
         for w in d.waves:
             w.name = "nano-batch " + ("A" if d is dispatch_a else "B")
     add = lambda key: [x + y for x, y in zip(stats_a[key], stats_b[key])]
+    queries_a = int(sum(x.sum() for x in nano["a"][0]))  # all ranks' queries in each nano-batch
+    queries_b = int(sum((n - past).sum() for n, past in zip(*nano["b"])))
     stats = {
         "attn_pairs_local": add("attn_pairs_local"),
         "attn_pairs_served": add("attn_pairs_served"),
         "bytes_sent_per_layer": stats_a["bytes_sent_per_layer"] + stats_b["bytes_sent_per_layer"],
         "step": number, "dispatched": True, "backward": config.backward, "overlap": "pingpong",
-        "tasks": stats_a["tasks"] + stats_b["tasks"],
+        "tasks": stats_a["tasks"] + stats_b["tasks"], "waves": 2,
+        "moved_query_fraction": (stats_a["moved_query_fraction"] * queries_a
+                                 + stats_b["moved_query_fraction"] * queries_b) / max(1, queries_a + queries_b),
         "nano_batches": [stats_a, stats_b],
     }
     longest = int(max((x[2:].max(initial=0) for x in per_rank), default=0))

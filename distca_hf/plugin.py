@@ -13,8 +13,10 @@ process group and applies the settings process-wide with ``distca_hf.configure``
 and ``DistCAAccelerator`` call it for you.
 
 Note: ``accelerate launch`` (1.x) refuses config files with keys it does not know, so a file
-given to ``accelerate launch --config_file`` cannot carry the ``distca:`` section; keep it in a
-second file (``recipes/distca.yaml``) or use the environment variables on the launch line.
+given to ``accelerate launch --config_file`` cannot carry the ``distca:`` section: launch with
+``distca-hf launch`` (same arguments; it strips and checks the section and every process reads it
+with ``DistCAPlugin.from_environment()``), or keep the section in a second file
+(``recipes/distca.yaml``), or use the environment variables on the launch line.
 """
 
 from __future__ import annotations
@@ -163,14 +165,17 @@ class DistCAPlugin:
         if self.server_group == "node" and ranks_per_node is None:
             ranks_per_node = world  # no launcher information: one node
         topology = self.topology(world, ranks_per_node)
-        ranks = topology.group_of(rank, topology.server_groups(self.server_group))
+        groups = topology.server_groups(self.server_group)
+        ranks = topology.group_of(rank, groups)
         config = self.resolved()
-        if config.servers is not None and max(config.servers) >= len(ranks):
+        # checked against the smallest group, which every rank computes alike: all ranks raise together
+        smallest = min(groups, key=len)
+        if config.servers is not None and max(config.servers) >= len(smallest):
             raise ValueError(
                 f"DistCAPlugin.servers={config.servers} names server indices up to {max(config.servers)}, but the "
-                f"attention-server group of rank {rank} has {len(ranks)} rank(s) {ranks} (world size {world}, "
-                f"server_group={self.server_group!r}); servers are indices into that group, so each must be < "
-                f"{len(ranks)}"
+                f"attention-server group {smallest} has {len(smallest)} rank(s) (world size {world}, "
+                f"server_group={self.server_group!r}); servers are indices into every group, so each must be < "
+                f"{len(smallest)}"
             )
         group, ranks = build_server_group(topology, rank, self.server_group) if distributed else (None, ranks)
         reset_config()  # the plugin describes the whole job: no setting of an earlier configure() lingers

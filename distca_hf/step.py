@@ -9,7 +9,8 @@ first attention layer is not 0). Other calls reuse the current step when they se
 layer type, so they only count when there are no positions).
 
 Under ``torch.distributed`` with more than one rank in the server group, making a step is a
-collective: every rank all-gathers a header (document count, or -1 if its inputs were invalid;
+collective: every rank all-gathers a header (the size of what it sends: its document count, or
+for ping-pong its nano-batches' description; -1 if its inputs were invalid;
 its path: 0 plain, 1 decoding with a KV cache, 2 ping-pong stack; a fingerprint of its settings) and
 its document lengths. So every rank makes the same decision: all raise if one rank's inputs are
 invalid, settings differ or only some ranks run the ping-pong stack (``pingpong.plan_pingpong``
@@ -156,7 +157,7 @@ def settings_fingerprint(config) -> int:
 def check_headers(headers, number: int) -> None:
     """Raise the same error on every rank when a rank could not describe its documents, when the
     settings differ, or when some ranks run the ping-pong stack (header path 2) and others not.
-    Header: ``(document count or -1, path: 0 plain / 1 KV cache / 2 ping-pong, settings fingerprint)``."""
+    Header: ``(payload size or -1, path: 0 plain / 1 KV cache / 2 ping-pong, settings fingerprint)``."""
     failed = [r for r, h in enumerate(headers) if h[0] < 0]
     if failed:
         raise DistCAPeerError(f"distca step {number}: rank(s) {failed} could not describe their documents (see "
@@ -209,7 +210,7 @@ def plan_dispatch(docs: PackedDocuments, per_rank_lengths, per_rank_past, config
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
     plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
     dispatch = build_dispatch(plan, pieces, doc_offset, docs, rank, device, overlap=overlap, counters=counters,
-                              group=group, timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
+                              block=config.block, group=group, timeout_s=config.timeout_s, backward_mode=config.backward, step=number)
     # queries out and outputs back per the plan; K/V as the waves really send them
     moved = plan.moved_queries()
     sent = moved * (token_bytes.q + token_bytes.o) + dispatch.kv_tokens_moved * token_bytes.kv

@@ -8,6 +8,12 @@ Off by default (recording costs a clock read per event). When on, distca records
 - ``wait`` intervals: the rank blocked waiting for an all-to-all (communication *not* hidden);
 - ``compute`` intervals: attention kernels and, under ping-pong, each nano-batch's layer stages.
 
+The stamps are CPU clock readings. With gloo (CPU) the backend runs the transfer and the
+completion callback fires when it is done. With NCCL the transfer runs on a CUDA stream: the
+future completes when the backend marks the work done and ``wait()`` only orders streams, so on
+GPUs read these intervals as host-side launch/wait times and use ``torch.profiler`` for the device
+timeline.
+
 ``overlap_summary`` turns them into ``overlap_fraction`` = communication time hidden under compute
 / total communication time = ``1 - blocked time / communication time``, forward and backward apart.
 ``chrome_trace`` writes the events of every rank as a Chrome trace (open it in ``chrome://tracing``

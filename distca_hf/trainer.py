@@ -161,7 +161,15 @@ class DistCATrainer(Trainer):
         """Attention balance of the micro-batch just run, and the tokens of all ranks."""
         from .step import plan_stats
 
-        lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64)).cpu()
+        if "cu_seq_lens_q" in inputs:
+            lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64)).cpu()
+        else:  # a collator of the user's that gives position_ids only: documents restart at 0
+            from .documents import find_documents
+
+            ids = inputs["input_ids"]
+            lengths = torch.from_numpy(find_documents(ids.shape[0], ids.shape[1], ids.shape[1],
+                                                      attention_mask=inputs.get("attention_mask"),
+                                                      position_ids=inputs.get("position_ids")).lengths)
         mine = torch.tensor([int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum())], dtype=torch.int64,
                             device=self.args.device)
         everyone = self.accelerator.gather(mine).view(-1, 2).cpu()

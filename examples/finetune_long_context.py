@@ -196,6 +196,9 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
 
 def compare(distca: StepTableCallback, colocated: StepTableCallback, tolerance: float) -> bool:
     pairs = list(zip(distca.rows, colocated.rows))
+    if not pairs:
+        print("no logged steps to compare (--logging-steps larger than --max-steps?)")
+        return False
     worst = max(abs(a["loss"] - b["loss"]) for a, b in pairs)
     # The first step carries one-off costs (allocation, caches): time the rest. Both runs train the
     # same tokens in every step, so the ratio of total times is the ratio of throughputs.

@@ -197,3 +197,16 @@ def test_load_documents_from_files_and_streams(tmp_path):
     bad.write_text("<x/>")
     with pytest.raises(ValueError, match="unknown file type"):
         load_documents(str(bad), tokenizer)
+
+
+class _Documents(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 3)
+
+
+def test_streaming_refuses_several_dataloader_workers():
+    """Each worker would read the whole stream: every micro-batch would train num_workers times."""
+    stream = StreamingPackedDataset(_Documents(), PackingConfig(tokens_per_rank=8))
+    assert len(list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1))) == len(list(stream))
+    with pytest.raises(ValueError, match="one DataLoader worker"):
+        list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2))

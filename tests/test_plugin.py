@@ -96,7 +96,7 @@ def test_attach_applies_the_settings_process_wide():
 
 
 def test_servers_beyond_the_group_are_refused_on_one_process():
-    with pytest.raises(ValueError, match=r"servers=\(0, 1\).*group of rank 0 has 1 rank\(s\) \[0\] \(world size 1"):
+    with pytest.raises(ValueError, match=r"servers=\(0, 1\).*server group \[0\] has 1 rank\(s\) \(world size 1"):
         DistCAPlugin(servers=[0, 1]).attach()
 
 
