@@ -1,9 +1,10 @@
 """Ping-pong: two nano-batches per micro-batch, so one's dispatch hides behind the other's compute.
 
 The micro-batch's documents are split into nano-batches A and B of equal tokens (``split_nano_batches``:
-documents go whole to the lighter nano-batch by attention pairs, then at most one document is cut
-so the token counts match; its prefix stays in A and its suffix goes to B, which then holds the
-prefix's K/V as key-only rows). Each nano-batch gets its own plan. Per decoder layer the schedule is
+documents go whole to the lighter nano-batch by attention pairs; whole documents then move from the
+larger to the smaller while one fits in the token difference, and at most one document is cut for
+the rest: its prefix stays in A and its suffix goes to B, which then holds the prefix's K/V as
+key-only rows). Each nano-batch gets its own plan. Per decoder layer the schedule is
 
     A: norm, q/k/v  | A: send q/k/v ---------->|
                     | B: norm, q/k/v           | B: send q/k/v ----------->|
