@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["DistCAConfig", "configure", "current_config", "reset_config"]
+__all__ = ["DistCAConfig", "configure", "current_config", "reset_config", "setting_problem"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -51,19 +51,32 @@ class DistCAConfig:
     servers: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
-            raise ValueError(f"distca tolerance must be a finite number >= 0, got {self.tolerance!r}")
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"distca block must be an integer >= 1 (tokens), got {self.block!r}")
-        if self.backward not in BACKWARD_MODES:
-            raise ValueError(f"distca backward mode must be one of {BACKWARD_MODES}, got {self.backward!r}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"distca overlap mode must be one of {OVERLAP_MODES}, got {self.overlap!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise ValueError(f"distca timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"distca mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("tolerance", "block", "backward", "overlap", "timeout_s", "mode", "servers"):
+            problem = setting_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(f"distca {name} {problem}")
 
+
+def setting_problem(name: str, value) -> str | None:
+    """What is wrong with the value of one distca setting, as ``"must be ..., got ..."``, or ``None``.
+    ``DistCAConfig`` and ``DistCAPlugin`` both check their settings with it."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if name == "tolerance" and not (number and math.isfinite(value) and value >= 0):
+        return f"must be a finite number >= 0 (allowed max/mean - 1 of attention load), got {value!r}"
+    if name == "block" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return f"must be an integer >= 1 (tokens per shard block), got {value!r}"
+    if name == "timeout_s" and not (number and math.isfinite(value) and value > 0):
+        return f"must be a positive number of seconds, got {value!r}"
+    choices = {"backward": BACKWARD_MODES, "overlap": OVERLAP_MODES, "mode": MODES}.get(name)
+    if choices is not None and value not in choices:
+        return f"must be one of {list(choices)}, got {value!r}"
+    if name == "servers" and value is not None:
+        ranks = list(value) if isinstance(value, (list, tuple)) else None
+        if (not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+                or len(set(ranks)) != len(ranks)):
+            return (f"must be a non-empty list of distinct ranks >= 0 (indices into the attention-server group), "
+                    f"got {value!r}")
+    return None
 
 _ENV = {
     "tolerance": ("DISTCA_TOLERANCE", float),

@@ -21,12 +21,11 @@ with ``DistCAPlugin.from_environment()``), or keep the section in a second file
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .config import _ENV, BACKWARD_MODES, MODES, OVERLAP_MODES, DistCAConfig, configure, reset_config
+from .config import _ENV, DistCAConfig, configure, reset_config, setting_problem
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "read_distca_section"]
@@ -223,33 +222,13 @@ def read_distca_section(path: str | os.PathLike) -> dict:
 def _validate(settings: dict, source: str) -> None:
     """Check each setting with a message naming it (``source.name``)."""
     for name, value in settings.items():
-        where = f"{source}.{name}"
-        if name == "tolerance":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{where} must be a finite number >= 0 (allowed max/mean - 1 of attention load), "
-                                 f"got {value!r}")
-        elif name == "block":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where} must be an integer >= 1 (tokens per shard block), got {value!r}")
-        elif name == "overlap":
-            if value not in OVERLAP_MODES:
-                raise ValueError(f"{where} must be one of {list(OVERLAP_MODES)}, got {value!r}")
-        elif name == "backward":
-            if value not in BACKWARD_MODES:
-                raise ValueError(f"{where} must be one of {list(BACKWARD_MODES)}, got {value!r}")
-        elif name == "timeout_s":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{where} must be a positive number of seconds, got {value!r}")
-        elif name == "mode":
-            if value not in MODES:
-                raise ValueError(f"{where} must be one of {list(MODES)}, got {value!r}")
-        elif name == "servers":
-            if (not value or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in value)
-                    or len(set(value)) != len(value)):
-                raise ValueError(f"{where} must be a non-empty list of distinct ranks >= 0 (indices into the "
-                                 f"attention-server group), got {value!r}")
-        elif name not in ("server_group", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
-            raise ValueError(f"{where}: unknown setting")
+        if name in ("server_group", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
+            continue  # checked with the layout
+        if name not in _CONFIG_FIELDS:
+            raise ValueError(f"{source}.{name}: unknown setting")
+        problem = setting_problem(name, value)
+        if problem:
+            raise ValueError(f"{source}.{name} {problem}")
 
 
 def _validate_layout(server_group, dp, pp, tp, source: str) -> None:

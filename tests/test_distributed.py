@@ -181,7 +181,7 @@ def test_configure_and_environment(monkeypatch):
         monkeypatch.delenv("DISTCA_OVERLAP")
         with pytest.raises(TypeError, match="unknown distca settings"):
             distca_hf.configure(tolerence=0.1)
-        with pytest.raises(ValueError, match="backward mode"):
+        with pytest.raises(ValueError, match="distca backward must be one of"):
             distca_hf.configure(backward="later")
     finally:
         distca_hf.reset_config()
