@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 __all__ = ["LaunchError", "launched_world_size", "prepare_cpu_launch", "check_world_size", "uses_deepspeed",
-           "has_gpu"]
+           "has_gpu", "find_flag"]
 
 FIX = ("To start N CPU processes use `accelerate launch --config_file recipes/cpu-2proc.yaml SCRIPT` (a "
        "multi-process config, distributed_type: MULTI_GPU, num_processes: N; distca_hf switches the processes to "
@@ -140,15 +140,22 @@ def _is_accelerate_launch(argv: list[str]) -> bool:
 
 
 def _flag(argv: list[str], name: str) -> str | None:
-    """Value of ``--name X`` / ``--name=X`` (underscores or hyphens) before the script argument."""
+    """Value of ``--name X`` / ``--name=X`` among a launcher's arguments (``argv[0]`` is the program)."""
+    found = find_flag(argv, name, first=1)
+    return None if found is None else found[1]
+
+
+def find_flag(argv: list[str], name: str, first: int = 0) -> tuple[int, str] | None:
+    """``(index, value)`` of ``--name X`` / ``--name=X`` (underscores or hyphens) among a launcher's
+    own arguments, which end at the script (the first ``*.py`` from ``argv[first]`` on); ``None`` when
+    absent. ``index`` is that of the flag."""
     spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
     for i, arg in enumerate(argv):
-        if arg.endswith(".py") and i > 0:
+        if arg.endswith(".py") and i >= first:
             break  # the script's own arguments follow
         if arg in spellings and i + 1 < len(argv):
-            return argv[i + 1]
+            return i, argv[i + 1]
         key, sep, value = arg.partition("=")
         if sep and key in spellings:
-            return value
+            return i, value
     return None
-

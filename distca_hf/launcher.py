@@ -19,10 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .launch import find_flag
+
 __all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
 
 CONFIG_FILE_VARIABLE = "DISTCA_CONFIG_FILE"
-_SPELLINGS = ("--config_file", "--config-file")
 
 
 def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -38,28 +39,12 @@ def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
     return document, section
 
 
-def _config_argument(argv: list[str]) -> tuple[int, str] | None:
-    """Index and value of ``--config_file`` among the launcher's own arguments, which end at the
-    script (the first ``*.py`` argument)."""
-    for i, arg in enumerate(argv):
-        if arg.endswith(".py"):
-            return None
-        if arg in _SPELLINGS:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"distca-hf launch: {arg} needs a file")
-            return i, argv[i + 1]
-        key, sep, value = arg.partition("=")
-        if sep and key in _SPELLINGS:
-            return i, value
-    return None
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    found = _config_argument(argv)
+    found = find_flag(argv, "config_file")
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="distca-launch-") as tmp:
         if found is not None:
@@ -75,8 +60,10 @@ def main(argv=None) -> int:
             stripped = Path(tmp) / Path(path).name
             stripped.write_text(yaml.safe_dump(accelerate_settings))
             env[CONFIG_FILE_VARIABLE] = str(Path(path).resolve())
-            value_at = index if "=" in argv[index] else index + 1
-            argv[value_at] = f"--config_file={stripped}" if "=" in argv[index] else str(stripped)
+            if "=" in argv[index]:
+                argv[index] = f"--config_file={stripped}"
+            else:
+                argv[index + 1] = str(stripped)
         return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *argv], env=env)
 
 
