@@ -29,11 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from . import step as step_module
 from . import timeline
-from .comm import all_gather_documents
 from .config import current_config
 from .dispatch import (Dispatch, DispatchCounters, launch_grad_inputs, launch_grad_outputs, launch_inputs,
                        launch_outputs, place_grads, place_outputs, receive_all, serve_backward, serve_forward)
@@ -170,8 +168,7 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     ``distca_hf.plan_stats()`` reports (its per-rank lists sum both nano-batches)."""
     config = current_config()
     group = config.group
-    step_module._steps_made += 1
-    number = step_module._steps_made
+    number = step_module.next_step_number()
     split = None
     if error is None:
         try:
@@ -183,13 +180,7 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
         mine = np.concatenate(([a.num_docs, b.num_docs], a.lengths, b.lengths, b.past)).astype(np.int64)
     else:
         mine = np.zeros(0, dtype=np.int64)
-    header = [-1 if error else mine.size, PINGPONG_HEADER, step_module.settings_fingerprint(config)]
-    gather_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    headers, per_rank = all_gather_documents(header, mine, group, gather_device, config.timeout_s,
-                                             f"distca step {number}: ping-pong planning")
-    if error is not None:
-        raise error
-    step_module.check_headers(headers, number)
+    _, per_rank = step_module.agree(mine, PINGPONG_HEADER, error, config, device, number, "ping-pong planning")
     nano = {"a": ([], []), "b": ([], [])}
     for x in per_rank:
         na, nb = int(x[0]), int(x[1])

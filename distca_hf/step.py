@@ -87,7 +87,7 @@ def _starts_forward(module) -> bool:
 def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
                   cu_seq_lens_k) -> Step:
     """The step this attention call belongs to (made now if the call starts a forward)."""
-    global _current, _steps_made
+    global _current
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     # The mask identifies the documents only when nothing else does (it is a new view per layer type).
@@ -104,8 +104,7 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
 
     config = current_config()
     group = config.group
-    _steps_made += 1
-    number = _steps_made
+    number = next_step_number()
     distributed = config.mode == "distca" and dist.is_available() and dist.is_initialized() \
         and dist.get_world_size(group) > 1
     if not distributed:
@@ -121,13 +120,7 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
     except ValueError as e:  # still join the collective, so the other ranks learn of it
         error = e
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
-    header = [-1 if error else lengths.size, int(kv_len != query_len), settings_fingerprint(config)]
-    gather_device = query.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    headers, per_rank = all_gather_documents(header, lengths, group, gather_device, config.timeout_s,
-                                             f"distca step {number}: planning")
-    if error is not None:
-        raise error
-    check_headers(headers, number)
+    headers, per_rank = agree(lengths, int(kv_len != query_len), error, config, query.device, number, "planning")
     longest = int(max((x.max(initial=0) for x in per_rank), default=0))
     if any(h[1] == 1 for h in headers):  # someone decodes with a KV cache: everyone computes locally
         _current = _local_step(call_key, identifying, docs, query.device, number, longest)
@@ -147,6 +140,27 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
                                     query.device, number, num_heads, overlap)
     _current = Step(call_key, identifying, None, dispatch, stats, number, longest)
     return _current
+
+
+def next_step_number() -> int:
+    global _steps_made
+    _steps_made += 1
+    return _steps_made
+
+
+def agree(payload: np.ndarray, path: int, error: Exception | None, config, device, number: int, what: str):
+    """The collective that starts a step: every rank of the server group all-gathers its header
+    (payload size or -1 when ``error``, its path, its settings fingerprint) and its int64
+    ``payload``. Raises this rank's own ``error``, or on every rank the same ``check_headers``
+    error; else returns ``(headers, payloads)`` in rank order."""
+    header = [-1 if error else payload.size, path, settings_fingerprint(config)]
+    gather_device = device if dist.get_backend(config.group) == "nccl" else torch.device("cpu")
+    headers, payloads = all_gather_documents(header, payload, config.group, gather_device, config.timeout_s,
+                                             f"distca step {number}: {what}")
+    if error is not None:
+        raise error
+    check_headers(headers, number)
+    return headers, payloads
 
 
 def settings_fingerprint(config) -> int:
