@@ -139,34 +139,24 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         sent = [None] * world
         dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
                                       stats["rank_saved_for_backward_bytes"],
-                                      [overlap_summary(r[3]) for r in done], done[-1][3]))
+                                      [r[3] for r in done]))  # each step's timeline events
         key = f"distca_{backward_mode}" if overlap == overlaps[0] else f"distca_{backward_mode}_{overlap}"
         results[key] = {
             "step_s": [r[0] for r in done], "stats": stats, "overlap": overlap,
             "bytes_sent_per_step": sum(s[0] for s in sent),
             "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
-            "overlap_per_step": [_merge([s[2][i] for s in sent]) for i in range(args.steps)],
+            # one step's overlap over all ranks: their communication and blocked seconds summed
+            "overlap_per_step": [overlap_summary([e for s in sent for e in s[2][i]]) for i in range(args.steps)],
         }
         if rank == 0 and args.trace and backward_mode == modes[0]:
             from .timeline import chrome_trace
 
-            chrome_trace([s[3] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
+            chrome_trace([s[2][-1] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _merge(per_rank: list[dict]) -> dict:
-    """One step's overlap over all ranks: communication and blocked seconds summed."""
-    def part(key=None):
-        pick = (lambda d: d) if key is None else (lambda d: d[key])
-        comm = sum(pick(d)["comm_s"] for d in per_rank)
-        exposed = sum(pick(d)["exposed_s"] for d in per_rank)
-        return {"comm_s": comm, "exposed_s": exposed, "overlap_fraction": 1.0 - exposed / comm if comm > 0 else 0.0}
-
-    return {**part(), "forward": part("forward"), "backward": part("backward")}
 
 
 def _trace_path(path: str, overlap: str, modes: int) -> str:
