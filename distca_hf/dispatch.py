@@ -32,7 +32,7 @@ from .comm import all_to_all
 from .documents import PackedDocuments
 from .kernels import varlen_attention_backward, varlen_attention_forward
 from .layout import KVTransfers, concat_ranges, kv_transfers
-from .planner import DocumentPieces, Plan, _start_with_pairs, pairs_of
+from .planner import DocumentPieces, Plan, start_with_pairs, pairs_of
 from .tasks import FusedBatch
 
 __all__ = ["Dispatch", "DispatchCounters", "DispatchLayout", "build_dispatch", "build_dispatch_layout",
@@ -166,7 +166,7 @@ def _cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
         i = int(np.searchsorted(running, half))  # the task whose range holds the half
         a, b = int(plan.q_start[on[i]]), int(plan.q_end[on[i]])
         before = running[i] - pairs[on[i]]
-        c = _start_with_pairs(b, float(running[i] - half))
+        c = start_with_pairs(b, float(running[i] - half))
         c = a + int(round((c - a) / block)) * block
         if a < c < b and before < half:
             cut_at[on[i]] = c

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DocumentPieces", "PlannerConfig", "Plan", "TokenBytes", "plan_tasks", "pairs_of"]
+__all__ = ["DocumentPieces", "PlannerConfig", "Plan", "TokenBytes", "plan_tasks", "pairs_of", "start_with_pairs"]
 
 
 def pairs_of(start, end):
@@ -464,9 +464,9 @@ class _Carver:
         """The cut point ``a`` in ``[lo, b)`` whose shard ``[a, b)`` is the smallest holding at least
         ``want`` pairs, moved up while it exceeds ``budget``; ``None`` if no shard fits."""
         block = self.block
-        a = lo + max(0, math.ceil((_start_with_pairs(b, budget) - lo) / block)) * block  # pairs <= budget
+        a = lo + max(0, math.ceil((start_with_pairs(b, budget) - lo) / block)) * block  # pairs <= budget
         if want < budget:
-            a = max(a, lo + max(0, math.floor((_start_with_pairs(b, want) - lo) / block)) * block)
+            a = max(a, lo + max(0, math.floor((start_with_pairs(b, want) - lo) / block)) * block)
         while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
             a += block
         return a if a < b else None
@@ -480,6 +480,6 @@ def _pairs(a: int, b: int) -> int:
     return (b * (b + 1) - a * (a + 1)) // 2
 
 
-def _start_with_pairs(b: int, pairs: float) -> float:
+def start_with_pairs(b: int, pairs: float) -> float:
     """Real ``a`` with ``pairs(a, b) == pairs``: ``a (a + 1) = b (b + 1) - 2 pairs``."""
     return (-1.0 + math.sqrt(max(1.0 + 4.0 * (b * (b + 1) - 2.0 * pairs), 0.0))) / 2.0

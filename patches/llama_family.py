@@ -23,6 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from distca_hf import timeline
+
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
                    for t, n in zip(LLAMA_FAMILY_MODEL_TYPES, ("Llama", "Mistral", "Qwen2", "Qwen3"))}
@@ -134,10 +136,10 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
         scale = layer.self_attn.scaling
         a = NanoAttention(step.dispatch_a, scale, f"A layer {layer.self_attn.layer_idx}")
         b = NanoAttention(step.dispatch_b, scale, f"B layer {layer.self_attn.layer_idx}")
-        with _span(f"{a.name}: norm, q/k/v"):
+        with timeline.span(f"{a.name}: norm, q/k/v"):
             q_a, k_a, v_a = attention_inputs(layer, h_a, *rope_a)
         a.launch(q_a, k_a, v_a)
-        with _span(f"{b.name}: norm, q/k/v"):
+        with timeline.span(f"{b.name}: norm, q/k/v"):
             q_b, k_b, v_b = attention_inputs(layer, h_b, *rope_b)
             if prefix_rows is not None:  # B's cut document attends to its prefix's K/V, computed in A
                 k_b = torch.cat([k_a.index_select(0, prefix_rows), k_b])
@@ -146,10 +148,10 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
         a.serve()
         b.serve()
         out_a = a.finish()
-        with _span(f"{a.name}: o_proj, MLP"):
+        with timeline.span(f"{a.name}: o_proj, MLP"):
             h_a = layer_output(layer, h_a, out_a)
         out_b = b.finish()
-        with _span(f"{b.name}: o_proj, MLP"):
+        with timeline.span(f"{b.name}: o_proj, MLP"):
             h_b = layer_output(layer, h_b, out_b)
         return h_a, h_b
 
@@ -166,12 +168,6 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     out = flat.new_zeros(flat.shape).index_copy(0, step.rows_a, h_a[0]).index_copy(0, step.rows_b, h_b[0])
     out = model.norm(out.view(batch, seq, hidden_size))
     return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=None)
-
-
-def _span(name):
-    from distca_hf import timeline
-
-    return timeline.span(name)
 
 
 def install() -> list[str]:
