@@ -88,6 +88,17 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -
         )
 
 
+def refuse_short_window(module: torch.nn.Module, window: int | None, longest: int) -> None:
+    """Refuse a sliding window shorter than the longest document. ``longest`` is over every rank of
+    the server group, so all ranks refuse together and none waits for the others."""
+    if window is not None and longest > window:
+        raise UnsupportedAttentionError(
+            f"distca does not support sliding-window attention: {type(module).__name__} has sliding_window="
+            f"{window} but a document holds {longest} tokens (windows at least as long as every document are "
+            "exact and allowed); shorten the documents or disable the window"
+        )
+
+
 def distca_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -105,14 +116,7 @@ def distca_attention_forward(
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     step = step_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
                          kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    window = kwargs.get("sliding_window")
-    longest = step.longest_document  # over every rank: all ranks refuse together, none waits for the others
-    if window is not None and longest > window:
-        raise UnsupportedAttentionError(
-            f"distca does not support sliding-window attention: {type(module).__name__} has sliding_window="
-            f"{window} but a document holds {longest} tokens (windows at least as long as every document are "
-            "exact and allowed); shorten the documents or disable the window"
-        )
+    refuse_short_window(module, kwargs.get("sliding_window"), step.longest_document)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)

@@ -133,9 +133,7 @@ def step_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask
             warnings.warn(f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, "
                           f"Qwen2, Qwen3 in training, see distca_hf.patches); {type(module).__name__} runs with "
                           "overlap='wave' instead")
-    token_bytes = TokenBytes(q=num_heads * head_dim * query.element_size(),
-                             kv=2 * num_kv_heads * head_dim * query.element_size(),
-                             o=num_heads * head_dim * query.element_size())
+    token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, num_kv_heads, query.element_size(), head_dim)
     dispatch, stats = plan_dispatch(docs, per_rank, [np.zeros_like(x) for x in per_rank], config, group, token_bytes,
                                     query.device, number, num_heads, overlap)
     _current = Step(call_key, identifying, None, dispatch, stats, number, longest)

@@ -90,7 +90,7 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     with ``last_hidden_state [batch, seq, hidden]`` equal to HF's forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    from distca_hf.attention import _refuse_unsupported, UnsupportedAttentionError
+    from distca_hf.attention import _refuse_unsupported, refuse_short_window
     from distca_hf.documents import find_documents
     from distca_hf.pingpong import NanoAttention, plan_pingpong
     from distca_hf.planner import TokenBytes
@@ -114,15 +114,10 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     except ValueError as e:  # joins the planning collective first, so every rank stops
         error = e
     heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
-    size = inputs_embeds.element_size()
-    token_bytes = TokenBytes(q=heads * head_dim * size, kv=2 * kv_heads * head_dim * size, o=heads * head_dim * size)
+    token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
     step = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads)
     for layer in layers:
-        window = sliding_window(layer.self_attn)
-        if window is not None and step.longest_document > window:
-            raise UnsupportedAttentionError(
-                f"distca does not support sliding-window attention: {type(layer.self_attn).__name__} has "
-                f"sliding_window={window} but a document holds {step.longest_document} tokens")
+        refuse_short_window(layer.self_attn, sliding_window(layer.self_attn), step.longest_document)
 
     cos, sin = model.rotary_emb(inputs_embeds, position_ids=position_ids)
     cos, sin = cos.expand(batch, -1, -1).reshape(batch * seq, -1), sin.expand(batch, -1, -1).reshape(batch * seq, -1)
