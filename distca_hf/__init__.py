@@ -4,64 +4,54 @@ Importing the package registers ``attn_implementation="distca"`` with transforme
 
     import distca_hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="distca")
+
+The subpackages follow the data path: ``planning`` (pure: documents, cost, tasks, planner,
+transfers, splits) -> ``runtime`` (torch.distributed: the per-forward context, dispatch, overlap
+schedules, timeline) -> ``kernels`` -> ``hf`` (the attention and mask functions) -> ``training``
+(plugin, packing, trainer) and ``tools`` (the ``distca-hf`` command). Settings live in ``config``,
+process-wide state in ``state``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-from .attention import ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, register
-from .comm import DistCATimeoutError
 from .config import DistCAConfig, configure, current_config, reset_config
-from .documents import DocumentBoundaryError, PackedDocuments, find_documents
+from .hf import ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, register
 from .kernels import varlen_causal_attention
-from .step import DistCAPeerError, plan_stats
-from .tasks import CATask, fuse_tasks, split_document, whole_document_tasks
+from .planning import (CATask, DocumentBoundaryError, PackedDocuments, find_documents, fuse_tasks, split_document,
+                       whole_document_tasks)
+from .runtime import DistCAPeerError, DistCATimeoutError, plan_stats
+from .training import (DistCAPlugin, PackedCollator, PackedDataset, PackingConfig, ParallelTopology,
+                       StreamingPackedDataset, load_documents)
 
 register()
 
+from . import _moved  # noqa: E402
 from . import patches  # noqa: E402  (after registration: the patches check the implementation name)
 
+_moved.install()  # old module paths (distca_hf.planner, distca_hf.trainer, ...) for one release
 patches.install()  # ping-pong decoder stacks for the Llama family (active only with overlap="pingpong")
 
+# The Trainer and the Accelerator subclass import their libraries' heavier modules on first use.
+_LAZY_EXPORTS = ("DistCATrainer", "StepTableCallback", "DistCAAccelerator", "prepare_training_arguments",
+                 "LaunchError")
+
 __all__ = [
-    "ATTN_IMPLEMENTATION",
-    "CATask",
-    "DistCAConfig",
-    "DistCAPeerError",
-    "DistCATimeoutError",
-    "DocumentBoundaryError",
-    "PackedDocuments",
-    "UnsupportedAttentionError",
-    "configure",
-    "current_config",
-    "distca_attention_forward",
-    "find_documents",
-    "fuse_tasks",
-    "plan_stats",
-    "register",
-    "reset_config",
-    "split_document",
-    "varlen_causal_attention",
-    "whole_document_tasks",
+    "ATTN_IMPLEMENTATION", "CATask", "DistCAConfig", "DistCAPeerError", "DistCAPlugin", "DistCATimeoutError",
+    "DocumentBoundaryError", "PackedCollator", "PackedDataset", "PackedDocuments", "PackingConfig",
+    "ParallelTopology", "StreamingPackedDataset", "UnsupportedAttentionError", "configure", "current_config",
+    "distca_attention_forward", "find_documents", "fuse_tasks", "load_documents", "plan_stats", "register",
+    "reset_config", "split_document", "varlen_causal_attention", "whole_document_tasks", *_LAZY_EXPORTS,
 ]
-
-# Training integration: the plugin, packing and topology are light; the Trainer and the Accelerator
-# subclass import their libraries' heavier modules on first use.
-from .data import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, load_documents  # noqa: E402
-from .plugin import DistCAPlugin  # noqa: E402
-from .topology import ParallelTopology  # noqa: E402
-
-_LAZY_EXPORTS = {"DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerate",
-                 "prepare_training_arguments": "accelerate", "LaunchError": "launch"}
 
 
 def __getattr__(name):
     if name in _LAZY_EXPORTS:
+        from . import training
+
+        return getattr(training, name)
+    old = f"{__name__}.{name}"
+    if old in _moved.MOVED:  # distca_hf.trainer etc. as attributes: import through the alias
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+        return importlib.import_module(old)
     raise AttributeError(f"module 'distca_hf' has no attribute {name!r}")
-
-
-__all__ += ["DistCAAccelerator", "DistCAPlugin", "DistCATrainer", "LaunchError", "PackedCollator", "PackedDataset",
-            "PackingConfig", "ParallelTopology", "StepTableCallback", "StreamingPackedDataset", "load_documents",
-            "prepare_training_arguments"]

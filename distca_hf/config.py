@@ -1,126 +1,206 @@
-"""distca settings: code first, then ``DISTCA_*`` environment variables, then defaults.
+"""distca settings: one table, from which everything else is derived.
 
-Environment variables (contract) are read when a plan is made, so a job can change them between
-runs without touching code; a value set with ``distca_hf.configure(...)`` (or by the Accelerate
-plugin) overrides the variable. An invalid value is an error naming the variable.
+``DistCAConfig``'s fields *are* the table: each setting is declared once, with its default, its
+``DISTCA_*`` environment variable (contract), its check, its help and whether every rank of a
+server group must use the same value. From it come ``DistCAConfig`` itself, the fields of
+``DistCAPlugin``, the reading of the environment and the fingerprint that ranks compare when a
+forward opens.
 
-    DISTCA_TOLERANCE  float >= 0     allowed max/mean - 1 of server attention load
-    DISTCA_BACKWARD   saved|resend   what the servers keep for backward
-    DISTCA_OVERLAP    none|wave|pingpong
-    DISTCA_TIMEOUT_S  seconds > 0    how long a distca collective may wait for a peer
+Precedence, for each setting: code (``distca_hf.configure(...)``, or a ``DistCAPlugin`` field) >
+its environment variable > a ``distca:`` YAML section (``DistCAPlugin.from_accelerate_config``) >
+the default. Variables are read when a plan is made, so a job can change them between runs; an
+invalid value is an error naming the variable.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+import zlib
+from dataclasses import dataclass, field, fields
 
-__all__ = ["DistCAConfig", "configure", "current_config", "reset_config", "setting_problem"]
+from .state import STATE
+
+__all__ = ["DistCAConfig", "SETTINGS", "configure", "current_config", "reset_config", "resolve",
+           "setting_problem", "settings_fingerprint", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
 MODES = ("distca", "colocated")
+KERNELS = ("auto", "flash_attn", "torch_cpu", "math")
+
+
+# ---- checks: each returns what is wrong, as "must be ..., got ...", or None ----
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _tolerance_problem(value):
+    if not (_is_number(value) and value >= 0):
+        return f"must be a finite number >= 0 (allowed max/mean - 1 of attention load), got {value!r}"
+
+
+def _block_problem(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"must be an integer >= 1 (tokens per shard block), got {value!r}"
+
+
+def _timeout_problem(value):
+    if not (_is_number(value) and value > 0):
+        return f"must be a positive number of seconds, got {value!r}"
+
+
+def _servers_problem(value):
+    if value is None:
+        return None
+    ranks = list(value) if isinstance(value, (list, tuple)) else None
+    if (not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+            or len(set(ranks)) != len(ranks)):
+        return (f"must be a non-empty list of distinct ranks >= 0 (indices into the attention-server group), "
+                f"got {value!r}")
+
+
+def _one_of(choices):
+    def problem(value):
+        if value not in choices:
+            return f"must be one of {list(choices)}, got {value!r}"
+    return problem
+
+
+def setting(default, *, check, help: str, env: str | None = None, parse=str, agree: bool = True):
+    """A field of the settings table. ``env``: its ``DISTCA_*`` variable (``None``: code and files
+    only); ``parse``: text of the variable -> value; ``agree``: every rank of a server group must
+    use the same value (it enters ``settings_fingerprint``)."""
+    return field(default=default, metadata={"env": env, "parse": parse, "check": check, "help": help,
+                                            "agree": agree})
 
 
 @dataclass(frozen=True)
 class DistCAConfig:
-    """How distca plans and dispatches.
+    """How distca plans and dispatches (the settings table; see the module docstring).
 
-    Attributes:
-        tolerance: allowed max/mean - 1 of attention load over servers (``DISTCA_TOLERANCE``).
-        block: shard granularity in tokens (128 suits flash-attn; 1 is fine on CPU).
-        backward: ``"saved"``: servers keep what their backward needs (fewer bytes); ``"resend"``:
-            servers keep nothing and sources send q, k, v, out again in backward (flat server
-            memory, more bytes) (``DISTCA_BACKWARD``).
-        overlap: communication overlap mode (``DISTCA_OVERLAP``).
-        timeout_s: seconds a distca collective may wait before raising (``DISTCA_TIMEOUT_S``).
-        mode: ``"distca"`` redistributes attention; ``"colocated"`` runs each rank's own documents
-            with the same kernel and no communication (the baseline of ``distca-hf bench``).
-        group: the server process group (``None``: the default group).
-        servers: ranks of ``group`` that serve attention (``None``: all of them).
+    Every field but ``group`` is a setting: ``distca_hf.configure(name=value)``,
+    ``DistCAPlugin(name=value)`` or ``name: value`` in a ``distca:`` YAML section sets it.
     """
 
-    tolerance: float = 0.02
-    block: int = 1
-    backward: str = "saved"
-    overlap: str = "none"
-    timeout_s: float = 600.0
-    mode: str = "distca"
-    group: object = field(default=None, compare=False)
-    servers: tuple[int, ...] | None = None
+    tolerance: float = setting(
+        0.02, env="DISTCA_TOLERANCE", parse=float, check=_tolerance_problem,
+        help="allowed max/mean - 1 of attention load (query-key pairs) over servers; smaller balances more tightly "
+             "and moves more bytes")
+    block: int = setting(
+        1, parse=int, check=_block_problem,
+        help="shard granularity in tokens: every CA-task cut is a multiple of it (128 suits flash-attn; 1 is fine "
+             "on CPU)")
+    backward: str = setting(
+        "saved", env="DISTCA_BACKWARD", check=_one_of(BACKWARD_MODES),
+        help="'saved': servers keep what their backward needs (fewer bytes); 'resend': servers keep nothing and "
+             "sources send q, k, v, out again in backward (flat server memory, more bytes)")
+    overlap: str = setting(
+        "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
+        help="how the dispatch's communication overlaps compute: 'none', 'wave' (any model) or 'pingpong' "
+             "(Llama-family decoder stacks)")
+    timeout_s: float = setting(
+        600.0, env="DISTCA_TIMEOUT_S", parse=float, check=_timeout_problem, agree=False,
+        help="seconds a distca collective may wait for a peer before raising DistCATimeoutError")
+    mode: str = setting(
+        "distca", check=_one_of(MODES), agree=False,
+        help="'distca' redistributes attention; 'colocated' runs each rank's own documents with the same kernel "
+             "and no communication (the baseline of distca-hf bench)")
+    servers: tuple[int, ...] | None = setting(
+        None, check=_servers_problem,
+        help="indices, within the attention-server group, of the ranks that serve attention (None: all of them)")
+    kernel: str = setting(
+        "auto", env="DISTCA_KERNEL", check=_one_of(KERNELS), agree=False,
+        help="the varlen attention kernel backend: 'auto' picks the fastest usable one")
+    group: object = field(default=None, compare=False, metadata={
+        "help": "the attention-server process group (None: the default group); set by DistCAPlugin.attach"})
 
     def __post_init__(self):
-        for name in ("tolerance", "block", "backward", "overlap", "timeout_s", "mode", "servers"):
+        if isinstance(self.servers, list):
+            object.__setattr__(self, "servers", tuple(self.servers))
+        for name in SETTINGS:
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"distca {name} {problem}")
 
 
-def setting_problem(name: str, value) -> str | None:
-    """What is wrong with the value of one distca setting, as ``"must be ..., got ..."``, or ``None``.
-    ``DistCAConfig`` and ``DistCAPlugin`` both check their settings with it."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if name == "tolerance" and not (number and math.isfinite(value) and value >= 0):
-        return f"must be a finite number >= 0 (allowed max/mean - 1 of attention load), got {value!r}"
-    if name == "block" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return f"must be an integer >= 1 (tokens per shard block), got {value!r}"
-    if name == "timeout_s" and not (number and math.isfinite(value) and value > 0):
-        return f"must be a positive number of seconds, got {value!r}"
-    choices = {"backward": BACKWARD_MODES, "overlap": OVERLAP_MODES, "mode": MODES}.get(name)
-    if choices is not None and value not in choices:
-        return f"must be one of {list(choices)}, got {value!r}"
-    if name == "servers" and value is not None:
-        ranks = list(value) if isinstance(value, (list, tuple)) else None
-        if (not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
-                or len(set(ranks)) != len(ranks)):
-            return (f"must be a non-empty list of distinct ranks >= 0 (indices into the attention-server group), "
-                    f"got {value!r}")
-    return None
+SETTINGS = {f.name: f for f in fields(DistCAConfig) if "check" in f.metadata}
+"""name -> dataclass field of every setting; ``field.metadata`` holds env, parse, check, help, agree."""
 
-_ENV = {
-    "tolerance": ("DISTCA_TOLERANCE", float),
-    "backward": ("DISTCA_BACKWARD", str),
-    "overlap": ("DISTCA_OVERLAP", str),
-    "timeout_s": ("DISTCA_TIMEOUT_S", float),
-}
-_code_settings: dict = {}
+
+def setting_problem(name: str, value) -> str | None:
+    """What is wrong with ``value`` for the setting ``name``, as ``"must be ..., got ..."``, or ``None``."""
+    if name not in SETTINGS:
+        return f"is not a distca setting; expected one of {sorted(SETTINGS)}"
+    return SETTINGS[name].metadata["check"](value)
+
+
+def _check_names(settings: dict, source: str) -> None:
+    unknown = set(settings) - set(SETTINGS) - {"group"}
+    if unknown:
+        raise TypeError(f"unknown distca settings {sorted(unknown)} ({source}); expected some of {sorted(SETTINGS)}")
+
+
+def _from_environment(skip=()) -> dict:
+    values = {}
+    for name, f in SETTINGS.items():
+        var = f.metadata["env"]
+        if var is None or name in skip or var not in os.environ:
+            continue
+        raw = os.environ[var]
+        try:
+            value = f.metadata["parse"](raw.strip())
+        except ValueError as e:
+            raise ValueError(f"invalid {var}={raw!r}: {e}") from None
+        problem = setting_problem(name, value)
+        if problem:
+            raise ValueError(f"invalid {var}={raw!r}: distca {name} {problem}")
+        values[name] = value
+    return values
+
+
+def resolve(code: dict | None = None, file: dict | None = None) -> DistCAConfig:
+    """The settings in force given ``code`` and ``file`` settings: code > ``DISTCA_*`` > file > default."""
+    code, file = dict(code or {}), dict(file or {})
+    _check_names(code, "code")
+    _check_names(file, "file")
+    return DistCAConfig(**{**file, **_from_environment(skip=code), **code})
 
 
 def configure(**settings) -> DistCAConfig:
     """Set distca options in code (they override ``DISTCA_*`` variables); returns the result.
     ``configure()`` with no arguments just validates the current settings."""
-    names = {f.name for f in fields(DistCAConfig)}
-    unknown = set(settings) - names
-    if unknown:
-        raise TypeError(f"unknown distca settings {sorted(unknown)}; expected some of {sorted(names)}")
-    merged = {**_code_settings, **settings}
-    config = _resolve(merged)  # validate before storing
-    _code_settings.clear()
-    _code_settings.update(merged)
+    merged = {**STATE.code_settings, **settings}
+    config = resolve(merged, STATE.file_settings)  # validate before storing
+    STATE.code_settings = merged
     return config
 
 
+def apply_file_settings(settings: dict) -> None:
+    """Put the settings of a ``distca:`` YAML section in force, below the environment (used by
+    ``DistCAPlugin.attach``)."""
+    resolve(STATE.code_settings, settings)  # validate before storing
+    STATE.file_settings = dict(settings)
+
+
 def reset_config() -> None:
-    """Forget settings made with ``configure`` (environment variables apply again)."""
-    _code_settings.clear()
+    """Forget settings made with ``configure`` or a plugin (environment variables and defaults apply)."""
+    STATE.code_settings = {}
+    STATE.file_settings = {}
 
 
 def current_config() -> DistCAConfig:
     """The settings a plan made now would use."""
-    return _resolve(_code_settings)
+    return resolve(STATE.code_settings, STATE.file_settings)
 
 
-def _resolve(code: dict) -> DistCAConfig:
-    values = {}
-    for name, (var, cast) in _ENV.items():
-        if name in code or var not in os.environ:
-            continue
-        raw = os.environ[var]
-        try:
-            values[name] = cast(raw.strip())
-            replace(DistCAConfig(), **{name: values[name]})
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"invalid {var}={raw!r}: {e}") from None
-    values.update(code)
-    return DistCAConfig(**values)
+def settings_fingerprint(config: DistCAConfig) -> int:
+    """A number every rank of a server group computes alike when their ``agree`` settings are equal."""
+    return zlib.crc32(repr(tuple((name, getattr(config, name)) for name, f in SETTINGS.items()
+                                 if f.metadata["agree"])).encode())
+
+
+def agreed_setting_names() -> list[str]:
+    """The settings every rank of a server group must share (named in the mismatch error)."""
+    return [name for name, f in SETTINGS.items() if f.metadata["agree"]]

@@ -1,6 +1,6 @@
 """The README's simulator table (``make bench-sim``): both shared length samples at 8, 64 and 512
 ranks and 32k, 128k and 512k tokens per rank, plus the planner's speed targets (64 x 64k and
-512 x 128k), all through ``distca_hf.simulate.simulate`` with its defaults (tolerance 0.02, block
+512 x 128k), all through ``distca_hf.tools.simulate.simulate`` with its defaults (tolerance 0.02, block
 128, Llama-3-8B bytes, H100 FLOP time model).
 
     python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-readme]
@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from distca_hf.planner import PlannerConfig
-from distca_hf.simulate import load_lengths, simulate
+from distca_hf.planning import PlannerConfig
+from distca_hf.tools.simulate import load_lengths, simulate
 
 HERE = Path(__file__).resolve().parent
 GRID = [(r, t) for r in (8, 64, 512) for t in (32768, 131072, 524288)]

@@ -30,10 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PrinterCallback, ProgressCallback, \
     TrainingArguments
 
-from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig, prepare_training_arguments
-from distca_hf.data import load_documents
-from distca_hf.launch import prepare_cpu_launch
-from distca_hf.trainer import StepTableCallback
+from distca_hf import (DistCAPlugin, DistCATrainer, PackingConfig, StepTableCallback, load_documents,
+                       prepare_training_arguments)
+from distca_hf.training.launch_checks import prepare_cpu_launch
 
 
 def parse_args(argv=None):

@@ -1,8 +1,8 @@
 """Draw one distca plan: per-rank attention before and after, and the CA-tasks it moves.
 
 Pure planning, no processes: documents are packed into ``--ranks`` micro-batches of
-``--tokens-per-rank`` tokens (``distca_hf.data.pack_lengths``, the packing ``DistCATrainer`` uses),
-their pieces go to ``distca_hf.planner.plan_tasks``, and the figure shows
+``--tokens-per-rank`` tokens (``distca_hf.training.pack_lengths``, the packing ``DistCATrainer`` uses),
+their pieces go to ``distca_hf.planning.plan_tasks``, and the figure shows
 
 - left: attention pairs per rank, colocated (each rank its own documents) and as served under the
   plan, with the mean and the tolerance band;
@@ -24,8 +24,8 @@ import random
 
 import numpy as np
 
-from distca_hf.data import PackingConfig, pack_lengths
-from distca_hf.planner import DocumentPieces, PlannerConfig, imbalance, plan_tasks
+from distca_hf.training import PackingConfig, pack_lengths
+from distca_hf.planning import DocumentPieces, PlannerConfig, imbalance, plan_tasks
 
 
 def rank_pieces(lengths: list[int], ranks: int, tokens_per_rank: int, seed: int) -> DocumentPieces:

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Polygon  # noqa: E402
 
-from distca_hf.cost import causal_pairs, document_pairs  # noqa: E402
+from distca_hf.planning import causal_pairs, document_pairs  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

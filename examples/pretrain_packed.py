@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 import distca_hf
 from distca_hf import DistCAAccelerator, DistCAPlugin, PackedCollator, PackedDataset, PackingConfig
-from distca_hf.trainer import attention_imbalance
+from distca_hf.planning import imbalance
 
 from finetune_long_context import offline_tokenizer, pydoc_topics, tiny_llama
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             elapsed = time.perf_counter() - start
             step += 1
             before = stats["attn_pairs_local"] if stats.get("dispatched") else None
-            balance = (f"{attention_imbalance(before):>8.2f} -> {attention_imbalance(stats['attn_pairs_served']):<6.3f}"
+            balance = (f"{imbalance(before):>8.2f} -> {imbalance(stats['attn_pairs_served']):<6.3f}"
                        if before else f"{'(local)':>18}")
             accelerator.print(f"{step:>5} {reported.item():>9.4f} {balance} {elapsed:>7.2f}")
             if step == args.steps:

@@ -10,7 +10,7 @@ These families share the layer structure that the ping-pong schedule splits into
 ``MistralModel``, ``Qwen2Model``, ``Qwen3Model``): when the model uses ``attn_implementation="distca"``,
 ``DISTCA_OVERLAP=pingpong`` (or ``configure(overlap="pingpong")``) is set, the server group has more
 than one rank and no KV cache is passed (training, evaluation), the stack runs the ping-pong schedule
-of ``distca_hf.pingpong``; otherwise HF's own forward runs unchanged. The ping-pong stack returns no
+of ``distca_hf.runtime.pingpong``; otherwise HF's own forward runs unchanged. The ping-pong stack returns no
 KV cache, hidden states or attentions: ask for those and HF's forward runs (with ``overlap="wave"``).
 """
 
@@ -21,9 +21,8 @@ import importlib
 import sys
 
 import torch
-import torch.distributed as dist
 
-from distca_hf import timeline
+from distca_hf.runtime import timeline
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
@@ -71,15 +70,14 @@ def sliding_window(attn):
 
 def runs_pingpong(model, past_key_values, kwargs) -> bool:
     """Whether this forward of a decoder stack takes the ping-pong path (see the module docstring)."""
-    from distca_hf.attention import ATTN_IMPLEMENTATION
     from distca_hf.config import current_config
+    from distca_hf.hf import ATTN_IMPLEMENTATION
+    from distca_hf.runtime.forward import distributed_group_size
 
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return False
     config = current_config()
-    if config.overlap != "pingpong" or config.mode != "distca":
-        return False
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(config.group) > 1):
+    if config.overlap != "pingpong" or distributed_group_size(config) == 1:
         return False
     wants = lambda name: kwargs.get(name) or (kwargs.get(name) is None and getattr(model.config, name, False))
     return past_key_values is None and not wants("output_hidden_states") and not wants("output_attentions")
@@ -90,11 +88,6 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     with ``last_hidden_state [batch, seq, hidden]`` equal to HF's forward."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    from distca_hf.attention import _refuse_unsupported, refuse_short_window
-    from distca_hf.documents import find_documents
-    from distca_hf.pingpong import NanoAttention, plan_pingpong
-    from distca_hf.planner import TokenBytes
-
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
@@ -103,66 +96,78 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0).expand(batch, -1)
     layers = list(model.layers[: model.config.num_hidden_layers])
-    attn0 = layers[0].self_attn
+    plan = _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs)
+
+    cos, sin = model.rotary_emb(inputs_embeds, position_ids=position_ids)
+    cos, sin = cos.expand(batch, -1, -1).reshape(batch * seq, -1), sin.expand(batch, -1, -1).reshape(batch * seq, -1)
+    flat = inputs_embeds.reshape(batch * seq, hidden_size)
+    nano = lambda t, rows: t.index_select(0, rows).unsqueeze(0)
+    rope = {"a": (nano(cos, plan.rows_a), nano(sin, plan.rows_a)), "b": (nano(cos, plan.rows_b), nano(sin, plan.rows_b))}
+    h_a, h_b = nano(flat, plan.rows_a), nano(flat, plan.rows_b)
     for layer in layers:
-        dropout = layer.self_attn.attention_dropout if model.training else 0.0
-        _refuse_unsupported(layer.self_attn, dropout, {})
+        run = functools.partial(_run_layer, layer, plan, rope)
+        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+            # Non-reentrant, and no early stop: the recomputation must run every collective of the
+            # layer on every rank, not stop once the tensors it needs are back.
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                h_a, h_b = torch.utils.checkpoint.checkpoint(run, h_a, h_b, use_reentrant=False)
+        else:
+            h_a, h_b = run(h_a, h_b)
+    out = flat.new_zeros(flat.shape).index_copy(0, plan.rows_a, h_a[0]).index_copy(0, plan.rows_b, h_b[0])
+    out = model.norm(out.view(batch, seq, hidden_size))
+    return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=None)
+
+
+def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
+    """Refuse what distca cannot do, find the documents, and plan both nano-batches with every rank
+    (a rank whose inputs are invalid still joins, so every rank stops)."""
+    from distca_hf.hf import refuse_short_window, refuse_unsupported
+    from distca_hf.planning import TokenBytes, find_documents
+    from distca_hf.runtime.pingpong import plan_pingpong
+
+    for layer in layers:
+        refuse_unsupported(layer.self_attn, layer.self_attn.attention_dropout if model.training else 0.0, {})
+    batch, seq, _ = inputs_embeds.shape
     error, docs = None, None
     try:
         docs = find_documents(batch, seq, seq, attention_mask=attention_mask, position_ids=position_ids,
                               cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
     except ValueError as e:  # joins the planning collective first, so every rank stops
         error = e
-    heads, kv_heads, head_dim = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
+    config, head_dim = model.config, layers[0].self_attn.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
-    step = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads)
+    plan = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads)
     for layer in layers:
-        refuse_short_window(layer.self_attn, sliding_window(layer.self_attn), step.longest_document)
+        refuse_short_window(layer.self_attn, sliding_window(layer.self_attn), plan.longest_document)
+    return plan
 
-    cos, sin = model.rotary_emb(inputs_embeds, position_ids=position_ids)
-    cos, sin = cos.expand(batch, -1, -1).reshape(batch * seq, -1), sin.expand(batch, -1, -1).reshape(batch * seq, -1)
-    flat = inputs_embeds.reshape(batch * seq, hidden_size)
-    nano = lambda t, rows: t.index_select(0, rows).unsqueeze(0)
-    rope_a = (nano(cos, step.rows_a), nano(sin, step.rows_a))
-    rope_b = (nano(cos, step.rows_b), nano(sin, step.rows_b))
-    prefix_rows = step.prefix_rows if step.split.cut else None
 
-    def run_layer(layer, h_a, h_b):
-        scale = layer.self_attn.scaling
-        a = NanoAttention(step.dispatch_a, scale, f"A layer {layer.self_attn.layer_idx}")
-        b = NanoAttention(step.dispatch_b, scale, f"B layer {layer.self_attn.layer_idx}")
-        with timeline.span(f"{a.name}: norm, q/k/v"):
-            q_a, k_a, v_a = attention_inputs(layer, h_a, *rope_a)
-        a.launch(q_a, k_a, v_a)
-        with timeline.span(f"{b.name}: norm, q/k/v"):
-            q_b, k_b, v_b = attention_inputs(layer, h_b, *rope_b)
-            if prefix_rows is not None:  # B's cut document attends to its prefix's K/V, computed in A
-                k_b = torch.cat([k_a.index_select(0, prefix_rows), k_b])
-                v_b = torch.cat([v_a.index_select(0, prefix_rows), v_b])
-        b.launch(q_b, k_b, v_b)
-        a.serve()
-        b.serve()
-        out_a = a.finish()
-        with timeline.span(f"{a.name}: o_proj, MLP"):
-            h_a = layer_output(layer, h_a, out_a)
-        out_b = b.finish()
-        with timeline.span(f"{b.name}: o_proj, MLP"):
-            h_b = layer_output(layer, h_b, out_b)
-        return h_a, h_b
+def _run_layer(layer, plan, rope, h_a, h_b):
+    """One decoder layer on both nano-batches, interleaved (see ``distca_hf.runtime.pingpong``)."""
+    from distca_hf.runtime.pingpong import NanoAttention
 
-    h_a, h_b = nano(flat, step.rows_a), nano(flat, step.rows_b)
-    for layer in layers:
-        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
-            # Non-reentrant, and no early stop: the recomputation must run every collective of the
-            # layer on every rank, not stop once the tensors it needs are back.
-            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                h_a, h_b = torch.utils.checkpoint.checkpoint(functools.partial(run_layer, layer), h_a, h_b,
-                                                             use_reentrant=False)
-        else:
-            h_a, h_b = run_layer(layer, h_a, h_b)
-    out = flat.new_zeros(flat.shape).index_copy(0, step.rows_a, h_a[0]).index_copy(0, step.rows_b, h_b[0])
-    out = model.norm(out.view(batch, seq, hidden_size))
-    return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=None)
+    scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
+    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}")
+    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}")
+    with timeline.span(f"{a.name}: norm, q/k/v"):
+        q_a, k_a, v_a = attention_inputs(layer, h_a, *rope["a"])
+    a.launch(q_a, k_a, v_a)
+    with timeline.span(f"{b.name}: norm, q/k/v"):
+        q_b, k_b, v_b = attention_inputs(layer, h_b, *rope["b"])
+        if plan.split.cut:  # B's cut document attends to its prefix's K/V, computed in A
+            k_b = torch.cat([k_a.index_select(0, plan.prefix_rows), k_b])
+            v_b = torch.cat([v_a.index_select(0, plan.prefix_rows), v_b])
+    b.launch(q_b, k_b, v_b)
+    a.serve()
+    b.serve()
+    out_a = a.finish()
+    with timeline.span(f"{a.name}: o_proj, MLP"):
+        h_a = layer_output(layer, h_a, out_a)
+    out_b = b.finish()
+    with timeline.span(f"{b.name}: o_proj, MLP"):
+        h_b = layer_output(layer, h_b, out_b)
+    return h_a, h_b
 
 
 def install() -> list[str]:

@@ -8,7 +8,7 @@ import os
 import traceback
 from pathlib import Path
 
-from distca_hf.comm import free_port
+from distca_hf.runtime.comm import free_port
 
 
 def _entry(fn, rank, world, port, out_dir, env, args):

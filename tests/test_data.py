@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
 
-from distca_hf.data import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, load_documents,
+from distca_hf.training import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, load_documents,
                             pack_lengths)
 
 

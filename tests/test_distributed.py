@@ -138,22 +138,22 @@ def test_dead_or_hung_peer_raises_a_clear_error(tmp_path, how):
     assert rank0["ok"], rank0.get("traceback")
     message = rank0["value"]["error"]
     assert message is not None, "rank 0 finished a step its peer never joined"
-    assert "distca" in message and "step" in message and "DISTCA_TIMEOUT_S" in message
+    assert "distca" in message and "forward" in message and "DISTCA_TIMEOUT_S" in message
     assert rank0["value"]["seconds"] < 14  # the timeout (4 s), not the peer, ended the wait
 
 
 def test_plan_stats_before_any_forward():
     import importlib
 
-    import distca_hf.step as step_module
+    from distca_hf.state import STATE
 
-    saved = step_module._current
-    step_module._current = None
+    saved = STATE.forward
+    STATE.forward = None
     try:
         with pytest.raises(RuntimeError, match="no forward"):
             importlib.import_module("distca_hf").plan_stats()
     finally:
-        step_module._current = saved
+        STATE.forward = saved
 
 
 def test_configure_and_environment(monkeypatch):
@@ -195,7 +195,7 @@ def test_bench_cli_contract():
     from pathlib import Path
 
     exe = Path(sys.executable).parent / "distca-hf"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
     result = subprocess.run([*cmd, "bench", "--tokens", "512", "--short-docs", "8", "--layers", "1", "--hidden", "64",
                              "--intermediate", "128", "--steps", "2", "--warmup", "1", "--overlap", "none,pingpong",
                              "--json"],
@@ -217,7 +217,7 @@ def test_bench_cli_contract():
 
 
 def test_bench_rejects_bad_arguments(capsys):
-    from distca_hf.cli import main
+    from distca_hf.tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["bench", "--world", "1"])
@@ -230,7 +230,7 @@ def test_bench_rejects_bad_arguments(capsys):
 def _agreement_worker(rank, world):
     """Situations where ranks could fall out of step; every rank must decide the same thing."""
     import distca_hf
-    from distca_hf.step import DistCAPeerError
+    from distca_hf import DistCAPeerError
     from helpers import tiny_model
 
     report = {}
@@ -252,7 +252,9 @@ def _agreement_worker(rank, world):
     else:
         ids, mask = torch.randint(1, 96, (1, 30), generator=g), None
         docs = [ids[0]]
-    steps_before = distca_hf.plan_stats()["step"] if distca_hf.step._current else 0
+    from distca_hf.runtime.context import current_forward
+
+    steps_before = distca_hf.plan_stats()["step"] if current_forward() is not None else 0
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
         report["plans_in_one_forward"] = distca_hf.plan_stats()["step"] - steps_before

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf import CATask, DocumentBoundaryError, find_documents, split_document
-from distca_hf.cost import attention_flops, causal_pairs
+from distca_hf.planning import attention_flops, causal_pairs
 
 
 @settings(max_examples=80, deadline=None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distca_hf.launcher import split_config
+from distca_hf.tools.launch import split_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_split_config_separates_and_checks_the_section(tmp_path):
 
 def _cli():
     exe = Path(sys.executable).parent / "distca-hf"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
 
 
 def test_bad_section_stops_before_launching(tmp_path):
@@ -51,7 +51,7 @@ def test_launched_processes_read_the_section(tmp_path):
     script = tmp_path / "report.py"
     script.write_text(
         "import os, sys\n"
-        "from distca_hf.plugin import DistCAPlugin\n"
+        "from distca_hf import DistCAPlugin\n"
         "config = DistCAPlugin.from_environment().resolved()\n"
         "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(\n"
         "    f'{config.overlap} {config.tolerance} {config.backward}')\n"

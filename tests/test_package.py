@@ -33,7 +33,7 @@ def test_distca_hf_env_json():
 
 
 def test_distca_hf_env_table_and_bad_command():
-    from distca_hf.cli import main
+    from distca_hf.tools.cli import main
 
     assert main(["env"]) == 0
     with pytest.raises(SystemExit):
@@ -41,7 +41,7 @@ def test_distca_hf_env_table_and_bad_command():
 
 
 def test_kernel_bench_cli_runs_small(capsys):
-    from distca_hf.cli import main
+    from distca_hf.tools.cli import main
 
     assert main(["kernel-bench", "--workload", "short_documents", "--repeats", "1", "--heads", "2",
                  "--kv-heads", "1", "--head-dim", "8", "--json"]) == 0
@@ -62,7 +62,7 @@ def test_patches_ship_in_the_wheel(tmp_path):
     assert "distca_hf/patches/llama_family.py" in names
     assert "distca_hf/kernels/torch_cpu.py" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "distca-hf = distca_hf.cli:main" in entry_points
+    assert "distca-hf = distca_hf.tools.cli:main" in entry_points
 
 
 def test_patches_importable_from_the_package():

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from dist_harness import run_ranks
 from test_distributed import _exactness_worker, check_forward_bytes
 
-from distca_hf.documents import PackedDocuments
+from distca_hf.planning import PackedDocuments
 from distca_hf.kernels import varlen_causal_attention
-from distca_hf.pingpong import split_nano_batches
-from distca_hf.tasks import fuse_tasks, whole_document_tasks
+from distca_hf.planning import split_nano_batches
+from distca_hf.planning import fuse_tasks, whole_document_tasks
 
 
 def _docs_with_padding(lengths, pad_after):
@@ -90,11 +90,11 @@ def test_nano_split_refuses_a_cache():
 @given(st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=6), min_size=2, max_size=4),
        st.sampled_from([1, 16]))
 def test_wave_halves_cover_the_plan(per_rank, block):
-    from distca_hf.dispatch import _cut_local_work_in_halves, _first_half_by_pairs
-    from distca_hf.planner import DocumentPieces, plan_tasks
+    from distca_hf.planning.splits import cut_local_work_in_halves, first_half_by_pairs
+    from distca_hf.planning import DocumentPieces, plan_tasks
 
     plan = plan_tasks(DocumentPieces.from_rank_lists(per_rank))
-    cut = _cut_local_work_in_halves(plan, block)
+    cut = cut_local_work_in_halves(plan, block)
     starts = {(int(d), int(s), int(a)) for d, s, a in zip(plan.doc, plan.server, plan.q_start)}
     for d, s, a in zip(cut.doc, cut.server, cut.q_start):  # a new cut lies a whole number of blocks in
         if (int(d), int(s), int(a)) not in starts:
@@ -110,7 +110,7 @@ def test_wave_halves_cover_the_plan(per_rank, block):
 
     assert queries(cut) == queries(plan)
     local = cut.source == cut.server
-    early = _first_half_by_pairs(cut, local)
+    early = first_half_by_pairs(cut, local)
     pairs = cut.pairs()
     for server in np.unique(cut.server[local]):
         mine = local & (cut.server == server)
@@ -192,7 +192,7 @@ def test_ranks_running_different_stacks_stop_together(tmp_path):
 
 
 def test_overlap_summary_and_chrome_trace(tmp_path):
-    from distca_hf.timeline import Event, chrome_trace, overlap_summary
+    from distca_hf.runtime.timeline import Event, chrome_trace, overlap_summary
 
     events = [
         Event("send", "comm", "forward", 0.0, 1.0),

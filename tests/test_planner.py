@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.layout import comm_bytes, kv_transfers
-from distca_hf.planner import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, plan_tasks
-from distca_hf.simulate import cut_to, draw_batch, pack_pieces
+from distca_hf.planning import comm_bytes, kv_transfers
+from distca_hf.planning import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, plan_tasks
+from distca_hf.tools.simulate import cut_to, draw_batch, pack_pieces
 
 
 @st.composite

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from dist_harness import run_ranks
 from distca_hf import DistCAPlugin, ParallelTopology
-from distca_hf import launch as launch_module
+from distca_hf.training import launch_checks as launch_module
 from distca_hf.config import reset_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,7 +218,7 @@ def test_topology_errors_are_specific(kwargs, message):
 
 
 def test_group_ranks_of_one_rank():
-    from distca_hf.topology import group_ranks
+    from distca_hf.training.topology import group_ranks
 
     # 16 ranks: 2 pipeline stages x 4 data-parallel x 2 tensor-parallel; rank 11 = stage 1, dp index 1, tp index 1
     groups = group_ranks(16, 11, pipeline_parallel=2, tensor_parallel=2)
@@ -305,7 +305,7 @@ def test_launched_world_size_reads_the_accelerate_command(monkeypatch, tmp_path)
 
 def test_accelerate_launch_cpu_starting_one_process_fails_loudly(tmp_path):
     script = tmp_path / "check.py"
-    script.write_text("from distca_hf.launch import check_world_size\ncheck_world_size(1)\nprint('NOT STOPPED')\n")
+    script.write_text("from distca_hf.training.launch_checks import check_world_size\ncheck_world_size(1)\nprint('NOT STOPPED')\n")
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     result = subprocess.run([str(accelerate), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.cost import TimeModel
-from distca_hf.planner import pairs_of
-from distca_hf.simulate import draw_batch, pack_pieces, simulate, wlb_loads
+from distca_hf.planning import TimeModel
+from distca_hf.planning import causal_pairs
+from distca_hf.tools.simulate import draw_batch, pack_pieces, simulate, wlb_loads
 
 CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "speedup_vs_colocated",
@@ -25,7 +25,7 @@ DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction",
 
 def _console_script(*args):
     exe = Path(sys.executable).parent / "distca-hf"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True)
 
 
@@ -35,7 +35,7 @@ def _cli(*args):
     import contextlib
     import io
 
-    from distca_hf.cli import main
+    from distca_hf.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -114,8 +114,8 @@ def test_batches_fill_ranks_exactly_and_baselines_conserve_work(seed, ranks, tok
     wlb_tokens, wlb_pairs, _ = wlb_loads(docs, ranks, tokens)
     assert wlb_tokens.sum() == ranks * tokens and (wlb_tokens <= tokens).all()
     # WLB splits documents into pieces at multiples of the budget, then places (and maybe splits) them
-    assert wlb_pairs.sum() == pytest.approx(sum(int(pairs_of(0, n)) for n in docs.tolist()))
-    assert pieces.local_pairs().sum() == sum(int(pairs_of(0, n)) for n in docs.tolist())
+    assert wlb_pairs.sum() == pytest.approx(sum(int(causal_pairs(0, n)) for n in docs.tolist()))
+    assert pieces.local_pairs().sum() == sum(int(causal_pairs(0, n)) for n in docs.tolist())
 
 
 def test_distca_beats_colocated_on_skewed_batches():

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from distca_hf.comm import free_port
+from distca_hf.runtime.comm import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 96

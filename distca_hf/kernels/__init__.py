@@ -16,12 +16,12 @@ fallback). ``DISTCA_KERNEL`` or the ``backend`` argument forces one.
 
 from __future__ import annotations
 
-import os
-import warnings
 from types import ModuleType
 
 import torch
 
+from ..config import current_config
+from ..state import warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
 from . import torch_cpu as _torch_cpu
@@ -37,7 +37,6 @@ __all__ = [
 
 BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (_flash_attn, _torch_cpu, _math)}
 _AUTO_ORDER = (_flash_attn, _torch_cpu)
-_warned_fallback: set[tuple[str, str]] = set()
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -47,9 +46,10 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None) -> ModuleType:
-    """The backend to use: ``name``, else ``$DISTCA_KERNEL``, else the fastest available."""
+    """The backend to use: ``name``, else the ``kernel`` setting (``DISTCA_KERNEL`` /
+    ``configure(kernel=...)``), else the fastest available."""
     device = torch.device(device)
-    name = name or os.environ.get("DISTCA_KERNEL") or "auto"
+    name = name or current_config().kernel
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(
@@ -63,11 +63,9 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, name: str | N
     for backend in _AUTO_ORDER:
         if backend.is_available(device, dtype):
             return backend
-    key = (device.type, str(dtype))
-    if key not in _warned_fallback:
-        _warned_fallback.add(key)
-        hint = " (install flash-attn: pip install 'distca-hf[gpu]'; it needs fp16/bf16)" if device.type == "cuda" else ""
-        warnings.warn(f"distca: no fused varlen kernel for {device.type}/{dtype}; using the slow math backend{hint}")
+    hint = " (install flash-attn: pip install 'distca-hf[gpu]'; it needs fp16/bf16)" if device.type == "cuda" else ""
+    warn_once(f"kernel-fallback:{device.type}/{dtype}",
+              f"distca: no fused varlen kernel for {device.type}/{dtype}; using the slow math backend{hint}")
     return _math
 
 

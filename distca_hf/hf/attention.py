@@ -1,29 +1,24 @@
-"""The ``"distca"`` attention implementation for HF transformers.
+"""The ``"distca"`` attention function (``AttentionInterface``) and the refusals it applies.
 
-``import distca_hf`` registers two functions under the name ``"distca"``:
+HF calls it in every attention layer, after RoPE, with ``query [batch, heads, seq, head_dim]`` and
+``key/value [batch, kv_heads, kv_len, head_dim]``; it returns ``[batch, seq, heads, head_dim]``.
 
-- an attention function (``AttentionInterface``): HF calls it in every attention layer, after
-  RoPE, with ``query [batch, heads, seq, head_dim]`` and ``key/value [batch, kv_heads, kv_len,
-  head_dim]``; it returns ``[batch, seq, heads, head_dim]``;
-- a mask function (``AttentionMaskInterface``): without one, transformers passes
-  ``attention_mask=None`` even for padded batches. Ours hands the 2D padding mask through untouched,
-  because the document structure is found here, not in a dense ``[seq, seq]`` mask.
-
-Document boundaries are found from the call's own arguments (``documents.find_documents``), so the
+Document boundaries are found from the call's own arguments (``planning.find_documents``), so the
 result does not depend on ``use_cache`` (with a cache, transformers skips its own packed-sequence
-detection). Boundaries, plan and layouts are made once per forward (``step.py``) and reused by every
-layer; under ``torch.distributed`` the CA-tasks run where the plan puts them (``dispatch.py``).
+detection). Boundaries, plan and index tables are made once per forward (``runtime.forward``) and
+reused by every layer; under ``torch.distributed`` the CA-tasks run where the plan puts them
+(``runtime.wave_schedule``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import dispatched_attention
-from .kernels import varlen_causal_attention
-from .step import step_for_call
+from ..kernels import varlen_causal_attention
+from ..runtime import context_for_call, dispatched_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "distca_attention_forward", "distca_mask", "register", "UnsupportedAttentionError"]
+__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "refuse_short_window",
+           "refuse_unsupported"]
 
 ATTN_IMPLEMENTATION = "distca"
 
@@ -32,35 +27,9 @@ class UnsupportedAttentionError(ValueError):
     """The model asks for an attention feature that distca cannot compute exactly."""
 
 
-def distca_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function=None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor | None:
-    """Mask function for ``AttentionMaskInterface``: the 2D padding mask ``[batch, kv_length]``
-    (bool) when some token is padding, else ``None``. Causality, documents and sliding windows are
-    handled by the attention function itself."""
-    filled = int(q_offset) + q_length
-    if filled < kv_length:
-        raise UnsupportedAttentionError(
-            f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
-            f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
-        )
-    if attention_mask is None or attention_mask.dim() != 2:
-        return attention_mask
-    if attention_mask.shape[1] != kv_length:
-        attention_mask = attention_mask[:, -kv_length:]
-    if bool(attention_mask.all()):
-        return None
-    return attention_mask
-
-
-def _refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """Raise ``UnsupportedAttentionError`` naming the feature when ``module`` asks for one distca
+    cannot compute exactly (non-causal, dropout, softcap, sinks)."""
     name = type(module).__name__
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -111,20 +80,20 @@ def distca_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention function. query ``[B, H, S, D]``, key/value ``[B, H_kv, S_kv, D]`` ->
     ``([B, S, H, D], None)``; attention weights are never materialised."""
-    _refuse_unsupported(module, dropout, kwargs)
+    refuse_unsupported(module, dropout, kwargs)
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
-    step = step_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
-                         kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    refuse_short_window(module, kwargs.get("sliding_window"), step.longest_document)
+    context = context_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
+                               kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    refuse_short_window(module, kwargs.get("sliding_window"), context.longest_document)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
-    if step.dispatch is not None:
+    if context.dispatch is not None:
         scale = head_dim**-0.5 if scaling is None else float(scaling)
-        out = dispatched_attention(q, k, v, step.dispatch, scale)
+        out = dispatched_attention(q, k, v, context.dispatch, scale)
         return out.view(batch_size, query_len, num_heads, head_dim), None
-    batch = step.local
+    batch = context.local
     if batch.q_index is not None:
         q = q.index_select(0, batch.q_index)
         k = k.index_select(0, batch.k_index)
@@ -136,12 +105,3 @@ def distca_attention_forward(
         # Padding queries get zeros, as HF's flash-attention path gives them.
         out = out.new_zeros(batch_size * query_len, num_heads, head_dim).index_copy(0, batch.q_index, out)
     return out.view(batch_size, query_len, num_heads, head_dim), None
-
-
-def register() -> None:
-    """Register ``"distca"`` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, distca_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, distca_mask)

@@ -19,9 +19,9 @@ import torch
 
 from .cost import causal_pairs
 from .documents import PackedDocuments
-from .layout import concat_ranges
+from .ranges import concat_ranges
 
-__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fuse_tasks"]
+__all__ = ["CATask", "FusedBatch", "whole_document_tasks", "split_document", "fused_batch", "fuse_tasks"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,29 @@ class FusedBatch:
         )
 
 
-def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
+def fused_batch(q_first, k_first, q_start, q_end, device=None, *, in_place: bool = False) -> FusedBatch:
+    """The one way a list of CA-tasks becomes a varlen batch (arrays ``[num_tasks]``, int64).
+
+    Task ``i`` has queries ``[q_start[i], q_end[i])`` of its document, whose first query row sits
+    at flat row ``q_first[i]`` of the query pool and whose K/V prefix ``[0, q_end[i])`` starts at
+    flat row ``k_first[i]`` of the key pool. ``in_place``: the tasks already are the pools, row for
+    row, so no index is needed (``q_index``/``k_index`` are ``None``). Tensors go to ``device``.
+    """
+    q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
+    q_lens = q_end - q_start
+    as_tensor = lambda x, dtype: torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(device)
+    return FusedBatch(
+        None if in_place else as_tensor(concat_ranges(q_first, q_lens), np.int64),
+        None if in_place else as_tensor(concat_ranges(k_first, q_end), np.int64),
+        as_tensor(np.concatenate(([0], np.cumsum(q_lens))), np.int32),
+        as_tensor(np.concatenate(([0], np.cumsum(q_end))), np.int32),
+        int(q_lens.max(initial=0)),
+        int(q_end.max(initial=0)),
+        int(causal_pairs(q_start, q_end).sum()),
+    )
+
+
+def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments, device=None) -> FusedBatch:
     """Lay ``tasks`` (of the documents ``docs``) out as one varlen batch, in the given order."""
     if not tasks:
         raise ValueError("fuse_tasks needs at least one CA-task")
@@ -112,11 +134,6 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
             f"task {tasks[bad]} asks for queries outside its document's queries "
             f"[{int(past[bad])}, {int(lengths[bad])})"
         )
-    q_lens, k_lens = q_end - q_start, q_end
-    cu_q = np.concatenate(([0], np.cumsum(q_lens)))
-    cu_k = np.concatenate(([0], np.cumsum(k_lens)))
-    pairs = int(sum(causal_pairs(int(s), int(e)) for s, e in zip(q_start, q_end)))
-
     covers_in_order = (
         docs.tiles_stream
         and len(tasks) == docs.num_docs
@@ -124,19 +141,6 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments) -> FusedBatch:
         and not q_start.any()
         and np.array_equal(q_end, docs.lengths)
     )
-    if covers_in_order:
-        q_index = k_index = None
-    else:
-        # Query row of task t, position j: docs.q_starts[doc] + (q_start - past) + j.
-        q_first = docs.q_starts[doc_ids] + (q_start - past)
-        q_index = torch.from_numpy(concat_ranges(q_first, q_lens))
-        k_index = torch.from_numpy(concat_ranges(docs.k_starts[doc_ids], k_lens))
-    return FusedBatch(
-        q_index,
-        k_index,
-        torch.from_numpy(cu_q.astype(np.int32)),
-        torch.from_numpy(cu_k.astype(np.int32)),
-        int(q_lens.max()),
-        int(k_lens.max()),
-        pairs,
-    )
+    # Query row of task t, position j: docs.q_starts[doc] + (q_start - past) + j.
+    return fused_batch(docs.q_starts[doc_ids] + (q_start - past), docs.k_starts[doc_ids], q_start, q_end, device,
+                       in_place=covers_in_order)

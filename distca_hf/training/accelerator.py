@@ -2,7 +2,7 @@
 
 ``DistCAAccelerator(distca_plugin=DistCAPlugin(...), **accelerator_kwargs)`` is an
 ``accelerate.Accelerator`` that, before the process group exists, repairs the CPU launch traps
-(``launch.py``); after it exists, checks that as many processes run as the launch asked for, builds
+(``launch_checks``); after it exists, checks that as many processes run as the launch asked for, builds
 the attention-server groups and applies the distca settings (``DistCAPlugin.attach``). Its
 ``prepare`` refuses models whose attention distca cannot dispatch and turns the KV cache off.
 It composes with DDP and DeepSpeed ZeRO 1, 2 and 3 like a plain ``Accelerator``: CAD changes only
@@ -18,8 +18,8 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
-from .attention import ATTN_IMPLEMENTATION
-from .launch import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
+from ..hf import ATTN_IMPLEMENTATION
+from .launch_checks import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCAAccelerator", "prepare_training_arguments", "require_distca_model"]

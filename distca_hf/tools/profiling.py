@@ -15,9 +15,9 @@ import argparse
 import numpy as np
 import torch
 
-from .cost import TimeModel, causal_pairs
-from .kernels import select_backend, varlen_causal_attention
-from .kernels.benchmark import median_seconds
+from ..kernels import select_backend, varlen_causal_attention
+from ..planning import TimeModel, causal_pairs
+from .kernel_bench import median_seconds
 
 __all__ = ["profile", "main"]
 

@@ -69,7 +69,7 @@ class PackedDocuments:
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths <= 0).any():
             raise DocumentBoundaryError(f"document lengths must be positive integers, got {lengths.tolist()}")
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
         total = int(lengths.sum())
         return cls(lengths, np.zeros_like(lengths), starts, starts.copy(), total, total)
 

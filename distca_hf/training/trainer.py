@@ -34,19 +34,14 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .accelerate import prepare_training_arguments, require_distca_model
-from .data import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
-from .launch import check_world_size
+from ..planning import causal_pairs, find_documents, imbalance
+from ..runtime import plan_stats
+from .accelerator import prepare_training_arguments, require_distca_model
+from .launch_checks import check_world_size
+from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
 from .plugin import DistCAPlugin
 
-__all__ = ["DistCATrainer", "StepTableCallback", "attention_imbalance"]
-
-
-def attention_imbalance(pairs_per_rank) -> float:
-    """max / mean of per-rank attention work (1.0 when there is none)."""
-    pairs = [float(p) for p in pairs_per_rank]
-    mean = sum(pairs) / len(pairs) if pairs else 0.0
-    return max(pairs) / mean if mean > 0 else 1.0
+__all__ = ["DistCATrainer", "StepTableCallback"]
 
 
 class DistCATrainer(Trainer):
@@ -159,18 +154,14 @@ class DistCATrainer(Trainer):
 
     def _record_plan(self, inputs) -> None:
         """Attention balance of the micro-batch just run, and the tokens of all ranks."""
-        from .step import plan_stats
-
         if "cu_seq_lens_q" in inputs:
             lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64)).cpu()
         else:  # a collator of the user's that gives position_ids only: documents restart at 0
-            from .documents import find_documents
-
             ids = inputs["input_ids"]
             lengths = torch.from_numpy(find_documents(ids.shape[0], ids.shape[1], ids.shape[1],
                                                       attention_mask=inputs.get("attention_mask"),
                                                       position_ids=inputs.get("position_ids")).lengths)
-        mine = torch.tensor([int(lengths.sum()), int((lengths * (lengths + 1) // 2).sum())], dtype=torch.int64,
+        mine = torch.tensor([int(lengths.sum()), int(causal_pairs(0, lengths).sum())], dtype=torch.int64,
                             device=self.args.device)
         everyone = self.accelerator.gather(mine).view(-1, 2).cpu()
         stats = plan_stats()
@@ -178,8 +169,8 @@ class DistCATrainer(Trainer):
             before, after = stats["attn_pairs_local"], stats["attn_pairs_served"]
         else:  # colocated (or one rank): every rank computes its own documents
             before = after = everyone[:, 1].tolist()
-        self._window["before"].append(attention_imbalance(before))
-        self._window["after"].append(attention_imbalance(after))
+        self._window["before"].append(imbalance(before))
+        self._window["after"].append(imbalance(after))
         self._window["tokens"] += int(everyone[:, 0].sum())
 
     def _reset_window(self) -> None:

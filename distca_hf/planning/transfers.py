@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .planner import DocumentPieces, Plan, TokenBytes
+from .cost import TokenBytes
+from .pieces import DocumentPieces
+from .planner import Plan
+from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes", "concat_ranges"]
+__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,14 +59,6 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     end = np.minimum(pieces.end[piece_idx], need_end[need_idx])
     send = (source != server) & (end > start)
     return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised (int64)."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return np.arange(int(lengths.sum()), dtype=np.int64) + offsets
 
 
 @dataclass(frozen=True)

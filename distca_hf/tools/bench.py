@@ -10,7 +10,7 @@ measured side by side even on a machine whose speed drifts.
 
 ``--overlap none,wave,pingpong`` also runs the overlap modes; for each it reports the step time and
 ``overlap_fraction``: communication time hidden under compute / total communication time, from the
-timeline (``distca_hf.timeline``: an all-to-all lasts from launch to completion, and the time a rank
+timeline (``distca_hf.runtime.timeline``: an all-to-all lasts from launch to completion, and the time a rank
 blocks waiting for it is the part not hidden), over all ranks, forward and backward apart.
 ``--trace OUT.json`` writes the last step of each mode as a Chrome trace.
 
@@ -20,7 +20,7 @@ communication were free.
 
 CPU: ``distca-hf bench`` (gloo, one thread per process). GPUs: ``distca-hf bench --world N`` on a
 machine with N GPUs (NCCL, bf16, flash-attn when installed), or under ``torchrun --nproc-per-node N
--m distca_hf.cli bench``.
+-m distca_hf bench``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import os
 import statistics
 import sys
 import time
+
+from ..planning.cost import imbalance
 
 __all__ = ["main"]
 
@@ -46,11 +48,31 @@ def _batch(rank: int, tokens: int, short_docs: int):
 
 
 def _worker(rank: int, world: int, args, port: int, result_path: str | None):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    """One rank of the benchmark: set up, run every method in turns, gather, write (rank 0)."""
+    import torch.distributed as dist
+
+    from ..runtime import timeline
+
+    device = _init_process(rank, world, args, port)
+    step = _training_step(rank, args, device)
+    kernel_seconds = _time_kernels(device)
+    methods = _methods(args)
+    timeline.enable()
+    runs = _run_in_turns(step, methods, args, kernel_seconds, device)
+    results = _gather_results(runs, methods, rank, world, args)
+    if rank == 0 and result_path:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _init_process(rank: int, world: int, args, port: int):
     import torch
     import torch.distributed as dist
 
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
     use_cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
     if use_cuda:
@@ -58,72 +80,113 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
-    import distca_hf
-    from distca_hf import kernels, timeline
-    from distca_hf.timeline import overlap_summary
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def _training_step(rank: int, args, device):
+    """The model (same weights on every rank), this rank's skewed batch, and one forward + backward."""
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    device = torch.device("cuda" if use_cuda else "cpu")
-    dtype = getattr(torch, args.dtype)
+    import distca_hf  # noqa: F401  (registers "distca")
+
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.tokens, use_cache=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, getattr(torch, args.dtype))
     lengths = _batch(rank, args.tokens, args.short_docs)
     g = torch.Generator().manual_seed(rank)
     input_ids = torch.randint(0, args.vocab, (1, sum(lengths)), generator=g).to(device)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
-    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
-
-    kernel_seconds = [0.0]
-    forward, backward = kernels.varlen_attention_forward, kernels.varlen_attention_backward
-
-    def timed(fn):
-        def wrapper(*a, **k):
-            sync()
-            start = time.perf_counter()
-            result = fn(*a, **k)
-            sync()
-            kernel_seconds[0] += time.perf_counter() - start
-            return result
-        return wrapper
-
-    kernels.varlen_attention_forward, kernels.varlen_attention_backward = timed(forward), timed(backward)
 
     def step():
         model.zero_grad(set_to_none=True)
         out = model(input_ids=input_ids, position_ids=position_ids).logits
         out.float().square().mean().backward()
 
-    def timed_step(mode, backward_mode, overlap):
+    return step
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_kernels(device) -> list[float]:
+    """Wrap the kernel entry points so the colocated path's attention seconds add up in the returned
+    one-element list (the measured ideal needs them)."""
+    from .. import kernels
+
+    seconds = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            _sync(device)
+            start = time.perf_counter()
+            result = fn(*a, **k)
+            _sync(device)
+            seconds[0] += time.perf_counter() - start
+            return result
+        return wrapper
+
+    kernels.varlen_attention_forward = timed(kernels.varlen_attention_forward)
+    kernels.varlen_attention_backward = timed(kernels.varlen_attention_backward)
+    return seconds
+
+
+def _methods(args) -> list[tuple[str, str, str]]:
+    """``(mode, backward, overlap)`` of every method, colocated first."""
+    modes = ["saved", "resend"] if args.backward == "both" else [args.backward]
+    overlaps = args.overlap.split(",")
+    return [("colocated", "saved", "none")] + [("distca", b, o) for b in modes
+                                               for o in (overlaps if b == modes[0] else overlaps[:1])]
+
+
+def _run_in_turns(step, methods, args, kernel_seconds, device) -> dict:
+    """Every method runs once per round, in the same order, so a machine whose speed drifts (another
+    job, thermal limits) affects all of them alike: the ratios are measured side by side. Returns
+    per method a list of ``(step seconds, (this rank's seconds, its kernel seconds), plan_stats,
+    timeline events)``."""
+    import torch.distributed as dist
+
+    import distca_hf
+    from ..runtime import timeline
+
+    def configure(mode, backward_mode, overlap):
         distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance, overlap=overlap)
+
+    def timed_step(*method):
+        configure(*method)
         kernel_seconds[0] = 0.0
         timeline.clear()
-        sync()
+        _sync(device)
         dist.barrier()
         start = time.perf_counter()
         step()
-        sync()
+        _sync(device)
         mine = time.perf_counter() - start
         dist.barrier()
         return time.perf_counter() - start, (mine, kernel_seconds[0]), distca_hf.plan_stats(), timeline.events()
 
-    # Every method runs once per round, in the same order, so a machine whose speed drifts (another
-    # job, thermal limits) affects all of them alike: the ratios are measured side by side.
-    modes = ["saved", "resend"] if args.backward == "both" else [args.backward]
-    overlaps = args.overlap.split(",")
-    methods = [("colocated", "saved", "none")] + [("distca", b, o) for b in modes
-                                                  for o in (overlaps if b == modes[0] else overlaps[:1])]
-    timeline.enable()
     for method in methods:
-        distca_hf.configure(mode=method[0], backward=method[1], tolerance=args.tolerance, overlap=method[2])
+        configure(*method)
         for _ in range(args.warmup):
             step()
     runs = {method: [] for method in methods}
     for _ in range(args.steps):
         for method in methods:
             runs[method].append(timed_step(*method))
+    return runs
+
+
+def _gather_results(runs: dict, methods, rank: int, world: int, args) -> dict:
+    """Every rank's timings, bytes and timeline events, combined per method (rank 0 writes them)."""
+    import torch.distributed as dist
+
+    from ..runtime.timeline import chrome_trace, overlap_summary
 
     results = {}
     colocated = runs[methods[0]]
@@ -133,6 +196,7 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     # per step: slowest rank's non-attention time + mean attention time
     results["ideal_step_s"] = [max(r[i][0] - r[i][1] for r in everyone) + sum(r[i][1] for r in everyone) / world
                                for i in range(args.steps)]
+    overlaps = args.overlap.split(",")
     for (_, backward_mode, overlap) in methods[1:]:
         done = runs[("distca", backward_mode, overlap)]
         stats = done[-1][2]
@@ -148,15 +212,9 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
             # one step's overlap over all ranks: their communication and blocked seconds summed
             "overlap_per_step": [overlap_summary([e for s in sent for e in s[2][i]]) for i in range(args.steps)],
         }
-        if rank == 0 and args.trace and backward_mode == modes[0]:
-            from .timeline import chrome_trace
-
+        if rank == 0 and args.trace and backward_mode == methods[1][1]:
             chrome_trace([s[2][-1] for s in sent], _trace_path(args.trace, overlap, len(overlaps)))
-    if rank == 0 and result_path:
-        with open(result_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def _trace_path(path: str, overlap: str, modes: int) -> str:
@@ -179,13 +237,12 @@ def summarize(results: dict, args) -> dict:
     first = "distca_" + ("saved" if args.backward in ("saved", "both") else "resend")
     distca = median(results[first]["step_s"])
     stats = results[first]["stats"]
-    local, served = stats["attn_pairs_local"], stats["attn_pairs_served"]
     summary = {
         "colocated_step_s": colocated,
         "distca_step_s": distca,
         "speedup": colocated / distca,
-        "attn_imbalance_before": max(local) / (sum(local) / len(local)),
-        "attn_imbalance_after": max(served) / (sum(served) / len(served)),
+        "attn_imbalance_before": imbalance(stats["attn_pairs_local"]),
+        "attn_imbalance_after": imbalance(stats["attn_pairs_served"]),
         "ideal_step_s": ideal,
         "distca_over_ideal": distca / ideal,
         "ideal_speedup": colocated / ideal,
@@ -301,7 +358,7 @@ def run_cli(args, parser) -> int:
             if rank != 0:
                 return 0
         else:
-            from .comm import free_port
+            from ..runtime.comm import free_port
 
             mp.start_processes(_worker, args=(args.world, args, free_port(), path), nprocs=args.world,
                                start_method="spawn")

@@ -28,9 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import LLAMA3_8B_H100, TimeModel
-from .layout import comm_bytes, concat_ranges
-from .planner import DocumentPieces, PlannerConfig, TokenBytes, imbalance, pairs_of, plan_tasks
+from ..planning import (LLAMA3_8B_H100, DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
+                        comm_bytes, concat_ranges, imbalance, plan_tasks)
 
 __all__ = ["draw_batch", "cut_to", "pack_pieces", "wlb_loads", "simulate", "main"]
 
@@ -80,7 +79,7 @@ def wlb_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int):
             chunk_doc.append(d), chunk_start.append(s)
     chunk_start = np.asarray(chunk_start, dtype=np.int64)
     chunk_end = np.minimum(chunk_start + tokens_per_rank, docs[np.asarray(chunk_doc, dtype=np.int64)])
-    order = np.argsort(-pairs_of(chunk_start, chunk_end), kind="stable")
+    order = np.argsort(-causal_pairs(chunk_start, chunk_end), kind="stable")
     free = np.full(ranks, tokens_per_rank, dtype=np.int64)
     pairs = np.zeros(ranks, dtype=np.float64)
     pieces = np.zeros(ranks, dtype=np.int64)
@@ -94,7 +93,7 @@ def wlb_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int):
             else:  # nothing has room for the whole piece: fill the least-loaded ranks that have some
                 r = int(np.argmin(np.where(free > 0, pairs, np.inf)))
                 take = min(hi - lo, int(free[r]))
-            pairs[r] += float(pairs_of(lo, lo + take))
+            pairs[r] += float(causal_pairs(lo, lo + take))
             free[r] -= take
             pieces[r] += 1
             lo += take

@@ -7,7 +7,7 @@ micro-batches per epoch: the packed list is padded to a multiple of the world si
 micro-batches (one padding token, no label), so no rank waits alone in a collective, and every
 document piece is in exactly one micro-batch, so every document is trained on exactly once per epoch.
 
-    docs = load_documents("my_corpus.jsonl", tokenizer=tokenizer)      # a datasets.Dataset of input_ids
+    docs = load_documents("my_corpus.jsonl", tokenizer=tokenizer)      # training.loading: input_ids
     train = PackedDataset(docs, PackingConfig(tokens_per_rank=8192), world_size=2)
     print(train.report)
 
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
 __all__ = ["PackingConfig", "PackingReport", "PackedDataset", "StreamingPackedDataset", "PackedCollator",
-           "pack_lengths", "load_documents"]
+           "pack_lengths", "tokens_of"]
 
 Piece = tuple  # (document key, start, end): tokens [start, end) of one document
 
@@ -201,7 +200,7 @@ def _document_lengths(documents) -> list[int]:
             return [len(ids) for batch in documents.iter(batch_size=1024) for ids in batch["input_ids"]]
     except ImportError:
         pass
-    return [len(_tokens_of(documents[i])) for i in range(len(documents))]
+    return [len(tokens_of(documents[i])) for i in range(len(documents))]
 
 
 def _require_input_ids(columns) -> None:
@@ -210,7 +209,8 @@ def _require_input_ids(columns) -> None:
                          "tokenize them first, e.g. with distca_hf.data.load_documents(..., tokenizer=...)")
 
 
-def _tokens_of(document) -> list[int]:
+def tokens_of(document) -> list[int]:
+    """The token ids of one document: a list, a tensor or ``{"input_ids": ...}``."""
     if isinstance(document, dict):
         _require_input_ids(document.keys())
         document = document["input_ids"]
@@ -265,7 +265,7 @@ class PackedDataset(torch.utils.data.Dataset):
         index %= len(self)
         if index >= len(self.micro_batches):
             return {"input_ids": [[self.config.pad_token_id]]}  # filler: one token, and a document start has no label
-        return {"input_ids": [_tokens_of(self.documents[doc])[start:end]
+        return {"input_ids": [tokens_of(self.documents[doc])[start:end]
                               for doc, start, end in self.micro_batches[index]]}
 
     def label_tokens(self) -> int:
@@ -310,7 +310,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
         report = PackingReport(self.config.tokens_per_rank)
         self.report = report
         # The token lists themselves are the document keys: pieces slice them directly.
-        stream = ((tokens, len(tokens)) for tokens in map(_tokens_of, self.documents))
+        stream = ((tokens, len(tokens)) for tokens in map(tokens_of, self.documents))
         count = 0
         for micro_batch in _pack(stream, self.config, report):
             count += 1
@@ -342,7 +342,7 @@ class PackedCollator:
             if not isinstance(item, dict) or "input_ids" not in item:
                 raise ValueError("PackedCollator expects items {'input_ids': [piece tokens, ...]} from a "
                                  f"PackedDataset, got {type(item).__name__}")
-            pieces.extend(_tokens_of(p) for p in item["input_ids"])
+            pieces.extend(tokens_of(p) for p in item["input_ids"])
         if not pieces or any(len(p) == 0 for p in pieces):
             raise ValueError("PackedCollator: a micro-batch needs at least one piece and no empty piece")
         lengths = [len(p) for p in pieces]
@@ -355,77 +355,3 @@ class PackedCollator:
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
                 "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
                 "max_length_q": longest, "max_length_k": longest}
-
-
-# -- loading ---------------------------------------------------------------------------------------
-
-_EXTENSION_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
-
-
-def load_documents(source, tokenizer=None, *, split: str = "train", text_column: str = "text",
-                   streaming: bool = False, add_eos: bool = True, eos_token_id: int | None = None,
-                   **load_kwargs):
-    """Token-id documents as a ``datasets`` dataset with a single ``input_ids`` column.
-
-    Args:
-        source: a ``datasets.Dataset`` / ``IterableDataset``; a local file (``.json``, ``.jsonl``,
-            ``.txt``, ``.csv``, ``.parquet``); a directory (``save_to_disk`` output, or data files);
-            or a Hub dataset name (``load_dataset(source, split=split, **load_kwargs)``).
-        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``; needed unless the data
-            already has ``input_ids``.
-        text_column: the text to tokenize.
-        streaming: read lazily (an ``IterableDataset``; pack it with ``StreamingPackedDataset``).
-        add_eos: append the end-of-sequence token to every document.
-        eos_token_id: that token (default: the tokenizer's ``eos_token_id``).
-    """
-    import datasets
-
-    if isinstance(source, (datasets.Dataset, datasets.IterableDataset)):
-        dataset = source
-    elif isinstance(source, (str, Path)) and Path(source).exists():
-        path = Path(source)
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
-            dataset = datasets.load_from_disk(str(path))
-            if isinstance(dataset, datasets.DatasetDict):
-                dataset = dataset[split]
-            if streaming:
-                dataset = dataset.to_iterable_dataset()
-        elif path.is_dir():
-            dataset = datasets.load_dataset(str(path), split=split, streaming=streaming, **load_kwargs)
-        else:
-            builder = _EXTENSION_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected one of "
-                                 f"{sorted(_EXTENSION_BUILDERS)}")
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming,
-                                            **load_kwargs)
-    elif isinstance(source, str):
-        dataset = datasets.load_dataset(source, split=split, streaming=streaming, **load_kwargs)
-    else:
-        raise TypeError(f"source must be a datasets dataset, a path or a dataset name, got {type(source).__name__}")
-
-    columns = dataset.column_names
-    if columns is not None and "input_ids" in columns:
-        return dataset.select_columns(["input_ids"])
-    if tokenizer is None:
-        raise ValueError(f"the documents have no 'input_ids' column (columns: {columns}); pass tokenizer= to "
-                         f"tokenize their {text_column!r} column")
-    if columns is not None and text_column not in columns:
-        raise ValueError(f"no text column {text_column!r} in the documents (columns: {columns}); pass text_column=")
-    if add_eos and eos_token_id is None:
-        eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        if eos_token_id is None:
-            raise ValueError("add_eos=True but the tokenizer has no eos_token_id; pass eos_token_id= or add_eos=False")
-    encode = _batch_encoder(tokenizer)
-    suffix = [eos_token_id] if add_eos else []
-
-    def tokenize(batch):
-        return {"input_ids": [ids + suffix for ids in encode(batch[text_column])]}
-
-    return dataset.map(tokenize, batched=True, remove_columns=columns)
-
-
-def _batch_encoder(tokenizer):
-    if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
-        return lambda texts: [e.ids for e in tokenizer.encode_batch(texts)]
-    return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -1,8 +1,9 @@
-"""Cost of core attention, counted in query-key pairs and FLOPs.
+"""Cost of core attention: query-key pairs, FLOPs, bytes on the wire and time. One home per formula.
 
 Units: pairs are (query token, key token) couples that the causal mask keeps; FLOPs count a
-multiply-add as 2; times are seconds of one layer, forward + backward. ``TimeModel`` turns tokens,
-pairs and task counts into time; ``distca-hf profile`` measures its constants on a device.
+multiply-add as 2; bytes are per token and layer forward; times are seconds of one layer, forward +
+backward. ``TimeModel`` turns tokens, pairs and task counts into time; ``distca-hf profile``
+measures its constants on a device.
 """
 
 from __future__ import annotations
@@ -12,18 +13,40 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-__all__ = ["causal_pairs", "document_pairs", "attention_flops", "TimeModel", "LLAMA3_8B_H100"]
+import numpy as np
+
+__all__ = ["causal_pairs", "document_pairs", "start_with_pairs", "imbalance", "attention_flops", "TokenBytes",
+           "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100"]
 
 
-def causal_pairs(q_start: int, q_end: int) -> int:
+def causal_pairs(q_start, q_end):
     """Pairs of the queries ``[q_start, q_end)`` of a document, bottom-right causal:
-    ``sum(t + 1 for t in range(q_start, q_end))``."""
+    ``sum(t + 1 for t in range(q_start, q_end))``. Exact on Python ints; elementwise on int64 numpy
+    arrays (lists are converted) and integer tensors."""
+    if isinstance(q_start, (list, tuple)) or isinstance(q_end, (list, tuple)):
+        q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2
 
 
-def document_pairs(length: int) -> int:
-    """Pairs of a whole causal document of ``length`` tokens."""
+def document_pairs(length):
+    """Pairs of a whole causal document of ``length`` tokens (ints or arrays)."""
     return causal_pairs(0, length)
+
+
+def start_with_pairs(q_end: int, pairs: float) -> float:
+    """The real ``q_start`` whose queries ``[q_start, q_end)`` hold ``pairs`` pairs (the inverse of
+    ``causal_pairs``): ``q_start (q_start + 1) = q_end (q_end + 1) - 2 pairs``."""
+    return (-1.0 + math.sqrt(max(1.0 + 4.0 * (q_end * (q_end + 1) - 2.0 * pairs), 0.0))) / 2.0
+
+
+def imbalance(loads, ranks=None) -> float:
+    """max / mean of per-rank ``loads`` (pairs, seconds, ...) over ``ranks`` (all by default); 1.0
+    when there is no load."""
+    loads = np.asarray(loads, dtype=np.float64)
+    if ranks is not None:
+        loads = loads[list(ranks)]
+    mean = loads.mean() if loads.size else 0.0
+    return float(loads.max() / mean) if mean > 0 else 1.0
 
 
 def attention_flops(pairs: int, num_heads: int, head_dim: int, backward: bool = False) -> int:
@@ -35,6 +58,34 @@ def attention_flops(pairs: int, num_heads: int, head_dim: int, backward: bool = 
     """
     forward = 4 * pairs * num_heads * head_dim
     return forward * 7 // 2 if backward else forward
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one token costs on the wire in one layer's forward.
+
+    Attributes:
+        q: query, ``num_heads * head_dim * dtype_bytes``.
+        kv: key + value, ``2 * num_kv_heads * head_dim * dtype_bytes``.
+        o: attention output returned, same size as the query.
+    """
+
+    q: int
+    kv: int
+    o: int
+
+    @classmethod
+    def for_model(cls, hidden: int, heads: int, kv_heads: int, dtype_bytes: int = 2, head_dim: int | None = None):
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+        head_dim = head_dim or hidden // heads
+        if head_dim <= 0:
+            raise ValueError(f"head_dim must be positive (hidden={hidden}, heads={heads})")
+        q = heads * head_dim * dtype_bytes
+        return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q)
+
+
+LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
 
 
 @dataclass(frozen=True)

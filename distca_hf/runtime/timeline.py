@@ -1,6 +1,7 @@
 """A per-rank timeline of distca's compute and communication, and how much communication it hides.
 
-Off by default (recording costs a clock read per event). When on, distca records:
+Off by default (recording costs a clock read per event). When on, distca records (in
+``distca_hf.state.STATE``):
 
 - ``comm`` intervals: from the moment an all-to-all is launched to the moment the backend reports
   it complete (a completion callback, so an all-to-all that finished while the rank computed is
@@ -23,13 +24,14 @@ or https://ui.perfetto.dev): one process per rank, a compute track and a communi
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..state import STATE
+
 __all__ = ["Event", "enable", "disable", "enabled", "events", "clear", "span", "record",
-           "overlap_summary", "chrome_trace", "current_phase"]
+           "overlap_summary", "chrome_trace", "current_phase", "in_backward"]
 
 
 @dataclass(frozen=True)
@@ -48,45 +50,38 @@ class Event:
     end: float
 
 
-_enabled = False
-_events: list[Event] = []
-_lock = threading.Lock()  # completion callbacks run on the backend's threads
-
-
 def enable() -> None:
-    global _enabled
-    _enabled = True
+    STATE.timeline_on = True
 
 
 def disable() -> None:
-    global _enabled
-    _enabled = False
+    STATE.timeline_on = False
 
 
 def enabled() -> bool:
-    return _enabled
+    return STATE.timeline_on
 
 
 def clear() -> None:
-    with _lock:
-        _events.clear()
+    with STATE.lock:
+        STATE.timeline_events = []
 
 
 def events() -> list[Event]:
-    with _lock:
-        return list(_events)
+    with STATE.lock:
+        return list(STATE.timeline_events)
 
 
 def record(name: str, kind: str, phase: str, start: float, end: float) -> None:
-    if _enabled:
-        with _lock:
-            _events.append(Event(name, kind, phase, start, end))
+    if STATE.timeline_on:
+        with STATE.lock:
+            STATE.timeline_events.append(Event(name, kind, phase, start, end))
 
 
 @contextmanager
 def span(name: str, kind: str = "compute"):
     """Record the enclosed block as one interval (nothing when the timeline is off)."""
-    if not _enabled:
+    if not STATE.timeline_on:
         yield
         return
     phase = current_phase()
@@ -97,12 +92,17 @@ def span(name: str, kind: str = "compute"):
         record(name, kind, phase, start, time.perf_counter())
 
 
-def current_phase() -> str:
-    """``"backward"`` inside autograd's backward pass, else ``"forward"``."""
+def in_backward() -> bool:
+    """True inside autograd's backward pass (gradient checkpointing's recomputation included)."""
     import torch
 
     task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return "backward" if task_id is not None and task_id() != -1 else "forward"
+    return task_id is not None and task_id() != -1
+
+
+def current_phase() -> str:
+    """``"backward"`` inside autograd's backward pass, else ``"forward"``."""
+    return "backward" if in_backward() else "forward"
 
 
 def overlap_summary(evs: list[Event]) -> dict:

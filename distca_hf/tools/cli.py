@@ -1,11 +1,13 @@
 """The ``distca-hf`` command.
 
     distca-hf env            versions, device and usable kernel backends (paste it into bug reports)
-    distca-hf kernel-bench   exact CPU attention paths side by side (see kernels/benchmark.py)
+    distca-hf kernel-bench   exact CPU attention paths side by side (see kernel_bench.py)
     distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
-    distca-hf profile        measure the time model's constants on this device (see profile.py)
+    distca-hf profile        measure the time model's constants on this device (see profiling.py)
     distca-hf bench          multi-process step time, colocated against distca (see bench.py)
-    distca-hf launch         accelerate launch with a distca: section in the config (see launcher.py)
+    distca-hf launch         accelerate launch with a distca: section in the config (see launch.py)
+
+``python -m distca_hf ...`` runs the same command (e.g. under ``torchrun``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def environment() -> dict:
     import torch
     import torch.distributed as dist
 
-    from . import __version__
-    from .kernels import available_backends, select_backend
+    from .. import __version__
+    from ..kernels import available_backends, select_backend
 
     info = {
         "distca_hf": __version__,
@@ -81,11 +83,11 @@ def _print_env(args) -> int:
 
 # Subcommands with their own parser: name -> (module, one-line help). Imported only when used.
 SUBCOMMANDS = {
-    "kernel-bench": ("distca_hf.kernels.benchmark", "time the exact CPU attention paths side by side"),
-    "simulate": ("distca_hf.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
-    "profile": ("distca_hf.profile", "measure time-model constants on this device"),
-    "bench": ("distca_hf.bench", "multi-process step time: colocated against distca"),
-    "launch": ("distca_hf.launcher", "accelerate launch with a config file that has a distca: section"),
+    "kernel-bench": ("distca_hf.tools.kernel_bench", "time the exact CPU attention paths side by side"),
+    "simulate": ("distca_hf.tools.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
+    "profile": ("distca_hf.tools.profiling", "measure time-model constants on this device"),
+    "bench": ("distca_hf.tools.bench", "multi-process step time: colocated against distca"),
+    "launch": ("distca_hf.tools.launch", "accelerate launch with a config file that has a distca: section"),
 }
 
 

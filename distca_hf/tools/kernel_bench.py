@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import torch_cpu, varlen_causal_attention
+from ..kernels import torch_cpu, varlen_causal_attention
 
 WORKLOADS = {
     # whole documents of a skewed mix, as a rank holds them before planning (8k tokens)

@@ -3,14 +3,14 @@
 Settings come from three places; for each one the first that sets it wins:
 
 1. code: ``DistCAPlugin(tolerance=0.05, ...)`` (a field left at ``None`` is not set);
-2. the environment: ``DISTCA_TOLERANCE``, ``DISTCA_BACKWARD``, ``DISTCA_OVERLAP``, ``DISTCA_TIMEOUT_S``
-   (contract; an invalid value is an error naming the variable);
+2. the environment: each setting's ``DISTCA_*`` variable, e.g. ``DISTCA_TOLERANCE`` (contract; an
+   invalid value is an error naming the variable);
 3. a ``distca:`` section of a YAML file, e.g. an Accelerate config:
    ``DistCAPlugin.from_accelerate_config("my-config.yaml")``;
 
-and otherwise the defaults of ``distca_hf.DistCAConfig``. ``attach()`` builds the attention-server
-process group and applies the settings process-wide with ``distca_hf.configure``; ``DistCATrainer``
-and ``DistCAAccelerator`` call it for you.
+and otherwise the defaults. The setting fields, their checks and help come from the settings table
+(``distca_hf.config``). ``attach()`` builds the attention-server process group and puts the settings
+in force process-wide; ``DistCATrainer`` and ``DistCAAccelerator`` call it for you.
 
 Note: ``accelerate launch`` (1.x) refuses config files with keys it does not know, so a file
 given to ``accelerate launch --config_file`` cannot carry the ``distca:`` section: launch with
@@ -22,16 +22,13 @@ with ``DistCAPlugin.from_environment()``), or keep the section in a second file
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
-from .config import _ENV, DistCAConfig, configure, reset_config, setting_problem
+from ..config import SETTINGS, DistCAConfig, apply_file_settings, configure, reset_config, resolve
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "read_distca_section"]
-
-# Plugin fields that map one-to-one onto distca_hf.configure(...) settings.
-_CONFIG_FIELDS = ("tolerance", "block", "overlap", "backward", "timeout_s", "mode", "servers")
 
 
 @dataclass(frozen=True)
@@ -54,53 +51,63 @@ class DistCAGroups:
     config: DistCAConfig
 
 
-@dataclass
-class DistCAPlugin:
-    """Core Attention Disaggregation settings for a training job.
+def _positive_int_problem(optional: bool):
+    def problem(value):
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"must be an integer >= 1, got {value!r}"
+    return problem
 
-    Attributes:
-        tolerance: allowed max/mean - 1 of attention load over servers (``DISTCA_TOLERANCE``;
-            default 0.02). Smaller balances more tightly and moves more bytes.
-        block: shard block in tokens: CA-task cuts are multiples of it (128 suits flash-attn; default 1).
-        overlap: communication overlap, ``"none"``, ``"wave"`` or ``"pingpong"`` (``DISTCA_OVERLAP``).
-        backward: ``"saved"`` (servers keep what backward needs) or ``"resend"`` (servers keep
-            nothing; sources resend q, k, v, out in backward) (``DISTCA_BACKWARD``).
-        timeout_s: seconds a distca collective may wait for a peer before raising
-            ``DistCATimeoutError`` (``DISTCA_TIMEOUT_S``; default 600).
-        mode: ``"distca"`` redistributes attention; ``"colocated"`` computes each rank's own
-            documents with the same kernel and no communication (a baseline).
-        server_group: which ranks exchange CA-tasks: ``"data_parallel"`` (the data-parallel group;
-            with tensor parallelism, the ranks sharing a tensor-parallel index) or ``"node"`` (its
-            ranks on one node, keeping attention traffic on intra-node links).
-        servers: indices, within the server group, of the ranks that serve attention (``None``: all).
-        data_parallel_size: ``None``: world size / (pipeline x tensor).
-        pipeline_parallel_size: pipeline stages (groups are modelled; pipeline execution is later).
-        tensor_parallel_size: tensor-parallel size.
-        file_settings: settings read from a YAML ``distca:`` section (below the environment in
-            precedence); filled by ``from_accelerate_config``.
+
+def _scope_problem(value):
+    if value not in SERVER_SCOPES:
+        return f"must be one of {list(SERVER_SCOPES)}, got {value!r}"
+
+
+def _layout_field(default, *, check, help: str):
+    return field(default=default, metadata={"check": check, "help": help})
+
+
+# The settings of the table as plugin fields: same names, checks and help; ``None`` means "not set
+# here" (the environment, the file or the default decides).
+_SettingFields = make_dataclass("_SettingFields", [
+    (name, f"{f.type} | None", field(default=None, metadata={**f.metadata, "setting": True}))
+    for name, f in SETTINGS.items()
+])
+
+
+@dataclass
+class DistCAPlugin(_SettingFields):
+    """Core Attention Disaggregation settings and process layout of a training job.
+
+    Every field is listed below with its help (generated from the settings table). A setting left
+    at ``None`` is not set in code: its ``DISTCA_*`` variable, the ``distca:`` section or the
+    default decides (see ``distca_hf.config``).
     """
 
-    tolerance: float | None = None
-    block: int | None = None
-    overlap: str | None = None
-    backward: str | None = None
-    timeout_s: float | None = None
-    mode: str | None = None
-    server_group: str = "data_parallel"
-    servers: tuple[int, ...] | None = None
-    data_parallel_size: int | None = None
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    file_settings: dict = field(default_factory=dict, repr=False)
+    server_group: str = _layout_field(
+        "data_parallel", check=_scope_problem,
+        help="which ranks exchange CA-tasks: 'data_parallel' (the data-parallel group; with tensor parallelism, the "
+             "ranks sharing a tensor-parallel index) or 'node' (its ranks on one node, keeping attention traffic on "
+             "intra-node links)")
+    data_parallel_size: int | None = _layout_field(
+        None, check=_positive_int_problem(optional=True), help="None: world size / (pipeline x tensor)")
+    pipeline_parallel_size: int = _layout_field(
+        1, check=_positive_int_problem(optional=False),
+        help="pipeline stages (the groups are modelled; pipeline execution is not implemented)")
+    tensor_parallel_size: int = _layout_field(1, check=_positive_int_problem(optional=False),
+                                              help="tensor-parallel size")
+    file_settings: dict = field(default_factory=dict, repr=False, metadata={
+        "help": "settings read from a distca: YAML section (below the environment in precedence); filled by "
+                "from_accelerate_config"})
 
     def __post_init__(self):
         if self.servers is not None:
             if isinstance(self.servers, (str, bytes)) or not hasattr(self.servers, "__iter__"):
                 raise ValueError(f"DistCAPlugin.servers must be a list of ranks, got {self.servers!r}")
             self.servers = tuple(self.servers)
-        _validate(self._code_settings(), source="DistCAPlugin")
-        _validate_layout(self.server_group, self.data_parallel_size, self.pipeline_parallel_size,
-                         self.tensor_parallel_size, source="DistCAPlugin")
+        _validate({f.name: getattr(self, f.name) for f in _checked_fields()}, source="DistCAPlugin")
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="the distca: section")
         self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
@@ -114,7 +121,7 @@ class DistCAPlugin:
         always does; environment variables override the file too. A file without the section gives
         the defaults."""
         section = read_distca_section(path)
-        layout = {k: section.pop(k) for k in list(section) if k not in _CONFIG_FIELDS}
+        layout = {k: section.pop(k) for k in list(section) if k not in SETTINGS}
         return cls(**{**layout, **overrides}, file_settings=section)
 
     @classmethod
@@ -127,22 +134,13 @@ class DistCAPlugin:
 
     # -- resolution -------------------------------------------------------------------------------
 
-    def _code_settings(self) -> dict:
-        return {name: getattr(self, name) for name in _CONFIG_FIELDS if getattr(self, name) is not None}
-
-    def configure_settings(self) -> dict:
-        """What ``attach`` passes to ``distca_hf.configure``: settings made in code, and settings
-        from the file that no environment variable overrides (``configure`` beats the environment,
-        so file values the environment sets are left out)."""
-        from_file = {name: value for name, value in self.file_settings.items()
-                     if name not in _ENV or _ENV[name][0] not in os.environ}
-        return {**from_file, **self._code_settings()}
+    def code_settings(self) -> dict:
+        """The settings this plugin sets in code (its fields that are not ``None``)."""
+        return {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
 
     def resolved(self) -> DistCAConfig:
         """The settings this plugin puts in force (code > environment > file > defaults)."""
-        from .config import _resolve
-
-        return _resolve(self.configure_settings())
+        return resolve(self.code_settings(), self.file_settings)
 
     def topology(self, world_size: int, ranks_per_node: int | None = None) -> ParallelTopology:
         return ParallelTopology(world_size, self.data_parallel_size, self.pipeline_parallel_size,
@@ -151,9 +149,9 @@ class DistCAPlugin:
     # -- applying ---------------------------------------------------------------------------------
 
     def attach(self) -> DistCAGroups:
-        """Build this rank's attention-server group and apply the settings with
-        ``distca_hf.configure``. Under ``torch.distributed`` this is a collective (every rank must
-        call it); without it, the world is this one process."""
+        """Build this rank's attention-server group and put the settings in force process-wide
+        (``distca_hf.current_config()``). Under ``torch.distributed`` this is a collective (every
+        rank must call it); without it, the world is this one process."""
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
@@ -178,8 +176,25 @@ class DistCAPlugin:
             )
         group, ranks = build_server_group(topology, rank, self.server_group) if distributed else (None, ranks)
         reset_config()  # the plugin describes the whole job: no setting of an earlier configure() lingers
-        config = configure(**self.configure_settings(), group=group)
+        apply_file_settings(self.file_settings)
+        config = configure(**self.code_settings(), group=group)
         return DistCAGroups(topology, rank, tuple(ranks), group, config)
+
+
+def _checked_fields():
+    """The plugin's fields that carry a check: every setting and the layout fields."""
+    return [f for f in fields(DistCAPlugin) if "check" in f.metadata]
+
+
+def _document(cls) -> str:
+    lines = [cls.__doc__.rstrip(), "", "    Attributes:"]
+    for f in fields(cls):
+        env = f.metadata.get("env")
+        lines.append(f"        {f.name}: {f.metadata['help']}" + (f" (``{env}``)" if env else "") + ".")
+    return "\n".join(lines) + "\n"
+
+
+DistCAPlugin.__doc__ = _document(DistCAPlugin)
 
 
 def read_distca_section(path: str | os.PathLike) -> dict:
@@ -212,31 +227,19 @@ def read_distca_section(path: str | os.PathLike) -> dict:
         if not isinstance(section["servers"], list):
             raise ValueError(f"{path}: distca.servers must be a list of ranks, got {section['servers']!r}")
         section["servers"] = tuple(section["servers"])
-    try:
-        _validate({k: v for k, v in section.items() if k in _CONFIG_FIELDS}, source=f"{path}: distca")
-    except ValueError as e:
-        raise ValueError(str(e)) from None
+    _validate(section, source=f"{path}: distca")
     return section
 
 
-def _validate(settings: dict, source: str) -> None:
-    """Check each setting with a message naming it (``source.name``)."""
-    for name, value in settings.items():
-        if name in ("server_group", "data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
-            continue  # checked with the layout
-        if name not in _CONFIG_FIELDS:
+def _validate(values: dict, source: str) -> None:
+    """Check each value with its field's check; the message names it (``source.name``). ``None``
+    means "not set" for a setting."""
+    checks = {f.name: f for f in _checked_fields()}
+    for name, value in values.items():
+        if name not in checks:
             raise ValueError(f"{source}.{name}: unknown setting")
-        problem = setting_problem(name, value)
+        if value is None and checks[name].metadata.get("setting"):
+            continue
+        problem = checks[name].metadata["check"](value)
         if problem:
             raise ValueError(f"{source}.{name} {problem}")
-
-
-def _validate_layout(server_group, dp, pp, tp, source: str) -> None:
-    if server_group not in SERVER_SCOPES:
-        raise ValueError(f"{source}.server_group must be one of {list(SERVER_SCOPES)}, got {server_group!r}")
-    for name, value, optional in (("data_parallel_size", dp, True), ("pipeline_parallel_size", pp, False),
-                                  ("tensor_parallel_size", tp, False)):
-        if value is None and optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{source}.{name} must be an integer >= 1, got {value!r}")

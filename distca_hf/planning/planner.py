@@ -32,42 +32,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DocumentPieces", "PlannerConfig", "Plan", "TokenBytes", "plan_tasks", "pairs_of", "start_with_pairs"]
+from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, start_with_pairs
+from .pieces import DocumentPieces
+
+__all__ = ["PlannerConfig", "Plan", "plan_tasks", "PLANNING_MARGIN"]
 
 
-def pairs_of(start, end):
-    """Causal pairs of queries ``[start, end)`` of a document (vectorised ``cost.causal_pairs``)."""
-    start = np.asarray(start, dtype=np.int64)
-    end = np.asarray(end, dtype=np.int64)
-    return (end * (end + 1) - start * (start + 1)) // 2
-
-
-@dataclass(frozen=True)
-class TokenBytes:
-    """Bytes one token costs on the wire in one layer's forward.
-
-    Attributes:
-        q: query, ``num_heads * head_dim * dtype_bytes``.
-        kv: key + value, ``2 * num_kv_heads * head_dim * dtype_bytes``.
-        o: attention output returned, same size as the query.
-    """
-
-    q: int
-    kv: int
-    o: int
-
-    @classmethod
-    def for_model(cls, hidden: int, heads: int, kv_heads: int, dtype_bytes: int = 2, head_dim: int | None = None):
-        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
-            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
-        head_dim = head_dim or hidden // heads
-        if head_dim <= 0:
-            raise ValueError(f"head_dim must be positive (hidden={hidden}, heads={heads})")
-        q = heads * head_dim * dtype_bytes
-        return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q)
-
-
-LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
 PLANNING_MARGIN = 0.85  # the planner aims at (1 + 0.85 tolerance) x mean
 
 
@@ -102,86 +72,6 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True, eq=False)
-class DocumentPieces:
-    """Every rank's packed documents as pieces (arrays of shape ``[num_pieces]``, int64).
-
-    Piece ``i`` holds the tokens ``[start[i], end[i])`` of document ``doc[i]`` on rank ``rank[i]``;
-    they are queries there and also the K/V of those positions. A piece may also hold K/V of earlier
-    positions without their queries: its K/V are ``[kv_start[i], end[i])`` (``kv_start`` defaults to
-    ``start``; ping-pong's second nano-batch holds a cut document's prefix K/V this way). The K/V
-    ranges of a document's pieces must not overlap and must cover ``[0, max end)`` (every K/V prefix
-    exists somewhere).
-    """
-
-    rank: np.ndarray
-    doc: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    num_ranks: int
-    kv_start: np.ndarray | None = None
-
-    def __post_init__(self):
-        if self.kv_start is None:
-            object.__setattr__(self, "kv_start", self.start)
-        names = ("rank", "doc", "start", "end", "kv_start")
-        arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
-        if len({a.size for a in arrays}) != 1:
-            raise ValueError("rank, doc, start, end and kv_start must have one entry per piece")
-        for name, a in zip(names, arrays):
-            object.__setattr__(self, name, a)
-        if (self.kv_start > self.start).any():
-            raise ValueError("a piece's kv_start must not exceed its start (its queries need their own K/V)")
-        if self.num_ranks < 1:
-            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
-        if self.rank.size:
-            if self.rank.min() < 0 or self.rank.max() >= self.num_ranks:
-                raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
-            if (self.doc < 0).any():
-                raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
-            if (self.start < 0).any() or (self.end <= self.start).any():
-                i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
-                raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
-            order = np.lexsort((self.kv_start, self.doc))
-            d, s, e = self.doc[order], self.kv_start[order], self.end[order]
-            first = np.ones(d.size, dtype=bool)
-            first[1:] = d[1:] != d[:-1]
-            expected = np.where(first, 0, np.concatenate(([0], e[:-1])))
-            if (s != expected).any():
-                i = int(np.flatnonzero(s != expected)[0])
-                raise ValueError(
-                    f"document {int(d[i])}: its pieces must tile [0, length) without gaps or overlaps; a piece "
-                    f"starts at {int(s[i])} where {int(expected[i])} was expected (a K/V prefix would be missing)"
-                )
-
-    @property
-    def num_pieces(self) -> int:
-        return int(self.rank.size)
-
-    @classmethod
-    def from_rank_lists(cls, per_rank) -> "DocumentPieces":
-        """``per_rank[r]`` is a list of ``(doc, start, end)`` (a piece) or of plain lengths (whole
-        documents, numbered in order across ranks)."""
-        rank, doc, start, end = [], [], [], []
-        next_doc = 0
-        for r, pieces in enumerate(per_rank):
-            for p in pieces:
-                if isinstance(p, (int, np.integer)):
-                    rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
-                    next_doc += 1
-                else:
-                    d, s, e = p
-                    rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
-        return cls(np.array(rank), np.array(doc), np.array(start), np.array(end), len(per_rank))
-
-    def local_pairs(self) -> np.ndarray:
-        """``[num_ranks]`` pairs each rank computes colocated (its own queries, full prefixes)."""
-        return np.bincount(self.rank, weights=pairs_of(self.start, self.end), minlength=self.num_ranks).astype(np.int64)
-
-    def tokens(self) -> np.ndarray:
-        return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)
-
-
-@dataclass(frozen=True, eq=False)
 class Plan:
     """CA-tasks and where they run (arrays of shape ``[num_tasks]``, int64).
 
@@ -202,24 +92,21 @@ class Plan:
         return int(self.source.size)
 
     def pairs(self) -> np.ndarray:
-        return pairs_of(self.q_start, self.q_end)
+        return causal_pairs(self.q_start, self.q_end)
 
     def server_pairs(self) -> np.ndarray:
         """``[num_ranks]`` pairs each rank computes as a server under the plan."""
         return np.bincount(self.server, weights=self.pairs(), minlength=self.num_ranks).astype(np.int64)
 
     def moved_queries(self) -> int:
+        """Query tokens computed on a server other than their own rank."""
         moved = self.source != self.server
         return int((self.q_end[moved] - self.q_start[moved]).sum())
 
-
-def imbalance(loads: np.ndarray, ranks=None) -> float:
-    """max / mean of ``loads`` over ``ranks`` (all by default); 1.0 when there is no load."""
-    loads = np.asarray(loads, dtype=np.float64)
-    if ranks is not None:
-        loads = loads[list(ranks)]
-    mean = loads.mean() if loads.size else 0.0
-    return float(loads.max() / mean) if mean > 0 else 1.0
+    def subset(self, mask: np.ndarray) -> "Plan":
+        """The tasks selected by the boolean ``mask`` ``[num_tasks]``, in plan order."""
+        return Plan(self.source[mask], self.server[mask], self.doc[mask], self.q_start[mask], self.q_end[mask],
+                    self.num_ranks, self.servers)
 
 
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
@@ -231,7 +118,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     is_server = np.zeros(num_ranks, dtype=bool)
     is_server[list(servers)] = True
 
-    load = np.bincount(pieces.rank, weights=pairs_of(pieces.start, pieces.end), minlength=num_ranks)
+    load = np.bincount(pieces.rank, weights=causal_pairs(pieces.start, pieces.end), minlength=num_ranks)
     # Plan to a cap a little inside the tolerance, so that the rare block that cannot be placed
     # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow.
     margin = PLANNING_MARGIN * config.tolerance if config.tolerance > 0 else 1e-3
@@ -409,7 +296,7 @@ class _Carver:
                 # interval that ends earliest (the last), where a block holds the fewest pairs.
                 i = len(intervals) - 1
             d, lo, hi = intervals[i]
-            whole = _pairs(lo, hi)
+            whole = causal_pairs(lo, hi)
             if whole <= allowed and whole <= want + self.block * hi:
                 out.add(donor, receiver, d, lo, hi)
                 intervals.pop(i)
@@ -420,7 +307,7 @@ class _Carver:
                 break
             a, b = shard
             out.add(donor, receiver, d, a, b)
-            moved += _pairs(a, b)
+            moved += causal_pairs(a, b)
             if b < hi:
                 intervals[i] = [d, b, hi]  # same end: the order by end is kept
             else:
@@ -454,7 +341,7 @@ class _Carver:
             a = self._start_for(lo, b, want, budget)
             if a is None:
                 continue
-            got = _pairs(a, b)
+            got = causal_pairs(a, b)
             key = (got < want - self.block * b, ((b - a) * self.q_o + b * self.kv) / got)
             if best_key is None or key < best_key:
                 best, best_key = (a, b), key
@@ -467,19 +354,10 @@ class _Carver:
         a = lo + max(0, math.ceil((start_with_pairs(b, budget) - lo) / block)) * block  # pairs <= budget
         if want < budget:
             a = max(a, lo + max(0, math.floor((start_with_pairs(b, want) - lo) / block)) * block)
-        while a < b and _pairs(a, b) > budget:  # float rounding: at most a step or two
+        while a < b and causal_pairs(a, b) > budget:  # float rounding: at most a step or two
             a += block
         return a if a < b else None
 
 
 def _neg_end(interval) -> int:
     return -interval[2]
-
-
-def _pairs(a: int, b: int) -> int:
-    return (b * (b + 1) - a * (a + 1)) // 2
-
-
-def start_with_pairs(b: int, pairs: float) -> float:
-    """Real ``a`` with ``pairs(a, b) == pairs``: ``a (a + 1) = b (b + 1) - 2 pairs``."""
-    return (-1.0 + math.sqrt(max(1.0 + 4.0 * (b * (b + 1) - 2.0 * pairs), 0.0))) / 2.0

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .launch import find_flag
+from ..training.launch_checks import find_flag
 
 __all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
 
@@ -30,7 +30,7 @@ def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
     """``(accelerate settings, distca section)`` of a YAML config file; the section is validated."""
     import yaml
 
-    from .plugin import read_distca_section
+    from ..training.plugin import read_distca_section
 
     section = read_distca_section(path)  # checks the file, the mapping and every distca key
     with open(path, encoding="utf-8") as f:

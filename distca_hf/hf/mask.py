@@ -1,0 +1,42 @@
+"""The ``"distca"`` mask function (``AttentionMaskInterface``).
+
+Without one, transformers passes ``attention_mask=None`` even for padded batches. Ours hands the 2D
+padding mask through untouched, because the document structure is found by the attention function,
+not in a dense ``[seq, seq]`` mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import UnsupportedAttentionError
+
+__all__ = ["distca_mask"]
+
+
+def distca_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function for ``AttentionMaskInterface``: the 2D padding mask ``[batch, kv_length]``
+    (bool) when some token is padding, else ``None``. Causality, documents and sliding windows are
+    handled by the attention function itself."""
+    filled = int(q_offset) + q_length
+    if filled < kv_length:
+        raise UnsupportedAttentionError(
+            f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
+            f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
+        )
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    if attention_mask.shape[1] != kv_length:
+        attention_mask = attention_mask[:, -kv_length:]
+    if bool(attention_mask.all()):
+        return None
+    return attention_mask

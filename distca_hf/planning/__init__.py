@@ -1,0 +1,32 @@
+"""Planning: pure functions from document lengths to where every CA-task runs and what it moves.
+
+No torch.distributed here; every function is deterministic, so every rank computes the same plan
+from the same all-gathered lengths, and all of it is tested without processes. The stages, in
+data-path order:
+
+    documents  boundaries of packed documents in one rank's micro-batch (``find_documents``)
+    cost       pairs, FLOPs, bytes per token, imbalance and the time model (one home per formula)
+    tasks      CA-tasks (a query shard + its K/V prefix) and fused varlen batches
+    pieces     every rank's documents as pieces, the planner's input
+    planner    CA-tasks -> attention servers, balanced within a tolerance, few bytes moved
+    transfers  the K/V ranges and bytes a plan moves
+    splits     a plan's waves and a micro-batch's two ping-pong nano-batches
+"""
+
+from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
+                   document_pairs, imbalance, start_with_pairs)
+from .documents import DocumentBoundaryError, PackedDocuments, find_documents
+from .pieces import DocumentPieces
+from .planner import Plan, PlannerConfig, plan_tasks
+from .ranges import concat_ranges
+from .splits import NanoSplit, split_nano_batches, wave_plans
+from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
+from .transfers import CommBytes, KVTransfers, comm_bytes, kv_transfers
+
+__all__ = [
+    "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
+    "LLAMA3_8B_H100", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "TimeModel", "TokenBytes",
+    "attention_flops", "causal_pairs", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
+    "fuse_tasks", "fused_batch", "imbalance", "kv_transfers", "plan_tasks", "split_document", "split_nano_batches",
+    "start_with_pairs", "wave_plans", "whole_document_tasks",
+]

@@ -1,0 +1,95 @@
+"""Every rank's packed documents as *pieces*: the planner's input. Pure numpy.
+
+A document that spans ranks appears as one piece per rank; each piece holds a query range of the
+document and the K/V of those positions (and possibly K/V of earlier positions, ``kv_start``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import causal_pairs
+
+__all__ = ["DocumentPieces"]
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentPieces:
+    """Every rank's packed documents as pieces (arrays of shape ``[num_pieces]``, int64).
+
+    Piece ``i`` holds the tokens ``[start[i], end[i])`` of document ``doc[i]`` on rank ``rank[i]``;
+    they are queries there and also the K/V of those positions. A piece may also hold K/V of earlier
+    positions without their queries: its K/V are ``[kv_start[i], end[i])`` (``kv_start`` defaults to
+    ``start``; ping-pong's second nano-batch holds a cut document's prefix K/V this way). The K/V
+    ranges of a document's pieces must not overlap and must cover ``[0, max end)`` (every K/V prefix
+    exists somewhere).
+    """
+
+    rank: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    num_ranks: int
+    kv_start: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.kv_start is None:
+            object.__setattr__(self, "kv_start", self.start)
+        names = ("rank", "doc", "start", "end", "kv_start")
+        arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
+        if len({a.size for a in arrays}) != 1:
+            raise ValueError("rank, doc, start, end and kv_start must have one entry per piece")
+        for name, a in zip(names, arrays):
+            object.__setattr__(self, name, a)
+        if (self.kv_start > self.start).any():
+            raise ValueError("a piece's kv_start must not exceed its start (its queries need their own K/V)")
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.rank.size:
+            if self.rank.min() < 0 or self.rank.max() >= self.num_ranks:
+                raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
+            if (self.doc < 0).any():
+                raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
+            if (self.start < 0).any() or (self.end <= self.start).any():
+                i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
+                raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
+            order = np.lexsort((self.kv_start, self.doc))
+            d, s, e = self.doc[order], self.kv_start[order], self.end[order]
+            first = np.ones(d.size, dtype=bool)
+            first[1:] = d[1:] != d[:-1]
+            expected = np.where(first, 0, np.concatenate(([0], e[:-1])))
+            if (s != expected).any():
+                i = int(np.flatnonzero(s != expected)[0])
+                raise ValueError(
+                    f"document {int(d[i])}: its pieces must tile [0, length) without gaps or overlaps; a piece "
+                    f"starts at {int(s[i])} where {int(expected[i])} was expected (a K/V prefix would be missing)"
+                )
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.rank.size)
+
+    @classmethod
+    def from_rank_lists(cls, per_rank) -> "DocumentPieces":
+        """``per_rank[r]`` is a list of ``(doc, start, end)`` (a piece) or of plain lengths (whole
+        documents, numbered in order across ranks)."""
+        rank, doc, start, end = [], [], [], []
+        next_doc = 0
+        for r, pieces in enumerate(per_rank):
+            for p in pieces:
+                if isinstance(p, (int, np.integer)):
+                    rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
+                    next_doc += 1
+                else:
+                    d, s, e = p
+                    rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
+        return cls(np.array(rank), np.array(doc), np.array(start), np.array(end), len(per_rank))
+
+    def local_pairs(self) -> np.ndarray:
+        """``[num_ranks]`` pairs each rank computes colocated (its own queries, full prefixes)."""
+        return np.bincount(self.rank, weights=causal_pairs(self.start, self.end), minlength=self.num_ranks).astype(np.int64)
+
+    def tokens(self) -> np.ndarray:
+        return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)

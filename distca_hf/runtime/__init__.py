@@ -1,0 +1,23 @@
+"""Runtime: what runs under ``torch.distributed``, once per forward and in every attention layer.
+
+    comm           collectives with distca's timeout (uneven all-to-all, all-gathers)
+    agree          the collective that opens a forward: every rank takes the same decision
+    forward        opening a forward: documents -> agreement -> plan -> dispatch
+    context        the per-forward context every layer reuses, ``PlanStats``, ``plan_stats()``
+    tables         one wave's index tables (which rows go where)
+    exchange       packing rows into one buffer per all-to-all, and unpacking them
+    phases         the forward and backward phases of a wave (launch, serve, return, place)
+    dispatch       a plan as this rank's list of waves
+    wave_schedule  overlap ``none`` / ``wave``: all waves in one autograd node
+    pingpong       overlap ``pingpong``: two nano-batches, three autograd nodes each
+    timeline       per-rank compute / communication intervals and the overlap fraction
+"""
+
+from .agree import DistCAPeerError
+from .comm import DistCATimeoutError
+from .context import ForwardContext, PlanStats, plan_stats
+from .forward import context_for_call
+from .wave_schedule import dispatched_attention
+
+__all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "context_for_call",
+           "dispatched_attention", "plan_stats"]

@@ -1,0 +1,166 @@
+"""The per-forward context: what the attention layers of one forward share, and ``plan_stats()``.
+
+A forward's first attention call makes a ``ForwardContext`` (``runtime.forward``, or
+``runtime.pingpong`` for the ping-pong decoder stack); every later layer, the backward and
+gradient checkpointing's recomputation reuse it. It lives in ``distca_hf.state.STATE.forward``,
+read and written only through ``current_forward`` / ``begin_forward`` here. ``PlanStats`` describes
+its plan, built by ``plan_stats_of`` on every path (local, dispatched, ping-pong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..planning import DocumentPieces, FusedBatch, Plan, TokenBytes
+from ..state import STATE
+from .dispatch import Dispatch
+from .tables import DispatchCounters
+
+__all__ = ["ForwardContext", "PlanStats", "BatchPlan", "plan_stats_of", "plan_stats", "current_forward",
+           "begin_forward", "next_forward_number"]
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """About the plan of one forward (``plan_stats()`` returns it as a dict; contract keys first).
+
+    Attributes:
+        attn_pairs_local: ``[ranks]`` query-key pairs each rank would compute colocated.
+        attn_pairs_served: ``[ranks]`` pairs each rank computes as a server under the plan.
+        bytes_sent_per_layer: bytes all ranks send in one layer's forward (Q out, O back, K/V as the
+            waves send them; the log-sum-exp too in ``resend`` mode).
+        step: the forward's number in this process (forwards, not optimizer steps).
+        dispatched: whether CA-tasks ran on servers (``False``: each rank computed its own).
+        backward, overlap: the modes in force (``None`` when not dispatched).
+        waves: exchanges per layer and direction (``wave``: up to 4; ping-pong: one per nano-batch).
+        tasks: CA-tasks in the plan, all ranks.
+        moved_query_fraction: query tokens computed away from their rank / all query tokens.
+        nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
+    """
+
+    attn_pairs_local: list
+    attn_pairs_served: list
+    bytes_sent_per_layer: int
+    step: int
+    dispatched: bool
+    backward: str | None = None
+    overlap: str | None = None
+    waves: int = 0
+    tasks: int = 0
+    moved_query_fraction: float = 0.0
+    nano_batches: tuple = ()
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["nano_batches"] = [s.as_dict() for s in self.nano_batches]
+        if not self.nano_batches:
+            del out["nano_batches"]
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """One micro- or nano-batch as planned, what ``plan_stats_of`` reads.
+
+    Attributes:
+        pieces: every rank's document pieces (query ranges ``[start, end)``).
+        plan: the CA-task assignment, or ``None`` when each rank computes its own documents.
+        kv_tokens_moved: K/V tokens its dispatch sends per layer, all ranks.
+        waves: exchanges per layer and direction.
+    """
+
+    pieces: DocumentPieces
+    plan: Plan | None = None
+    kv_tokens_moved: int = 0
+    waves: int = 0
+
+
+def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: TokenBytes | None = None,
+                  num_heads: int = 0, backward: str | None = None, overlap: str | None = None) -> PlanStats:
+    """The one builder of ``PlanStats``: per-rank lists and totals summed over ``batches`` (one
+    micro-batch, or ping-pong's two nano-batches, each also reported alone)."""
+    local = sum(b.pieces.local_pairs() for b in batches)
+    served = sum(b.plan.server_pairs() if b.plan is not None else b.pieces.local_pairs() for b in batches)
+    planned = [b for b in batches if b.plan is not None]
+    moved = sum(b.plan.moved_queries() for b in planned)
+    queries = sum(int(b.pieces.tokens().sum()) for b in batches)
+    sent = 0
+    if planned:
+        # queries out and outputs back per the plan, K/V as the waves really send them; in resend mode
+        # the forward also returns each moved query's log-sum-exp (fp32, one per head)
+        kv_tokens = sum(b.kv_tokens_moved for b in planned)
+        sent = moved * (token_bytes.q + token_bytes.o) + kv_tokens * token_bytes.kv
+        sent += moved * num_heads * 4 if backward == "resend" else 0
+    per_batch = ()
+    if len(batches) > 1:
+        per_batch = tuple(plan_stats_of(number, [b], token_bytes=token_bytes, num_heads=num_heads,
+                                        backward=backward, overlap=overlap) for b in batches)
+    return PlanStats(
+        attn_pairs_local=np.asarray(local, dtype=np.int64).tolist(),
+        attn_pairs_served=np.asarray(served, dtype=np.int64).tolist(),
+        bytes_sent_per_layer=int(sent), step=number, dispatched=bool(planned),
+        backward=backward if planned else None, overlap=overlap if planned else None,
+        waves=sum(b.waves for b in planned), tasks=sum(b.plan.num_tasks for b in planned),
+        moved_query_fraction=moved / max(1, queries), nano_batches=per_batch)
+
+
+@dataclass(eq=False)
+class ForwardContext:
+    """What one forward's attention layers share.
+
+    Attributes:
+        number: the forward's number (``plan_stats()["step"]``).
+        key: shapes, dtype, device and identity of the inputs that describe the documents; a later
+            call with the same key (and the same tensors, ``inputs``) belongs to this forward.
+        inputs: those tensors, kept so the identity check is sound.
+        longest_document: tokens of the longest document over every rank of the server group.
+        stats: the plan's ``PlanStats``.
+        local: the fused batch of this rank's own documents, when it computes them itself.
+        dispatch: this rank's dispatch, when CA-tasks run on servers.
+        counters: bytes this rank sent and kept so far in this forward (shared by ping-pong's two
+            dispatches).
+    """
+
+    number: int
+    key: tuple
+    inputs: tuple
+    longest_document: int
+    stats: PlanStats
+    local: FusedBatch | None = None
+    dispatch: Dispatch | None = None
+    counters: DispatchCounters | None = field(default=None)
+
+
+def current_forward() -> ForwardContext | None:
+    """The context of the forward in progress (or of the last one)."""
+    return STATE.forward
+
+
+def begin_forward(context: ForwardContext) -> ForwardContext:
+    """Make ``context`` the current forward's."""
+    STATE.forward = context
+    return context
+
+
+def next_forward_number() -> int:
+    STATE.forwards_started += 1
+    return STATE.forwards_started
+
+
+def plan_stats() -> dict:
+    """About the last plan on this rank (contract): ``attn_pairs_local`` (per rank, colocated),
+    ``attn_pairs_served`` (per rank, under the plan), ``bytes_sent_per_layer`` (all ranks, one
+    layer's forward); plus the rest of ``PlanStats`` and, for dispatched plans, this rank's running
+    totals for the forward so far (``rank_bytes_sent_this_step`` by collective kind,
+    ``rank_saved_for_backward_bytes``)."""
+    context = current_forward()
+    if context is None:
+        raise RuntimeError("distca_hf.plan_stats(): no forward has run with attn_implementation='distca' yet")
+    stats = context.stats.as_dict()
+    if context.counters is not None:
+        stats["rank_bytes_sent_this_step"] = dict(context.counters.bytes_sent)
+        stats["rank_saved_for_backward_bytes"] = context.counters.saved_bytes
+    return stats

@@ -1,0 +1,68 @@
+"""Dispatch: a plan's CA-tasks on their servers, as this rank's list of waves.
+
+Each rank is both a *source* (its tokens' q, k, v live here, and their output must come back here)
+and a *server* (it computes the CA-tasks the plan gives it). Per layer, forward:
+
+1. sources pack, per destination server, the query rows of their moved tasks and the K/V rows that
+   server lacks (``num_key_value_heads`` heads, each token once per (source, server) pair) into one
+   buffer, and one uneven all-to-all moves them;
+2. each server builds one fused varlen batch from its own tokens and what it received, runs the
+   kernel once, and keeps the outputs of its local tasks;
+3. one all-to-all returns the other outputs to their sources.
+
+Backward mirrors it. In ``saved`` mode a server keeps its fused q, out and log-sum-exp and its K/V
+pool (each token once), so only dO travels out and dQ, dK, dV travel back (K/V gradients of a token
+used by several tasks or servers are summed). In ``resend`` mode servers keep nothing: sources keep
+their own q, k, v, out and log-sum-exp and send them again with dO, trading bytes for flat server
+memory.
+
+The index tables are in ``tables``, the exchange plumbing in ``exchange``, the phases in ``phases``,
+and the schedules that run them in ``wave_schedule`` (overlap ``none`` / ``wave``) and
+``pingpong``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..planning import DocumentPieces, PackedDocuments, Plan, kv_transfers, wave_plans
+from .tables import DispatchCounters, Wave, build_wave
+
+__all__ = ["Dispatch", "build_dispatch"]
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """A forward's dispatch on this rank: its waves, in execution order (one wave without overlap).
+
+    ``overlap="wave"`` runs ``[local tasks, first half] [remote tasks, 1] [remote tasks, 2] [local
+    tasks, second half]`` (``planning.splits.wave_plans``): both remote waves' inputs are launched
+    first, so they travel while the first local half computes, the second remote wave's inputs
+    arrive while the first computes, and the outputs of the remote waves travel back while the
+    later waves compute. Backward runs the waves in reverse with the same overlap.
+    """
+
+    waves: list[Wave]
+    counters: DispatchCounters
+    overlap: str = "none"
+    kv_tokens_moved: int = 0  # K/V tokens crossing ranks per layer, all ranks (waves may resend a prefix)
+
+
+def build_dispatch(plan: Plan, pieces: DocumentPieces, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
+                   device, *, overlap: str = "none", counters: DispatchCounters | None = None, block: int = 1,
+                   **settings) -> Dispatch:
+    """The waves of ``plan`` on ``rank`` (see ``Dispatch``); ``settings`` go to every ``Wave``.
+    ``counters`` may be shared with another dispatch (ping-pong's two nano-batches); ``block``: the
+    wave cut of a local task lands on a multiple of it from the task's start."""
+    counters = counters if counters is not None else DispatchCounters()
+    named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
+    waves, kv_tokens = [], 0
+    for name, sub in named:
+        transfers = kv_transfers(sub, pieces)
+        kv_tokens += transfers.tokens()
+        wave = build_wave(sub, transfers, doc_offset, docs, rank, device, counters=counters, name=name, **settings)
+        wave.local_only = overlap == "wave" and name.startswith("local")
+        waves.append(wave)
+    return Dispatch(waves, counters, overlap, kv_tokens)

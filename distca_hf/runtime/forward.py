@@ -1,0 +1,147 @@
+"""Opening a forward: the first attention call of a forward finds its documents, agrees with the
+other ranks, plans, and makes the ``ForwardContext`` every later call reuses.
+
+A new forward starts at an attention call outside a backward pass whose layer index is not above
+the previous call's (layers run in increasing order, so the index falls back when the next forward
+begins; this also holds for hybrid models and pipeline stages whose first attention layer is not
+0). Other calls reuse the current context when they see the same ``position_ids`` /
+``cu_seq_lens`` tensors (HF passes one set to every layer; masks differ per layer type, so they
+only count when there are no positions).
+
+Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
+collective (``agree``): all raise if one rank's inputs are invalid or settings differ, all compute
+locally if one rank decodes with a KV cache, and otherwise all run the same plan. ``plan_batch``
+turns every rank's documents into this rank's ``Dispatch`` and the plan's ``BatchPlan``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import DistCAConfig, current_config
+from ..planning import (DocumentPieces, PackedDocuments, PlannerConfig, TokenBytes, find_documents, fuse_tasks,
+                        plan_tasks, whole_document_tasks)
+from ..state import STATE, warn_once
+from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
+from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
+from .dispatch import Dispatch, build_dispatch
+from .tables import DispatchCounters
+from .timeline import in_backward
+
+__all__ = ["context_for_call", "plan_batch", "distributed_group_size"]
+
+
+def distributed_group_size(config: DistCAConfig) -> int:
+    """Ranks of the server group that would exchange CA-tasks now (1: compute locally)."""
+    if config.mode != "distca" or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(config.group)
+
+
+def _identity(tensors: tuple) -> tuple:
+    # Inference tensors keep no version counter; they cannot change outside inference mode.
+    return tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
+
+
+def _starts_forward(module) -> bool:
+    if in_backward():
+        return False
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        return False
+    starts = STATE.last_layer_idx is None or layer_idx <= STATE.last_layer_idx
+    STATE.last_layer_idx = layer_idx
+    return starts
+
+
+def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
+                     cu_seq_lens_k) -> ForwardContext:
+    """The context of the forward this attention call belongs to (made now if the call opens one).
+    query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``."""
+    batch_size, num_heads, query_len, head_dim = query.shape
+    kv_len, num_kv_heads = key.shape[2], key.shape[1]
+    # The mask identifies the documents only when nothing else does (it is a new view per layer type).
+    identifying = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    if all(t is None for t in identifying):
+        identifying = (attention_mask,)
+    call_key = ((batch_size, query_len, kv_len, num_heads, num_kv_heads, head_dim, query.dtype, query.device),
+                _identity(identifying))
+    new_forward = _starts_forward(module)
+    current = current_forward()
+    if (not new_forward and current is not None and current.key == call_key
+            and all(a is b for a, b in zip(current.inputs, identifying))):
+        return current
+
+    config = current_config()
+    number = next_forward_number()
+    find = lambda: find_documents(batch_size, query_len, kv_len, attention_mask=attention_mask,
+                                  position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+    if distributed_group_size(config) == 1:
+        docs = find()
+        return begin_forward(_local_context(number, call_key, identifying, docs, query.device,
+                                            int(docs.lengths.max(initial=0))))
+    error, docs = None, None
+    try:
+        docs = find()
+    except ValueError as e:  # still join the collective, so the other ranks learn of it
+        error = e
+    lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
+    path = PATH_KV_CACHE if kv_len != query_len else PATH_PLAIN
+    headers, per_rank = agree(lengths, path, error, config, query.device, number, "planning")
+    longest = int(max((x.max(initial=0) for x in per_rank), default=0))
+    if any(h[1] == PATH_KV_CACHE for h in headers):  # someone decodes with a KV cache: everyone computes locally
+        return begin_forward(_local_context(number, call_key, identifying, docs, query.device, longest))
+    overlap = config.overlap
+    if overlap == "pingpong":  # reached only when the model's decoder stack is not ping-pong patched
+        overlap = "wave"
+        name = type(module).__name__
+        warn_once(f"pingpong-fallback:{name}",
+                  f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, Qwen2, "
+                  f"Qwen3 in training, see distca_hf.patches); {name} runs with overlap='wave' instead", stacklevel=4)
+    token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, num_kv_heads, query.element_size(), head_dim)
+    dispatch, planned = plan_batch(docs, per_rank, [np.zeros_like(x) for x in per_rank], config, token_bytes,
+                                   query.device, number, overlap)
+    stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
+                          overlap=overlap)
+    return begin_forward(ForwardContext(number, call_key, identifying, longest, stats, dispatch=dispatch,
+                                        counters=dispatch.counters))
+
+
+def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device, longest: int) -> ForwardContext:
+    """This rank computes its own documents (one process, colocated mode, or decoding)."""
+    if docs.num_docs == 0:
+        raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
+    pieces = DocumentPieces(np.zeros(docs.num_docs, dtype=np.int64), np.arange(docs.num_docs), docs.past,
+                            docs.lengths, 1, kv_start=np.zeros(docs.num_docs, dtype=np.int64))
+    stats = plan_stats_of(number, [BatchPlan(pieces)])
+    return ForwardContext(number, call_key, inputs, longest, stats,
+                          local=fuse_tasks(whole_document_tasks(docs), docs).to(device))
+
+
+def plan_batch(docs: PackedDocuments, per_rank_lengths, per_rank_past, config: DistCAConfig,
+               token_bytes: TokenBytes, device, number: int, overlap: str,
+               counters: DispatchCounters | None = None) -> tuple[Dispatch, BatchPlan]:
+    """Plan one micro- (or nano-) batch from every rank's documents and build this rank's dispatch.
+
+    ``per_rank_lengths[r]`` / ``per_rank_past[r]``: K/V length and leading key-only tokens of each of
+    rank ``r``'s documents (``past`` is non-zero only for a ping-pong nano-batch's cut document).
+    """
+    group = config.group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts = np.array([len(x) for x in per_rank_lengths], dtype=np.int64)
+    doc_offset = np.concatenate(([0], np.cumsum(counts)))
+    empty = np.zeros(0, dtype=np.int64)
+    lengths = np.concatenate(per_rank_lengths) if counts.sum() else empty
+    past = np.concatenate(per_rank_past) if counts.sum() else empty
+    pieces = DocumentPieces(np.repeat(np.arange(world), counts), np.arange(lengths.size), past, lengths, world,
+                            kv_start=np.zeros_like(lengths))
+    servers = config.servers
+    if servers is not None and max(servers) >= world:
+        raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
+    plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
+    dispatch = build_dispatch(plan, pieces, doc_offset, docs, rank, device, overlap=overlap, counters=counters,
+                              block=config.block, group=group, timeout_s=config.timeout_s,
+                              backward_mode=config.backward, forward_number=number)
+    return dispatch, BatchPlan(pieces, plan, dispatch.kv_tokens_moved, len(dispatch.waves))

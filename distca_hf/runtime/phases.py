@@ -1,0 +1,180 @@
+"""The phases of one wave of a dispatch, forward and backward, as plain functions. A schedule
+(``wave_schedule``: overlap ``none`` and ``wave``; ``pingpong``) decides what overlaps what.
+
+Forward: ``launch_inputs`` (source: q/k/v rows to servers) -> ``serve_forward`` (server: one fused
+kernel call) -> ``launch_outputs`` (server: outputs back) -> ``place_outputs`` (source). Backward:
+``launch_grad_inputs`` (source: dO, or in ``resend`` mode q, k, v, out, dO and log-sum-exp) ->
+``serve_backward`` -> ``launch_grad_outputs`` (server: dQ/dK/dV back) -> ``place_grads`` (source).
+
+Shapes: local q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]``; padding tokens
+belong to no task and get zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import varlen_attention_backward, varlen_attention_forward
+from . import timeline
+from .exchange import Pending, split_rows, start_exchange
+from .tables import Wave
+
+__all__ = ["Served", "launch_inputs", "serve_forward", "launch_outputs", "place_outputs", "launch_grad_inputs",
+           "receive_all", "serve_backward", "launch_grad_outputs", "place_grads", "kept_bytes"]
+
+
+def launch_inputs(w: Wave, q, k, v) -> Pending:
+    """Forward, source side: send the query rows and K/V rows of moved tasks to their servers."""
+    qs = split_rows(q.index_select(0, w.send_q_rows), w.send_q_counts)
+    ks = split_rows(k.index_select(0, w.send_kv_rows), w.send_kv_counts)
+    vs = split_rows(v.index_select(0, w.send_kv_rows), w.send_kv_counts)
+    return start_exchange(w, [[a, b, c] for a, b, c in zip(qs, ks, vs)],
+                           [w.recv_q_counts, w.recv_kv_counts, w.recv_kv_counts],
+                           [tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:])],
+                           "distca forward: sending q/k/v to servers", "forward_inputs")
+
+
+@dataclass(eq=False)
+class Served:
+    """A wave's forward on its server: ``out_pool`` / ``lse_pool`` rows follow the query pool
+    (``[local rows] ++ [received rows]``; rows of no task of this wave are zero), and the fused
+    tensors its backward needs in ``saved`` mode."""
+
+    out_pool: torch.Tensor
+    lse_pool: torch.Tensor | None
+    fq: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    f_out: torch.Tensor
+    f_lse: torch.Tensor
+
+
+def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool) -> Served:
+    """Forward, server side: run the wave's CA-tasks as one fused varlen batch."""
+    served = w.served
+    if received is None:
+        q_pool, k_pool, v_pool = q, k, v
+    else:
+        q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
+    fq = q_pool.index_select(0, served.q_index)
+    fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
+    heads = q.shape[1]
+    if w.num_tasks:
+        with timeline.span(f"attention kernel ({w.name})"):
+            f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
+                                                    served.max_seqlen_q, served.max_seqlen_k, scale)
+    else:
+        f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
+    out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, served.q_index, f_out)
+    lse_pool = None
+    if want_lse:
+        lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
+        lse_pool.index_copy_(0, served.q_index, f_lse.t())
+    return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)
+
+
+def launch_outputs(w: Wave, served: Served) -> list[Pending]:
+    """Forward, server side: return the outputs (and in ``resend`` mode, in a second exchange
+    because it stays fp32, the log-sum-exp) of other sources' tasks."""
+    n = w.num_local
+    pending = [start_exchange(w, [[o] for o in split_rows(served.out_pool[n:], w.recv_q_counts)], [w.send_q_counts],
+                               [tuple(served.out_pool.shape[1:])], "distca forward: returning outputs",
+                               "forward_outputs")]
+    if served.lse_pool is not None:
+        pending.append(start_exchange(w, [[x] for x in split_rows(served.lse_pool[n:], w.recv_q_counts)],
+                                       [w.send_q_counts], [tuple(served.lse_pool.shape[1:])],
+                                       "distca forward: returning log-sum-exp", "forward_lse"))
+    return pending
+
+
+def place_outputs(w: Wave, pending: list[Pending], out: torch.Tensor, lse: torch.Tensor | None):
+    """Forward, source side: put the returned outputs (and log-sum-exp) in their rows, in place."""
+    out.index_copy_(0, w.send_q_rows, pending[0].wait()[0])
+    if lse is not None:
+        lse.index_copy_(0, w.send_q_rows, pending[1].wait()[0])
+
+
+def launch_grad_inputs(w: Wave, dout, resend: tuple | None) -> list[Pending]:
+    """Backward, source side: send dO of moved queries (``resend``: also q, k, v, out, and the fp32
+    log-sum-exp in a second exchange, from the tuple ``(q, k, v, out, lse)`` of local rows)."""
+    rows = lambda t: split_rows(t.index_select(0, w.send_q_rows), w.send_q_counts)
+    qshape = tuple(dout.shape[1:])
+    if resend is None:
+        return [start_exchange(w, [[x] for x in rows(dout)], [w.recv_q_counts], [qshape],
+                                "distca backward: sending dO to servers", "backward_inputs")]
+    q, k, v, out, lse = resend
+    krows = lambda t: split_rows(t.index_select(0, w.send_kv_rows), w.send_kv_counts)
+    kshape = tuple(k.shape[1:])
+    sends = [list(p) for p in zip(rows(q), krows(k), krows(v), rows(out), rows(dout))]
+    return [
+        start_exchange(w, sends, [w.recv_q_counts, w.recv_kv_counts, w.recv_kv_counts, w.recv_q_counts,
+                                   w.recv_q_counts], [qshape, kshape, kshape, qshape, qshape],
+                        "distca backward: resending q/k/v/out/dO", "backward_inputs"),
+        start_exchange(w, [[x] for x in rows(lse)], [w.recv_q_counts], [(lse.shape[1],)],
+                        "distca backward: resending log-sum-exp", "backward_lse"),
+    ]
+
+
+def receive_all(pending: list[Pending]) -> list[torch.Tensor]:
+    return [t for p in pending for t in p.wait()]
+
+
+def serve_backward(w: Wave, dout, received, saved, scale: float):
+    """Backward, server side: the wave's fused backward. ``saved`` is ``(fq, k_pool, v_pool, f_out,
+    f_lse)`` (``saved`` mode) or the source's ``(q, k, v, out, lse)`` (``resend`` mode, whose
+    ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
+    a local wave. Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
+    served = w.served
+    qshape = tuple(dout.shape[1:])
+    if w.backward_mode == "saved":
+        fq, k_pool, v_pool, f_out, f_lse = saved
+        f_do = (torch.cat([dout, received[0]]) if received else dout).index_select(0, served.q_index)
+        pool_rows = w.num_local + sum(w.recv_q_counts)
+    else:
+        q, k, v, out, lse = saved
+        if received:
+            rq, rk, rv, ro, rdo, rlse = received
+            q, k, v, out, dout, lse = (torch.cat(p) for p in ((q, rq), (k, rk), (v, rv), (out, ro), (dout, rdo),
+                                                             (lse, rlse)))
+        fq, k_pool, v_pool = q.index_select(0, served.q_index), k, v
+        f_out, f_do = out.index_select(0, served.q_index), dout.index_select(0, served.q_index)
+        f_lse = lse.index_select(0, served.q_index).t().contiguous()
+        pool_rows = q.shape[0]
+    fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
+    if w.num_tasks:
+        with timeline.span(f"attention kernel backward ({w.name})"):
+            fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
+                                                      served.cu_seqlens_k, served.max_seqlen_q,
+                                                      served.max_seqlen_k, scale)
+    else:
+        fdq, fdk, fdv = fq, fk, fv  # empty
+    dq_pool = fq.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)
+    dk_pool = fk.new_zeros(k_pool.shape).index_add(0, served.k_index, fdk)
+    dv_pool = fv.new_zeros(v_pool.shape).index_add(0, served.k_index, fdv)
+    return dq_pool, dk_pool, dv_pool
+
+
+def launch_grad_outputs(w: Wave, pools) -> Pending:
+    """Backward, server side: return dQ, dK, dV of other sources' rows."""
+    dq_pool, dk_pool, dv_pool = pools
+    n, nk = w.num_local, w.num_local_kv
+    back = [list(p) for p in zip(split_rows(dq_pool[n:], w.recv_q_counts), split_rows(dk_pool[nk:], w.recv_kv_counts),
+                                 split_rows(dv_pool[nk:], w.recv_kv_counts))]
+    shapes = [tuple(dq_pool.shape[1:]), tuple(dk_pool.shape[1:]), tuple(dv_pool.shape[1:])]
+    return start_exchange(w, back, [w.send_q_counts, w.send_kv_counts, w.send_kv_counts], shapes,
+                           "distca backward: returning dQ/dK/dV", "backward_outputs")
+
+
+def place_grads(w: Wave, pending: Pending, dq, dk, dv) -> None:
+    """Backward, source side: add the returned gradients to their rows, in place (a K/V token used
+    on several servers gets the sum)."""
+    got_dq, got_dk, got_dv = pending.wait()
+    dq.index_add_(0, w.send_q_rows, got_dq)
+    dk.index_add_(0, w.send_kv_rows, got_dk)
+    dv.index_add_(0, w.send_kv_rows, got_dv)
+
+
+def kept_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,234 @@
+"""Ping-pong: two nano-batches per micro-batch, so one's dispatch hides behind the other's compute.
+
+The micro-batch's documents are split into nano-batches A and B of equal tokens
+(``planning.splits.split_nano_batches``: at most one document is cut, its prefix in A and its
+suffix in B, which then holds the prefix's K/V as key-only rows). Each nano-batch gets its own plan.
+Per decoder layer the schedule is
+
+    A: norm, q/k/v  | A: send q/k/v ---------->|
+                    | B: norm, q/k/v           | B: send q/k/v ----------->|
+                                               | A: attention, send O back |----------->|
+                                                                           | B: attention, send O back --->|
+                                                                           | A: o_proj, MLP             |
+                                                                                          B: o_proj, MLP
+
+so A's dispatch overlaps B's projections, B's dispatch A's attention kernel, A's return B's kernel and
+B's return A's MLP. Each nano-batch's attention is three autograd nodes (launch, serve, finish); in
+backward autograd runs nodes in reverse creation order as soon as they are ready, so the mirror
+schedule follows: ``finish`` launches dO, ``serve`` waits for it, computes and launches dQ/dK/dV,
+``launch`` waits for those, with the other nano-batch's backward compute in between.
+
+The layer's stages (projections, MLP) are model specific: ``distca_hf.patches`` supplies them for
+Llama-like decoder layers and installs the ping-pong decoder stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import current_config
+from ..planning import NanoSplit, PackedDocuments, TokenBytes, split_nano_batches
+from . import timeline
+from .agree import PATH_PINGPONG, agree
+from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of
+from .dispatch import Dispatch
+from .forward import plan_batch
+from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs, place_grads,
+                     place_outputs, receive_all, serve_backward, serve_forward)
+from .tables import DispatchCounters
+
+__all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention"]
+
+
+@dataclass(eq=False)
+class PingPongPlan:
+    """One forward's ping-pong state: the split and each nano-batch's dispatch (on the device).
+
+    Attributes:
+        split: the two nano-batches (``planning.splits.NanoSplit``).
+        dispatch_a, dispatch_b: their dispatches (one wave each; they share byte counters).
+        rows_a, rows_b, prefix_rows: ``split``'s row indices as device tensors.
+        longest_document: tokens of the longest document over every rank of the server group.
+    """
+
+    split: NanoSplit
+    dispatch_a: Dispatch
+    dispatch_b: Dispatch
+    rows_a: torch.Tensor
+    rows_b: torch.Tensor
+    prefix_rows: torch.Tensor
+    longest_document: int
+
+
+def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
+                  num_heads: int) -> PingPongPlan:
+    """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
+    (a collective: each rank sends its two nano-batches' document lengths; a rank whose inputs were
+    invalid, ``error``, still joins so that every rank stops). Opens the forward whose
+    ``distca_hf.plan_stats()`` sums both nano-batches."""
+    config = current_config()
+    number = next_forward_number()
+    split = None
+    if error is None:
+        try:
+            split = split_nano_batches(docs)
+        except ValueError as e:
+            error = e
+    mine = _describe(split) if split is not None else np.zeros(0, dtype=np.int64)
+    _, per_rank = agree(mine, PATH_PINGPONG, error, config, device, number, "ping-pong planning")
+    nano_a, nano_b = _read_descriptions(per_rank)
+    counters = DispatchCounters()
+    dispatch_a, planned_a = plan_batch(split.docs_a, *nano_a, config, token_bytes, device, number, "none", counters)
+    dispatch_b, planned_b = plan_batch(split.docs_b, *nano_b, config, token_bytes, device, number, "none", counters)
+    for name, d in (("A", dispatch_a), ("B", dispatch_b)):
+        for w in d.waves:
+            w.name = "nano-batch " + name
+    stats = plan_stats_of(number, [planned_a, planned_b], token_bytes=token_bytes, num_heads=num_heads,
+                          backward=config.backward, overlap="pingpong")
+    longest = int(max((x[2:].max(initial=0) for x in per_rank), default=0))
+    begin_forward(ForwardContext(number, ("pingpong", number), (), longest, stats, counters=counters))
+    as_tensor = lambda x: torch.from_numpy(x).to(device)
+    return PingPongPlan(split, dispatch_a, dispatch_b, as_tensor(split.rows_a), as_tensor(split.rows_b),
+                        as_tensor(split.prefix_rows), longest)
+
+
+def _describe(split: NanoSplit) -> np.ndarray:
+    """What a rank tells the others: ``[docs in A, docs in B, A's lengths, B's lengths, B's past]``."""
+    a, b = split.docs_a, split.docs_b
+    return np.concatenate(([a.num_docs, b.num_docs], a.lengths, b.lengths, b.past)).astype(np.int64)
+
+
+def _read_descriptions(per_rank):
+    """Every rank's ``_describe`` -> per nano-batch ``(lengths per rank, past per rank)``."""
+    nano_a, nano_b = ([], []), ([], [])
+    for x in per_rank:
+        na, nb = int(x[0]), int(x[1])
+        la, lb, pb = x[2 : 2 + na], x[2 + na : 2 + na + nb], x[2 + na + nb :]
+        nano_a[0].append(la), nano_a[1].append(np.zeros_like(la))
+        nano_b[0].append(lb), nano_b[1].append(pb)
+    return nano_a, nano_b
+
+
+# ---- one nano-batch's attention as three autograd nodes ----
+
+class _Flight:
+    """What the three nodes of one nano-batch's attention in one layer hand to each other."""
+
+    def __init__(self, dispatch: Dispatch, scale: float):
+        self.wave = dispatch.waves[0]
+        self.counters = dispatch.counters
+        self.scale = scale
+        self.resend = self.wave.backward_mode == "resend"
+        self.inputs = self.outputs = self.grad_inputs = self.grads = None
+        self.lse_local = None
+        self.shapes = None
+
+
+class _Launch(torch.autograd.Function):
+    """Forward: send q/k/v rows to their servers. Backward: receive their dQ/dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, flight: _Flight):
+        flight.shapes = (q.shape, k.shape)
+        flight.inputs = launch_inputs(flight.wave, q, k, v)
+        ctx.flight = flight
+        return q.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight
+        q_shape, k_shape = flight.shapes
+        dq = torch.zeros(q_shape, dtype=flight.dtype, device=flight.device)
+        dk = torch.zeros(k_shape, dtype=flight.dtype, device=flight.device)
+        dv = torch.zeros_like(dk)
+        place_grads(flight.wave, flight.grads, dq, dk, dv)
+        flight.grads = None
+        return dq, dk, dv, None
+
+
+class _Serve(torch.autograd.Function):
+    """Forward: receive, run this server's CA-tasks, send other sources' outputs back; returns the
+    local rows' outputs. Backward: receive dO (and in resend mode the inputs), compute, send the
+    other sources' gradients back; returns the local rows' gradients."""
+
+    @staticmethod
+    def forward(ctx, ticket, q, k, v, flight: _Flight):
+        w = flight.wave
+        served = serve_forward(w, q, k, v, flight.inputs.wait(), flight.scale, want_lse=flight.resend)
+        flight.inputs = None
+        flight.outputs = launch_outputs(w, served)
+        out_local = served.out_pool[: w.num_local]
+        flight.dtype, flight.device = q.dtype, q.device
+        if flight.resend:
+            flight.lse_local = served.lse_pool[: w.num_local]
+            kept = (q, k, v, out_local, flight.lse_local)
+        else:
+            kept = (served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse)
+        ctx.save_for_backward(*kept)
+        if any(ctx.needs_input_grad[1:4]):
+            flight.counters.saved_bytes += kept_bytes(kept)
+        ctx.flight = flight
+        return ticket.new_empty(0), out_local
+
+    @staticmethod
+    def backward(ctx, _, dout):
+        flight = ctx.flight
+        w = flight.wave
+        dout = dout.contiguous()
+        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), ctx.saved_tensors, flight.scale)
+        flight.grad_inputs = None
+        flight.grads = launch_grad_outputs(w, pools)
+        n, nk = w.num_local, w.num_local_kv
+        return dout.new_empty(0), pools[0][:n], pools[1][:nk], pools[2][:nk], None
+
+
+class _Finish(torch.autograd.Function):
+    """Forward: place the returned outputs. Backward: send dO of the moved queries (resend mode: with
+    their q, k, v, out and log-sum-exp)."""
+
+    @staticmethod
+    def forward(ctx, ticket, out_local, q, k, v, flight: _Flight):
+        out = out_local.clone()
+        lse = flight.lse_local.clone() if flight.resend else None
+        place_outputs(flight.wave, flight.outputs, out, lse)
+        flight.outputs = flight.lse_local = None
+        if flight.resend:
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.flight = flight
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        flight = ctx.flight
+        dout = dout.contiguous()
+        flight.grad_inputs = launch_grad_inputs(flight.wave, dout, ctx.saved_tensors if flight.resend else None)
+        # Only the rows of this server's own tasks matter to _Serve's backward: the moved queries'
+        # rows of out_local are zeros that _Finish overwrote.
+        return dout.new_empty(0), dout, None, None, None, None
+
+
+class NanoAttention:
+    """One nano-batch's dispatched attention in one layer, in three steps the schedule interleaves.
+    q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``."""
+
+    def __init__(self, dispatch: Dispatch, scale: float, name: str):
+        self.flight = _Flight(dispatch, scale)
+        self.name = name
+
+    def launch(self, q, k, v):
+        self.q, self.k, self.v = q, k, v
+        with timeline.span(f"{self.name}: pack q/k/v"):
+            self.ticket = _Launch.apply(q, k, v, self.flight)
+
+    def serve(self):
+        with timeline.span(f"{self.name}: attention"):
+            self.ticket, self.out_local = _Serve.apply(self.ticket, self.q, self.k, self.v, self.flight)
+
+    def finish(self) -> torch.Tensor:
+        with timeline.span(f"{self.name}: place outputs"):
+            out = _Finish.apply(self.ticket, self.out_local, self.q, self.k, self.v, self.flight)
+        self.q = self.k = self.v = self.ticket = self.out_local = None
+        return out

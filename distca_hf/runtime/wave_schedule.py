@@ -1,0 +1,84 @@
+"""The schedule of overlap ``none`` and ``wave``: every wave of a dispatch inside one autograd node.
+
+Remote waves' inputs are launched first, then the waves run in order (their outputs launched back
+as soon as computed) and the returns are placed at the end; backward does the mirror image, waves in
+reverse order. With one wave (``none``) each exchange is waited on right after its launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import Dispatch
+from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs,
+                     place_grads, place_outputs, receive_all, serve_backward, serve_forward)
+
+__all__ = ["dispatched_attention"]
+
+
+class _WaveSchedule(torch.autograd.Function):
+    """Every wave of a dispatch inside one autograd node: remote waves' inputs are launched first,
+    then the waves run in order (their outputs launched back as soon as computed) and the returns
+    are placed at the end. Backward does the mirror image, waves in reverse order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dispatch: Dispatch, scale: float):
+        waves = dispatch.waves
+        resend = waves[0].backward_mode == "resend"
+        in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
+        out = q.new_zeros(q.shape)
+        lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if resend else None
+        returning, kept = [], []
+        for i, w in enumerate(waves):
+            received = in_flight[i].wait() if i in in_flight else None
+            served = serve_forward(w, q, k, v, received, scale, want_lse=resend)
+            out += served.out_pool[: w.num_local]  # rows of other waves' tasks are zero here
+            if resend:
+                lse += served.lse_pool[: w.num_local]
+            if not w.local_only:
+                returning.append((w, launch_outputs(w, served)))
+            if not resend:
+                kept.append((served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
+        for w, pending in returning:
+            place_outputs(w, pending, out, lse)
+        ctx.dispatch, ctx.scale = dispatch, scale
+        flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
+        ctx.save_for_backward(*flat)
+        if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
+            # the local K/V pools of saved mode are the inputs themselves: count them once
+            dispatch.counters.saved_bytes += kept_bytes({id(t): t for t in flat}.values())
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dispatch, scale = ctx.dispatch, ctx.scale
+        waves = dispatch.waves
+        dout = dout.contiguous()
+        saved = ctx.saved_tensors
+        resend = waves[0].backward_mode == "resend"
+        per_wave = (lambda i: saved) if resend else (lambda i: saved[5 * i : 5 * i + 5])
+        order = list(reversed(range(len(waves))))
+        in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None)
+                     for i in order if not waves[i].local_only}
+        dq = dout.new_zeros(dout.shape)
+        dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
+        dv = torch.zeros_like(dk)
+        returning = []
+        for i in order:
+            w = waves[i]
+            received = receive_all(in_flight[i]) if i in in_flight else []
+            pools = serve_backward(w, dout, received, per_wave(i), scale)
+            dq += pools[0][: w.num_local]
+            dk += pools[1][: w.num_local_kv]
+            dv += pools[2][: w.num_local_kv]
+            if not w.local_only:
+                returning.append((w, launch_grad_outputs(w, pools)))
+        for w, pending in returning:
+            place_grads(w, pending, dq, dk, dv)
+        return dq, dk, dv, None, None
+
+
+def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float) -> torch.Tensor:
+    """Causal attention of the rank's documents, computed where the plan says. q ``[tokens, heads,
+    head_dim]``, k/v ``[tokens, kv_heads, head_dim]`` -> ``[tokens, heads, head_dim]``."""
+    return _WaveSchedule.apply(q, k, v, dispatch, scale)

@@ -1,0 +1,64 @@
+"""The one place that holds distca's process-wide mutable state.
+
+Everything distca keeps between calls lives in ``STATE`` (one per process): the settings given in
+code or by a plugin, the per-forward context that the attention layers of one forward share and
+``plan_stats()`` reads, the counter that numbers forwards, the one-time warnings already given, and
+the timeline's recording switch and events. Modules read and write it only through the functions
+that own each part (``config.configure``, ``runtime.context``, ``runtime.timeline``,
+``warn_once``); tests reset it with ``reset_state()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+__all__ = ["DistCAState", "STATE", "reset_state", "warn_once"]
+
+
+@dataclass
+class DistCAState:
+    """distca's state in this process.
+
+    Attributes:
+        code_settings: settings made with ``distca_hf.configure`` (they beat ``DISTCA_*`` variables).
+        file_settings: settings of a ``distca:`` YAML section applied by ``DistCAPlugin.attach``
+            (below the variables).
+        forward: the ``runtime.context.ForwardContext`` of the forward in progress, or of the last
+            one (``plan_stats()`` reads it); ``None`` before the first distca forward.
+        forwards_started: forwards numbered so far (a forward's number is its ``plan_stats()["step"]``).
+        last_layer_idx: layer index of the last attention call; an index that does not grow marks
+            the start of a new forward.
+        warned: keys of the one-time warnings already given.
+        timeline_on: whether ``runtime.timeline`` records.
+        timeline_events: what it recorded (``runtime.timeline.Event``).
+        lock: guards ``timeline_events``; collective completion callbacks run on backend threads.
+    """
+
+    code_settings: dict = field(default_factory=dict)
+    file_settings: dict = field(default_factory=dict)
+    forward: object = None
+    forwards_started: int = 0
+    last_layer_idx: int | None = None
+    warned: set = field(default_factory=set)
+    timeline_on: bool = False
+    timeline_events: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+STATE = DistCAState()
+
+
+def reset_state() -> None:
+    """Forget everything: settings, forwards, warnings, timeline (tests and notebooks)."""
+    fresh = DistCAState()
+    for name in fresh.__dataclass_fields__:
+        setattr(STATE, name, getattr(fresh, name))
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    if key not in STATE.warned:
+        STATE.warned.add(key)
+        warnings.warn(message, stacklevel=stacklevel)
