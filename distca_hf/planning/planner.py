@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import SETTINGS, setting_problem
 from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, start_with_pairs
 from .pieces import DocumentPieces
 
@@ -54,21 +55,23 @@ class PlannerConfig:
         token_bytes: wire size of a token, used to choose what moves.
     """
 
-    tolerance: float = 0.02
-    block: int = 1
+    tolerance: float = SETTINGS["tolerance"].default
+    block: int = SETTINGS["block"].default
     servers: tuple[int, ...] | None = None
     token_bytes: TokenBytes = field(default=LLAMA3_8B_BYTES)
 
     def __post_init__(self):
-        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance >= 0):
-            raise ValueError(f"tolerance must be a finite number >= 0, got {self.tolerance!r}")
-        if not isinstance(self.block, (int, np.integer)) or self.block < 1:
-            raise ValueError(f"block must be an integer >= 1 (tokens), got {self.block!r}")
+        # numpy integers (and arrays of them) are welcome; the settings table's checks decide
+        if isinstance(self.block, np.integer):
+            object.__setattr__(self, "block", int(self.block))
+        if self.servers is not None and hasattr(self.servers, "__iter__"):
+            object.__setattr__(self, "servers", tuple(int(s) if isinstance(s, np.integer) else s for s in self.servers))
+        for name in ("tolerance", "block", "servers"):
+            problem = setting_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(f"{name} {problem}")
         if self.servers is not None:
-            servers = tuple(int(s) for s in self.servers)
-            if not servers or len(set(servers)) != len(servers) or min(servers) < 0:
-                raise ValueError(f"servers must be distinct non-negative ranks, got {self.servers!r}")
-            object.__setattr__(self, "servers", tuple(sorted(servers)))
+            object.__setattr__(self, "servers", tuple(sorted(self.servers)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,33 @@
+"""Test tiers and shared fixtures.
+
+Tiers (markers registered in setup.cfg):
+- fast: everything unmarked; in-process, no spawned processes (``pytest -m "not distributed"``);
+- ``distributed``: spawns processes (gloo ranks through ``dist_harness.run_ranks``, ``accelerate
+  launch``, the ``distca-hf`` command);
+- ``gpu``: needs CUDA; skipped on machines without it.
+
+Every test starts from a fresh distca state (no setting, forward or warning left by another test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distca_hf.state import reset_state
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_distca_state():
+    reset_state()
+    yield
+    reset_state()
