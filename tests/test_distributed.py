@@ -13,67 +13,12 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from workers import check_forward_bytes, documents_for, exactness_worker
 
-SKEWED = {  # per step, per rank: document lengths (one long, many short and odd, a single token)
-    0: [[200], [3, 5, 7, 1, 9, 11, 2, 13, 4, 6], [1], [17, 9, 1, 33]],
-    1: [[5, 1, 3], [151, 2], [7, 7, 7], [1]],
-}
-
-
-def _documents_for(rank, world, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    lengths = SKEWED[step][rank] if world > 2 else (SKEWED[step][rank] + SKEWED[step][rank + 2])
-    return [torch.randint(0, 96, (n,), generator=g) for n in lengths]
-
-
-def _exactness_worker(rank, world, family, overlap="none"):
-    import distca_hf
-    from helpers import objective_weights, param_grads, per_document_reference, tiny_model
-
-    model = tiny_model(family)
-    report = []
-    for backward in ("saved", "resend"):
-        for checkpointing in (False, True):
-            distca_hf.configure(backward=backward, overlap=overlap)
-            if checkpointing:
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.activation_checkpointing_disable()
-            for step in (0, 1):
-                docs = _documents_for(rank, world, step)
-                weights = [objective_weights((len(d), 96), seed=7 * step + i) for i, d in enumerate(docs)]
-                ref_logits, ref_grads = per_document_reference(model, docs, weights)
-                model.zero_grad(set_to_none=True)
-                ids = torch.cat(docs).unsqueeze(0)
-                pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
-                logits = model(input_ids=ids, position_ids=pos).logits[0]
-                (logits * torch.cat(weights)).sum().backward()
-                grads = param_grads(model)
-                # like torch.testing: |got - want| <= atol + rtol |want|, reported as the worst excess
-                grad_err = max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
-                               for n in ref_grads)
-                stats = distca_hf.plan_stats()
-                report.append({
-                    "backward": backward, "checkpointing": checkpointing, "step": step,
-                    "logit_err": float((logits.detach() - torch.cat(ref_logits)).abs().max()),
-                    "grad_excess": grad_err, "same_grad_keys": sorted(grads) == sorted(ref_grads),
-                    "stats": stats,
-                })
-    with torch.no_grad():  # evaluation
-        docs = _documents_for(rank, world, 0)
-        ids = torch.cat(docs).unsqueeze(0)
-        pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
-        model.eval()
-        evaluated = model(input_ids=ids, position_ids=pos).logits[0]
-        model.set_attn_implementation("eager")
-        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
-    report.append({"eval_err": float((evaluated - alone).abs().max())})
-    return report
-
-
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, family", [(2, "llama"), (3, "qwen3"), (4, "llama")])
 def test_dispatch_is_exact(tmp_path, world, family):
-    results = run_ranks(_exactness_worker, world, tmp_path, family, env={"DISTCA_TOLERANCE": "0.02"})
+    results = run_ranks(exactness_worker, world, tmp_path, family, env={"DISTCA_TOLERANCE": "0.02"})
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         *runs, evaluation = result["value"]
@@ -97,17 +42,6 @@ def test_dispatch_is_exact(tmp_path, world, family):
     check_forward_bytes(results)
 
 
-def check_forward_bytes(results, layers=2):
-    """plan_stats' bytes_sent_per_layer is what the ranks really sent in one layer's forward (runs
-    without checkpointing, whose recomputation sends the forward again)."""
-    for i, run in enumerate(results[0]["value"][:-1]):
-        if run["checkpointing"]:
-            continue
-        sent = sum(v for r in results for kind, v in r["value"][i]["stats"]["rank_bytes_sent_this_step"].items()
-                   if kind.startswith("forward"))
-        assert sent == layers * run["stats"]["bytes_sent_per_layer"], (i, run["backward"], sent)
-
-
 def _hang_worker(rank, world, how):
     import distca_hf
     from helpers import tiny_model
@@ -120,7 +54,7 @@ def _hang_worker(rank, world, how):
             time.sleep(15)
 
         model.model.layers[1].register_forward_pre_hook(stop)
-    docs = _documents_for(rank, world, 0)
+    docs = documents_for(rank, world, 0)
     ids = torch.cat(docs).unsqueeze(0)
     pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
     start = time.perf_counter()
@@ -131,6 +65,7 @@ def _hang_worker(rank, world, how):
     return {"error": None}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("how", ["die", "hang"])
 def test_dead_or_hung_peer_raises_a_clear_error(tmp_path, how):
     results = run_ranks(_hang_worker, 2, tmp_path, how, env={"DISTCA_TIMEOUT_S": "4"}, deadline_s=120)
@@ -156,37 +91,7 @@ def test_plan_stats_before_any_forward():
         STATE.forward = saved
 
 
-def test_configure_and_environment(monkeypatch):
-    import distca_hf
-
-    distca_hf.reset_config()
-    monkeypatch.setenv("DISTCA_TOLERANCE", "0.1")
-    monkeypatch.setenv("DISTCA_BACKWARD", "resend")
-    assert distca_hf.current_config().tolerance == 0.1
-    assert distca_hf.current_config().backward == "resend"
-    distca_hf.configure(tolerance=0.05)  # code beats the environment
-    try:
-        assert distca_hf.current_config().tolerance == 0.05
-        monkeypatch.setenv("DISTCA_BACKWARD", "sometimes")
-        with pytest.raises(ValueError, match="DISTCA_BACKWARD"):
-            distca_hf.current_config()
-        monkeypatch.setenv("DISTCA_BACKWARD", "saved")
-        monkeypatch.setenv("DISTCA_TIMEOUT_S", "-3")
-        with pytest.raises(ValueError, match="DISTCA_TIMEOUT_S"):
-            distca_hf.current_config()
-        monkeypatch.setenv("DISTCA_TIMEOUT_S", "5")
-        monkeypatch.setenv("DISTCA_OVERLAP", "maybe")
-        with pytest.raises(ValueError, match="DISTCA_OVERLAP"):
-            distca_hf.current_config()
-        monkeypatch.delenv("DISTCA_OVERLAP")
-        with pytest.raises(TypeError, match="unknown distca settings"):
-            distca_hf.configure(tolerence=0.1)
-        with pytest.raises(ValueError, match="distca backward must be one of"):
-            distca_hf.configure(backward="later")
-    finally:
-        distca_hf.reset_config()
-
-
+@pytest.mark.distributed
 def test_bench_cli_contract():
     """`distca-hf bench --json` on two real processes (tiny sizes): the contract's keys."""
     import json
@@ -286,7 +191,7 @@ def _agreement_worker(rank, world):
     shifted = tiny_model("llama")
     for layer in shifted.model.layers:
         layer.self_attn.layer_idx += 1
-    docs = _documents_for(rank, world, 0)
+    docs = documents_for(rank, world, 0)
     ids = torch.cat(docs).unsqueeze(0)
     pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
     errs = []
@@ -303,6 +208,7 @@ def _agreement_worker(rank, world):
     return report
 
 
+@pytest.mark.distributed
 def test_ranks_agree_on_every_decision(tmp_path):
     results = run_ranks(_agreement_worker, 2, tmp_path, env={"DISTCA_TIMEOUT_S": "20"}, deadline_s=240)
     for r in results:

@@ -40,6 +40,7 @@ def _cli():
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
 
 
+@pytest.mark.distributed
 def test_bad_section_stops_before_launching(tmp_path):
     result = subprocess.run([*_cli(), "launch", "--config_file", str(_job(tmp_path, {"backward": "later"})),
                              "nothing.py"], capture_output=True, text=True, timeout=120)
@@ -47,6 +48,7 @@ def test_bad_section_stops_before_launching(tmp_path):
     assert "backward" in result.stderr and "later" in result.stderr
 
 
+@pytest.mark.distributed
 def test_launched_processes_read_the_section(tmp_path):
     script = tmp_path / "report.py"
     script.write_text(

@@ -20,6 +20,7 @@ from helpers import tiny_config
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.distributed
 def test_distca_hf_env_json():
     beside_python = Path(sys.executable).parent / "distca-hf"
     exe = str(beside_python) if beside_python.exists() else shutil.which("distca-hf")
@@ -49,6 +50,7 @@ def test_kernel_bench_cli_runs_small(capsys):
     assert {"torch_cpu", "torch_cpu_stacked", "sdpa_mask", "math", "dense_packed_sdpa"} <= row.keys()
 
 
+@pytest.mark.distributed
 def test_patches_ship_in_the_wheel(tmp_path):
     """A non-editable build must contain `patches/` as `distca_hf.patches`."""
     result = subprocess.run(

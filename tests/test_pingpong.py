@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_harness import run_ranks
-from test_distributed import _exactness_worker, check_forward_bytes
+from workers import check_forward_bytes, exactness_worker
 
 from distca_hf.planning import PackedDocuments
 from distca_hf.kernels import varlen_causal_attention
@@ -119,11 +119,12 @@ def test_wave_halves_cover_the_plan(per_rank, block):
         assert abs(2 * first - total) <= 2 * block * biggest_row + 2
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, family, overlap", [
     (2, "llama", "wave"), (4, "qwen3", "wave"), (2, "qwen3", "pingpong"), (4, "llama", "pingpong"),
 ])
 def test_overlap_modes_are_exact(tmp_path, world, family, overlap):
-    results = run_ranks(_exactness_worker, world, tmp_path, family, overlap, env={"DISTCA_TOLERANCE": "0.02"})
+    results = run_ranks(exactness_worker, world, tmp_path, family, overlap, env={"DISTCA_TOLERANCE": "0.02"})
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         *runs, evaluation = result["value"]
@@ -181,6 +182,7 @@ def _mixed_stacks_worker(rank, world):
     return report
 
 
+@pytest.mark.distributed
 def test_ranks_running_different_stacks_stop_together(tmp_path):
     results = run_ranks(_mixed_stacks_worker, 2, tmp_path, env={"DISTCA_TIMEOUT_S": "20"}, deadline_s=200)
     for r in results:

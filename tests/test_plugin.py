@@ -265,6 +265,7 @@ def _groups_worker(rank, world, tensor_parallel):
             "group_size": dist.get_world_size(groups.group)}
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_server_groups_on_four_ranks(tmp_path):
     results = run_ranks(_groups_worker, 4, tmp_path, 2)
     for rank, result in enumerate(results):
@@ -303,6 +304,7 @@ def test_launched_world_size_reads_the_accelerate_command(monkeypatch, tmp_path)
         launch_module.check_world_size(2)
 
 
+@pytest.mark.distributed
 def test_accelerate_launch_cpu_starting_one_process_fails_loudly(tmp_path):
     script = tmp_path / "check.py"
     script.write_text("from distca_hf.training.launch_checks import check_world_size\ncheck_world_size(1)\nprint('NOT STOPPED')\n")

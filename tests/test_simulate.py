@@ -55,6 +55,7 @@ def lengths_file(tmp_path):
     return path
 
 
+@pytest.mark.distributed
 def test_simulate_json_contract(lengths_file, tmp_path):
     plot = tmp_path / "sim.png"
     result = _console_script("simulate", "--lengths", str(lengths_file), "--ranks", "8", "--tokens-per-rank", "2048",

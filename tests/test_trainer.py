@@ -181,6 +181,7 @@ def _assert_matches_reference(values, out_dir, run="run"):
 # -- two ranks against the reference -------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp_path):
     case = {"accumulation": 2, "checkpointing": True, "evaluate": True}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
@@ -204,6 +205,7 @@ def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp
                                                           for s in range(0, n, BUDGET))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("zero, accumulation", [(2, 2), (3, 1)])
 def test_deepspeed_zero_matches_single_process(tmp_path, zero, accumulation):
     case = {"zero": zero, "accumulation": accumulation, "max_steps": 3, "evaluate": True}
@@ -214,6 +216,7 @@ def test_deepspeed_zero_matches_single_process(tmp_path, zero, accumulation):
     assert all(v["eval"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5) for v in values)
 
 
+@pytest.mark.distributed
 def test_streaming_dataset_on_two_ranks_matches_single_process(tmp_path):
     """Each rank reads the whole stream, packs it identically and keeps every second micro-batch."""
     case = {"streaming": True, "accumulation": 2, "max_steps": 3}
@@ -230,6 +233,7 @@ def test_single_process_matches_reference(tmp_path):
     _assert_matches_reference([value], str(tmp_path))
 
 
+@pytest.mark.distributed
 def test_resumed_run_gives_the_losses_of_an_uninterrupted_one(tmp_path):
     results = run_ranks(_resume_worker, 2, tmp_path, str(tmp_path))
     full, resumed = zip(*_check_ranks(results))
@@ -296,6 +300,7 @@ def _accelerator_worker(rank, world, zero_stage):
             "params": {n: p.detach().tolist() for n, p in unwrapped.named_parameters() if n.endswith("norm.weight")}}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("zero_stage", [None, 1])
 def test_distca_accelerator_loop_matches_single_process(tmp_path, zero_stage):
     """DDP, and DeepSpeed ZeRO-1 (CPU: the accelerator creates the gloo group DeepSpeed needs)."""
@@ -379,6 +384,7 @@ def _launch(*arguments, timeout=300):
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+@pytest.mark.distributed
 def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes():
     result = _launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
                      "examples/finetune_long_context.py", "--max-steps", "3", "--tokens-per-rank", "1024",
@@ -390,6 +396,7 @@ def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes():
     assert "cut into" in out  # the packing report names what was cut
 
 
+@pytest.mark.distributed
 def test_deepspeed_recipe_and_plain_accelerate_loop_launch():
     # ZeRO-3 with zero3_init_flag: the model is partitioned while it is built
     result = _launch("--config_file", "recipes/deepspeed-zero3.yaml", "--num_processes", "2", "--main_process_port",
@@ -404,6 +411,7 @@ def test_deepspeed_recipe_and_plain_accelerate_loop_launch():
     assert [r[0] for r in rows] == ["1", "2"] and all(float(r[1]) > 0 for r in rows)
 
 
+@pytest.mark.distributed
 def test_plan_visualize_draws_a_plan(tmp_path):
     out = tmp_path / "plan.png"
     result = subprocess.run([sys.executable, "examples/plan_visualize.py", "--out", str(out), "--ranks", "3",

@@ -1,0 +1,118 @@
+"""The settings table (``distca_hf.config``): one declaration per setting, from which
+``DistCAConfig``, ``DistCAPlugin``'s fields, the environment reading and the fingerprint ranks
+compare are derived; precedence code > ``DISTCA_*`` > file > default."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import distca_hf
+from distca_hf import DistCAConfig, DistCAPlugin
+from distca_hf.config import SETTINGS, resolve, setting_problem, settings_fingerprint
+
+VALID = {"tolerance": 0.3, "block": 64, "backward": "resend", "overlap": "wave", "timeout_s": 7.5,
+         "mode": "colocated", "servers": (0, 2), "kernel": "math"}
+INVALID = {"tolerance": -1.0, "block": 0, "backward": "later", "overlap": "sideways", "timeout_s": 0,
+           "mode": "remote", "servers": (1, 1), "kernel": "triton"}
+
+
+def test_every_setting_is_declared_once_and_everything_else_follows():
+    assert set(SETTINGS) == set(VALID) == set(INVALID)  # a new setting needs a row in these tests too
+    config_fields = {f.name for f in dataclasses.fields(DistCAConfig)}
+    assert config_fields == set(SETTINGS) | {"group"}
+    plugin_fields = {f.name: f for f in dataclasses.fields(DistCAPlugin)}
+    for name, f in SETTINGS.items():
+        assert f.metadata["help"] and plugin_fields[name].metadata["help"] == f.metadata["help"]
+        assert plugin_fields[name].default is None  # not set in code: the environment or file decides
+        assert f"{name}: " in DistCAPlugin.__doc__
+        assert setting_problem(name, f.default) is None
+        assert setting_problem(name, VALID[name]) is None
+        assert setting_problem(name, INVALID[name]).startswith("must be")
+    assert setting_problem("tolerence", 0.1).startswith("is not a distca setting")
+
+
+@pytest.mark.parametrize("name", [n for n, f in SETTINGS.items() if f.metadata["env"]])
+def test_each_variable_is_read_and_checked(monkeypatch, name):
+    variable = SETTINGS[name].metadata["env"]
+    monkeypatch.setenv(variable, str(VALID[name]))
+    assert getattr(distca_hf.current_config(), name) == VALID[name]
+    assert getattr(DistCAPlugin().resolved(), name) == VALID[name]
+    distca_hf.configure(**{name: SETTINGS[name].default})  # code beats the variable
+    assert getattr(distca_hf.current_config(), name) == SETTINGS[name].default
+    distca_hf.reset_config()
+    monkeypatch.setenv(variable, str(INVALID[name]))
+    with pytest.raises(ValueError, match=f"invalid {variable}="):
+        distca_hf.current_config()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_each_setting_is_checked_in_code_plugin_and_file(name, tmp_path):
+    with pytest.raises(ValueError, match=f"distca {name} must be"):
+        distca_hf.configure(**{name: INVALID[name]})
+    with pytest.raises(ValueError, match=f"DistCAPlugin.{name} must be"):
+        DistCAPlugin(**{name: INVALID[name]})
+    value = list(INVALID[name]) if isinstance(INVALID[name], tuple) else INVALID[name]
+    path = tmp_path / "job.yaml"
+    path.write_text(f"distca:\n  {name}: {value!r}\n".replace("'", '"'))
+    with pytest.raises(ValueError, match=f"job.yaml: distca.{name} must be"):
+        DistCAPlugin.from_accelerate_config(path)
+
+
+def test_file_settings_sit_below_the_environment(monkeypatch):
+    monkeypatch.setenv("DISTCA_OVERLAP", "wave")
+    resolved = resolve(code={"tolerance": 0.4}, file={"tolerance": 0.1, "overlap": "pingpong", "block": 8})
+    assert (resolved.tolerance, resolved.overlap, resolved.block) == (0.4, "wave", 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(SETTINGS)))
+def test_fingerprint_changes_exactly_with_the_settings_ranks_must_share(name):
+    base = DistCAConfig()
+    changed = dataclasses.replace(base, **{name: VALID[name]})
+    differs = settings_fingerprint(base) != settings_fingerprint(changed)
+    assert differs == SETTINGS[name].metadata["agree"]
+    group_only = dataclasses.replace(base, group=object())
+    assert settings_fingerprint(group_only) == settings_fingerprint(base)
+
+
+def test_kernel_setting_names_the_backends():
+    from distca_hf.config import KERNELS
+    from distca_hf.kernels import BACKENDS, select_backend
+
+    assert set(KERNELS) == {"auto", *BACKENDS}
+    distca_hf.configure(kernel="math")
+    assert select_backend("cpu", torch.float32).NAME == "math"
+
+
+def test_configure_and_environment(monkeypatch):
+    distca_hf.reset_config()
+    monkeypatch.setenv("DISTCA_TOLERANCE", "0.1")
+    monkeypatch.setenv("DISTCA_BACKWARD", "resend")
+    assert distca_hf.current_config().tolerance == 0.1
+    assert distca_hf.current_config().backward == "resend"
+    distca_hf.configure(tolerance=0.05)  # code beats the environment
+    try:
+        assert distca_hf.current_config().tolerance == 0.05
+        monkeypatch.setenv("DISTCA_BACKWARD", "sometimes")
+        with pytest.raises(ValueError, match="DISTCA_BACKWARD"):
+            distca_hf.current_config()
+        monkeypatch.setenv("DISTCA_BACKWARD", "saved")
+        monkeypatch.setenv("DISTCA_TIMEOUT_S", "-3")
+        with pytest.raises(ValueError, match="DISTCA_TIMEOUT_S"):
+            distca_hf.current_config()
+        monkeypatch.setenv("DISTCA_TIMEOUT_S", "5")
+        monkeypatch.setenv("DISTCA_OVERLAP", "maybe")
+        with pytest.raises(ValueError, match="DISTCA_OVERLAP"):
+            distca_hf.current_config()
+        monkeypatch.delenv("DISTCA_OVERLAP")
+        with pytest.raises(TypeError, match="unknown distca settings"):
+            distca_hf.configure(tolerence=0.1)
+        with pytest.raises(ValueError, match="distca backward must be one of"):
+            distca_hf.configure(backward="later")
+    finally:
+        distca_hf.reset_config()

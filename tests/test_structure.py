@@ -1,0 +1,155 @@
+"""The package's shape, checked from its source: the folders follow the data path (each stage
+imports only earlier ones; planning has no torch.distributed), process-wide state lives only in
+``distca_hf/state.py``, no module uses another's private names, and the module paths of 0.1 still
+import (with a deprecation warning) as their new homes."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+import distca_hf
+from distca_hf._moved import MOVED
+
+PACKAGE = Path(distca_hf.__file__).parent
+REPO = PACKAGE.parent
+
+# What each part of the package may import from the package (besides itself); the data path.
+ALLOWED = {
+    "config": {"state"},
+    "state": set(),
+    "planning": {"config", "state"},
+    "kernels": {"config", "state"},
+    "runtime": {"planning", "kernels", "config", "state"},
+    "hf": {"runtime", "planning", "kernels", "config", "state"},
+    "patches": {"hf", "runtime", "planning", "config", "state"},
+    "training": {"hf", "runtime", "planning", "config", "state"},
+    "tools": {"training", "hf", "runtime", "planning", "kernels", "config", "state"},
+}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        yield path, parts
+    for path in sorted((REPO / "patches").glob("*.py")):
+        yield path, ("patches", path.stem)
+
+
+def _imported(path: Path, parts) -> list[tuple[str, list[str], int]]:
+    """``(module of the package, names, line)`` of every import of a package module in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = list(parts[:-1]) if parts[0] != "patches" else ["patches"]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join([*base, node.module] if node.module else base)
+                if parts[0] == "patches":
+                    target = "patches." + (node.module or "")
+            elif node.module and node.module.startswith("distca_hf"):
+                target = node.module.removeprefix("distca_hf").lstrip(".")
+            else:
+                continue
+            found.append((target, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name.removeprefix("distca_hf").lstrip("."), [], node.lineno) for a in node.names
+                      if a.name.startswith("distca_hf")]
+    return found
+
+
+def test_each_stage_imports_only_earlier_stages():
+    problems = []
+    for path, parts in _modules():
+        part = parts[0]
+        if part not in ALLOWED:
+            continue  # the front door (__init__, __main__, _moved) may import anything
+        for target, names, line in _imported(path, parts):
+            first = target.split(".")[0] if target else ""
+            if not first or first == part:
+                continue
+            if first not in ALLOWED[part]:
+                problems.append(f"{path.relative_to(REPO)}:{line} ({part}) imports {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_planning_is_pure():
+    for path in (PACKAGE / "planning").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("torch.distributed") for n in names), path
+
+
+def test_state_lives_in_one_place():
+    """No ``global`` statement and no module-level mutable container outside ``state.py`` (constant
+    tables are tuples or dicts never written; writing one would be caught in review, not here)."""
+    problems = []
+    for path, parts in _modules():
+        if parts == ("state",):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                problems.append(f"{path.relative_to(REPO)}:{node.lineno} global {', '.join(node.names)}")
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(getattr(t, "id", None) == "__all__" for t in targets):
+                continue
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            empty = (isinstance(value, (ast.List, ast.Set)) or (isinstance(value, ast.Dict) and not value.keys)
+                     or (isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("set", "list", "dict")
+                         and not value.args))
+            if empty:
+                problems.append(f"{path.relative_to(REPO)}:{node.lineno} module-level mutable container")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_uses_another_modules_private_names():
+    problems = []
+    for path, parts in _modules():
+        for target, names, line in _imported(path, parts):
+            if target == ".".join(parts[:-1]) or (target == "" and len(parts) == 1):
+                continue  # a package importing its own (private) submodule
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                problems.append(f"{path.relative_to(REPO)}:{line} imports {private} from {target}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_old_module_paths_import_their_new_home(old, new):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert old not in {m.__name__ for m in (module,)}  # the new home, not a copy
+    if caught:  # the first import in this process warns (later ones find it in sys.modules)
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+    attribute = old.removeprefix("distca_hf.")
+    if "." not in attribute:
+        assert getattr(distca_hf, attribute) is module
+
+
+def test_old_names_users_imported_still_resolve():
+    from distca_hf.data import PackedDataset, load_documents  # noqa: F401
+    from distca_hf.planner import DocumentPieces, PlannerConfig, plan_tasks  # noqa: F401
+    from distca_hf.step import DistCAPeerError, plan_stats  # noqa: F401
+    from distca_hf.trainer import DistCATrainer, StepTableCallback  # noqa: F401
+
+    assert DistCAPeerError is distca_hf.DistCAPeerError
+
+
+def test_every_subpackage_has_a_front_door_that_names_its_files():
+    for folder in ("planning", "runtime", "kernels", "hf", "training", "tools"):
+        doc = importlib.import_module(f"distca_hf.{folder}").__doc__
+        assert doc, folder
+        if folder in ("planning", "runtime", "training", "tools"):
+            for path in (PACKAGE / folder).glob("*.py"):
+                if path.stem != "__init__":
+                    assert path.stem in doc, f"distca_hf/{folder}/__init__.py does not describe {path.name}"
