@@ -11,7 +11,7 @@ comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
 
-.PHONY: setup test demo demo-single kernel-bench bench-sim env clean-venv
+.PHONY: setup test test-fast demo demo-single kernel-bench bench-sim env clean-venv
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier: no spawned processes (tests marked `distributed` are left out).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not distributed" $(PYTEST_ARGS)
 
 # The main job: two CPU processes fine-tune a tiny Llama through DistCATrainer (a per-step table of
 # loss, attention imbalance before -> after and tokens/s), then the same run colocated; prints the

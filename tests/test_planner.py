@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import comm_bytes, kv_transfers
-from distca_hf.planning import DocumentPieces, Plan, PlannerConfig, TokenBytes, imbalance, plan_tasks
+from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TokenBytes, causal_pairs, comm_bytes, imbalance,
+                                kv_transfers, plan_tasks)
+from distca_hf.runtime.context import BatchPlan, plan_stats_of
 from distca_hf.tools.simulate import cut_to, draw_batch, pack_pieces
 
 
@@ -184,3 +185,41 @@ def test_balance_targets_on_shared_samples(sample):
             plan = plan_tasks(pieces, PlannerConfig(block=128))
             imbalances.append(imbalance(plan.server_pairs()))
         assert max(imbalances) <= 1.05 and np.mean(imbalances) <= 1.02, (ranks, tokens, imbalances)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=packed_batches(), second=packed_batches(), config=configs, resend=st.booleans())
+def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
+    """The one ``PlanStats`` builder: per-rank lists and bytes of a plan against independent counts
+    (pairs of each piece, ``comm_bytes``), and two batches (ping-pong) as the sums of each alone."""
+    heads = 4
+    batches = []
+    for pieces in (first, DocumentPieces(second.rank % first.num_ranks, second.doc, second.start, second.end,
+                                         first.num_ranks)):
+        plan = plan_tasks(pieces, config)
+        batches.append(BatchPlan(pieces, plan, kv_transfers(plan, pieces).tokens(), 1))
+    backward = "resend" if resend else "saved"
+    for b in batches:
+        stats = plan_stats_of(7, [b], token_bytes=config.token_bytes, num_heads=heads, backward=backward,
+                              overlap="none")
+        pieces, plan = b.pieces, b.plan
+        local = [sum(int(causal_pairs(int(s), int(e))) for r, s, e in zip(pieces.rank, pieces.start, pieces.end)
+                     if r == rank) for rank in range(pieces.num_ranks)]
+        assert stats.attn_pairs_local == local
+        assert stats.attn_pairs_served == plan.server_pairs().tolist()
+        lse = plan.moved_queries() * heads * 4 if resend else 0
+        assert stats.bytes_sent_per_layer == comm_bytes(plan, pieces, config.token_bytes).total + lse
+        assert stats.dispatched and stats.tasks == plan.num_tasks and stats.step == 7
+    both = plan_stats_of(7, batches, token_bytes=config.token_bytes, num_heads=heads, backward=backward,
+                         overlap="pingpong")
+    alone = both.nano_batches
+    assert len(alone) == 2 and both.waves == 2 and both.overlap == "pingpong"
+    assert both.attn_pairs_local == [x + y for x, y in zip(alone[0].attn_pairs_local, alone[1].attn_pairs_local)]
+    assert both.attn_pairs_served == [x + y for x, y in zip(alone[0].attn_pairs_served, alone[1].attn_pairs_served)]
+    assert both.bytes_sent_per_layer == alone[0].bytes_sent_per_layer + alone[1].bytes_sent_per_layer
+    moved = sum(b.plan.moved_queries() for b in batches)
+    queries = sum(int((b.pieces.end - b.pieces.start).sum()) for b in batches)
+    assert both.moved_query_fraction == pytest.approx(moved / queries)
+    local_only = plan_stats_of(3, [BatchPlan(first)])
+    assert not local_only.dispatched and local_only.bytes_sent_per_layer == 0
+    assert local_only.attn_pairs_served == local_only.attn_pairs_local

@@ -2,7 +2,7 @@
 
 HF hands attention a batch of rows ``[batch, seq]``. Inside a row there may be several documents
 (packing), padding, or, when decoding with a KV cache, only the newest query tokens of each row.
-Every later stage (tasks, plan, layout, kernel) works on documents in the *flattened* token stream,
+Every later stage (tasks, plan, transfers, kernel) works on documents in the *flattened* token stream,
 so this module turns whatever the caller gave into one description, in the order fixed by the
 design contract: ``cu_seq_lens_q/k`` kwargs, else ``position_ids`` that restart at 0, else a 2D
 padding ``attention_mask``, else one document per row.

@@ -1,7 +1,7 @@
 """Collectives distca uses, over ``torch.distributed`` (NCCL on GPU, gloo on CPU).
 
 Every call is asynchronous underneath and waited on with distca's timeout, so a dead or stuck peer
-raises ``DistCATimeoutError`` naming the operation and the step instead of hanging. Every rank calls
+raises ``DistCATimeoutError`` naming the operation and the forward instead of hanging. Every rank calls
 the same collectives in the same order.
 """
 

@@ -1,7 +1,7 @@
 """Training: everything between a dataset and ``trainer.train()``.
 
     plugin         DistCAPlugin: the job's distca settings (code > DISTCA_* > YAML) and process groups
-    topology       data x pipeline x tensor layout, attention-server groups (pure)
+    topology       data x pipeline x tensor topology, attention-server groups (pure)
     packing        documents -> one packed row per rank and forward; the collator
     loading        files, folders, Hub names -> token-id documents
     launch_checks  launched vs running processes, the CPU launch traps

@@ -75,7 +75,7 @@ class DistCAAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` for Core Attention Disaggregation.
 
     Args:
-        distca_plugin: the distca settings and process layout (default ``DistCAPlugin.from_environment()``: settings
+        distca_plugin: the distca settings and process topology (default ``DistCAPlugin.from_environment()``: settings
             from ``DISTCA_*`` variables, server group = data-parallel group).
         *args, **kwargs: as for ``accelerate.Accelerator``.
 

@@ -36,7 +36,7 @@ class DistCAGroups:
     """What ``DistCAPlugin.attach`` built for this rank.
 
     Attributes:
-        topology: the data x pipeline x tensor layout of the job.
+        topology: the data x pipeline x tensor topology of the job.
         rank: this process's global rank.
         server_ranks: global ranks of this rank's attention-server group (this rank included).
         group: the ``torch.distributed`` group of those ranks (``None``: the default group, or no
@@ -65,7 +65,7 @@ def _scope_problem(value):
         return f"must be one of {list(SERVER_SCOPES)}, got {value!r}"
 
 
-def _layout_field(default, *, check, help: str):
+def _topology_field(default, *, check, help: str):
     return field(default=default, metadata={"check": check, "help": help})
 
 
@@ -79,24 +79,24 @@ _SettingFields = make_dataclass("_SettingFields", [
 
 @dataclass
 class DistCAPlugin(_SettingFields):
-    """Core Attention Disaggregation settings and process layout of a training job.
+    """Core Attention Disaggregation settings and process topology of a training job.
 
     Every field is listed below with its help (generated from the settings table). A setting left
     at ``None`` is not set in code: its ``DISTCA_*`` variable, the ``distca:`` section or the
     default decides (see ``distca_hf.config``).
     """
 
-    server_group: str = _layout_field(
+    server_group: str = _topology_field(
         "data_parallel", check=_scope_problem,
         help="which ranks exchange CA-tasks: 'data_parallel' (the data-parallel group; with tensor parallelism, the "
              "ranks sharing a tensor-parallel index) or 'node' (its ranks on one node, keeping attention traffic on "
              "intra-node links)")
-    data_parallel_size: int | None = _layout_field(
+    data_parallel_size: int | None = _topology_field(
         None, check=_positive_int_problem(optional=True), help="None: world size / (pipeline x tensor)")
-    pipeline_parallel_size: int = _layout_field(
+    pipeline_parallel_size: int = _topology_field(
         1, check=_positive_int_problem(optional=False),
         help="pipeline stages (the groups are modelled; pipeline execution is not implemented)")
-    tensor_parallel_size: int = _layout_field(1, check=_positive_int_problem(optional=False),
+    tensor_parallel_size: int = _topology_field(1, check=_positive_int_problem(optional=False),
                                               help="tensor-parallel size")
     file_settings: dict = field(default_factory=dict, repr=False, metadata={
         "help": "settings read from a distca: YAML section (below the environment in precedence); filled by "
@@ -121,8 +121,8 @@ class DistCAPlugin(_SettingFields):
         always does; environment variables override the file too. A file without the section gives
         the defaults."""
         section = read_distca_section(path)
-        layout = {k: section.pop(k) for k in list(section) if k not in SETTINGS}
-        return cls(**{**layout, **overrides}, file_settings=section)
+        topology = {k: section.pop(k) for k in list(section) if k not in SETTINGS}
+        return cls(**{**topology, **overrides}, file_settings=section)
 
     @classmethod
     def from_environment(cls, **overrides) -> "DistCAPlugin":
@@ -182,7 +182,7 @@ class DistCAPlugin(_SettingFields):
 
 
 def _checked_fields():
-    """The plugin's fields that carry a check: every setting and the layout fields."""
+    """The plugin's fields that carry a check: every setting and the topology fields."""
     return [f for f in fields(DistCAPlugin) if "check" in f.metadata]
 
 

@@ -56,7 +56,7 @@ class DistCATrainer(Trainer):
             dataset, streaming or not, or a sequence of token lists), packed with ``packing``; or
             already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``).
             ``eval_dataset`` may be a dict of them.
-        distca_plugin: distca settings and process layout (default ``DistCAPlugin.from_environment()``).
+        distca_plugin: distca settings and process topology (default ``DistCAPlugin.from_environment()``).
         packing: ``PackingConfig`` for raw documents.
         **kwargs: the rest of ``transformers.Trainer``'s arguments.
 
