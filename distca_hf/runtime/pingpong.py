@@ -124,7 +124,7 @@ class _Flight:
         self.resend = self.wave.backward_mode == "resend"
         self.inputs = self.outputs = self.grad_inputs = self.grads = None
         self.lse_local = None
-        self.shapes = None
+        self.shapes = self.dtype = self.device = None  # of q and k, set by the forward
 
 
 class _Launch(torch.autograd.Function):
