@@ -61,6 +61,20 @@ def _servers_problem(value):
                 f"got {value!r}")
 
 
+def _flag_problem(value):
+    if not isinstance(value, bool):
+        return f"must be True or False, got {value!r}"
+
+
+def _parse_flag(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true"):
+        return True
+    if lowered in ("0", "false"):
+        return False
+    raise ValueError(f"expected 0 or 1, got {text!r}")
+
+
 def _one_of(choices):
     def problem(value):
         if value not in choices:
@@ -110,6 +124,10 @@ class DistCAConfig:
     servers: tuple[int, ...] | None = setting(
         None, check=_servers_problem,
         help="indices, within the attention-server group, of the ranks that serve attention (None: all of them)")
+    span_ranks: bool = setting(
+        False, env="DISTCA_SPAN_RANKS", parse=_parse_flag, check=_flag_problem,
+        help="the server group's ranks hold consecutive pieces of one global token stream, one row per rank: a "
+             "row whose first document starts at position p > 0 continues the last document of the previous rank")
     kernel: str = setting(
         "auto", env="DISTCA_KERNEL", check=_one_of(KERNELS), agree=False,
         help="the varlen attention kernel backend: 'auto' picks the fastest usable one")

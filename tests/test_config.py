@@ -16,9 +16,9 @@ from distca_hf import DistCAConfig, DistCAPlugin
 from distca_hf.config import SETTINGS, resolve, setting_problem, settings_fingerprint
 
 VALID = {"tolerance": 0.3, "block": 64, "backward": "resend", "overlap": "wave", "timeout_s": 7.5,
-         "mode": "colocated", "servers": (0, 2), "kernel": "math"}
+         "mode": "colocated", "servers": (0, 2), "span_ranks": True, "kernel": "math"}
 INVALID = {"tolerance": -1.0, "block": 0, "backward": "later", "overlap": "sideways", "timeout_s": 0,
-           "mode": "remote", "servers": (1, 1), "kernel": "triton"}
+           "mode": "remote", "servers": (1, 1), "span_ranks": "yes", "kernel": "triton"}
 
 
 def test_every_setting_is_declared_once_and_everything_else_follows():

@@ -21,12 +21,12 @@ from .planner import Plan, PlannerConfig, plan_tasks
 from .ranges import concat_ranges
 from .splits import NanoSplit, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
-from .transfers import CommBytes, KVTransfers, comm_bytes, kv_transfers
+from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
 
 __all__ = [
     "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "TimeModel", "TokenBytes",
     "attention_flops", "causal_pairs", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
-    "fuse_tasks", "fused_batch", "imbalance", "kv_transfers", "plan_tasks", "split_document", "split_nano_batches",
+    "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "split_document", "split_nano_batches",
     "start_with_pairs", "wave_plans", "whole_document_tasks",
 ]

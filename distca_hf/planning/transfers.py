@@ -17,7 +17,7 @@ from .pieces import DocumentPieces
 from .planner import Plan
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "CommBytes", "comm_bytes"]
+__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +72,12 @@ class CommBytes:
     @property
     def total(self) -> int:
         return self.q + self.kv + self.o
+
+
+def kv_received(transfers: KVTransfers, num_ranks: int) -> np.ndarray:
+    """``[num_ranks]`` K/V tokens each rank receives as a server in one layer (the memory a plan adds
+    on a server, besides the queries it receives)."""
+    return np.bincount(transfers.server, weights=transfers.end - transfers.start, minlength=num_ranks).astype(np.int64)
 
 
 def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
