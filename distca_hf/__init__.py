@@ -9,17 +9,18 @@ The subpackages follow the data path: ``planning`` (pure: documents, cost, tasks
 transfers, splits) -> ``runtime`` (torch.distributed: the per-forward context, dispatch, overlap
 schedules, timeline) -> ``kernels`` -> ``hf`` (the attention and mask functions) -> ``training``
 (plugin, packing, trainer) and ``tools`` (the ``distca-hf`` command). Settings live in ``config``,
-process-wide state in ``state``.
+process-wide state in ``state``, the exceptions in ``errors``.
 """
 
 __version__ = "0.2.0"
 
 from .config import DistCAConfig, configure, current_config, reset_config
-from .hf import ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, register
+from .errors import (DistCAPeerError, DistCATimeoutError, DocumentBoundaryError, LaunchError,
+                     UnsupportedAttentionError)
+from .hf import ATTN_IMPLEMENTATION, distca_attention_forward, register
 from .kernels import varlen_causal_attention
-from .planning import (CATask, DocumentBoundaryError, PackedDocuments, find_documents, fuse_tasks, split_document,
-                       whole_document_tasks)
-from .runtime import DistCAPeerError, DistCATimeoutError, plan_stats
+from .planning import CATask, PackedDocuments, find_documents, fuse_tasks, split_document, whole_document_tasks
+from .runtime import plan_stats
 from .training import (DistCAPlugin, PackedCollator, PackedDataset, PackingConfig, ParallelTopology,
                        StreamingPackedDataset, load_documents)
 
@@ -32,12 +33,11 @@ _moved.install()  # old module paths (distca_hf.planner, distca_hf.trainer, ...)
 patches.install()  # ping-pong decoder stacks for the Llama family (active only with overlap="pingpong")
 
 # The Trainer and the Accelerator subclass import their libraries' heavier modules on first use.
-_LAZY_EXPORTS = ("DistCATrainer", "StepTableCallback", "DistCAAccelerator", "prepare_training_arguments",
-                 "LaunchError")
+_LAZY_EXPORTS = ("DistCATrainer", "StepTableCallback", "DistCAAccelerator", "prepare_training_arguments")
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "CATask", "DistCAConfig", "DistCAPeerError", "DistCAPlugin", "DistCATimeoutError",
-    "DocumentBoundaryError", "PackedCollator", "PackedDataset", "PackedDocuments", "PackingConfig",
+    "DocumentBoundaryError", "LaunchError", "PackedCollator", "PackedDataset", "PackedDocuments", "PackingConfig",
     "ParallelTopology", "StreamingPackedDataset", "UnsupportedAttentionError", "configure", "current_config",
     "distca_attention_forward", "find_documents", "fuse_tasks", "load_documents", "plan_stats", "register",
     "reset_config", "split_document", "varlen_causal_attention", "whole_document_tasks", *_LAZY_EXPORTS,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TokenBytes, causal_pairs, comm_bytes, imbalance,
-                                kv_transfers, plan_tasks)
+                                kv_received, kv_transfers, plan_tasks)
 from distca_hf.runtime.context import BatchPlan, plan_stats_of
 from distca_hf.tools.simulate import cut_to, draw_batch, pack_pieces
 
@@ -197,7 +197,7 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
     for pieces in (first, DocumentPieces(second.rank % first.num_ranks, second.doc, second.start, second.end,
                                          first.num_ranks)):
         plan = plan_tasks(pieces, config)
-        batches.append(BatchPlan(pieces, plan, kv_transfers(plan, pieces).tokens(), 1))
+        batches.append(BatchPlan(pieces, plan, kv_received(kv_transfers(plan, pieces), pieces.num_ranks), 1))
     backward = "resend" if resend else "saved"
     for b in batches:
         stats = plan_stats_of(7, [b], token_bytes=config.token_bytes, num_heads=heads, backward=backward,
@@ -210,6 +210,11 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
         lse = plan.moved_queries() * heads * 4 if resend else 0
         assert stats.bytes_sent_per_layer == comm_bytes(plan, pieces, config.token_bytes).total + lse
         assert stats.dispatched and stats.tasks == plan.num_tasks and stats.step == 7
+        transfers = kv_transfers(plan, pieces)
+        by_server = [int(sum(e - s for e, s, v in zip(transfers.end, transfers.start, transfers.server) if v == rank))
+                     for rank in range(pieces.num_ranks)]
+        assert stats.kv_tokens_received_per_layer == by_server
+        assert stats.kv_tokens_received_max == max(by_server[s] for s in plan.servers)
     both = plan_stats_of(7, batches, token_bytes=config.token_bytes, num_heads=heads, backward=backward,
                          overlap="pingpong")
     alone = both.nano_batches

@@ -19,16 +19,18 @@ PACKAGE = Path(distca_hf.__file__).parent
 REPO = PACKAGE.parent
 
 # What each part of the package may import from the package (besides itself); the data path.
+BASE = {"config", "state", "errors"}  # every stage may use the settings, the state and the exceptions
 ALLOWED = {
-    "config": {"state"},
+    "errors": set(),
     "state": set(),
-    "planning": {"config", "state"},
-    "kernels": {"config", "state"},
-    "runtime": {"planning", "kernels", "config", "state"},
-    "hf": {"runtime", "planning", "kernels", "config", "state"},
-    "patches": {"hf", "runtime", "planning", "config", "state"},
-    "training": {"hf", "runtime", "planning", "config", "state"},
-    "tools": {"training", "hf", "runtime", "planning", "kernels", "config", "state"},
+    "config": {"state"},
+    "planning": BASE,
+    "kernels": BASE,
+    "runtime": {"planning", "kernels"} | BASE,
+    "hf": {"runtime", "planning", "kernels"} | BASE,
+    "patches": {"hf", "runtime", "planning"} | BASE,
+    "training": {"hf", "runtime", "planning"} | BASE,
+    "tools": {"training", "hf", "runtime", "planning", "kernels"} | BASE,
 }
 
 

@@ -73,3 +73,84 @@ def check_forward_bytes(results, layers=2):
         sent = sum(v for r in results for kind, v in r["value"][i]["stats"]["rank_bytes_sent_this_step"].items()
                    if kind.startswith("forward"))
         assert sent == layers * run["stats"]["bytes_sent_per_layer"], (i, run["backward"], sent)
+
+
+def global_stream(doc_lengths, seed=0):
+    """A global token stream of documents: ``(tokens [total], positions [total], weights [total, 96])``."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(doc_lengths)
+    tokens = torch.randint(0, 96, (total,), generator=g)
+    positions = torch.cat([torch.arange(n) for n in doc_lengths])
+    weights = torch.randn(total, 96, generator=g)
+    return tokens, positions, weights
+
+
+def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave")):
+    """Rank ``rank`` holds slice ``rank`` of a global stream of documents (``span_ranks=True``):
+    its logits and the sum over ranks of the parameter gradients, against every whole document run
+    alone; every overlap mode given, both backward modes, with and without checkpointing, and
+    evaluation. Returns one report per run."""
+    import torch.distributed as dist
+
+    import distca_hf
+    from helpers import param_grads, per_document_reference, tiny_model
+
+    tokens, positions, weights = global_stream(doc_lengths)
+    lo = sum(slice_lengths[:rank])
+    hi = lo + slice_lengths[rank]
+    model = tiny_model(family, max_position_embeddings=max(256, max(doc_lengths)))
+    bounds = torch.tensor([0, *doc_lengths]).cumsum(0)
+    docs = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    doc_weights = [weights[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    ref_logits, ref_grads = per_document_reference(model, docs, doc_weights)
+    ref_logits = torch.cat(ref_logits)[lo:hi]
+    ids, pos = tokens[lo:hi][None], positions[lo:hi][None]
+    report = []
+    for overlap in overlaps:
+        for backward in ("saved", "resend"):
+            for checkpointing in (False, True):
+                distca_hf.configure(span_ranks=True, overlap=overlap, backward=backward)
+                if checkpointing:
+                    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    model.activation_checkpointing_disable()
+                model.zero_grad(set_to_none=True)
+                logits = model(input_ids=ids, position_ids=pos).logits[0]
+                (logits * weights[lo:hi]).sum().backward()
+                grads = param_grads(model)
+                for g in grads.values():
+                    dist.all_reduce(g)  # the model's gradient is the sum of every rank's
+                report.append({
+                    "overlap": overlap, "backward": backward, "checkpointing": checkpointing,
+                    "logit_err": float((logits.detach() - ref_logits).abs().max()),
+                    "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                                       for n in ref_grads),
+                    "same_grad_keys": sorted(grads) == sorted(ref_grads),
+                    "stats": distca_hf.plan_stats(),
+                })
+    model.activation_checkpointing_disable()
+    with torch.no_grad():
+        model.eval()
+        evaluated = model(input_ids=ids, position_ids=pos).logits[0]
+        model.train()
+    report.append({"eval_err": float((evaluated - ref_logits).abs().max())})
+    return report
+
+
+def span_refusal_worker(rank, world, claimed_position):
+    """Rank 1 claims to continue at ``claimed_position`` a document that rank 0 does not end with that
+    many tokens; every rank must raise."""
+    import distca_hf
+    from helpers import tiny_model
+
+    distca_hf.configure(span_ranks=True)
+    model = tiny_model("llama")
+    if rank == 0:
+        pos = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    else:
+        pos = torch.arange(claimed_position, claimed_position + 8)[None]
+    try:
+        model(input_ids=torch.randint(0, 96, pos.shape), position_ids=pos)
+    except (ValueError, RuntimeError) as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedAttentionError
 from ..kernels import varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
 
@@ -21,10 +22,6 @@ __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention
            "refuse_unsupported"]
 
 ATTN_IMPLEMENTATION = "distca"
-
-
-class UnsupportedAttentionError(ValueError):
-    """The model asks for an attention feature that distca cannot compute exactly."""
 
 
 def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:

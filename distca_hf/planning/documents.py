@@ -18,11 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import DocumentBoundaryError
+
 __all__ = ["PackedDocuments", "DocumentBoundaryError", "find_documents"]
-
-
-class DocumentBoundaryError(ValueError):
-    """The inputs do not describe a set of causal documents distca can compute exactly."""
 
 
 @dataclass(frozen=True, eq=False)

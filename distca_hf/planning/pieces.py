@@ -12,7 +12,7 @@ import numpy as np
 
 from .cost import causal_pairs
 
-__all__ = ["DocumentPieces"]
+__all__ = ["DocumentPieces", "RankDocuments", "stitch_rank_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,3 +93,73 @@ class DocumentPieces:
 
     def tokens(self) -> np.ndarray:
         return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class RankDocuments:
+    """Every rank's documents, numbered globally: what each rank needs to find its own in a plan.
+
+    Attributes:
+        pieces: every rank's documents as pieces (global document ids, positions in the document).
+        global_ids: per rank, ``[its num_docs]`` int64 global id of each of its local documents
+            (increasing: documents are numbered in rank order).
+        offsets: per rank, ``[its num_docs]`` int64 position, in its document, of each local
+            document's first K/V token (non-zero only for a piece that continues a document from the
+            previous rank).
+    """
+
+    pieces: DocumentPieces
+    global_ids: list
+    offsets: list
+
+    @property
+    def longest_document(self) -> int:
+        """Tokens of the longest document, all of its pieces together."""
+        return int(self.pieces.end.max(initial=0))
+
+
+def stitch_rank_documents(per_rank_lengths, per_rank_past, first_positions, *, span_ranks: bool) -> RankDocuments:
+    """Every rank's local documents as global pieces.
+
+    ``per_rank_lengths[r]`` / ``per_rank_past[r]``: K/V length and leading key-only tokens of each
+    of rank ``r``'s local documents; ``first_positions[r]``: the position (in its document) of rank
+    ``r``'s first key token. With ``span_ranks``, a rank ``r > 0`` whose first position is ``p > 0``
+    continues the document that ends rank ``r - 1``'s row, which must hold exactly ``p`` tokens on
+    ranks before ``r``; every other document (and every one without ``span_ranks``, whatever its
+    first position: a chunk attends to itself) is its own.
+
+    Raises:
+        DocumentBoundaryError: a rank claims a continuation its predecessors do not hold (the same
+            error on every rank, since every rank stitches the same gathered lengths).
+    """
+    from .documents import DocumentBoundaryError
+
+    rank, doc, kv_start, start, end, global_ids, offsets = [], [], [], [], [], [], []
+    next_id, open_doc, open_end = 0, -1, 0  # the document that ends the previous rank's row
+    for r, (lengths, past, first) in enumerate(zip(per_rank_lengths, per_rank_past, first_positions)):
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ids = np.arange(next_id, next_id + lengths.size, dtype=np.int64)
+        offset = np.zeros(lengths.size, dtype=np.int64)
+        continues = span_ranks and r > 0 and lengths.size > 0 and int(first) > 0
+        if continues:
+            if open_doc < 0 or open_end != int(first):
+                held = "no document" if open_doc < 0 else f"{open_end} tokens of its last document"
+                raise DocumentBoundaryError(
+                    f"span_ranks: rank {r}'s row starts at position {int(first)}, so it continues the document "
+                    f"that ends rank {r - 1}'s row, but the ranks before it hold {held}; a continuing row must "
+                    "start at the position where the previous rank's row left its last document")
+            ids = ids - 1
+            ids[0] = open_doc
+            offset[0] = int(first)
+        next_id = int(ids[-1]) + 1 if ids.size else next_id
+        open_doc, open_end = (int(ids[-1]), int(offset[-1] + lengths[-1])) if lengths.size else (-1, 0)
+        rank.append(np.full(lengths.size, r, dtype=np.int64))
+        doc.append(ids)
+        kv_start.append(offset)
+        start.append(offset + np.asarray(past, dtype=np.int64))
+        end.append(offset + lengths)
+        global_ids.append(ids)
+        offsets.append(offset)
+    join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    pieces = DocumentPieces(join(rank), join(doc), join(start), join(end), len(global_ids), kv_start=join(kv_start))
+    return RankDocuments(pieces, global_ids, offsets)

@@ -11,7 +11,10 @@ How it works. The cost of a piece is its causal pair count. With ``S`` servers t
 at the tighter ``cap = (1 + 0.85 tolerance) * mean`` to keep a margin for block rounding. Ranks
 above their target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers
 below ``cap`` are receivers. Donors, largest excess first, give to the receiver with the most room
-(a heap), so few (source, server) pairs need K/V. Each transfer carves shards out of the donor's
+(a heap), so few (source, server) pairs need K/V. When another server ties with it (it can take
+everything the roomiest would take in that step) and already holds part of the shard's K/V prefix
+(a piece of a document that spans ranks), that server takes the shard instead: it is sent fewer
+K/V tokens. Each transfer carves shards out of the donor's
 pieces, latest document positions first (a query late in a long document carries the most pairs
 per byte), at the position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving
 ``P`` pairs the bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix),
@@ -159,6 +162,7 @@ class _Shedder:
         self.by_rank = np.lexsort((pieces.doc, -pieces.end, pieces.rank))
         self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(len(is_server) + 1))
         self.intervals: dict[int, list[list[int]]] = {}
+        self.prefix_holders = _prefix_holders(pieces)
         self.out = _TaskList()
         self.heap = [(-self._room(r), r) for r in np.flatnonzero(is_server).tolist() if self._room(r) > 0]
         heapq.heapify(self.heap)
@@ -191,6 +195,37 @@ class _Shedder:
             heapq.heappush(self.heap, item)
         return found
 
+    def _prefer_prefix_holder(self, donor: int, intervals, want: float, roomiest: int) -> int:
+        """The receiver of the donor's next shard: ``roomiest``, unless a server that ties with it
+        already holds part of the shard's K/V prefix; then the one holding the most of it.
+
+        The next shard ``[a, b)`` is cut from the interval ``[lo, hi)`` of document ``d`` that the
+        carver takes first, and needs the K/V prefix ``[0, b)``. Another rank's piece of ``d`` that
+        starts before ``lo`` lies wholly inside that prefix (a document's pieces tile it), so its
+        holder is sent ``end - kv_start`` fewer K/V tokens per piece than a server holding nothing.
+
+        *Equal balance*: a server ties with ``roomiest`` when its room (pairs) is at least what the
+        roomiest would take in this step, ``min(want, room(roomiest))``, less the carver's
+        ``slack`` (the room it already treats as full). Either choice then moves the same pairs out
+        of the donor, up to that slack, and keeps every server within the cap. Among tying holders
+        the most K/V held wins, then the most room, then the lowest rank (deterministic)."""
+        i = self.carver.next_interval(intervals, want, self._room(roomiest))
+        d, lo = intervals[i][0], intervals[i][1]
+        holders = self.prefix_holders.get(d)
+        if holders is None:  # a document on one rank only: nobody else holds any of it
+            return roomiest
+        held: dict[int, int] = {}
+        for rank, kv_start, end in holders:
+            if end <= lo and rank != donor:
+                held[rank] = held.get(rank, 0) + end - kv_start
+        tie_room = min(want, self._room(roomiest)) - self.carver.slack
+        best, best_key = roomiest, (0, self._room(roomiest), -roomiest)
+        for rank, tokens in held.items():
+            room = self._room(rank)
+            if room > 0 and room >= tie_room and (tokens, room, -rank) > best_key:
+                best, best_key = rank, (tokens, room, -rank)
+        return best
+
     def _overfill_target(self, donor: int) -> int:
         """The server within the cap whose load after trimming would be lowest: a rank that was
         never a donor can still give away all of its own work in the second pass; a former donor
@@ -217,6 +252,8 @@ class _Shedder:
                     return  # pass 2: what no room can take (under one block) stays
                 servers = np.flatnonzero(self.is_server)
                 receiver = int(servers[np.argmin(self.served[servers])])
+            else:
+                receiver = self._prefer_prefix_holder(donor, intervals, need - keep, receiver)
             budget = max(self._room(receiver), 0.0)
             moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
             if moved == 0:
@@ -244,6 +281,20 @@ class _Shedder:
             for d, s, e in intervals:
                 self.out.add(rank, rank, d, s, e)
         return self.out.to_plan(p.num_ranks, servers)
+
+
+def _prefix_holders(pieces: DocumentPieces) -> dict[int, list[tuple[int, int, int]]]:
+    """``{doc: [(rank, kv_start, end), ...]}`` for the documents held as several pieces (those that
+    span ranks): who holds which K/V tokens of them. Other documents have no holder but their donor."""
+    order = np.lexsort((pieces.kv_start, pieces.doc))
+    doc = pieces.doc[order]
+    counts = np.bincount(doc) if doc.size else np.zeros(0, dtype=np.int64)
+    several = (counts > 1)[doc]
+    holders: dict[int, list[tuple[int, int, int]]] = {}
+    for d, rank, kv_start, end in zip(doc[several].tolist(), pieces.rank[order][several].tolist(),
+                                      pieces.kv_start[order][several].tolist(), pieces.end[order][several].tolist()):
+        holders.setdefault(d, []).append((rank, kv_start, end))
+    return holders
 
 
 def _local_plan(pieces: DocumentPieces, servers) -> Plan:
@@ -285,6 +336,12 @@ class _Carver:
     def __init__(self, block: int, q_o: int, kv: int, slack: float = 0.0):
         self.block, self.q_o, self.kv, self.slack = block, q_o, kv, slack
 
+    def next_interval(self, intervals, want: float, allowed: float) -> int:
+        """Index of the interval the next shard is cut from: the latest (most pairs per byte), or the
+        one that ends earliest when less than a block of the latest is wanted or fits (a block
+        there holds the fewest pairs)."""
+        return len(intervals) - 1 if min(want, allowed) < self.block * intervals[0][2] else 0
+
     def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
         """Move about ``need`` pairs, never more than ``budget``, from ``intervals`` (kept sorted by
         end, latest first) to ``receiver``; returns the pairs moved."""
@@ -293,11 +350,7 @@ class _Carver:
             want, allowed = need - moved, budget - moved
             if moved and allowed <= self.slack:
                 break  # the receiver is as good as full: the next one has more room
-            i = 0
-            if min(want, allowed) < self.block * intervals[0][2]:
-                # Less than a block of the latest interval is wanted (or fits): take it from the
-                # interval that ends earliest (the last), where a block holds the fewest pairs.
-                i = len(intervals) - 1
+            i = self.next_interval(intervals, want, allowed)
             d, lo, hi = intervals[i]
             whole = causal_pairs(lo, hi)
             if whole <= allowed and whole <= want + self.block * hi:

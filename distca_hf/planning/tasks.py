@@ -96,20 +96,20 @@ class FusedBatch:
         )
 
 
-def fused_batch(q_first, k_first, q_start, q_end, device=None, *, in_place: bool = False) -> FusedBatch:
-    """The one way a list of CA-tasks becomes a varlen batch (arrays ``[num_tasks]``, int64).
+def fused_batch(q_index, k_index, q_start, q_end, device=None) -> FusedBatch:
+    """The one way a list of CA-tasks becomes a varlen batch.
 
-    Task ``i`` has queries ``[q_start[i], q_end[i])`` of its document, whose first query row sits
-    at flat row ``q_first[i]`` of the query pool and whose K/V prefix ``[0, q_end[i])`` starts at
-    flat row ``k_first[i]`` of the key pool. ``in_place``: the tasks already are the pools, row for
-    row, so no index is needed (``q_index``/``k_index`` are ``None``). Tensors go to ``device``.
+    Task ``i`` has queries ``[q_start[i], q_end[i])`` of its document (``[num_tasks]`` int64 arrays)
+    and the K/V prefix ``[0, q_end[i])``. ``q_index`` / ``k_index`` are the flat rows of the query /
+    key pools holding them, task after task (``[sum of shard lengths]`` / ``[sum of q_end]`` int64),
+    or ``None`` when the tasks already are the pools, row for row. Tensors go to ``device``.
     """
     q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     q_lens = q_end - q_start
-    as_tensor = lambda x, dtype: torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(device)
+    as_tensor = lambda x, dtype: None if x is None else torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(device)
     return FusedBatch(
-        None if in_place else as_tensor(concat_ranges(q_first, q_lens), np.int64),
-        None if in_place else as_tensor(concat_ranges(k_first, q_end), np.int64),
+        as_tensor(q_index, np.int64),
+        as_tensor(k_index, np.int64),
         as_tensor(np.concatenate(([0], np.cumsum(q_lens))), np.int32),
         as_tensor(np.concatenate(([0], np.cumsum(q_end))), np.int32),
         int(q_lens.max(initial=0)),
@@ -141,6 +141,8 @@ def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments, device=None) -> F
         and not q_start.any()
         and np.array_equal(q_end, docs.lengths)
     )
+    if covers_in_order:
+        return fused_batch(None, None, q_start, q_end, device)
     # Query row of task t, position j: docs.q_starts[doc] + (q_start - past) + j.
-    return fused_batch(docs.q_starts[doc_ids] + (q_start - past), docs.k_starts[doc_ids], q_start, q_end, device,
-                       in_place=covers_in_order)
+    q_index = concat_ranges(docs.q_starts[doc_ids] + (q_start - past), q_end - q_start)
+    return fused_batch(q_index, concat_ranges(docs.k_starts[doc_ids], q_end), q_start, q_end, device)

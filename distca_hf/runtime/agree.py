@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DistCAConfig, agreed_setting_names, settings_fingerprint
+from ..errors import DistCAPeerError
 from .comm import all_gather_documents
 
 __all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_KV_CACHE", "PATH_PINGPONG", "agree", "check_headers"]
@@ -23,10 +24,6 @@ __all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_KV_CACHE", "PATH_PINGPONG", "a
 PATH_PLAIN = 0  # the attention function, in training or evaluation
 PATH_KV_CACHE = 1  # the attention function, decoding with a KV cache (every rank then computes locally)
 PATH_PINGPONG = 2  # the ping-pong decoder stack
-
-
-class DistCAPeerError(RuntimeError):
-    """Another rank could not take part in this forward (its own error says why)."""
 
 
 def agree(payload: np.ndarray, path: int, error: Exception | None, config: DistCAConfig, device, number: int,

@@ -14,13 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import DistCATimeoutError
 from . import timeline
 
 __all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_documents", "free_port"]
-
-
-class DistCATimeoutError(RuntimeError):
-    """A distca collective did not complete: a peer died, hung or diverged."""
 
 
 class CommHandle:

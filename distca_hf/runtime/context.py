@@ -38,6 +38,9 @@ class PlanStats:
         waves: exchanges per layer and direction (``wave``: up to 4; ping-pong: one per nano-batch).
         tasks: CA-tasks in the plan, all ranks.
         moved_query_fraction: query tokens computed away from their rank / all query tokens.
+        kv_tokens_received_per_layer: ``[ranks]`` K/V tokens each server receives in one layer (the
+            memory a plan adds on a server besides the queries); ``kv_tokens_received_max`` /
+            ``_mean``: over the servers.
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
     """
 
@@ -51,6 +54,9 @@ class PlanStats:
     waves: int = 0
     tasks: int = 0
     moved_query_fraction: float = 0.0
+    kv_tokens_received_per_layer: list = field(default_factory=list)
+    kv_tokens_received_max: int = 0
+    kv_tokens_received_mean: float = 0.0
     nano_batches: tuple = ()
 
     def as_dict(self) -> dict:
@@ -68,13 +74,13 @@ class BatchPlan:
     Attributes:
         pieces: every rank's document pieces (query ranges ``[start, end)``).
         plan: the CA-task assignment, or ``None`` when each rank computes its own documents.
-        kv_tokens_moved: K/V tokens its dispatch sends per layer, all ranks.
+        kv_received: ``[ranks]`` K/V tokens each server receives per layer (all the dispatch's waves).
         waves: exchanges per layer and direction.
     """
 
     pieces: DocumentPieces
     plan: Plan | None = None
-    kv_tokens_moved: int = 0
+    kv_received: np.ndarray | None = None
     waves: int = 0
 
 
@@ -87,13 +93,15 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     planned = [b for b in batches if b.plan is not None]
     moved = sum(b.plan.moved_queries() for b in planned)
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)
+    ranks = batches[0].pieces.num_ranks
+    received = sum((b.kv_received for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
     sent = 0
     if planned:
         # queries out and outputs back per the plan, K/V as the waves really send them; in resend mode
         # the forward also returns each moved query's log-sum-exp (fp32, one per head)
-        kv_tokens = sum(b.kv_tokens_moved for b in planned)
-        sent = moved * (token_bytes.q + token_bytes.o) + kv_tokens * token_bytes.kv
+        sent = moved * (token_bytes.q + token_bytes.o) + int(received.sum()) * token_bytes.kv
         sent += moved * num_heads * 4 if backward == "resend" else 0
+    servers = list(planned[0].plan.servers) if planned else list(range(ranks))
     per_batch = ()
     if len(batches) > 1:
         per_batch = tuple(plan_stats_of(number, [b], token_bytes=token_bytes, num_heads=num_heads,
@@ -104,7 +112,9 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         bytes_sent_per_layer=int(sent), step=number, dispatched=bool(planned),
         backward=backward if planned else None, overlap=overlap if planned else None,
         waves=sum(b.waves for b in planned), tasks=sum(b.plan.num_tasks for b in planned),
-        moved_query_fraction=moved / max(1, queries), nano_batches=per_batch)
+        moved_query_fraction=moved / max(1, queries), kv_tokens_received_per_layer=received.tolist(),
+        kv_tokens_received_max=int(received[servers].max(initial=0)),
+        kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0, nano_batches=per_batch)
 
 
 @dataclass(eq=False)

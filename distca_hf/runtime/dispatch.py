@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planning import DocumentPieces, PackedDocuments, Plan, kv_transfers, wave_plans
-from .tables import DispatchCounters, Wave, build_wave
+from ..planning import DocumentPieces, Plan, kv_received, kv_transfers, wave_plans
+from .tables import DispatchCounters, LocalDocuments, Wave, build_wave
 
 __all__ = ["Dispatch", "build_dispatch"]
 
@@ -47,22 +47,30 @@ class Dispatch:
     waves: list[Wave]
     counters: DispatchCounters
     overlap: str = "none"
-    kv_tokens_moved: int = 0  # K/V tokens crossing ranks per layer, all ranks (waves may resend a prefix)
+    kv_received: np.ndarray | None = None  # [ranks] K/V tokens each server receives per layer, all waves
+
+    @property
+    def kv_tokens_moved(self) -> int:
+        """K/V tokens crossing ranks per layer, all ranks (the waves may each send a prefix)."""
+        return int(self.kv_received.sum())
 
 
-def build_dispatch(plan: Plan, pieces: DocumentPieces, doc_offset: np.ndarray, docs: PackedDocuments, rank: int,
-                   device, *, overlap: str = "none", counters: DispatchCounters | None = None, block: int = 1,
+def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, rank: int, device, *,
+                   overlap: str = "none", counters: DispatchCounters | None = None, block: int = 1,
                    **settings) -> Dispatch:
-    """The waves of ``plan`` on ``rank`` (see ``Dispatch``); ``settings`` go to every ``Wave``.
-    ``counters`` may be shared with another dispatch (ping-pong's two nano-batches); ``block``: the
-    wave cut of a local task lands on a multiple of it from the task's start."""
+    """The waves of ``plan`` (over every rank's ``pieces``) on ``rank``, whose documents are
+    ``local`` (see ``Dispatch``); ``settings`` go to every ``Wave``. ``counters`` may be shared with
+    another dispatch (ping-pong's two nano-batches); ``block``: the wave cut of a local task lands
+    on a multiple of it from the task's start."""
     counters = counters if counters is not None else DispatchCounters()
     named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
-    waves, kv_tokens = [], 0
+    waves, received = [], np.zeros(plan.num_ranks, dtype=np.int64)
     for name, sub in named:
         transfers = kv_transfers(sub, pieces)
-        kv_tokens += transfers.tokens()
-        wave = build_wave(sub, transfers, doc_offset, docs, rank, device, counters=counters, name=name, **settings)
-        wave.local_only = overlap == "wave" and name.startswith("local")
+        received += kv_received(transfers, plan.num_ranks)
+        wave = build_wave(sub, transfers, local, rank, device, counters=counters, name=name, **settings)
+        # A wave runs no collective when nothing crosses ranks in it (the same on every rank: the
+        # plan is); a local task may still need K/V of its document held on another rank.
+        wave.local_only = overlap == "wave" and sub.moved_queries() == 0 and transfers.tokens() == 0
         waves.append(wave)
-    return Dispatch(waves, counters, overlap, kv_tokens)
+    return Dispatch(waves, counters, overlap, received)

@@ -21,13 +21,15 @@ import torch
 import torch.distributed as dist
 
 from ..config import DistCAConfig, current_config
-from ..planning import (DocumentPieces, PackedDocuments, PlannerConfig, TokenBytes, find_documents, fuse_tasks,
-                        plan_tasks, whole_document_tasks)
+from ..errors import UnsupportedAttentionError
+from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
+                        TokenBytes, find_documents, fuse_tasks, plan_tasks, stitch_rank_documents,
+                        whole_document_tasks)
 from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch, build_dispatch
-from .tables import DispatchCounters
+from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
 __all__ = ["context_for_call", "plan_batch", "distributed_group_size"]
@@ -76,22 +78,29 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
 
     config = current_config()
     number = next_forward_number()
-    find = lambda: find_documents(batch_size, query_len, kv_len, attention_mask=attention_mask,
-                                  position_ids=position_ids, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
+    call = _Call(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if distributed_group_size(config) == 1:
-        docs = find()
+        docs = call.documents()
         return begin_forward(_local_context(number, call_key, identifying, docs, query.device,
                                             int(docs.lengths.max(initial=0))))
-    error, docs = None, None
+    error, docs, first_position = None, None, 0
     try:
-        docs = find()
+        docs = call.documents()
+        first_position = call.first_position(docs) if config.span_ranks else 0
     except ValueError as e:  # still join the collective, so the other ranks learn of it
         error = e
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     path = PATH_KV_CACHE if kv_len != query_len else PATH_PLAIN
-    headers, per_rank = agree(lengths, path, error, config, query.device, number, "planning")
-    longest = int(max((x.max(initial=0) for x in per_rank), default=0))
+    headers, gathered = agree(np.concatenate(([first_position], lengths)), path, error, config, query.device,
+                              number, "planning")
+    per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
     if any(h[1] == PATH_KV_CACHE for h in headers):  # someone decodes with a KV cache: everyone computes locally
+        if config.span_ranks:
+            raise UnsupportedAttentionError(
+                f"distca forward {number}: rank(s) {[r for r, h in enumerate(headers) if h[1] == PATH_KV_CACHE]} "
+                "decode with a KV cache, which span_ranks=True cannot do (a document's prefix may live on another "
+                "rank); generate with span_ranks=False (DISTCA_SPAN_RANKS=0)")
+        longest = int(max((x.max(initial=0) for x in per_rank), default=0))
         return begin_forward(_local_context(number, call_key, identifying, docs, query.device, longest))
     overlap = config.overlap
     if overlap == "pingpong":  # reached only when the model's decoder stack is not ping-pong patched
@@ -101,12 +110,47 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
                   f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, Qwen2, "
                   f"Qwen3 in training, see distca_hf.patches); {name} runs with overlap='wave' instead", stacklevel=4)
     token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, num_kv_heads, query.element_size(), head_dim)
-    dispatch, planned = plan_batch(docs, per_rank, [np.zeros_like(x) for x in per_rank], config, token_bytes,
-                                   query.device, number, overlap)
+    ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
+                                  span_ranks=config.span_ranks)
+    dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
-    return begin_forward(ForwardContext(number, call_key, identifying, longest, stats, dispatch=dispatch,
-                                        counters=dispatch.counters))
+    return begin_forward(ForwardContext(number, call_key, identifying, ranks.longest_document, stats,
+                                        dispatch=dispatch, counters=dispatch.counters))
+
+
+class _Call:
+    """The arguments of one attention call that describe its documents."""
+
+    def __init__(self, batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k):
+        self.shape = (batch_size, query_len, kv_len)
+        self.attention_mask, self.position_ids = attention_mask, position_ids
+        self.cu_seq_lens = (cu_seq_lens_q, cu_seq_lens_k)
+
+    def documents(self) -> PackedDocuments:
+        return find_documents(*self.shape, attention_mask=self.attention_mask, position_ids=self.position_ids,
+                              cu_seq_lens_q=self.cu_seq_lens[0], cu_seq_lens_k=self.cu_seq_lens[1])
+
+    def first_position(self, docs: PackedDocuments) -> int:
+        """With span_ranks: the position of the row's first real token (> 0: the row continues the
+        previous rank's last document). Checks the one-row rule and that cu_seq_lens agree with
+        position_ids."""
+        batch_size, query_len, kv_len = self.shape
+        if batch_size != 1:
+            raise DocumentBoundaryError(
+                f"span_ranks=True takes one packed row per rank (a rank's piece of the global token stream), got a "
+                f"batch of {batch_size} rows; pack the rows into one, or set span_ranks=False (DISTCA_SPAN_RANKS=0)")
+        if self.position_ids is None or docs.num_docs == 0:
+            return 0
+        if any(c is not None for c in self.cu_seq_lens):
+            by_position = find_documents(*self.shape, attention_mask=self.attention_mask,
+                                         position_ids=self.position_ids)
+            if not np.array_equal(by_position.lengths, docs.lengths):
+                raise DocumentBoundaryError(
+                    f"cu_seq_lens_q describe documents of {docs.lengths.tolist()[:8]} tokens but position_ids describe "
+                    f"{by_position.lengths.tolist()[:8]}; with span_ranks=True they must agree")
+        positions = self.position_ids.reshape(-1)
+        return int(positions[int(docs.q_starts[0])])
 
 
 def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device, longest: int) -> ForwardContext:
@@ -120,28 +164,19 @@ def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device,
                           local=fuse_tasks(whole_document_tasks(docs), docs).to(device))
 
 
-def plan_batch(docs: PackedDocuments, per_rank_lengths, per_rank_past, config: DistCAConfig,
-               token_bytes: TokenBytes, device, number: int, overlap: str,
-               counters: DispatchCounters | None = None) -> tuple[Dispatch, BatchPlan]:
-    """Plan one micro- (or nano-) batch from every rank's documents and build this rank's dispatch.
-
-    ``per_rank_lengths[r]`` / ``per_rank_past[r]``: K/V length and leading key-only tokens of each of
-    rank ``r``'s documents (``past`` is non-zero only for a ping-pong nano-batch's cut document).
-    """
+def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
+               number: int, overlap: str, counters: DispatchCounters | None = None) -> tuple[Dispatch, BatchPlan]:
+    """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
+    ranks) and build this rank's dispatch; ``docs`` are this rank's own."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    counts = np.array([len(x) for x in per_rank_lengths], dtype=np.int64)
-    doc_offset = np.concatenate(([0], np.cumsum(counts)))
-    empty = np.zeros(0, dtype=np.int64)
-    lengths = np.concatenate(per_rank_lengths) if counts.sum() else empty
-    past = np.concatenate(per_rank_past) if counts.sum() else empty
-    pieces = DocumentPieces(np.repeat(np.arange(world), counts), np.arange(lengths.size), past, lengths, world,
-                            kv_start=np.zeros_like(lengths))
     servers = config.servers
     if servers is not None and max(servers) >= world:
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
+    pieces = ranks.pieces
     plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
-    dispatch = build_dispatch(plan, pieces, doc_offset, docs, rank, device, overlap=overlap, counters=counters,
+    local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
+    dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=config.block, group=group, timeout_s=config.timeout_s,
                               backward_mode=config.backward, forward_number=number)
-    return dispatch, BatchPlan(pieces, plan, dispatch.kv_tokens_moved, len(dispatch.waves))
+    return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))

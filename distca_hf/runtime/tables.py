@@ -14,7 +14,7 @@ import torch
 
 from ..planning import FusedBatch, KVTransfers, PackedDocuments, Plan, concat_ranges, fused_batch
 
-__all__ = ["DispatchCounters", "Wave", "build_wave"]
+__all__ = ["DispatchCounters", "LocalDocuments", "Wave", "build_wave"]
 
 
 @dataclass(eq=False)
@@ -64,70 +64,116 @@ class Wave:
         return int(self.served.cu_seqlens_q.numel()) - 1
 
 
-def build_wave(plan: Plan, kv: KVTransfers, doc_offset: np.ndarray, docs: PackedDocuments, rank: int, device,
-               **settings) -> Wave:
-    """Index tables of ``plan`` for ``rank``. Documents are numbered globally in rank order: rank
-    ``r`` holds documents ``doc_offset[r] .. doc_offset[r + 1] - 1`` (``docs`` are its own), with
-    their K/V from position 0 (queries may start later, ``docs.past``). ``settings`` are ``Wave``'s
-    optional fields."""
+@dataclass(frozen=True, eq=False)
+class LocalDocuments:
+    """This rank's documents as the plan numbers them.
+
+    Attributes:
+        docs: the rank's ``PackedDocuments`` (rows of its local query and key streams).
+        global_ids: ``[num_docs]`` int64 global id of each local document (increasing).
+        offsets: ``[num_docs]`` int64 position, in its document, of each local document's first key
+            token (non-zero for a piece that continues a document from the previous rank).
+    """
+
+    docs: PackedDocuments
+    global_ids: np.ndarray
+    offsets: np.ndarray
+
+    def local_index(self, global_ids: np.ndarray) -> np.ndarray:
+        """Local document index of each of ``global_ids`` (which this rank must hold)."""
+        return np.searchsorted(self.global_ids, global_ids)
+
+    def query_rows(self, local: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Local query row of the first of ``positions`` (in the document) of local documents ``local``."""
+        d = self.docs
+        return d.q_starts[local] + positions - self.offsets[local] - d.past[local]
+
+    def key_rows(self, local: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Local key row of ``positions`` (in the document) of local documents ``local``."""
+        return self.docs.k_starts[local] + positions - self.offsets[local]
+
+
+def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, **settings) -> Wave:
+    """Index tables of ``plan`` for ``rank``, whose documents are ``local``. ``settings`` are
+    ``Wave``'s optional fields."""
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
-    send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, kv, doc_offset, docs, rank)
-    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, doc_offset, docs, rank, device)
+    send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, kv, local, rank)
+    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device)
+    docs = local.docs
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
                 recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, **settings)
 
 
-def _source_tables(plan: Plan, kv: KVTransfers, doc_offset, docs: PackedDocuments, rank: int):
-    """Local query rows of this rank's moved tasks and K/V rows of its transfers, by destination."""
-    src, srv, a, b = plan.source, plan.server, plan.q_start, plan.q_end
-    moved_out = (src == rank) & (srv != rank)
-    local_doc = plan.doc[moved_out] - doc_offset[rank]
-    lengths = (b - a)[moved_out]
-    send_q_rows = concat_ranges(docs.q_starts[local_doc] + a[moved_out] - docs.past[local_doc], lengths)
-    send_q_counts = np.bincount(srv[moved_out], weights=lengths, minlength=plan.num_ranks)
+def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int):
+    """Local query rows of this rank's moved tasks and K/V rows of its transfers, by destination
+    (in plan / transfer order, which is by destination)."""
+    moved_out = (plan.source == rank) & (plan.server != rank)
+    lengths = (plan.q_end - plan.q_start)[moved_out]
+    first = local.query_rows(local.local_index(plan.doc[moved_out]), plan.q_start[moved_out])
+    send_q_rows = concat_ranges(first, lengths)
+    send_q_counts = np.bincount(plan.server[moved_out], weights=lengths, minlength=plan.num_ranks)
 
-    kv_len = kv.end - kv.start
     kv_out = kv.source == rank
-    send_kv_rows = concat_ranges(docs.k_starts[kv.doc[kv_out] - doc_offset[rank]] + kv.start[kv_out], kv_len[kv_out])
-    send_kv_counts = np.bincount(kv.server[kv_out], weights=kv_len[kv_out], minlength=plan.num_ranks)
+    kv_len = (kv.end - kv.start)[kv_out]
+    send_kv_rows = concat_ranges(local.key_rows(local.local_index(kv.doc[kv_out]), kv.start[kv_out]), kv_len)
+    send_kv_counts = np.bincount(kv.server[kv_out], weights=kv_len, minlength=plan.num_ranks)
     return send_q_rows, send_q_counts.astype(np.int64).tolist(), send_kv_rows, send_kv_counts.astype(np.int64).tolist()
 
 
-def _server_tables(plan: Plan, kv: KVTransfers, doc_offset, docs: PackedDocuments, rank: int, device):
-    """Rows this server receives from each source, and its fused batch over ``[local] ++ [received]``."""
-    world = plan.num_ranks
-    src, srv, doc, a, b = plan.source, plan.server, plan.doc, plan.q_start, plan.q_end
-    on_me = srv == rank
-    remote = on_me & (src != rank)
-    recv_q_counts = np.bincount(src[remote], weights=(b - a)[remote], minlength=world).astype(np.int64)
-    kv_in = kv.server == rank
-    kv_len = kv.end - kv.start
-    recv_kv_counts = np.bincount(kv.source[kv_in], weights=kv_len[kv_in], minlength=world).astype(np.int64)
+def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device):
+    """Rows this server receives from each source, and its fused batch over the pools ``[local rows]
+    ++ [received rows, by source]``. A task's K/V prefix may come in several segments: its document's
+    piece on this rank and the ranges received from every other holder."""
+    world, docs = plan.num_ranks, local.docs
+    on_me = plan.server == rank
+    remote = on_me & (plan.source != rank)
+    q_len = plan.q_end - plan.q_start
+    recv_q_counts = np.bincount(plan.source[remote], weights=q_len[remote], minlength=world).astype(np.int64)
+    kv_in = np.flatnonzero(kv.server == rank)
+    # the received buffer is grouped by source in rank order; within a source, in transfer order
+    kv_in = kv_in[np.argsort(kv.source[kv_in], kind="stable")]
+    kv_len = kv.end[kv_in] - kv.start[kv_in]
+    recv_kv_counts = np.bincount(kv.source[kv_in], weights=kv_len, minlength=world).astype(np.int64)
 
-    # Tasks this rank serves, in plan order (grouped by source, as the received rows are).
-    t_src, t_doc, t_a, t_b = src[on_me], doc[on_me], a[on_me], b[on_me]
-    t_len = t_b - t_a
+    # Query rows of the tasks this rank serves, in plan order (local tasks index the local stream;
+    # received ones follow it, grouped by source in rank order as the plan is).
+    t_src, t_doc, t_a, t_b = plan.source[on_me], plan.doc[on_me], plan.q_start[on_me], plan.q_end[on_me]
     is_local = t_src == rank
     q_first = np.zeros(t_src.size, dtype=np.int64)
-    k_first = np.zeros(t_src.size, dtype=np.int64)
-    own = t_doc[is_local] - doc_offset[rank]
-    q_first[is_local] = docs.q_starts[own] + t_a[is_local] - docs.past[own]
-    k_first[is_local] = docs.k_starts[own]
+    q_first[is_local] = local.query_rows(local.local_index(t_doc[is_local]), t_a[is_local])
+    r_order = np.argsort(t_src[~is_local], kind="stable")
+    r_len = (t_b - t_a)[~is_local][r_order]
+    received_first = np.empty(r_len.size, dtype=np.int64)
+    received_first[r_order] = docs.num_query_tokens + np.cumsum(r_len) - r_len
+    q_first[~is_local] = received_first
+    q_index = concat_ranges(q_first, t_b - t_a)
 
-    # Received rows sit after the local ones, grouped by source in rank order (the plan is sorted by
-    # server then source; documents are numbered in rank order, so transfers by document are too):
-    # each task's or transfer's first row is the running total of the rows before it.
-    r_src, r_len = t_src[~is_local], t_len[~is_local]
-    in_src, in_doc, in_len = kv.source[kv_in], kv.doc[kv_in], kv_len[kv_in]
-    if (np.diff(r_src) < 0).any() or (np.diff(in_src) < 0).any():
-        raise AssertionError("distca: received rows are not grouped by source; please report this")
-    if (kv.start[kv_in] != 0).any():
-        raise NotImplementedError("distca dispatch expects every document's K/V whole on one rank")
-    q_first[~is_local] = docs.num_query_tokens + np.cumsum(r_len) - r_len
-    in_first = docs.num_key_tokens + np.cumsum(in_len) - in_len
-    # one transfer per document (its prefix up to the longest task here): find each task's
-    order = np.argsort(in_doc)
-    k_first[~is_local] = in_first[order][np.searchsorted(in_doc[order], t_doc[~is_local])]
-    return recv_q_counts.tolist(), recv_kv_counts.tolist(), fused_batch(q_first, k_first, t_a, t_b, device)
+    # K/V segments a server can read: the local pieces, then each received range (pool rows after
+    # the local key stream, in buffer order).
+    seg_doc = np.concatenate((local.global_ids, kv.doc[kv_in]))
+    seg_start = np.concatenate((local.offsets, kv.start[kv_in]))
+    seg_end = np.concatenate((local.offsets + docs.lengths, kv.end[kv_in]))
+    seg_row = np.concatenate((docs.k_starts, docs.num_key_tokens + np.cumsum(kv_len) - kv_len))
+    return recv_q_counts.tolist(), recv_kv_counts.tolist(), fused_batch(
+        q_index, _prefix_rows(t_doc, t_b, seg_doc, seg_start, seg_end, seg_row), t_a, t_b, device)
+
+
+def _prefix_rows(task_doc, task_end, seg_doc, seg_start, seg_end, seg_row) -> np.ndarray:
+    """Pool rows of every task's K/V prefix ``[0, task_end)``, task after task, in position order,
+    from segments (``[start, end)`` of a document at pool rows ``row ..``) that tile each document's
+    positions from 0 on this server."""
+    order = np.lexsort((seg_start, seg_doc))
+    seg_doc, seg_start, seg_end, seg_row = seg_doc[order], seg_start[order], seg_end[order], seg_row[order]
+    lo = np.searchsorted(seg_doc, task_doc, side="left")
+    hi = np.searchsorted(seg_doc, task_doc, side="right")
+    task = np.repeat(np.arange(task_doc.size), hi - lo)
+    seg = concat_ranges(lo, hi - lo)
+    used = seg_start[seg] < task_end[task]
+    task, seg = task[used], seg[used]
+    lengths = np.minimum(seg_end[seg], task_end[task]) - seg_start[seg]
+    covered = np.bincount(task, weights=lengths, minlength=task_doc.size)
+    if not np.array_equal(covered, task_end):
+        raise AssertionError("distca: a task's K/V prefix is not fully on its server; please report this")
+    return concat_ranges(seg_row[seg], lengths)

@@ -21,7 +21,7 @@ from .topology import ParallelTopology, group_ranks
 
 _LAZY = {"DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
          "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator",
-         "LaunchError": "launch_checks", "prepare_cpu_launch": "launch_checks"}
+         "prepare_cpu_launch": "launch_checks"}
 
 __all__ = ["DistCAGroups", "DistCAPlugin", "PackedCollator", "PackedDataset", "PackingConfig", "PackingReport",
            "ParallelTopology", "StreamingPackedDataset", "group_ranks", "load_documents", "pack_lengths",

@@ -20,16 +20,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import LaunchError
+
 __all__ = ["LaunchError", "launched_world_size", "prepare_cpu_launch", "check_world_size", "uses_deepspeed",
            "has_gpu", "find_flag"]
 
 FIX = ("To start N CPU processes use `accelerate launch --config_file recipes/cpu-2proc.yaml SCRIPT` (a "
        "multi-process config, distributed_type: MULTI_GPU, num_processes: N; distca_hf switches the processes to "
        "CPU and gloo when there is no GPU) or `torchrun --nproc-per-node N SCRIPT`.")
-
-
-class LaunchError(RuntimeError):
-    """The processes that run are not the processes the launch asked for."""
 
 
 def has_gpu() -> bool:
