@@ -1,11 +1,18 @@
 """Packing and loading: every document trained exactly once per epoch on every rank layout, nothing
-cut silently, equal micro-batch counts per rank, and collated inputs equal to what
-``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits for the same pieces."""
+cut silently, equal row counts per rank, and collated inputs equal to what
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits for the same pieces.
+
+Documents spanning ranks (``span_ranks``): every token of every document exactly once and in order,
+rows of at most ``tokens_per_rank`` tokens in rank order, documents up to a global batch never
+cut, a continuing piece's positions going on from the earlier ranks, every token with a successor
+in its document labelled exactly once (the rank boundaries included), and the ranks of a server
+group reading the slices of one global batch in the same step through Accelerate's sharding."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -14,8 +21,8 @@ from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
 
 from distca_hf.training import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, load_documents,
-                            pack_lengths)
-
+                                pack_lengths)
+from distca_hf.training.packing import GlobalBatchSampler, RankLayout, pack_rows
 
 def _documents(lengths, seed=0):
     """Token lists whose tokens say which document and position they are: ((doc + 1) * 1000 + position)."""
@@ -50,17 +57,25 @@ def test_packing_covers_every_document_once(lengths, budget, length_aware, windo
 
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=30), budget=st.integers(2, 64),
-       world=st.integers(1, 4))
-def test_every_rank_gets_the_same_number_of_micro_batches(lengths, budget, world):
-    dataset = PackedDataset(_documents(lengths), PackingConfig(tokens_per_rank=budget), world_size=world)
+       world=st.integers(1, 4), span_ranks=st.booleans())
+def test_every_rank_gets_the_same_number_of_micro_batches(lengths, budget, world, span_ranks):
+    dataset = PackedDataset(_documents(lengths), PackingConfig(tokens_per_rank=budget), world_size=world,
+                            span_ranks=span_ranks)
     assert len(dataset) % world == 0
-    assert 0 <= dataset.report.filler_micro_batches < world
+    assert len(dataset) == dataset.report.micro_batches + dataset.report.filler_micro_batches
+    if not span_ranks:
+        assert 0 <= dataset.report.filler_micro_batches < world
     shares = [list(range(rank, len(dataset), world)) for rank in range(world)]
     assert len({len(s) for s in shares}) == 1
     # Fillers are one padding token, which is a document start and so carries no label.
-    for index in range(len(dataset.micro_batches), len(dataset)):
+    fillers = [i for i in range(len(dataset)) if dataset[i]["input_ids"] == [[0]]]
+    assert len(fillers) == dataset.report.filler_micro_batches
+    if not span_ranks:
+        assert fillers == list(range(len(dataset.micro_batches), len(dataset)))  # at the end
+    for index in fillers:
         inputs = PackedCollator()([dataset[index]])
         assert inputs["input_ids"].tolist() == [[0]] and (inputs["labels"] == -100).all()
+        assert (inputs["shift_labels"] == -100).all()
 
 
 def _pieces_seen(items):
@@ -123,13 +138,39 @@ def test_collator_matches_data_collator_with_flattening():
     pieces = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
     ours = PackedCollator()([{"input_ids": pieces[:2]}, {"input_ids": pieces[2:]}])
     reference = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": p} for p in pieces])
-    assert ours.keys() == reference.keys()
+    assert ours.keys() == reference.keys() | {"shift_labels"}
     for key in reference:
         if isinstance(reference[key], torch.Tensor):
             assert ours[key].dtype == reference[key].dtype, key
             assert torch.equal(ours[key], reference[key]), key
         else:
             assert ours[key] == reference[key], key
+    # whole documents: shift_labels are the labels moved one to the left (what the loss would shift itself)
+    shifted = torch.nn.functional.pad(reference["labels"][:, 1:], (0, 1), value=-100)
+    assert torch.equal(ours["shift_labels"], shifted)
+
+
+def test_collator_continues_a_document_across_ranks():
+    """A row whose first piece continues the previous rank's document (first_position 5) and whose
+    last piece goes on in the next rank's row (last_label 77)."""
+    item = {"input_ids": [[50, 51, 52], [60, 61], [70, 71, 72, 73]], "first_position": 5, "last_label": 74}
+    inputs = PackedCollator()([item])
+    assert inputs["position_ids"].tolist() == [[5, 6, 7, 0, 1, 0, 1, 2, 3]]
+    assert inputs["labels"].tolist() == [[50, 51, 52, -100, 61, -100, 71, 72, 73]]
+    assert inputs["shift_labels"].tolist() == [[51, 52, -100, 61, -100, 71, 72, 73, 74]]
+    assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == [0, 3, 5, 9]
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 4
+    # one piece that both continues and goes on: a middle rank of a document over three ranks
+    middle = PackedCollator()([{"input_ids": [[7, 8]], "first_position": 9, "last_label": 9}])
+    assert middle["position_ids"].tolist() == [[9, 10]] and middle["shift_labels"].tolist() == [[8, 9]]
+    # several items in one row: the first may continue, the last may go on
+    row = PackedCollator()([{"input_ids": [[1, 2]], "first_position": 3}, {"input_ids": [[4]], "last_label": 5}])
+    assert row["position_ids"].tolist() == [[3, 4, 0]] and row["shift_labels"].tolist() == [[2, -100, 5]]
+    with pytest.raises(ValueError, match="only the row's first piece can continue"):
+        PackedCollator()([{"input_ids": [[1, 2]]}, {"input_ids": [[4]], "first_position": 3}])
+    with pytest.raises(ValueError, match="only the row's last piece can continue"):
+        PackedCollator()([{"input_ids": [[1, 2]], "last_label": 3}, {"input_ids": [[4]]}])
 
 
 def test_collator_and_config_refuse_bad_input():
@@ -154,6 +195,27 @@ def test_report_names_the_cut_documents():
     text = str(dataset.report)
     assert "1 document(s) longer than 64 tokens cut into 5 chunks" in text
     assert dataset.label_tokens() == sum(end - start - 1 for b in dataset.micro_batches for _, start, end in b)
+
+
+def test_report_names_the_documents_that_span_ranks():
+    # Global batches of 2 x 64 = 128 tokens, next-fit in order: [10] | [128-token chunk] | [128-token
+    # chunk] | [44-token chunk, 5] | [100]; each is cut into two equal slices, so every one of them
+    # has a document that spans both ranks.
+    dataset = PackedDataset(_documents([10, 300, 5, 100]), PackingConfig(tokens_per_rank=64, shuffle=False),
+                            world_size=2, span_ranks=True)
+    report = dataset.report
+    assert [row.tokens for row in dataset.rows] == [5, 5, 64, 64, 64, 64, 25, 24, 50, 50]
+    assert (report.group_size, report.cut_documents, report.chunks, report.global_batches) == (2, 1, 3, 5)
+    assert (report.spanning_documents, report.micro_batches, report.filler_micro_batches) == (5, 10, 0)
+    text = str(report)
+    assert "5 global batches of 2 x 64 tokens" in text
+    assert "5 document(s) span ranks (trained whole, up to 128 tokens)" in text
+    assert "1 document(s) longer than 128 tokens cut into 3 chunks" in text
+    assert dataset.label_tokens() == (10 - 1) + (128 - 1) * 2 + (44 - 1) + (5 - 1) + (100 - 1)
+    # a global batch too small for every rank: the empty slot is a filler row
+    tiny = PackedDataset(_documents([2]), PackingConfig(tokens_per_rank=8), world_size=3, span_ranks=True)
+    assert [tiny[i]["input_ids"] for i in range(3)] == [[[1000]], [[1001]], [[0]]]
+    assert tiny.report.filler_micro_batches == 1 and tiny.report.spanning_documents == 1
 
 
 def test_length_aware_packing_fills_micro_batches_better():
@@ -210,3 +272,231 @@ def test_streaming_refuses_several_dataloader_workers():
     assert len(list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1))) == len(list(stream))
     with pytest.raises(ValueError, match="one DataLoader worker"):
         list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2))
+
+
+# -- documents spanning ranks ------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 120), max_size=30), budget=st.integers(2, 24), group=st.integers(1, 4),
+       length_aware=st.booleans(), window=st.integers(1, 8), shuffle=st.booleans())
+def test_spanning_packing_trains_every_token_once_in_order(lengths, budget, group, length_aware, window, shuffle):
+    config = PackingConfig(tokens_per_rank=budget, length_aware=length_aware, window=window, shuffle=shuffle, seed=5)
+    rows, report = pack_rows(lengths, config, group_size=group)
+    whole = group * budget  # a global batch: the longest document trained whole
+    assert len(rows) % group == 0 and report.global_batches == len(rows) // group
+
+    def sequence_of(piece):  # (document, chunk): chunks are cut at multiples of a global batch
+        return piece.document, piece.start // whole
+
+    def end_of(sequence):
+        return min(lengths[sequence[0]], (sequence[1] + 1) * whole)
+
+    next_start = {}  # sequence -> the token its next piece must start at (in stream order)
+    batches_of, rows_of = defaultdict(set), defaultdict(set)
+    for g in range(report.global_batches):
+        batch = rows[g * group:(g + 1) * group]
+        sizes = [row.tokens for row in batch]
+        # at most tokens_per_rank per rank, equal shares (earlier ranks take the extra tokens)
+        assert max(sizes) <= budget and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+        held = Counter()  # tokens of each sequence on the earlier ranks of this global batch
+        previous = None
+        for j, row in enumerate(batch):
+            for k, piece in enumerate(row.pieces):
+                sequence = sequence_of(piece)
+                assert piece.start == next_start.get(sequence, sequence[1] * whole)  # in order, nothing skipped
+                assert piece.end > piece.start
+                next_start[sequence] = piece.end
+                position = piece.start - sequence[1] * whole
+                assert position == held[sequence]  # the tokens of this sequence on earlier ranks
+                if k == 0:
+                    assert row.first_position == position
+                    if position > 0:  # continues the document that ends the previous rank's row
+                        assert previous is not None and previous.continues
+                        assert sequence_of(previous.pieces[-1]) == sequence
+                else:
+                    assert position == 0  # every later piece starts its document
+                held[sequence] += piece.end - piece.start
+                batches_of[sequence].add(g)
+                rows_of[sequence].add(j)
+            if row.pieces:
+                last = sequence_of(row.pieces[-1])
+                assert row.continues == (row.pieces[-1].end < end_of(last))
+            else:
+                assert not row.continues and row.first_position == 0
+            previous = row
+        assert not batch[-1].continues
+    # every token of every document exactly once; a sequence never leaves its global batch
+    for doc, n in enumerate(lengths):
+        for chunk in range(-(-n // whole)):
+            assert next_start[(doc, chunk)] == end_of((doc, chunk))
+            assert len(batches_of[(doc, chunk)]) == 1
+    assert {s for s in next_start if s[1] > 0} <= {(d, c) for d, n in enumerate(lengths) if n > whole
+                                                   for c in range(1, -(-n // whole))}  # only long ones cut
+    long_documents = [n for n in lengths if n > whole]
+    assert report.cut_documents == len(long_documents)
+    assert report.chunks == sum(-(-n // whole) for n in long_documents)
+    assert report.spanning_documents == sum(1 for ranks in rows_of.values() if len(ranks) > 1)
+    assert report.micro_batches == sum(1 for row in rows if row.pieces)
+    assert report.filler_micro_batches == sum(1 for row in rows if not row.pieces)
+    assert report.empty_documents == lengths.count(0) and report.tokens == sum(lengths)
+    if group == 1:  # per rank: the same packing as pack_lengths
+        assert [list(row.pieces) for row in rows] == pack_lengths(lengths, config)[0]
+
+
+GROUPINGS = [[[0]], [[0, 1]], [[0, 1, 2]], [[0, 1, 2, 3]], [[0, 1], [2, 3]], [[0, 2], [1, 3]], [[3, 0], [1, 2]],
+             [[0], [1], [2]]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=20), budget=st.integers(2, 16),
+       groups=st.sampled_from(GROUPINGS), length_aware=st.booleans())
+def test_rows_label_every_token_with_a_successor_exactly_once(lengths, budget, groups, length_aware):
+    """Through the dataset and the collator, rank by rank: the labels across rank boundaries included."""
+    world = sum(len(g) for g in groups)
+    dataset = PackedDataset(_documents(lengths), PackingConfig(tokens_per_rank=budget, length_aware=length_aware),
+                            world_size=world, span_ranks=True, server_groups=groups)
+    whole = len(groups[0]) * budget
+    assert len(dataset) % world == 0
+    collate = PackedCollator()
+    targets = Counter()
+    for block in range(len(dataset) // world):
+        for group in groups:
+            previous_last = None  # (token, continues) of the previous rank's row in this global batch
+            for rank in sorted(group):
+                inputs = collate([dataset[block * world + rank]])
+                ids, positions = inputs["input_ids"][0].tolist(), inputs["position_ids"][0].tolist()
+                labels, shift = inputs["labels"][0].tolist(), inputs["shift_labels"][0].tolist()
+                cu = inputs["cu_seq_lens_q"].tolist()
+                assert len(ids) <= budget
+                # cu_seq_lens describe the local pieces and agree with position_ids
+                assert cu[0] == 0 and cu[-1] == len(ids)
+                assert all(positions[a] == 0 for a in cu[1:-1])
+                assert all(positions[i] == positions[i - 1] + 1 for i in range(1, len(ids)) if i not in cu)
+                assert inputs["max_length_q"] == inputs["max_length_k"] == max(b - a for a, b in zip(cu, cu[1:]))
+                assert [label == -100 for label in labels] == [p == 0 for p in positions]
+                if ids == [0]:  # filler: one padding token, nothing to learn
+                    assert shift == [-100] and positions == [0]
+                    previous_last = None
+                    continue
+                if positions[0] > 0:  # continues: right after the previous rank's last token
+                    assert previous_last is not None and previous_last[1] and ids[0] == previous_last[0] + 1
+                for i, token in enumerate(ids):
+                    doc, t = divmod(token, 1000)
+                    assert positions[i] == t % whole  # the tokens of its document (chunk) before it
+                    if shift[i] != -100:
+                        assert shift[i] == token + 1  # the next token of the same document
+                        targets[(doc - 1, t)] += 1
+                previous_last = (ids[-1], shift[-1] != -100)
+            assert previous_last is None or not previous_last[1]  # a global batch ends its documents
+    expected = Counter((doc, t) for doc, n in enumerate(lengths) for t in range(n - 1) if (t + 1) % whole)
+    assert targets == expected
+    assert dataset.label_tokens() == sum(expected.values())
+
+
+def _global_batches(dataset: PackedDataset) -> dict:
+    """Global batch -> its rows' items, as JSON, in rank order."""
+    layout = dataset.layout
+    batches = defaultdict(dict)
+    for index in range(len(dataset)):
+        global_batch, position = layout.locate(index)
+        batches[global_batch][position] = json.dumps(dataset[index])
+    return {g: tuple(rows[j] for j in range(layout.group_size)) for g, rows in batches.items()}
+
+
+def _check_steps_are_global_batches(per_rank, dataset: PackedDataset) -> Counter:
+    """In every step, each server group's ranks hold the slices of one global batch, in rank order.
+    Returns how often each global batch was trained."""
+    by_rows = {rows: g for g, rows in _global_batches(dataset).items()}
+    trained = Counter()
+    for step in range(len(per_rank[0])):
+        for group in dataset.layout.server_groups:
+            rows = tuple(json.dumps(per_rank[rank][step]) for rank in group)
+            assert rows in by_rows, f"step {step}: ranks {group} hold slices of different global batches"
+            trained[by_rows[rows]] += 1
+    return trained
+
+
+@pytest.mark.parametrize("groups", [[[0, 1]], [[0, 1, 2]], [[0, 2], [1, 3]]])
+@pytest.mark.parametrize("length_aware", [False, True])
+def test_accelerate_sharding_gives_a_group_the_slices_of_one_global_batch(groups, length_aware):
+    """The Trainer's path for a map-style dataset: GlobalBatchSampler, then Accelerate gives rank r
+    every world-th index; a resumed epoch (skip_first_batches) reads what the uninterrupted one read."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    world = sum(len(g) for g in groups)
+    lengths = [1, 5, 64, 65, 200, 3, 3, 17, 130, 64, 9, 1, 40, 99, 128, 7, 250, 33]
+    dataset = PackedDataset(_documents(lengths), PackingConfig(tokens_per_rank=40, length_aware=length_aware),
+                            world_size=world, span_ranks=True, server_groups=groups)
+
+    def epoch(rank, number, skip=0):
+        sampler = GlobalBatchSampler(len(dataset), world, seed=7)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=sampler, collate_fn=lambda items: items)
+        sharded = prepare_data_loader(loader, num_processes=world, process_index=rank, put_on_device=False)
+        if skip:
+            sharded = skip_first_batches(sharded, skip)
+        sampler.set_epoch(number)  # DistCATrainer, at the start of every epoch, resumed or not
+        sharded.set_epoch(number)  # then the Trainer (it does not reach the sampler behind a skip)
+        return [item for batch in sharded for item in batch]
+
+    first = [epoch(rank, 0) for rank in range(world)]
+    assert len({len(items) for items in first}) == 1
+    trained = _check_steps_are_global_batches(first, dataset)
+    assert set(trained.values()) == {1} and len(trained) == len(dataset) // len(groups[0])  # each once
+    tokens = Counter(t for items in first for item in items for p in item["input_ids"] for t in p if p != [0])
+    assert tokens == Counter(t for d in _documents(lengths) for t in d)  # every token once per epoch
+    second = [epoch(rank, 1) for rank in range(world)]
+    _check_steps_are_global_batches(second, dataset)
+    assert second != first  # shuffled again, whole global batches only
+    resumed = [epoch(rank, 1, skip=3) for rank in range(world)]
+    assert resumed == [items[3:] for items in second]
+
+
+@pytest.mark.parametrize("groups", [[[0, 1, 2]], [[0, 2], [1, 3]]])
+def test_streaming_spanning_gives_a_group_the_slices_of_one_global_batch(groups):
+    import datasets
+    from accelerate.data_loader import IterableDatasetShard
+
+    world = sum(len(g) for g in groups)
+    lengths = [70, 1, 5, 64, 33, 33, 200, 2, 0, 64, 65, 19, 140, 3]
+    config = PackingConfig(tokens_per_rank=32)
+    source = datasets.Dataset.from_dict({"input_ids": _documents(lengths)}).to_iterable_dataset(num_shards=2)
+    stream = StreamingPackedDataset(source, config, world_size=world, span_ranks=True, server_groups=groups)
+    shares = [list(IterableDatasetShard(stream, batch_size=1, num_processes=world, process_index=rank))
+              for rank in range(world)]
+    assert len({len(s) for s in shares}) == 1
+    # the same rows as the map-style dataset packs from the same documents in the same order
+    packed = PackedDataset(_documents(lengths), dataclasses.replace(config, shuffle=False), world_size=world,
+                           span_ranks=True, server_groups=groups)
+    assert shares == [[packed[i] for i in range(rank, len(packed), world)] for rank in range(world)]
+    assert stream.report == packed.report
+    _check_steps_are_global_batches(shares, packed)
+    whole = len(groups[0]) * config.tokens_per_rank
+    assert stream.report.cut_documents == sum(n > whole for n in lengths) and stream.report.spanning_documents > 0
+
+
+def test_rank_layout_and_sampler_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"server_groups must hold every rank 0 \.\. 3 exactly once"):
+        RankLayout.for_ranks(4, span_ranks=True, server_groups=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="server_groups must all have the same number of ranks"):
+        RankLayout.for_ranks(4, span_ranks=True, server_groups=[[0], [1, 2, 3]])
+    with pytest.raises(ValueError, match="world_size"):
+        RankLayout.for_ranks(0)
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        GlobalBatchSampler(7, 2)
+    layout = RankLayout.for_ranks(4, span_ranks=True, server_groups=[[2, 0], [3, 1]])
+    assert layout.server_groups == ((0, 2), (1, 3)) and layout.group_size == 2 and layout.num_groups == 2
+    assert [layout.locate(i) for i in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert RankLayout.for_ranks(3).server_groups == ((0,), (1,), (2,))  # per rank: groups of one
+
+
+def test_global_batch_sampler_shuffles_whole_blocks_from_seed_and_epoch():
+    sampler = GlobalBatchSampler(12, 3, seed=4)
+    order = list(sampler)
+    assert sorted(order) == list(range(12)) and len(sampler) == 12
+    blocks = [order[i:i + 3] for i in range(0, 12, 3)]
+    assert all(b == list(range(b[0], b[0] + 3)) and b[0] % 3 == 0 for b in blocks)
+    assert list(GlobalBatchSampler(12, 3, seed=4)) == order  # a pure function of seed and epoch
+    sampler.set_epoch(1)
+    assert list(sampler) != order
+    assert list(GlobalBatchSampler(12, 3, shuffle=False)) == list(range(12))
