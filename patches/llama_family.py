@@ -121,23 +121,27 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
 def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     """Refuse what distca cannot do, find the documents, and plan both nano-batches with every rank
     (a rank whose inputs are invalid still joins, so every rank stops)."""
+    from distca_hf.config import current_config
     from distca_hf.hf import refuse_short_window, refuse_unsupported
-    from distca_hf.planning import TokenBytes, find_documents
+    from distca_hf.planning import TokenBytes
+    from distca_hf.runtime.forward import CallInputs
     from distca_hf.runtime.pingpong import plan_pingpong
 
     for layer in layers:
         refuse_unsupported(layer.self_attn, layer.self_attn.attention_dropout if model.training else 0.0, {})
     batch, seq, _ = inputs_embeds.shape
-    error, docs = None, None
+    call = CallInputs(batch, seq, seq, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
+                      kwargs.get("cu_seq_lens_k"))
+    error, docs, first_position = None, None, 0
     try:
-        docs = find_documents(batch, seq, seq, attention_mask=attention_mask, position_ids=position_ids,
-                              cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
+        docs = call.documents()
+        first_position = call.first_position(docs) if current_config().span_ranks else 0
     except ValueError as e:  # joins the planning collective first, so every rank stops
         error = e
     config, head_dim = model.config, layers[0].self_attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
-    plan = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads)
+    plan = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads, first_position)
     for layer in layers:
         refuse_short_window(layer.self_attn, sliding_window(layer.self_attn), plan.longest_document)
     return plan
@@ -155,9 +159,8 @@ def _run_layer(layer, plan, rope, h_a, h_b):
     a.launch(q_a, k_a, v_a)
     with timeline.span(f"{b.name}: norm, q/k/v"):
         q_b, k_b, v_b = attention_inputs(layer, h_b, *rope["b"])
-        if plan.split.cut:  # B's cut document attends to its prefix's K/V, computed in A
-            k_b = torch.cat([k_a.index_select(0, plan.prefix_rows), k_b])
-            v_b = torch.cat([v_a.index_select(0, plan.prefix_rows), v_b])
+        # B also reads K/V rows of A: a cut document's prefix, a document continuing on the next rank
+        k_b, v_b = plan.keys_b(k_a, k_b), plan.keys_b(v_a, v_b)
     b.launch(q_b, k_b, v_b)
     a.serve()
     b.serve()

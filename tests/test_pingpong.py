@@ -19,7 +19,7 @@ from workers import check_forward_bytes, exactness_worker
 
 from distca_hf.planning import PackedDocuments
 from distca_hf.kernels import varlen_causal_attention
-from distca_hf.planning import split_nano_batches
+from distca_hf.planning import assign_nano_batches, split_nano_batches
 from distca_hf.planning import fuse_tasks, whole_document_tasks
 
 
@@ -35,7 +35,7 @@ def _docs_with_padding(lengths, pad_after):
 
 
 def _attention(docs, q, k, v):
-    if docs.num_docs == 0:  # a nano-batch may be empty (a one-token micro-batch)
+    if not (docs.lengths > docs.past).any():  # a nano-batch may hold no query (a one-token micro-batch)
         return q.new_zeros(docs.num_query_tokens, *q.shape[1:])
     batch = fuse_tasks(whole_document_tasks(docs), docs)
     if batch.q_index is not None:
@@ -46,19 +46,27 @@ def _attention(docs, q, k, v):
         0, batch.q_index, out)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=8))
-def test_nano_split_is_an_exact_rearrangement(docs_and_padding):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=8), st.booleans())
+def test_nano_split_is_an_exact_rearrangement(docs_and_padding, pin_last):
     lengths, pads = zip(*docs_and_padding)
     docs = _docs_with_padding(lengths, pads)
-    split = split_nano_batches(docs)
+    split = split_nano_batches(docs, assign_nano_batches(lengths, pin_last=pin_last))
     rows = np.concatenate([split.rows_a, split.rows_b])
     assert np.array_equal(np.sort(rows), np.arange(docs.num_query_tokens))  # every row once
     real_a = int(split.docs_a.lengths.sum())
     real_b = int((split.docs_b.lengths - split.docs_b.past).sum())
     assert real_a + real_b == sum(lengths)
-    assert real_a - real_b in (0, 1)  # equal tokens (A takes the odd one)
-    assert int(split.docs_b.past.astype(bool).sum()) <= 1  # at most one document is cut
+    pinned = lengths[-1] if pin_last else 0
+    if pinned > (sum(lengths) + 1) // 2:  # the pinned last document alone is more than half: A holds only it
+        assert real_a == pinned and split.origin_a.tolist() == [len(lengths) - 1]
+    else:
+        assert real_a - real_b in (0, 1)  # equal tokens (A takes the odd one)
+    assert split.cut == (split.assignment.cut >= 0)
+    assert int((split.docs_b.past > 0).sum()) <= 1 + pin_last  # at most one document cut, and the pinned copy
+    if pin_last:  # the last document stays whole in A, and B holds a key-only copy of it
+        assert len(lengths) - 1 in split.origin_a.tolist() and split.origin_b[-1] == len(lengths) - 1
+        assert split.docs_b.past[-1] == split.docs_b.lengths[-1] == lengths[-1]
     # attention through the split equals each document's attention computed whole
     g = torch.Generator().manual_seed(len(lengths))
     n = docs.num_query_tokens
@@ -66,8 +74,8 @@ def test_nano_split_is_an_exact_rearrangement(docs_and_padding):
     whole = _attention(docs, q, k, v)
     ra, rb = torch.from_numpy(split.rows_a), torch.from_numpy(split.rows_b)
     out_a = _attention(split.docs_a, q[ra], k[ra], v[ra])
-    prefix = torch.from_numpy(split.rows_a[split.prefix_rows])
-    k_b, v_b = torch.cat([k[prefix], k[rb]]), torch.cat([v[prefix], v[rb]])
+    before, after = torch.from_numpy(split.rows_a[split.prefix_rows]), torch.from_numpy(split.rows_a[split.pinned_rows])
+    k_b, v_b = torch.cat([k[before], k[rb], k[after]]), torch.cat([v[before], v[rb], v[after]])
     out_b = _attention(split.docs_b, q[rb], k_b, v_b)
     rebuilt = torch.zeros_like(whole).index_copy(0, ra, out_a).index_copy(0, rb, out_b)
     torch.testing.assert_close(rebuilt, whole, rtol=1e-5, atol=1e-6)

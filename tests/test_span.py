@@ -32,7 +32,7 @@ def test_spanning_documents_are_exact(tmp_path, case):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         *runs, evaluation = result["value"]
         assert evaluation["eval_err"] < 1e-5
-        assert len(runs) == 8
+        assert len(runs) == 12
         for run in runs:
             assert run["same_grad_keys"]
             assert run["logit_err"] < 1e-5, (rank, run)

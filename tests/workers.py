@@ -85,7 +85,7 @@ def global_stream(doc_lengths, seed=0):
     return tokens, positions, weights
 
 
-def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave")):
+def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave", "pingpong")):
     """Rank ``rank`` holds slice ``rank`` of a global stream of documents (``span_ranks=True``):
     its logits and the sum over ranks of the parameter gradients, against every whole document run
     alone; every overlap mode given, both backward modes, with and without checkpointing, and

@@ -16,17 +16,17 @@ data-path order:
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
                    document_pairs, imbalance, start_with_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
-from .pieces import DocumentPieces, RankDocuments, stitch_rank_documents
+from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
 from .planner import Plan, PlannerConfig, plan_tasks
 from .ranges import concat_ranges
-from .splits import NanoSplit, split_nano_batches, wave_plans
+from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
 
 __all__ = [
     "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
-    "LLAMA3_8B_H100", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
-    "attention_flops", "causal_pairs", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
-    "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "split_document", "split_nano_batches",
+    "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
+    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
+    "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
 ]

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DocumentBoundaryError
 from .cost import causal_pairs
 
-__all__ = ["DocumentPieces", "RankDocuments", "stitch_rank_documents"]
+__all__ = ["DocumentPieces", "RankDocuments", "rank_documents", "stitch_rank_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,7 +23,8 @@ class DocumentPieces:
     Piece ``i`` holds the tokens ``[start[i], end[i])`` of document ``doc[i]`` on rank ``rank[i]``;
     they are queries there and also the K/V of those positions. A piece may also hold K/V of earlier
     positions without their queries: its K/V are ``[kv_start[i], end[i])`` (``kv_start`` defaults to
-    ``start``; ping-pong's second nano-batch holds a cut document's prefix K/V this way). The K/V
+    ``start``; ping-pong's second nano-batch holds a cut document's prefix K/V this way), and a
+    key-only piece holds no query at all (``start == end``). The K/V
     ranges of a document's pieces must not overlap and must cover ``[0, max end)`` (every K/V prefix
     exists somewhere).
     """
@@ -52,9 +54,11 @@ class DocumentPieces:
                 raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
             if (self.doc < 0).any():
                 raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
-            if (self.start < 0).any() or (self.end <= self.start).any():
-                i = int(np.flatnonzero((self.start < 0) | (self.end <= self.start))[0])
-                raise ValueError(f"piece {i} has an empty or negative range [{self.start[i]}, {self.end[i]})")
+            bad = (self.kv_start < 0) | (self.end < self.start) | (self.end <= self.kv_start)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"piece {i} has an empty or negative range: K/V [{self.kv_start[i]}, {self.end[i]}), "
+                                 f"queries [{self.start[i]}, {self.end[i]})")
             order = np.lexsort((self.kv_start, self.doc))
             d, s, e = self.doc[order], self.kv_start[order], self.end[order]
             first = np.ones(d.size, dtype=bool)
@@ -102,7 +106,7 @@ class RankDocuments:
     Attributes:
         pieces: every rank's documents as pieces (global document ids, positions in the document).
         global_ids: per rank, ``[its num_docs]`` int64 global id of each of its local documents
-            (increasing: documents are numbered in rank order).
+            (documents are numbered in rank order, so a rank's ids are distinct).
         offsets: per rank, ``[its num_docs]`` int64 position, in its document, of each local
             document's first K/V token (non-zero only for a piece that continues a document from the
             previous rank).
@@ -132,11 +136,9 @@ def stitch_rank_documents(per_rank_lengths, per_rank_past, first_positions, *, s
         DocumentBoundaryError: a rank claims a continuation its predecessors do not hold (the same
             error on every rank, since every rank stitches the same gathered lengths).
     """
-    from .documents import DocumentBoundaryError
-
-    rank, doc, kv_start, start, end, global_ids, offsets = [], [], [], [], [], [], []
+    global_ids, offsets = [], []
     next_id, open_doc, open_end = 0, -1, 0  # the document that ends the previous rank's row
-    for r, (lengths, past, first) in enumerate(zip(per_rank_lengths, per_rank_past, first_positions)):
+    for r, (lengths, first) in enumerate(zip(per_rank_lengths, first_positions)):
         lengths = np.asarray(lengths, dtype=np.int64)
         ids = np.arange(next_id, next_id + lengths.size, dtype=np.int64)
         offset = np.zeros(lengths.size, dtype=np.int64)
@@ -153,13 +155,18 @@ def stitch_rank_documents(per_rank_lengths, per_rank_past, first_positions, *, s
             offset[0] = int(first)
         next_id = int(ids[-1]) + 1 if ids.size else next_id
         open_doc, open_end = (int(ids[-1]), int(offset[-1] + lengths[-1])) if lengths.size else (-1, 0)
-        rank.append(np.full(lengths.size, r, dtype=np.int64))
-        doc.append(ids)
-        kv_start.append(offset)
-        start.append(offset + np.asarray(past, dtype=np.int64))
-        end.append(offset + lengths)
         global_ids.append(ids)
         offsets.append(offset)
-    join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    pieces = DocumentPieces(join(rank), join(doc), join(start), join(end), len(global_ids), kv_start=join(kv_start))
-    return RankDocuments(pieces, global_ids, offsets)
+    return rank_documents(global_ids, offsets, per_rank_lengths, per_rank_past)
+
+
+def rank_documents(global_ids, offsets, per_rank_lengths, per_rank_past) -> RankDocuments:
+    """``RankDocuments`` from each rank's documents: global ids, offsets (position of the first K/V
+    token), K/V lengths and key-only leading tokens (lists of ``[its num_docs]`` arrays)."""
+    per_rank = [[np.asarray(x, dtype=np.int64).reshape(-1) for x in parts]
+                for parts in zip(global_ids, offsets, per_rank_lengths, per_rank_past)]
+    join = lambda column: np.concatenate([p[column] for p in per_rank]) if per_rank else np.zeros(0, np.int64)
+    rank = np.repeat(np.arange(len(per_rank)), [p[0].size for p in per_rank])
+    ids, offset, lengths, past = join(0), join(1), join(2), join(3)
+    pieces = DocumentPieces(rank, ids, offset + past, offset + lengths, len(per_rank), kv_start=offset)
+    return RankDocuments(pieces, [p[0] for p in per_rank], [p[1] for p in per_rank])

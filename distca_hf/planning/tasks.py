@@ -52,8 +52,9 @@ class CATask:
 
 
 def whole_document_tasks(docs: PackedDocuments) -> list[CATask]:
-    """One task per document, covering all of its queries (``[past, length)``)."""
-    return [CATask(d, int(p), int(n)) for d, (p, n) in enumerate(zip(docs.past, docs.lengths))]
+    """One task per document that has queries, covering all of them (``[past, length)``); a
+    key-only document (``past == length``) has none."""
+    return [CATask(d, int(p), int(n)) for d, (p, n) in enumerate(zip(docs.past, docs.lengths)) if p < n]
 
 
 def split_document(doc: int, first_query: int, length: int, cuts: Iterable[int]) -> list[CATask]:

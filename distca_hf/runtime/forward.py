@@ -32,7 +32,7 @@ from .dispatch import Dispatch, build_dispatch
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
-__all__ = ["context_for_call", "plan_batch", "distributed_group_size"]
+__all__ = ["CallInputs", "context_for_call", "plan_batch", "distributed_group_size"]
 
 
 def distributed_group_size(config: DistCAConfig) -> int:
@@ -78,7 +78,7 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
 
     config = current_config()
     number = next_forward_number()
-    call = _Call(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if distributed_group_size(config) == 1:
         docs = call.documents()
         return begin_forward(_local_context(number, call_key, identifying, docs, query.device,
@@ -119,7 +119,7 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
                                         dispatch=dispatch, counters=dispatch.counters))
 
 
-class _Call:
+class CallInputs:
     """The arguments of one attention call that describe its documents."""
 
     def __init__(self, batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k):

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..config import current_config
-from ..planning import NanoSplit, PackedDocuments, TokenBytes, split_nano_batches
+from ..planning import (NanoSplit, PackedDocuments, RankDocuments, TokenBytes, assign_nano_batches, check_splittable,
+                        rank_documents, split_nano_batches, stitch_rank_documents)
 from . import timeline
 from .agree import PATH_PINGPONG, agree
 from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of
@@ -50,7 +52,7 @@ class PingPongPlan:
     Attributes:
         split: the two nano-batches (``planning.splits.NanoSplit``).
         dispatch_a, dispatch_b: their dispatches (one wave each; they share byte counters).
-        rows_a, rows_b, prefix_rows: ``split``'s row indices as device tensors.
+        rows_a, rows_b, prefix_rows, pinned_rows: ``split``'s row indices as device tensors.
         longest_document: tokens of the longest document over every rank of the server group.
     """
 
@@ -60,56 +62,73 @@ class PingPongPlan:
     rows_a: torch.Tensor
     rows_b: torch.Tensor
     prefix_rows: torch.Tensor
+    pinned_rows: torch.Tensor
     longest_document: int
+
+    def keys_b(self, k_a: torch.Tensor, k_b: torch.Tensor) -> torch.Tensor:
+        """Nano-batch B's key (or value) stream from both nano-batches' rows: ``[A's cut prefix] ++
+        [B's rows] ++ [A's pinned document]`` (B attends to those K/V rows of A as well)."""
+        if not self.split.cut and self.pinned_rows.numel() == 0:
+            return k_b
+        return torch.cat([k_a.index_select(0, self.prefix_rows), k_b, k_a.index_select(0, self.pinned_rows)])
 
 
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
-                  num_heads: int) -> PingPongPlan:
+                  num_heads: int, first_position: int = 0) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
-    (a collective: each rank sends its two nano-batches' document lengths; a rank whose inputs were
-    invalid, ``error``, still joins so that every rank stops). Opens the forward whose
-    ``distca_hf.plan_stats()`` sums both nano-batches."""
+    (a collective: each rank sends its first position and document lengths, as the attention
+    function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
+    rank stops). Every rank then splits every rank's documents alike (``assign_nano_batches``: with
+    ``span_ranks``, a row's last document that continues on the next rank stays whole in A). Opens
+    the forward whose ``distca_hf.plan_stats()`` sums both nano-batches."""
     config = current_config()
     number = next_forward_number()
-    split = None
     if error is None:
         try:
-            split = split_nano_batches(docs)
-        except ValueError as e:
+            check_splittable(docs)
+        except ValueError as e:  # joins the collective first, so every rank stops
             error = e
-    mine = _describe(split) if split is not None else np.zeros(0, dtype=np.int64)
-    _, per_rank = agree(mine, PATH_PINGPONG, error, config, device, number, "ping-pong planning")
-    nano_a, nano_b = _read_descriptions(per_rank)
+    lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
+    _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PINGPONG, error, config, device, number,
+                        "ping-pong planning")
+    per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
+    rows = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
+                                 span_ranks=config.span_ranks)
+    assignments = [assign_nano_batches(per_rank[r], pin_last=_continues_on_next_rank(rows, r))
+                   for r in range(len(per_rank))]
+    split = split_nano_batches(docs, assignments[dist.get_rank(config.group)])
     counters = DispatchCounters()
-    dispatch_a, planned_a = plan_batch(split.docs_a, *nano_a, config, token_bytes, device, number, "none", counters)
-    dispatch_b, planned_b = plan_batch(split.docs_b, *nano_b, config, token_bytes, device, number, "none", counters)
-    for name, d in (("A", dispatch_a), ("B", dispatch_b)):
-        for w in d.waves:
+    dispatches, planned = [], []
+    for name, nano_docs, world_docs in (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
+                                        ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1))):
+        dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters)
+        for w in dispatch.waves:
             w.name = "nano-batch " + name
-    stats = plan_stats_of(number, [planned_a, planned_b], token_bytes=token_bytes, num_heads=num_heads,
-                          backward=config.backward, overlap="pingpong")
-    longest = int(max((x[2:].max(initial=0) for x in per_rank), default=0))
-    begin_forward(ForwardContext(number, ("pingpong", number), (), longest, stats, counters=counters))
+        dispatches.append(dispatch)
+        planned.append(batch)
+    stats = plan_stats_of(number, planned, token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
+                          overlap="pingpong")
+    begin_forward(ForwardContext(number, ("pingpong", number), (), rows.longest_document, stats, counters=counters))
     as_tensor = lambda x: torch.from_numpy(x).to(device)
-    return PingPongPlan(split, dispatch_a, dispatch_b, as_tensor(split.rows_a), as_tensor(split.rows_b),
-                        as_tensor(split.prefix_rows), longest)
+    return PingPongPlan(split, *dispatches, as_tensor(split.rows_a), as_tensor(split.rows_b),
+                        as_tensor(split.prefix_rows), as_tensor(split.pinned_rows), rows.longest_document)
 
 
-def _describe(split: NanoSplit) -> np.ndarray:
-    """What a rank tells the others: ``[docs in A, docs in B, A's lengths, B's lengths, B's past]``."""
-    a, b = split.docs_a, split.docs_b
-    return np.concatenate(([a.num_docs, b.num_docs], a.lengths, b.lengths, b.past)).astype(np.int64)
+def _continues_on_next_rank(rows: RankDocuments, rank: int) -> bool:
+    """Whether ``rank``'s last document goes on on the next rank (``span_ranks``)."""
+    ids = rows.global_ids
+    return rank + 1 < len(ids) and ids[rank].size > 0 and ids[rank + 1].size > 0 and ids[rank + 1][0] == ids[rank][-1]
 
 
-def _read_descriptions(per_rank):
-    """Every rank's ``_describe`` -> per nano-batch ``(lengths per rank, past per rank)``."""
-    nano_a, nano_b = ([], []), ([], [])
-    for x in per_rank:
-        na, nb = int(x[0]), int(x[1])
-        la, lb, pb = x[2 : 2 + na], x[2 + na : 2 + na + nb], x[2 + na + nb :]
-        nano_a[0].append(la), nano_a[1].append(np.zeros_like(la))
-        nano_b[0].append(lb), nano_b[1].append(pb)
-    return nano_a, nano_b
+def _nano_world(rows: RankDocuments, per_rank, assignments, which: int) -> RankDocuments:
+    """Every rank's documents of nano-batch A (``which`` 0) or B (1), with their global ids and
+    positions from the micro-batch's stitching."""
+    parts = [assignment.documents(lengths)[which] for assignment, lengths in zip(assignments, per_rank)]
+    origin = [np.asarray([d for d, _, _ in p], dtype=np.int64) for p in parts]
+    return rank_documents([ids[o] for ids, o in zip(rows.global_ids, origin)],
+                          [offsets[o] for offsets, o in zip(rows.offsets, origin)],
+                          [np.asarray([n for _, n, _ in p], dtype=np.int64) for p in parts],
+                          [np.asarray([past for _, _, past in p], dtype=np.int64) for p in parts])
 
 
 # ---- one nano-batch's attention as three autograd nodes ----

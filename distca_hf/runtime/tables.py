@@ -70,7 +70,7 @@ class LocalDocuments:
 
     Attributes:
         docs: the rank's ``PackedDocuments`` (rows of its local query and key streams).
-        global_ids: ``[num_docs]`` int64 global id of each local document (increasing).
+        global_ids: ``[num_docs]`` int64 global id of each local document (distinct).
         offsets: ``[num_docs]`` int64 position, in its document, of each local document's first key
             token (non-zero for a piece that continues a document from the previous rank).
     """
@@ -81,7 +81,8 @@ class LocalDocuments:
 
     def local_index(self, global_ids: np.ndarray) -> np.ndarray:
         """Local document index of each of ``global_ids`` (which this rank must hold)."""
-        return np.searchsorted(self.global_ids, global_ids)
+        order = np.argsort(self.global_ids, kind="stable")
+        return order[np.searchsorted(self.global_ids[order], global_ids)]
 
     def query_rows(self, local: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Local query row of the first of ``positions`` (in the document) of local documents ``local``."""
