@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dist_harness import run_ranks
+from distca_hf.planning import PlannerConfig, kv_transfers, plan_tasks, rank_documents, stitch_rank_documents
 from workers import span_refusal_worker, span_worker
 
 CASES = {
@@ -58,3 +61,49 @@ def test_a_continuation_the_previous_rank_does_not_hold_stops_every_rank(tmp_pat
         assert result["value"]["raised"] == "DocumentBoundaryError", (rank, result["value"])
         assert f"rank 1's row starts at position {claimed}" in result["value"]["message"]
         assert "6 tokens" in result["value"]["message"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=10), st.integers(1, 5), st.data())
+def test_stitched_pieces_and_key_only_pieces_plan_exactly(doc_lengths, world, data):
+    """Pure: a global stream cut into ``world`` slices is stitched into pieces (continuations keep
+    their document); pieces made key-only carry K/V but no work; the plan covers every query once
+    and each server gets every task's whole K/V prefix from its own pieces and the transfers."""
+    total = sum(doc_lengths)
+    world = min(world, total)  # every rank holds a row of at least one token
+    cuts = sorted(data.draw(st.lists(st.integers(1, total - 1), min_size=world - 1, max_size=world - 1, unique=True))
+                  if world > 1 else [])
+    bounds = [0, *cuts, total]
+    starts = np.cumsum([0, *doc_lengths[:-1]])
+    per_rank, firsts = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        docs = [(max(lo, s), min(hi, s + n), s) for s, n in zip(starts, doc_lengths) if max(lo, s) < min(hi, s + n)]
+        per_rank.append(np.array([b - a for a, b, _ in docs], dtype=np.int64))
+        firsts.append(docs[0][0] - docs[0][2] if docs else 0)
+    rows = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], firsts, span_ranks=True)
+    pieces = rows.pieces
+    assert rows.longest_document == max(doc_lengths)
+    assert np.array_equal(np.bincount(pieces.doc, weights=pieces.end - pieces.kv_start).astype(int), doc_lengths)
+    key_only = np.array(data.draw(st.lists(st.booleans(), min_size=pieces.num_pieces, max_size=pieces.num_pieces)),
+                        dtype=bool)
+    past = [np.where(key_only[pieces.rank == r], x, 0) for r, x in enumerate(per_rank)]
+    pieces = rank_documents(rows.global_ids, rows.offsets, per_rank, past).pieces
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=data.draw(st.sampled_from([0.0, 0.05]))))
+    assert (plan.q_end > plan.q_start).all()
+    covered = {}
+    for d, a, b in zip(plan.doc, plan.q_start, plan.q_end):
+        covered.setdefault(int(d), []).extend(range(int(a), int(b)))
+    wanted = {}
+    for d, a, b in zip(pieces.doc, pieces.start, pieces.end):
+        wanted.setdefault(int(d), []).extend(range(int(a), int(b)))
+    assert {d: sorted(v) for d, v in covered.items()} == {d: sorted(v) for d, v in wanted.items() if v}
+    transfers = kv_transfers(plan, pieces)
+    for server, d, b in zip(plan.server, plan.doc, plan.q_end):
+        have = set()
+        for r, pd, ks, e in zip(pieces.rank, pieces.doc, pieces.kv_start, pieces.end):
+            if pd == d and r == server:
+                have.update(range(int(ks), int(e)))
+        for v, td, ts, te in zip(transfers.server, transfers.doc, transfers.start, transfers.end):
+            if v == server and td == d:
+                have.update(range(int(ts), int(te)))
+        assert set(range(int(b))) <= have
