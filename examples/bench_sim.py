@@ -1,7 +1,8 @@
 """The README's simulator table (``make bench-sim``): both shared length samples at 8, 64 and 512
-ranks and 32k, 128k and 512k tokens per rank, plus the planner's speed targets (64 x 64k and
-512 x 128k), all through ``distca_hf.tools.simulate.simulate`` with its defaults (tolerance 0.02, block
-128, Llama-3-8B bytes, H100 FLOP time model).
+ranks and 32k, 128k and 512k tokens per rank, the K/V each server receives (distca against
+per-document CP), plus the planner's speed targets (64 x 64k and 512 x 128k), all through
+``distca_hf.tools.simulate.simulate`` with its defaults (tolerance 0.02, block 128, Llama-3-8B bytes,
+H100 FLOP time model).
 
     python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-readme]
 """
@@ -29,7 +30,7 @@ def _k(tokens: int) -> str:
 def run(data: Path, batches: int):
     samples = {name: load_lengths(data / f"doc_lengths_{name}.json") for name in ("prolong", "wlbllm")}
     config = PlannerConfig(block=128)
-    grid_rows, target_rows = [], []
+    grid_rows, memory_rows, target_rows = [], [], []
     for name, lengths in samples.items():
         for ranks, tokens in GRID:
             start = time.perf_counter()
@@ -41,6 +42,11 @@ def run(data: Path, batches: int):
                 f"{100 * d['moved_query_fraction']:.1f}% | {d['comm_bytes_per_layer'] / 1e9:.2f} | "
                 f"{d['comm_bytes_per_layer'] / r['per_doc_cp']['comm_bytes_per_layer']:.4f} | "
                 f"{d['plan_ms_median']:.1f} | {r['speedup_vs_colocated']:.2f}x |"
+            )
+            dca_kv, cp_kv = d["kv_received_tokens_per_layer"], r["per_doc_cp"]["kv_received_tokens_per_layer"]
+            memory_rows.append(
+                f"| {name} | {ranks} x {_k(tokens)} | {dca_kv['max'] / 1e3:.1f}k | {dca_kv['mean'] / 1e3:.1f}k | "
+                f"{cp_kv['max'] / 1e3:.1f}k | {cp_kv['mean'] / 1e3:.1f}k | {dca_kv['max'] / max(cp_kv['max'], 1):.2f} |"
             )
             print(f"{name} {ranks}x{_k(tokens)} done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
         for ranks, tokens, target in TARGETS:
@@ -57,12 +63,20 @@ def run(data: Path, batches: int):
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *grid_rows,
     ])
+    memory = "\n".join([
+        "| sample | ranks x tokens/rank | distca worst server | distca mean | per-doc CP worst rank | "
+        "per-doc CP mean | worst vs per-doc CP |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        *memory_rows,
+    ])
     targets = "\n".join([
         "| sample | ranks x tokens/rank | distca mean | distca worst | plan ms (median) | targets |",
         "| --- | --- | ---: | ---: | ---: | --- |",
         *target_rows,
     ])
-    return f"{grid}\n\nPlanner targets ({max(batches, 8)} batches each, this machine):\n\n{targets}"
+    return (f"{grid}\n\nK/V tokens received per layer (worst server or rank, and mean; averaged over batches; "
+            "per-document CP: every rank holding a piece of a document that spans ranks gathers the rest of "
+            f"that document):\n\n{memory}\n\nPlanner targets ({max(batches, 8)} batches each, this machine):\n\n{targets}")
 
 
 def main(argv=None) -> int:

@@ -228,3 +228,45 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
     local_only = plan_stats_of(3, [BatchPlan(first)])
     assert not local_only.dispatched and local_only.bytes_sent_per_layer == 0
     assert local_only.attn_pairs_served == local_only.attn_pairs_local
+
+
+def _tie_break_batch(extra_on_holder: int) -> DocumentPieces:
+    """8 ranks: document 1000 is [0, 4) on rank 0 (the holder, 10 pairs, plus ``extra_on_holder``
+    one-token documents) and [4, 20) on rank 1 (200 pairs, the only donor); rank 2 is empty (the
+    roomiest); ranks 3..7 hold 150 pairs each (a 16-token document and 14 one-token ones)."""
+    return DocumentPieces.from_rank_lists([[(1000, 0, 4)] + [1] * extra_on_holder, [(1000, 4, 20)], [],
+                                           *[[16] + [1] * 14] * 5])
+
+
+def test_tie_break_prefers_the_server_holding_the_prefix():
+    """Issue 11: among servers that balance equally well, the one that already holds part of the
+    shard's K/V prefix takes the shard, and is sent fewer K/V tokens."""
+    config = PlannerConfig(tolerance=0.3, block=1)
+    # mean 120 pairs, cap (1 + 0.85 * 0.3) * 120 = 150.6: rank 1 sheds about 49.4 pairs; rank 2 has
+    # 150.6 of room, rank 0 has 140.6: enough for all of it, so the two tie and rank 0 holds [0, 4).
+    pieces = _tie_break_batch(extra_on_holder=0)
+    plan = plan_tasks(pieces, config)
+    _check_plan(pieces, plan, config)
+    moved = plan.source != plan.server
+    assert plan.server[moved].tolist() == [0] * int(moved.sum()) and moved.any()
+    received = kv_received(kv_transfers(plan, pieces), pieces.num_ranks)
+    prefix = int(plan.q_end[moved].max())
+    # rank 0 is sent the prefix less the 4 tokens it holds; rank 1 needs [0, 4) for its own queries
+    assert received.tolist() == [prefix - 4, 4, 0, 0, 0, 0, 0, 0]
+
+
+def test_tie_break_keeps_the_roomiest_when_the_holder_has_too_little_room():
+    config = PlannerConfig(tolerance=0.3, block=1)
+    # 140 more pairs on rank 0: mean 137.5, cap 172.6, rank 1 sheds about 27.4 pairs but rank 0 has
+    # only 22.6 of room: no tie, the shard goes to the roomiest (rank 2), which is sent its whole prefix
+    pieces = _tie_break_batch(extra_on_holder=140)
+    plan = plan_tasks(pieces, config)
+    _check_plan(pieces, plan, config)
+    moved = plan.source != plan.server
+    assert plan.server[moved].tolist() == [2] * int(moved.sum()) and moved.any()
+    received = kv_received(kv_transfers(plan, pieces), pieces.num_ranks)
+    assert received.tolist() == [0, 4, int(plan.q_end[moved].max()), 0, 0, 0, 0, 0]
+    # and a holder outside the server pool never receives
+    pool = PlannerConfig(tolerance=0.3, block=1, servers=(1, 2, 3, 4, 5, 6, 7))
+    plan = plan_tasks(_tie_break_batch(extra_on_holder=0), pool)
+    assert not (plan.server == 0).any()

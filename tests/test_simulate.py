@@ -12,15 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import TimeModel
-from distca_hf.planning import causal_pairs
-from distca_hf.tools.simulate import draw_batch, pack_pieces, simulate, wlb_loads
+from distca_hf.planning import DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs, kv_transfers, plan_tasks
+from distca_hf.tools.simulate import draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, simulate, wlb_loads
 
 CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "speedup_vs_colocated",
 }
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
-               "plan_ms_median"}
+               "plan_ms_median", "kv_received_tokens_per_layer"}
 
 
 def _console_script(*args):
@@ -65,7 +64,10 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert set(out) == CONTRACT_KEYS
     assert set(out["distca"]) == DISTCA_KEYS
     assert set(out["colocated"]) == {"attn_imbalance"} == set(out["wlb"])
-    assert set(out["per_doc_cp"]) == {"comm_bytes_per_layer"}
+    assert set(out["per_doc_cp"]) == {"comm_bytes_per_layer", "kv_received_tokens_per_layer"}
+    for method in ("distca", "per_doc_cp"):
+        received = out[method]["kv_received_tokens_per_layer"]
+        assert set(received) == {"max", "mean"} and 0 <= received["mean"] <= received["max"]
     assert (out["ranks"], out["tokens_per_rank"], out["batches"]) == (8, 2048, 3)
     d = out["distca"]
     assert 1.0 <= d["attn_imbalance"] <= d["worst_attn_imbalance"] <= out["colocated"]["attn_imbalance"] + 1e-9
@@ -151,3 +153,89 @@ def test_profile_writes_a_loadable_time_model(tmp_path):
     assert "cpu" in model.source
     sim = _cli("simulate", "--lengths", str(out.parent / "l.json"), "--ranks", "2", "--tokens-per-rank", "8")
     assert sim.returncode == 2  # (no lengths file there)
+
+
+def _per_doc_cp_brute_force(pieces: DocumentPieces) -> list[int]:
+    """Per rank: for every document held by more than one rank, the tokens of ``[0, length)`` whose
+    K/V this rank does not hold, counted token by token."""
+    received = [0] * pieces.num_ranks
+    for d in set(pieces.doc.tolist()):
+        mine = pieces.doc == d
+        length = int(pieces.end[mine].max())
+        holders = set(pieces.rank[mine].tolist())
+        if len(holders) < 2:
+            continue
+        for r in holders:
+            held = set()
+            for s, e in zip(pieces.kv_start[mine & (pieces.rank == r)], pieces.end[mine & (pieces.rank == r)]):
+                held.update(range(int(s), int(e)))
+            received[r] += len(set(range(length)) - held)
+    return received
+
+
+def test_per_doc_cp_kv_received_hand_checked():
+    # doc 0: [0, 6) on rank 0, [6, 8) on rank 1 (length 8); doc 1: [0, 2) on 1, [2, 5) on 2, [5, 9) on 3
+    # (length 9); doc 2: 5 tokens on rank 0 alone (no CP, nothing to gather).
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 6), (2, 0, 5)], [(0, 6, 8), (1, 0, 2)], [(1, 2, 5)], [(1, 5, 9)]])
+    # rank 0: 8 - 6; rank 1: (8 - 2) + (9 - 2); rank 2: 9 - 3; rank 3: 9 - 4
+    assert per_doc_cp_kv_received(pieces).tolist() == [2, 13, 6, 5]
+    # a piece holding K/V before its first query (kv_start < start) gathers less: rank 1 holds [4, 8)
+    with_prefix = DocumentPieces(np.array([0, 1]), np.array([0, 0]), np.array([0, 6]), np.array([4, 8]), 3,
+                                 kv_start=np.array([0, 4]))
+    assert per_doc_cp_kv_received(with_prefix).tolist() == [4, 4, 0]
+    assert per_doc_cp_kv_received(DocumentPieces.from_rank_lists([[], [4, 2]])).tolist() == [0, 0]
+    assert per_doc_cp_kv_received(DocumentPieces.from_rank_lists([[], []])).tolist() == [0, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1000), ranks=st.integers(1, 7), tokens=st.integers(1, 300))
+def test_per_doc_cp_kv_received_equals_brute_force(seed, ranks, tokens):
+    lengths = np.array([1, 7, 40, 333, 2000])
+    pieces = pack_pieces(draw_batch(lengths, ranks * tokens, np.random.default_rng(seed)), ranks, tokens)
+    assert per_doc_cp_kv_received(pieces).tolist() == _per_doc_cp_brute_force(pieces)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000), ranks=st.integers(1, 6), tokens=st.integers(8, 400),
+       tolerance=st.sampled_from([0.0, 0.02, 0.2]), block=st.sampled_from([1, 16]))
+def test_simulate_kv_received_against_independent_counts(seed, ranks, tokens, tolerance, block):
+    """The report's K/V received, max and mean over servers and averaged over batches, recomputed from
+    the same batches: distca's from ``kv_transfers`` summed token by token per server (the servers'
+    sum is the transfers' tokens), per-document CP's by brute force."""
+    lengths = np.array([1, 7, 40, 333, 2000])
+    config = PlannerConfig(tolerance=tolerance, block=block, token_bytes=TokenBytes(8, 4, 8))
+    batches = 2
+    result = simulate(lengths, ranks, tokens, batches=batches, seed=seed, config=config)
+    rng = np.random.default_rng(seed)  # the simulator draws every batch from this generator, in order
+    dca_max, dca_mean, cp_max, cp_mean = [], [], [], []
+    for _ in range(batches):
+        pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
+        plan = plan_tasks(pieces, config)
+        transfers = kv_transfers(plan, pieces)
+        per_server = [sum(int(e - s) for s, e, v in zip(transfers.start, transfers.end, transfers.server) if v == r)
+                      for r in range(ranks)]
+        assert sum(per_server) == transfers.tokens()
+        dca_max.append(max(per_server))
+        dca_mean.append(transfers.tokens() / ranks)
+        cp = _per_doc_cp_brute_force(pieces)
+        cp_max.append(max(cp))
+        cp_mean.append(sum(cp) / ranks)
+    distca, cp = result["distca"]["kv_received_tokens_per_layer"], result["per_doc_cp"]["kv_received_tokens_per_layer"]
+    assert distca["max"] == pytest.approx(np.mean(dca_max)) and distca["mean"] == pytest.approx(np.mean(dca_mean))
+    assert cp["max"] == pytest.approx(np.mean(cp_max)) and cp["mean"] == pytest.approx(np.mean(cp_mean))
+
+
+def test_simulate_kv_received_hand_checked():
+    # One 300-token document cut to 200 fills 2 ranks of 100: per-document CP has each rank gather the
+    # other's 100 tokens. Under distca rank 1 still needs rank 0's 100 tokens for its own queries,
+    # and rank 0 receives K/V only for a shard of rank 1's: the worst server receives at least 100.
+    result = simulate(np.array([300]), ranks=2, tokens_per_rank=100, batches=3, seed=0)
+    assert result["per_doc_cp"]["kv_received_tokens_per_layer"] == {"max": 100.0, "mean": 100.0}
+    assert result["distca"]["kv_received_tokens_per_layer"]["max"] >= 100
+    # 150-token documents: doc 0 is [0, 100) on rank 0 and [100, 150) on rank 1, doc 1 (cut to 50)
+    # on rank 1 alone: rank 0 gathers 50, rank 1 gathers 100.
+    result = simulate(np.array([150]), ranks=2, tokens_per_rank=100, batches=2, seed=0)
+    assert result["per_doc_cp"]["kv_received_tokens_per_layer"] == {"max": 100.0, "mean": 75.0}
+    table = format_table(result)
+    assert "K/V tokens received per layer, distca" in table and "K/V tokens received per layer, per-doc CP" in table
+    assert "100 / 75" in table

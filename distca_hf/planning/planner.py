@@ -162,7 +162,7 @@ class _Shedder:
         self.by_rank = np.lexsort((pieces.doc, -pieces.end, pieces.rank))
         self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(len(is_server) + 1))
         self.intervals: dict[int, list[list[int]]] = {}
-        self.prefix_holders = _prefix_holders(pieces)
+        self.prefix_holders = _PrefixHolders(pieces)
         self.out = _TaskList()
         self.heap = [(-self._room(r), r) for r in np.flatnonzero(is_server).tolist() if self._room(r) > 0]
         heapq.heapify(self.heap)
@@ -209,17 +209,13 @@ class _Shedder:
         ``slack`` (the room it already treats as full). Either choice then moves the same pairs out
         of the donor, up to that slack, and keeps every server within the cap. Among tying holders
         the most K/V held wins, then the most room, then the lowest rank (deterministic)."""
-        i = self.carver.next_interval(intervals, want, self._room(roomiest))
-        d, lo = intervals[i][0], intervals[i][1]
-        holders = self.prefix_holders.get(d)
-        if holders is None:  # a document on one rank only: nobody else holds any of it
+        best_room = self._room(roomiest)
+        d, lo = intervals[self.carver.next_interval(intervals, want, best_room)][:2]
+        held = self.prefix_holders.held_before(d, lo, donor)
+        if not held:  # nobody else holds any of this prefix (most documents live on one rank)
             return roomiest
-        held: dict[int, int] = {}
-        for rank, kv_start, end in holders:
-            if end <= lo and rank != donor:
-                held[rank] = held.get(rank, 0) + end - kv_start
-        tie_room = min(want, self._room(roomiest)) - self.carver.slack
-        best, best_key = roomiest, (0, self._room(roomiest), -roomiest)
+        tie_room = min(want, best_room) - self.carver.slack
+        best, best_key = roomiest, (0, best_room, -roomiest)
         for rank, tokens in held.items():
             room = self._room(rank)
             if room > 0 and room >= tie_room and (tokens, room, -rank) > best_key:
@@ -283,18 +279,31 @@ class _Shedder:
         return self.out.to_plan(p.num_ranks, servers)
 
 
-def _prefix_holders(pieces: DocumentPieces) -> dict[int, list[tuple[int, int, int]]]:
-    """``{doc: [(rank, kv_start, end), ...]}`` for the documents held as several pieces (those that
-    span ranks): who holds which K/V tokens of them. Other documents have no holder but their donor."""
-    order = np.lexsort((pieces.kv_start, pieces.doc))
-    doc = pieces.doc[order]
-    counts = np.bincount(doc) if doc.size else np.zeros(0, dtype=np.int64)
-    several = (counts > 1)[doc]
-    holders: dict[int, list[tuple[int, int, int]]] = {}
-    for d, rank, kv_start, end in zip(doc[several].tolist(), pieces.rank[order][several].tolist(),
-                                      pieces.kv_start[order][several].tolist(), pieces.end[order][several].tolist()):
-        holders.setdefault(d, []).append((rank, kv_start, end))
-    return holders
+class _PrefixHolders:
+    """Who holds which K/V tokens of the documents held as several pieces (those that span ranks);
+    any other document has no holder but its donor. Only these few pieces (about two per rank in
+    packed batches) reach Python, as one list of ``(rank, kv_start, end)`` rows grouped by document."""
+
+    def __init__(self, pieces: DocumentPieces):
+        several = np.flatnonzero(np.bincount(pieces.doc)[pieces.doc] > 1) if pieces.num_pieces else np.zeros(0, int)
+        several = several[np.argsort(pieces.doc[several], kind="stable")]
+        docs = pieces.doc[several]
+        first = np.flatnonzero(np.concatenate(([True], docs[1:] != docs[:-1]))) if docs.size else docs
+        bounds = np.append(first, docs.size).tolist()
+        self.rows = list(zip(pieces.rank[several].tolist(), pieces.kv_start[several].tolist(),
+                             pieces.end[several].tolist()))
+        self.groups = dict(zip(docs[first].tolist(), zip(bounds[:-1], bounds[1:])))
+
+    def held_before(self, doc: int, position: int, donor: int) -> dict[int, int]:
+        """``{rank: K/V tokens}`` that ranks other than ``donor`` hold of ``doc`` in pieces ending at
+        or before ``position`` (empty for a document on one rank)."""
+        group = self.groups.get(doc)
+        held: dict[int, int] = {}
+        if group is not None:
+            for rank, kv_start, end in self.rows[group[0] : group[1]]:
+                if end <= position and rank != donor:
+                    held[rank] = held.get(rank, 0) + end - kv_start
+        return held
 
 
 def _local_plan(pieces: DocumentPieces, servers) -> Plan:

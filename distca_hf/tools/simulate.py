@@ -8,12 +8,16 @@ batch's last document is cut where the batch is full). Four ways to run the batc
 - ``wlb``: WLB-LLM-style length-aware packing of the same documents: pieces (documents cut to at
   most T tokens) sorted by attention cost, each to the least-loaded rank that still has room.
 - ``per_doc_cp``: per-document context parallelism: every document split over all ranks, K/V
-  all-gathered (balanced by construction; we count its bytes).
+  all-gathered (balanced by construction; we count its bytes). For memory we also count the
+  lighter variant that runs CP only where the packing already cut a document: every rank holding a
+  piece of a document that spans ranks gathers the rest of that document's K/V.
 - ``distca``: the planner's CA-task assignment on top of the colocated packing.
 
 Attention cost is in query-key pairs; bytes assume bf16 and the model given by ``--hidden``,
 ``--heads``, ``--kv-heads`` (default: Llama-3-8B) and count one layer's forward; times come from a
-``TimeModel`` (a FLOP model of an H100 by default, or ``distca-hf profile``'s JSON).
+``TimeModel`` (a FLOP model of an H100 by default, or ``distca-hf profile``'s JSON). K/V received is
+in tokens per layer (the memory a method adds on a rank besides its own tokens; multiply by the K/V
+bytes per token for bytes).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from ..planning import (LLAMA3_8B_H100, DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
-                        comm_bytes, concat_ranges, imbalance, plan_tasks)
+                        comm_bytes, concat_ranges, imbalance, kv_received, kv_transfers, plan_tasks)
 
-__all__ = ["draw_batch", "cut_to", "pack_pieces", "wlb_loads", "simulate", "main"]
+__all__ = ["draw_batch", "cut_to", "pack_pieces", "wlb_loads", "per_doc_cp_kv_received", "simulate", "main"]
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -106,6 +110,23 @@ def _per_doc_cp_bytes(total_tokens: int, ranks: int, token_bytes: TokenBytes) ->
     return (ranks - 1) * total_tokens * token_bytes.kv
 
 
+def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
+    """``[num_ranks]`` K/V tokens each rank receives per layer under per-document CP of the documents
+    that span ranks: a rank holding a piece of such a document gathers all of that document's K/V
+    it does not hold (document length - its own K/V tokens of it), once per document."""
+    if not pieces.num_pieces:
+        return np.zeros(pieces.num_ranks, dtype=np.int64)
+    length = np.zeros(int(pieces.doc.max()) + 1, dtype=np.int64)
+    np.maximum.at(length, pieces.doc, pieces.end)  # a document's pieces tile [0, length)
+    # one entry per (document, rank) that holds some of it, with the K/V tokens it holds
+    holding, which = np.unique(pieces.doc * pieces.num_ranks + pieces.rank, return_inverse=True)
+    held = np.bincount(which, weights=pieces.end - pieces.kv_start).astype(np.int64)
+    doc, rank = holding // pieces.num_ranks, holding % pieces.num_ranks
+    spans = np.bincount(doc, minlength=length.size)[doc] > 1  # held by more than one rank
+    missing = np.where(spans, length[doc] - held, 0)
+    return np.bincount(rank, weights=missing, minlength=pieces.num_ranks).astype(np.int64)
+
+
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
              config: PlannerConfig | None = None, time_model: TimeModel = LLAMA3_8B_H100, keep_first: bool = False):
     """Run the comparison; returns the contract's JSON object (and the first batch's details as
@@ -115,7 +136,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     rng = np.random.default_rng(seed)
     total = ranks * tokens_per_rank
     acc = {k: [] for k in ("colo_imb", "wlb_imb", "dca_imb", "moved", "bytes", "cp_bytes", "plan_ms",
-                           "colo_t", "dca_t", "wlb_t")}
+                           "colo_t", "dca_t", "wlb_t", "dca_kv_max", "dca_kv_mean", "cp_kv_max", "cp_kv_mean")}
     first = None
     for _ in range(batches):
         docs = draw_batch(lengths, total, rng)
@@ -131,8 +152,15 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         acc["wlb_imb"].append(imbalance(wlb_pairs))
         acc["dca_imb"].append(imbalance(served, servers))
         acc["moved"].append(plan.moved_queries() / total)
-        acc["bytes"].append(comm_bytes(plan, pieces, config.token_bytes).total)
+        transfers = kv_transfers(plan, pieces)
+        acc["bytes"].append(comm_bytes(plan, pieces, config.token_bytes, transfers).total)
         acc["cp_bytes"].append(_per_doc_cp_bytes(total, ranks, config.token_bytes))
+        received = kv_received(transfers, ranks)[list(servers)]  # only servers receive K/V
+        acc["dca_kv_max"].append(received.max())
+        acc["dca_kv_mean"].append(received.mean())
+        cp_received = per_doc_cp_kv_received(pieces)
+        acc["cp_kv_max"].append(cp_received.max())
+        acc["cp_kv_mean"].append(cp_received.mean())
         tokens = pieces.tokens()
         acc["colo_t"].append(time_model.rank_seconds(tokens, local, np.bincount(pieces.rank, minlength=ranks)).max())
         acc["wlb_t"].append(time_model.rank_seconds(wlb_tokens, wlb_pairs, wlb_pieces).max())
@@ -152,8 +180,12 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             "moved_query_fraction": mean("moved"),
             "comm_bytes_per_layer": mean("bytes"),
             "plan_ms_median": float(statistics.median(acc["plan_ms"])),
+            "kv_received_tokens_per_layer": {"max": mean("dca_kv_max"), "mean": mean("dca_kv_mean")},
         },
-        "per_doc_cp": {"comm_bytes_per_layer": mean("cp_bytes")},
+        "per_doc_cp": {
+            "comm_bytes_per_layer": mean("cp_bytes"),
+            "kv_received_tokens_per_layer": {"max": mean("cp_kv_max"), "mean": mean("cp_kv_mean")},
+        },
         "speedup_vs_colocated": float(sum(acc["colo_t"]) / sum(acc["dca_t"])),
     }
     if keep_first:
@@ -219,6 +251,10 @@ def _plot(path, lengths, args, config, time_model, result):
     fig.savefig(path, dpi=110)
 
 
+def _max_mean(stat: dict) -> str:
+    return f"{stat['max']:,.0f} / {stat['mean']:,.0f}"
+
+
 def format_table(result: dict) -> str:
     d = result["distca"]
     rows = [
@@ -229,6 +265,9 @@ def format_table(result: dict) -> str:
         ("queries moved", f"{100 * d['moved_query_fraction']:.1f}%"),
         ("bytes per layer, distca", f"{d['comm_bytes_per_layer'] / 1e9:.3f} GB"),
         ("bytes per layer, per-document CP", f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
+        ("K/V tokens received per layer, distca (max / mean server)", _max_mean(d["kv_received_tokens_per_layer"])),
+        ("K/V tokens received per layer, per-doc CP (max / mean rank)",
+         _max_mean(result["per_doc_cp"]["kv_received_tokens_per_layer"])),
         ("plan time (median)", f"{d['plan_ms_median']:.2f} ms"),
         ("estimated speedup vs colocated", f"{result['speedup_vs_colocated']:.2f}x"),
     ]
