@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_harness import run_ranks
-from workers import check_forward_bytes, exactness_worker
+from workers import check_forward_bytes, exact_runs, exactness_worker
 
 from distca_hf.planning import PackedDocuments
 from distca_hf.kernels import varlen_causal_attention
@@ -133,15 +133,10 @@ def test_wave_halves_cover_the_plan(per_rank, block):
 ])
 def test_overlap_modes_are_exact(tmp_path, world, family, overlap):
     results = run_ranks(exactness_worker, world, tmp_path, family, overlap, env={"DISTCA_TOLERANCE": "0.02"})
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
-        *runs, evaluation = result["value"]
-        assert evaluation["eval_err"] < 1e-5
+    for rank, runs in exact_runs(results, 8):
         assert {(r["backward"], r["checkpointing"]) for r in runs} == {
             (b, c) for b in ("saved", "resend") for c in (False, True)}
         for run in runs:
-            assert run["logit_err"] < 1e-5, (rank, run)
-            assert run["grad_excess"] < 1e-5, (rank, run)
             stats = run["stats"]
             assert stats["overlap"] == overlap and 0.0 < stats["moved_query_fraction"] < 1.0
             if overlap == "wave":

@@ -154,3 +154,20 @@ def span_refusal_worker(rank, world, claimed_position):
     except (ValueError, RuntimeError) as e:
         return {"raised": type(e).__name__, "message": str(e)}
     return {"raised": None}
+
+
+def exact_runs(results, runs_per_rank: int):
+    """Check the reports of ``exactness_worker`` / ``span_worker`` on every rank: each rank ran,
+    evaluation and every run match the reference (fp32: 1e-5); returns ``[(rank, runs)]``."""
+    checked = []
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        *runs, evaluation = result["value"]
+        assert evaluation["eval_err"] < 1e-5
+        assert len(runs) == runs_per_rank
+        for run in runs:
+            assert run["same_grad_keys"]
+            assert run["logit_err"] < 1e-5, (rank, run)
+            assert run["grad_excess"] < 1e-5, (rank, run)
+        checked.append((rank, runs))
+    return checked

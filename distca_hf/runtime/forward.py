@@ -76,13 +76,22 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
             and all(a is b for a, b in zip(current.inputs, identifying))):
         return current
 
+    call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+    return begin_forward(_open_forward(module, query, key, call, call_key, identifying))
+
+
+def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> ForwardContext:
+    """Find the documents, agree with the other ranks of the server group (a collective when there
+    are any) and plan."""
     config = current_config()
     number = next_forward_number()
-    call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if distributed_group_size(config) == 1:
+        if config.span_ranks and config.mode == "colocated":
+            warn_once("span-colocated", "distca: span_ranks=True with mode='colocated': a row that continues another "
+                      "rank's document attends only to its own piece (colocated computes no cross-rank attention); "
+                      "it is a baseline, not the exact result", stacklevel=5)
         docs = call.documents()
-        return begin_forward(_local_context(number, call_key, identifying, docs, query.device,
-                                            int(docs.lengths.max(initial=0))))
+        return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
     error, docs, first_position = None, None, 0
     try:
         docs = call.documents()
@@ -90,33 +99,40 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     except ValueError as e:  # still join the collective, so the other ranks learn of it
         error = e
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
-    path = PATH_KV_CACHE if kv_len != query_len else PATH_PLAIN
+    path = PATH_KV_CACHE if key.shape[2] != query.shape[2] else PATH_PLAIN
     headers, gathered = agree(np.concatenate(([first_position], lengths)), path, error, config, query.device,
                               number, "planning")
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
-    if any(h[1] == PATH_KV_CACHE for h in headers):  # someone decodes with a KV cache: everyone computes locally
+    decoding = [r for r, h in enumerate(headers) if h[1] == PATH_KV_CACHE]
+    if decoding:  # someone decodes with a KV cache: everyone computes locally
         if config.span_ranks:
             raise UnsupportedAttentionError(
-                f"distca forward {number}: rank(s) {[r for r, h in enumerate(headers) if h[1] == PATH_KV_CACHE]} "
-                "decode with a KV cache, which span_ranks=True cannot do (a document's prefix may live on another "
-                "rank); generate with span_ranks=False (DISTCA_SPAN_RANKS=0)")
+                f"distca forward {number}: rank(s) {decoding} decode with a KV cache, which span_ranks=True cannot do "
+                "(a document's prefix may live on another rank); generate with span_ranks=False (DISTCA_SPAN_RANKS=0)")
         longest = int(max((x.max(initial=0) for x in per_rank), default=0))
-        return begin_forward(_local_context(number, call_key, identifying, docs, query.device, longest))
-    overlap = config.overlap
-    if overlap == "pingpong":  # reached only when the model's decoder stack is not ping-pong patched
-        overlap = "wave"
-        name = type(module).__name__
-        warn_once(f"pingpong-fallback:{name}",
-                  f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, Qwen2, "
-                  f"Qwen3 in training, see distca_hf.patches); {name} runs with overlap='wave' instead", stacklevel=4)
-    token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, num_kv_heads, query.element_size(), head_dim)
+        return _local_context(number, call_key, inputs, docs, query.device, longest)
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)
+    _, num_heads, _, head_dim = query.shape
+    token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
+    overlap = _overlap_of(module, config)
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
-    return begin_forward(ForwardContext(number, call_key, identifying, ranks.longest_document, stats,
-                                        dispatch=dispatch, counters=dispatch.counters))
+    return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
+                          counters=dispatch.counters)
+
+
+def _overlap_of(module, config: DistCAConfig) -> str:
+    """The overlap this attention function runs: ``pingpong`` reaches it only when the model's
+    decoder stack is not ping-pong patched, and then runs ``wave``."""
+    if config.overlap != "pingpong":
+        return config.overlap
+    name = type(module).__name__
+    warn_once(f"pingpong-fallback:{name}",
+              f"distca: DISTCA_OVERLAP=pingpong needs a ping-pong patched decoder stack (Llama, Mistral, Qwen2, Qwen3 "
+              f"in training, see distca_hf.patches); {name} runs with overlap='wave' instead", stacklevel=6)
+    return "wave"
 
 
 class CallInputs:
