@@ -175,6 +175,7 @@ class _Shedder:
         if rank not in self.intervals:
             p = self.pieces
             mine = self.by_rank[self.rank_start[rank] : self.rank_start[rank + 1]]
+            mine = mine[p.end[mine] > p.start[mine]]  # a key-only piece holds no work
             self.intervals[rank] = np.stack((p.doc[mine], p.start[mine], p.end[mine]), axis=1).tolist()
         return self.intervals[rank]
 
@@ -271,7 +272,7 @@ class _Shedder:
         p = self.pieces
         opened = np.zeros(p.num_ranks, dtype=bool)
         opened[list(self.intervals)] = True
-        keep = ~opened[p.rank]
+        keep = ~opened[p.rank] & (p.end > p.start)
         self.out.extend_local(p.rank[keep], p.doc[keep], p.start[keep], p.end[keep])
         for rank, intervals in self.intervals.items():
             for d, s, e in intervals:
@@ -308,6 +309,7 @@ class _PrefixHolders:
 
 def _local_plan(pieces: DocumentPieces, servers) -> Plan:
     order = np.lexsort((pieces.start, pieces.doc, pieces.rank))
+    order = order[pieces.end[order] > pieces.start[order]]  # a key-only piece holds no work
     r = pieces.rank[order]
     return Plan(r, r.copy(), pieces.doc[order], pieces.start[order], pieces.end[order], pieces.num_ranks, servers)
 
