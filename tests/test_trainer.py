@@ -1,13 +1,21 @@
 """DistCATrainer and DistCAAccelerator against a single-process reference.
 
 The reference is independent of distca and of the Trainer: a plain PyTorch loop over the same
-micro-batches (recorded on every rank), each document piece run alone with eager attention, the
-loss summed over all label tokens of the step and divided by their count, SGD. Two gloo ranks
-through DDP (with gradient accumulation and checkpointing, one whole epoch), DeepSpeed ZeRO-2 and
-ZeRO-3 must give its losses step by step and its final parameters (fp32, tight tolerances); a run
-resumed from a checkpoint must give the losses of the uninterrupted run; every document is trained
-on exactly once per epoch. The recipes launch the examples with `accelerate launch`, and bad set-ups
-fail with errors that say what is wrong."""
+documents (recorded on every rank), each document run alone with eager attention, the loss summed
+over all label tokens of the step and divided by their count, SGD. Two gloo ranks through DDP (with
+gradient accumulation and checkpointing, one whole epoch), DeepSpeed ZeRO-2 and ZeRO-3 must give
+its losses step by step and its final parameters (fp32, tight tolerances); a run resumed from a
+checkpoint must give the losses of the uninterrupted run; every document is trained on exactly once
+per epoch. The recipes launch the examples with `accelerate launch`, and bad set-ups fail with
+errors that say what is wrong.
+
+Two packings: per rank (``span_ranks=False``: a document longer than ``tokens_per_rank`` is cut
+into chunks that train alone), and the trainer's default on two ranks, documents spanning ranks
+(global batches of ``2 * tokens_per_rank`` tokens: documents up to that length train whole, their
+pieces on both ranks; the reference runs them whole). The spanning runs need the attention runtime
+to take documents that span ranks; ``stand_in`` runs replace it with an exact all-gather attention
+written here, so the trainer's data path (order, positions, labels across the rank boundary, label
+counts) is checked on its own."""
 
 from __future__ import annotations
 
@@ -69,8 +77,9 @@ def reference_run(steps: list[list[list[int]]], lr: float):
     return losses, {n: p.detach() for n, p in model.named_parameters()}, model
 
 
-def reference_eval_loss(model, documents, budget) -> float:
-    pieces = [d[s:s + budget] for d in documents for s in range(0, len(d), budget)]
+def reference_eval_loss(model, documents, chunk) -> float:
+    """The token-weighted loss of ``documents``, each cut into chunks of ``chunk`` tokens run alone."""
+    pieces = [d[s:s + chunk] for d in documents for s in range(0, len(d), chunk)]
     with torch.no_grad():
         total = sum(_token_loss_sum(model, p) for p in pieces if len(p) > 1)
     return float(total / sum(len(p) - 1 for p in pieces))
@@ -81,15 +90,20 @@ def reference_eval_loss(model, documents, budget) -> float:
 
 def _train_worker(rank, world, case, out_dir):
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if case.get("stand_in"):
+        _use_stand_in_attention()
     return _train(case, out_dir, rank)
 
 
 def _train(case: dict, out_dir: str, rank: int = 0):
-    """Train the tiny Llama with DistCATrainer as ``case`` says; record what each step trained."""
+    """Train the tiny Llama with DistCATrainer as ``case`` says; record what each micro-batch trained.
+
+    ``case["span"]``: ``DistCAPlugin(span_ranks=...)``; absent: the trainer's default."""
     import json
 
     from transformers import TrainingArguments
 
+    import distca_hf
     from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
     from helpers import tiny_model
 
@@ -97,7 +111,9 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         def training_step(self, model, inputs, num_items_in_batch=None):
             cu = inputs["cu_seq_lens_q"].tolist()
             ids = inputs["input_ids"][0].tolist()
-            self.recorded.append([self.state.global_step, [ids[a:b] for a, b in zip(cu, cu[1:])]])
+            self.recorded.append([self.state.global_step, [ids[a:b] for a, b in zip(cu, cu[1:])],
+                                  int(inputs["position_ids"][0, 0]), int(inputs["shift_labels"][0, -1]),
+                                  int(num_items_in_batch)])
             return super().training_step(model, inputs, num_items_in_batch)
 
     model = tiny_model("llama")  # before the arguments: no zero.Init, so the reference's initial weights
@@ -119,15 +135,20 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         import datasets
 
         train_dataset = datasets.Dataset.from_dict({"input_ids": train_dataset}).to_iterable_dataset(num_shards=2)
+    plugin = DistCAPlugin(tolerance=0.05) if "span" not in case else DistCAPlugin(tolerance=0.05,
+                                                                                  span_ranks=case["span"])
     trainer = RecordingTrainer(
         model=model, args=args, train_dataset=train_dataset,
         eval_dataset=_documents(EVAL_LENGTHS, 1) if case.get("evaluate") else None,
-        packing=PackingConfig(tokens_per_rank=BUDGET, seed=0), distca_plugin=DistCAPlugin(tolerance=0.05),
+        packing=PackingConfig(tokens_per_rank=BUDGET, seed=0), distca_plugin=plugin,
     )
     trainer.recorded = []
     trainer.train(resume_from_checkpoint=case.get("resume_from"))
     result = {
         "world": trainer.args.world_size,
+        "span_ranks": trainer.span_ranks,
+        "span_ranks_in_force": distca_hf.current_config().span_ranks,
+        "report": vars(trainer.packing_reports["train"]),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "steps": [h["step"] for h in trainer.state.log_history if "loss" in h],
         "before": [h["attn_imbalance_before"] for h in trainer.state.log_history if "loss" in h],
@@ -151,23 +172,127 @@ def _train(case: dict, out_dir: str, rank: int = 0):
     return result
 
 
+# -- a stand-in for the runtime's spanning documents: exact, slow, written independently --------------
+
+
+def _use_stand_in_attention():
+    """Register ``_all_gather_attention`` as ``"distca"`` in this process."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("distca", _all_gather_attention)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``[n_r, ...]`` on every rank -> ``[sum n_r, ...]`` in rank order; the gradient of the rows
+    of rank ``r`` is the sum of what every rank's use of them contributed."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes):
+        import torch.distributed as dist
+
+        ctx.sizes = sizes
+        padded = rows.new_zeros((max(sizes), *rows.shape[1:]))
+        padded[:rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded.contiguous())
+        return torch.cat([g[:n] for g, n in zip(gathered, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        start = sum(ctx.sizes[:dist.get_rank()])
+        return grad[start:start + ctx.sizes[dist.get_rank()]], None
+
+
+def _all_gather_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention of every document over the whole stream of all ranks' rows (rank order): a
+    token attends to the earlier tokens of its document, on any rank. Documents start where
+    ``position_ids`` are 0, so a row that starts above 0 continues the previous rank's document.
+    query ``[1, H, n, D]``, key/value ``[1, H_kv, n, D]`` -> ``([1, n, H, D], None)``."""
+    import torch.distributed as dist
+
+    _, heads, n, dim = query.shape
+    positions = kwargs["position_ids"].reshape(-1)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([n]))
+    sizes = [int(s) for s in sizes]
+    everyone_positions = _GatherRows.apply(positions[:, None].to(torch.float64), sizes)[:, 0]
+    document = torch.cumsum(everyone_positions == 0, 0)
+    keys = _GatherRows.apply(key[0].transpose(0, 1), sizes).transpose(0, 1)  # [H_kv, N, D]
+    values = _GatherRows.apply(value[0].transpose(0, 1), sizes).transpose(0, 1)
+    keys = keys.repeat_interleave(heads // keys.shape[0], dim=0)
+    values = values.repeat_interleave(heads // values.shape[0], dim=0)
+    mine = torch.arange(n) + sum(sizes[:dist.get_rank()])
+    everyone = torch.arange(sum(sizes))
+    allowed = (document[mine][:, None] == document[None, :]) & (everyone[None, :] <= mine[:, None])
+    scores = (query[0] @ keys.transpose(1, 2)) * (dim ** -0.5 if scaling is None else scaling)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (weights @ values).transpose(0, 1).unsqueeze(0), None
+
+
 def _check_ranks(results):
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
     return [r["value"] for r in results]
 
 
+def _sequences(rows) -> list[list[int]]:
+    """The documents (or chunks) of one global batch, whole, from its rows in rank order: a row
+    whose first position is above 0 continues the last document of the row before it."""
+    sequences = []
+    for pieces, first_position, _ in rows:
+        pieces = [list(p) for p in pieces]
+        if first_position > 0:
+            assert sequences and len(sequences[-1]) == first_position, "a continuation without its prefix"
+            sequences[-1].extend(pieces.pop(0))
+        sequences.extend(pieces)
+    return sequences
+
+
 def _steps_of(values) -> list[list[list[int]]]:
-    """Every rank's recorded pieces, grouped by optimizer step."""
-    steps: dict[int, list] = {}
+    """Every document (or chunk) trained in each optimizer step, whole: the k-th micro-batch of
+    every rank of a step holds one global batch (per rank packing: each row its own)."""
+    per_step: dict[int, list] = {}
+    for value in values:  # ranks in order
+        micro = Counter()
+        for step, pieces, first_position, last_label, _ in value["recorded"]:
+            global_batches = per_step.setdefault(step, [])
+            while len(global_batches) <= micro[step]:
+                global_batches.append([])
+            global_batches[micro[step]].append((pieces, first_position, last_label))
+            micro[step] += 1
+    steps = []
+    for step in sorted(per_step):
+        sequences = []
+        for rows in per_step[step]:
+            assert rows[-1][2] == -100, "the last rank's row cannot go on"
+            for (_, _, last_label), (pieces, first_position, _) in zip(rows, rows[1:]):
+                # labels across the boundary: a row goes on exactly when the next one continues
+                assert (last_label != -100) == (first_position > 0)
+                if last_label != -100:
+                    assert last_label == pieces[0][0]  # the next rank's first token
+            sequences.extend(_sequences(rows))
+        steps.append(sequences)
+    return steps
+
+
+def _assert_label_counts(values):
+    """num_items_in_batch: the tokens with a successor in their document, all ranks, the whole step."""
+    steps = _steps_of(values)
     for value in values:
-        for step, pieces in value["recorded"]:
-            steps.setdefault(step, []).extend(pieces)
-    return [steps[k] for k in sorted(steps)]
+        per_step = {}
+        for step, _, _, _, count in value["recorded"]:
+            per_step.setdefault(step, set()).add(count)
+        for k, step in enumerate(sorted(per_step)):
+            assert per_step[step] == {sum(len(s) - 1 for s in steps[k])}
 
 
 def _assert_matches_reference(values, out_dir, run="run"):
     steps = _steps_of(values)
+    _assert_label_counts(values)
     losses, params, model = reference_run(steps, LR)
     for value in values:  # every rank logs the global loss
         torch.testing.assert_close(torch.tensor(value["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
@@ -178,70 +303,149 @@ def _assert_matches_reference(values, out_dir, run="run"):
     return model
 
 
+def _chunks(documents, chunk):
+    return Counter(tuple(d[s:s + chunk]) for d in documents for s in range(0, len(d), chunk))
+
+
 # -- two ranks against the reference -------------------------------------------------------------------
 
+# How the two ranks pack: each its own rows, or the trainer's default (documents spanning both ranks,
+# through the runtime, or through the stand-in attention above).
+PACKINGS = {"per_rank": {"span": False}, "spanning": {}, "spanning_stand_in": {"stand_in": True}}
+if os.environ.get("DISTCA_TEST_STAND_IN") == "1":  # every spanning run on the stand-in
+    PACKINGS["spanning"] = PACKINGS["spanning_stand_in"]
+
+
+def _chunk_of(packing: str) -> int:
+    """The longest document trained whole: one rank's budget, or a global batch of both ranks'."""
+    return BUDGET if packing == "per_rank" else 2 * BUDGET
+
 
 @pytest.mark.distributed
-def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp_path):
-    case = {"accumulation": 2, "checkpointing": True, "evaluate": True}
+@pytest.mark.parametrize("packing", list(PACKINGS))
+def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp_path, packing):
+    case = {"accumulation": 2, "checkpointing": True, "evaluate": True, **PACKINGS[packing]}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
+    spanning = packing != "per_rank"
     assert all(v["world"] == 2 and v["use_cache"] is False for v in values)
+    assert all(v["span_ranks"] is spanning and v["span_ranks_in_force"] is spanning for v in values)
     model = _assert_matches_reference(values, str(tmp_path))
-    # one epoch: every chunk of every document exactly once, the same number of micro-batches per rank
-    trained = Counter(tuple(p) for v in values for _, pieces in v["recorded"] for p in pieces if p != [0])
-    expected = Counter(tuple(d[s:s + BUDGET]) for d in _documents(LENGTHS, 0) for s in range(0, len(d), BUDGET))
-    assert trained == expected
+    # one epoch: every document (chunk) exactly once, whole; the same number of micro-batches per rank
+    chunk = _chunk_of(packing)
+    trained = Counter(tuple(s) for step in _steps_of(values) for s in step if s != [0])
+    assert trained == _chunks(_documents(LENGTHS, 0), chunk)
     assert len({len(v["recorded"]) for v in values}) == 1
     assert len(values[0]["recorded"]) == values[0]["micro_batches_per_epoch"]
-    # the plan balances: after <= 1 + tolerance, never worse than before
-    for value in values:
-        assert all(a <= 1.05 + 1e-9 and a <= b + 1e-9 for a, b in zip(value["after"], value["before"]))
-    assert max(values[0]["before"]) > 1.05  # the data is skewed enough for the plan to matter
+    report = values[0]["report"]
+    if spanning:  # documents longer than one rank's budget trained whole, across both ranks
+        assert report["spanning_documents"] > 0 and any(BUDGET < n <= chunk for n in LENGTHS)
+        assert (report["cut_documents"], report["chunks"]) == (1, 2)  # 120 > 96 tokens: 96 + 24
+        assert any(first_position > 0 for v in values for _, _, first_position, _, _ in v["recorded"])
+    else:
+        assert (report["cut_documents"], report["chunks"]) == (2, 5)
+    if not case.get("stand_in"):  # the plan balances: after <= 1 + tolerance, never worse than before
+        for value in values:
+            assert all(a <= 1.05 + 1e-9 and a <= b + 1e-9 for a, b in zip(value["after"], value["before"]))
+        assert max(values[0]["before"]) > 1.05  # the data is skewed enough for the plan to matter
     # evaluation: the exact token-weighted loss of the held-out documents under the final weights
-    expected_eval = reference_eval_loss(model, _documents(EVAL_LENGTHS, 1), BUDGET)
+    expected_eval = reference_eval_loss(model, _documents(EVAL_LENGTHS, 1), chunk)
     for value in values:
         assert value["eval"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5)
-        assert value["eval"]["eval_label_tokens"] == sum(min(n - s, BUDGET) - 1 for n in EVAL_LENGTHS
-                                                          for s in range(0, n, BUDGET))
+        assert value["eval"]["eval_label_tokens"] == sum(min(n - s, chunk) - 1 for n in EVAL_LENGTHS
+                                                          for s in range(0, n, chunk))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero, accumulation", [(2, 2), (3, 1)])
-def test_deepspeed_zero_matches_single_process(tmp_path, zero, accumulation):
-    case = {"zero": zero, "accumulation": accumulation, "max_steps": 3, "evaluate": True}
+@pytest.mark.parametrize("zero, accumulation, packing", [(2, 2, "per_rank"), (3, 1, "per_rank"), (3, 1, "spanning")])
+def test_deepspeed_zero_matches_single_process(tmp_path, zero, accumulation, packing):
+    case = {"zero": zero, "accumulation": accumulation, "max_steps": 3, "evaluate": True, **PACKINGS[packing]}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path), deadline_s=420))
     assert all(v["world"] == 2 for v in values) and len(values[0]["losses"]) == 3
     model = _assert_matches_reference(values, str(tmp_path))
-    expected_eval = reference_eval_loss(model, _documents(EVAL_LENGTHS, 1), BUDGET)
+    expected_eval = reference_eval_loss(model, _documents(EVAL_LENGTHS, 1), _chunk_of(packing))
     assert all(v["eval"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5) for v in values)
 
 
 @pytest.mark.distributed
-def test_streaming_dataset_on_two_ranks_matches_single_process(tmp_path):
-    """Each rank reads the whole stream, packs it identically and keeps every second micro-batch."""
-    case = {"streaming": True, "accumulation": 2, "max_steps": 3}
+@pytest.mark.parametrize("packing", ["per_rank", "spanning"])
+def test_streaming_dataset_on_two_ranks_matches_single_process(tmp_path, packing):
+    """Each rank reads the whole stream, packs it identically and keeps its row of every global batch."""
+    case = {"streaming": True, "accumulation": 2, "max_steps": 3, **PACKINGS[packing]}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
     _assert_matches_reference(values, str(tmp_path))
-    mine = [Counter(tuple(p) for _, pieces in v["recorded"] for p in pieces) for v in values]
     assert len(values[0]["recorded"]) == len(values[1]["recorded"]) == 6
-    assert not (mine[0] & mine[1])  # the ranks train different micro-batches
+    if packing == "per_rank":
+        mine = [Counter(tuple(p) for _, pieces, *_ in v["recorded"] for p in pieces) for v in values]
+        assert not (mine[0] & mine[1])  # the ranks train different micro-batches
+
+
+def _layout_worker(rank, world, tensor_parallel):
+    """One epoch of the trainer's train dataloader (no forward): what this rank reads, step by step."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from transformers import TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                             report_to=[], max_steps=1, seed=0, dataloader_pin_memory=False)
+    trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=_documents(LENGTHS, 0),
+                            packing=PackingConfig(tokens_per_rank=BUDGET // 2),
+                            distca_plugin=DistCAPlugin(tensor_parallel_size=tensor_parallel))
+    loader = trainer.get_train_dataloader()
+    loader.set_epoch(1)
+    rows = [(batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), int(batch["position_ids"][0, 0]),
+             int(batch["shift_labels"][0, -1])) for batch in loader]
+    return {"server_ranks": list(trainer.distca.server_ranks), "span_ranks": trainer.span_ranks, "rows": rows,
+            "group_size": trainer.packing_reports["train"].group_size}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_four_ranks_read_their_server_groups_global_batches(tmp_path, tensor_parallel):
+    """Through the trainer's own dataloader on 4 ranks: one server group of 4, or (tensor parallelism
+    2) the groups [0, 2] and [1, 3], which are not blocks of consecutive ranks. In every step the
+    ranks of each group hold the slices of one global batch, in rank order."""
+    values = _check_ranks(run_ranks(_layout_worker, 4, tmp_path, tensor_parallel))
+    groups = sorted({tuple(v["server_ranks"]) for v in values})
+    assert groups == ([(0, 1, 2, 3)] if tensor_parallel == 1 else [(0, 2), (1, 3)])
+    assert all(v["span_ranks"] and v["group_size"] == 4 // tensor_parallel for v in values)
+    steps = {len(v["rows"]) for v in values}
+    assert len(steps) == 1
+    trained = Counter()
+    for step in range(steps.pop()):
+        for group in groups:
+            rows = []
+            for rank in group:
+                cu, ids, first_position, last_label = values[rank]["rows"][step]
+                rows.append(([ids[a:b] for a, b in zip(cu, cu[1:])], first_position, last_label))
+            trained.update(tuple(s) for s in _sequences(rows) if s != [0])  # asserts each continuation's prefix
+    chunk = len(groups[0]) * BUDGET // 2
+    assert trained == _chunks(_documents(LENGTHS, 0), chunk)  # every document (chunk) once, whole
 
 
 def test_single_process_matches_reference(tmp_path):
     value = _train({"accumulation": 2, "max_steps": 3}, str(tmp_path))
-    assert value["world"] == 1
+    assert value["world"] == 1 and value["span_ranks"] is False  # one rank: nothing to span
     _assert_matches_reference([value], str(tmp_path))
 
 
+# Resume mid-epoch: per rank, in the first epoch; spanning (7 global batches per epoch), in the
+# second, whose order GlobalBatchSampler draws from the epoch.
+RESUMES = {"per_rank": {"max_steps": 6, "save_steps": 3}, "spanning": {"max_steps": 11, "save_steps": 9}}
+
+
 @pytest.mark.distributed
-def test_resumed_run_gives_the_losses_of_an_uninterrupted_one(tmp_path):
-    results = run_ranks(_resume_worker, 2, tmp_path, str(tmp_path))
+@pytest.mark.parametrize("packing", list(RESUMES))
+def test_resumed_run_gives_the_losses_of_an_uninterrupted_one(tmp_path, packing):
+    results = run_ranks(_resume_worker, 2, tmp_path, str(tmp_path), packing)
     full, resumed = zip(*_check_ranks(results))
+    total, saved = RESUMES[packing]["max_steps"], RESUMES[packing]["save_steps"]
     for whole, again in zip(full, resumed):
-        # the resumed state carries the history of steps 1-3 from the checkpoint; 4-6 are trained again
-        assert whole["steps"] == again["steps"] == [1, 2, 3, 4, 5, 6]
-        assert len(again["recorded"]) == 3 and {step for step, _ in again["recorded"]} == {3, 4, 5}
-        assert again["recorded"] == whole["recorded"][3:]  # the same micro-batches, mid-epoch
+        # the resumed state carries the history of the steps up to the checkpoint; the rest are trained again
+        assert whole["steps"] == again["steps"] == list(range(1, total + 1))
+        assert [r[0] for r in again["recorded"]] == list(range(saved, total))
+        assert again["recorded"] == whole["recorded"][saved:]  # the same micro-batches, mid-epoch
         torch.testing.assert_close(torch.tensor(again["losses"]), torch.tensor(whole["losses"]), rtol=1e-6, atol=1e-7)
     first = torch.load(tmp_path / "full-params.pt")
     second = torch.load(tmp_path / "resumed-params.pt")
@@ -249,14 +453,35 @@ def test_resumed_run_gives_the_losses_of_an_uninterrupted_one(tmp_path):
         torch.testing.assert_close(second[name], first[name], rtol=1e-6, atol=1e-7)
 
 
-def _resume_worker(rank, world, out_dir):
+def _resume_worker(rank, world, out_dir, packing):
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if PACKINGS[packing].get("stand_in"):
+        _use_stand_in_attention()
+    return _resume(out_dir, rank, PACKINGS[packing], **RESUMES[packing])
+
+
+def _resume(out_dir, rank, packing_case, *, max_steps, save_steps):
     # AdamW and a decaying schedule: their states must come back too, and the data order resumes mid-epoch.
-    common = {"optim": "adamw_torch", "scheduler": "linear", "lr": 3e-3, "max_steps": 6, "accumulation": 1}
-    full = _train({**common, "run": "full", "save_steps": 3}, out_dir, rank)
-    checkpoint = os.path.join(out_dir, "full", "checkpoint-3")
+    common = {"optim": "adamw_torch", "scheduler": "linear", "lr": 3e-3, "max_steps": max_steps, "accumulation": 1,
+              **packing_case}
+    full = _train({**common, "run": "full", "save_steps": save_steps}, out_dir, rank)
+    checkpoint = os.path.join(out_dir, "full", f"checkpoint-{save_steps}")
     resumed = _train({**common, "run": "resumed", "resume_from": checkpoint}, out_dir, rank)
     return full, resumed
+
+
+def test_single_process_spanning_mode_resumes_in_a_later_epoch(tmp_path):
+    """span_ranks=True on one rank (a server group of one): GlobalBatchSampler's order, reshuffled
+    in the second epoch and resumed there. (On several ranks Accelerate's set_epoch does not reach
+    the sampler behind skip_first_batches; the two-rank resume test covers the trainer's fix.)"""
+    full, resumed = _resume(str(tmp_path), 0, {"span": True}, max_steps=16, save_steps=15)  # 14 rows per epoch
+    assert full["span_ranks"] is True and full["world"] == 1
+    assert [r[0] for r in resumed["recorded"]] == [15]
+    assert resumed["recorded"] == full["recorded"][15:]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"]), rtol=1e-6, atol=1e-7)
+    second_epoch = [pieces for step, pieces, *_ in full["recorded"] if step >= 14]
+    first_epoch = [pieces for step, pieces, *_ in full["recorded"] if step < 2]
+    assert second_epoch != first_epoch  # the second epoch is shuffled anew
 
 
 # -- DistCAAccelerator in a plain loop -------------------------------------------------------------------
@@ -362,6 +587,90 @@ def test_bad_trainer_setups_say_what_is_wrong(tmp_path):
     with pytest.raises(TypeError, match="distca_plugin must be a distca_hf.DistCAPlugin"):
         DistCATrainer(model=model, args=_arguments(tmp_path), train_dataset=[[1, 2]], packing=packing,
                       distca_plugin={"tolerance": 0.1})
+
+
+def test_span_ranks_precedence(tmp_path, monkeypatch):
+    """Plugin field > DISTCA_SPAN_RANKS > distca: section > the trainer's default (on when the server
+    group has more than one rank: off here, on one process; the two-rank tests see it on)."""
+    import distca_hf
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    def chosen(plugin):
+        trainer = DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=[[1, 2, 3]],
+                                packing=PackingConfig(tokens_per_rank=BUDGET), distca_plugin=plugin)
+        assert distca_hf.current_config().span_ranks is trainer.span_ranks  # in force process-wide
+        assert trainer.distca.config.span_ranks is trainer.span_ranks
+        assert trainer.train_dataset.layout.span_ranks is trainer.span_ranks
+        return trainer.span_ranks
+
+    section = tmp_path / "distca.yaml"
+    section.write_text("distca:\n  span_ranks: true\n")
+    assert chosen(DistCAPlugin()) is False  # one rank: nothing to span
+    assert chosen(DistCAPlugin(span_ranks=True)) is True
+    assert chosen(DistCAPlugin.from_accelerate_config(section)) is True
+    monkeypatch.setenv("DISTCA_SPAN_RANKS", "0")
+    assert chosen(DistCAPlugin.from_accelerate_config(section)) is False  # the variable beats the file
+    assert chosen(DistCAPlugin(span_ranks=True)) is True  # code beats the variable
+    monkeypatch.setenv("DISTCA_SPAN_RANKS", "1")
+    assert chosen(DistCAPlugin()) is True
+
+
+def test_spanning_setups_that_would_lose_the_boundary_labels_are_refused(tmp_path):
+    from transformers import DataCollatorWithFlattening
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    common = dict(train_dataset=[[1, 2, 3]], packing=PackingConfig(tokens_per_rank=BUDGET),
+                  distca_plugin=DistCAPlugin(span_ranks=True))
+    with pytest.raises(ValueError, match="span_ranks=True the loss must read shift_labels.*label_smoothing_factor"):
+        DistCATrainer(model=model, args=_arguments(tmp_path, label_smoothing_factor=0.1), **common)
+    with pytest.raises(ValueError, match="span_ranks=True the loss must read shift_labels.*compute_loss_func"):
+        DistCATrainer(model=model, args=_arguments(tmp_path), compute_loss_func=lambda *a, **k: 0, **common)
+    with pytest.raises(ValueError, match="must come from distca_hf.PackedCollator.*DataCollatorWithFlattening"):
+        DistCATrainer(model=model, args=_arguments(tmp_path), data_collator=DataCollatorWithFlattening(), **common)
+    trainer = DistCATrainer(model=model, args=_arguments(tmp_path, train_sampling_strategy="group_by_length"),
+                            **common)
+    with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length' would reorder the rows"):
+        trainer.get_train_dataloader()
+
+
+def test_causal_lm_loss_over_rank_pieces_equals_the_whole_documents():
+    """The labels across a rank boundary, with transformers' own loss: the model forwards
+    shift_labels to ForCausalLMLoss, and the pieces' losses, each normalised by the label tokens of
+    all ranks, add up to the loss of the whole documents."""
+    from distca_hf.training import PackedCollator, PackedDataset, PackingConfig
+    from helpers import tiny_model
+
+    model = tiny_model("llama", attn="eager").eval()
+    ids = torch.tensor([_documents([20], 3)[0]])
+    # the model forwards shift_labels to its loss: only the marked targets count
+    shift = torch.full_like(ids, -100)
+    shift[0, 4] = 7
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        loss = model(input_ids=ids, labels=ids, shift_labels=shift).loss
+    torch.testing.assert_close(loss, F.cross_entropy(logits[0, 4:5], torch.tensor([7])))
+
+    documents = _documents([30, 5, 50, 9], 4)
+    dataset = PackedDataset(documents, PackingConfig(tokens_per_rank=24, shuffle=False), world_size=3,
+                            span_ranks=True)
+    assert len(dataset) == len(dataset.rows) == 6  # rank i holds row i (one server group)
+    inputs = [PackedCollator()([dataset[i]]) for i in range(len(dataset))]
+    assert any(row.first_position > 0 for row in dataset.rows)
+    label_tokens = sum(int(r["shift_labels"].ne(-100).sum()) for r in inputs)
+    assert label_tokens == sum(len(d) - 1 for d in documents)
+    with torch.no_grad():
+        whole = [model(input_ids=torch.tensor([d])).logits[0] for d in documents]
+        total = 0.0
+        for row, r in zip(dataset.rows, inputs):  # each row's logits: its tokens' in their whole document
+            row_logits = torch.cat([whole[doc][start:end] for doc, start, end in row.pieces])[None]
+            total += model.loss_function(row_logits, r["labels"], VOCAB, num_items_in_batch=torch.tensor(label_tokens),
+                                         shift_labels=r["shift_labels"])
+        reference = sum(_token_loss_sum(model, d) for d in documents) / label_tokens
+    torch.testing.assert_close(total, reference)
 
 
 # -- the recipes launch the examples ------------------------------------------------------------------------

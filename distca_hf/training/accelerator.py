@@ -22,7 +22,7 @@ from ..hf import ATTN_IMPLEMENTATION
 from .launch_checks import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
 from .plugin import DistCAPlugin
 
-__all__ = ["DistCAAccelerator", "prepare_training_arguments", "require_distca_model"]
+__all__ = ["DistCAAccelerator", "hf_model_of", "prepare_training_arguments", "require_distca_model"]
 
 
 def require_distca_model(model) -> None:
@@ -30,7 +30,7 @@ def require_distca_model(model) -> None:
 
     ``model`` may be wrapped (DDP, DeepSpeed engine, PEFT); the HF model inside is checked. Plain
     ``torch.nn.Module`` s without a transformers config are not attention models and pass."""
-    inner = _unwrap(model)
+    inner = hf_model_of(model)
     config = getattr(inner, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return
@@ -51,7 +51,7 @@ def require_distca_model(model) -> None:
         )
 
 
-def _unwrap(model):
+def hf_model_of(model):
     """The HF model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
     for _ in range(8):
         if hasattr(model, "get_base_model"):
@@ -66,7 +66,7 @@ def _unwrap(model):
 
 
 def _disable_kv_cache(model) -> None:
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(hf_model_of(model), "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False  # training: no KV cache (it would also switch distca to local decoding)
 

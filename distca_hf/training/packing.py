@@ -171,7 +171,8 @@ class PackingReport:
     def __str__(self) -> str:
         head = f"{self.documents} documents, {self.tokens} tokens (longest {self.longest_document}) -> "
         if self.group_size == 1:
-            text = head + f"{self.micro_batches} micro-batches of <= {self.tokens_per_rank} tokens (fill {self.fill:.1%})"
+            text = head + (f"{self.micro_batches} micro-batches of <= {self.tokens_per_rank} tokens "
+                           f"(fill {self.fill:.1%})")
         else:
             text = head + (f"{self.global_batches} global batches of {self.group_size} x {self.tokens_per_rank} "
                            f"tokens (fill {self.fill:.1%})")

@@ -9,13 +9,19 @@ What it adds to the stock Trainer:
 - the model must use ``attn_implementation="distca"`` (anything else is refused, naming it), and
   its KV cache is turned off;
 - documents (``input_ids``) are packed into one row of at most ``tokens_per_rank`` tokens per rank
-  and forward (``data.PackedDataset``, or ``StreamingPackedDataset`` for iterable datasets), the
-  same number of micro-batches on every rank, every document once per epoch; the collator emits
-  ``position_ids`` restarting at 0 and ``cu_seq_lens_q/k`` + ``max_length_q/k``;
-- the loss is normalised by the global count of label tokens across ranks and gradient
-  accumulation steps (the Trainer's ``num_items_in_batch`` with ``average_tokens_across_devices``),
-  so it equals the single-process loss on the same data, and so do the gradients (each rank's loss
-  is scaled by the world size because DDP / DeepSpeed average gradients over ranks);
+  and forward (``training.packing``: ``PackedDataset``, or ``StreamingPackedDataset`` for iterable
+  datasets), the same number of rows on every rank, every document once per epoch. When the
+  attention-server group has more than one rank, documents **span ranks**: the group's ranks share
+  a global batch of ``group size * tokens_per_rank`` tokens, each holding one consecutive slice, so
+  documents up to that length train whole (the setting ``span_ranks``, see below); the collator
+  emits ``position_ids`` (a continuing piece goes on where the previous rank stopped),
+  ``cu_seq_lens_q/k`` + ``max_length_q/k`` and ``labels`` + ``shift_labels`` (the last token of a
+  piece predicts the first token of the next rank's piece);
+- the loss is normalised by the global count of label tokens (``shift_labels``) across ranks and
+  gradient accumulation steps (the Trainer's ``num_items_in_batch`` with
+  ``average_tokens_across_devices``), so it equals the single-process loss on the whole documents,
+  and so do the gradients (each rank's loss is scaled by the world size because DDP / DeepSpeed
+  average gradients over ranks);
 - the evaluation loss is the exact token-weighted mean over the whole evaluation set;
 - each logged step carries ``attn_imbalance_before`` / ``attn_imbalance_after`` (max/mean of
   per-rank attention pairs without and with the plan, averaged over the micro-batches since the
@@ -23,22 +29,33 @@ What it adds to the stock Trainer:
 - the launch checks of ``DistCAAccelerator`` (CPU traps, process count) and the plugin's process
   groups and settings.
 
+``span_ranks``, in order of precedence: ``DistCAPlugin(span_ranks=...)``, else ``DISTCA_SPAN_RANKS``,
+else ``span_ranks:`` in the plugin's ``distca:`` section, else the trainer's default: on when the
+attention-server group has more than one rank (the trainer then puts ``span_ranks=True`` in force
+process-wide, as ``distca_hf.configure`` would). With ``span_ranks=False`` every rank packs its own
+rows and a document longer than ``tokens_per_rank`` is cut into chunks.
+
 Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
-and resume, evaluation, DDP and DeepSpeed ZeRO 1/2/3 are the Trainer's own.
+and resume (mid-epoch too: global batches are shuffled whole, by ``GlobalBatchSampler``, from the
+seed and the epoch alone), evaluation, DDP and DeepSpeed ZeRO 1/2/3 are the Trainer's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import os
 import time
 
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..config import SETTINGS, configure
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
-from .accelerator import prepare_training_arguments, require_distca_model
+from .accelerator import hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
-from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .packing import GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCATrainer", "StepTableCallback"]
@@ -54,14 +71,17 @@ class DistCATrainer(Trainer):
             ``packing.tokens_per_rank``).
         train_dataset, eval_dataset: documents with an ``input_ids`` column (``datasets``
             dataset, streaming or not, or a sequence of token lists), packed with ``packing``; or
-            already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``).
-            ``eval_dataset`` may be a dict of them.
+            already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``;
+            they are packed again for this job's ranks and ``span_ranks``). ``eval_dataset`` may be
+            a dict of them.
         distca_plugin: distca settings and process topology (default ``DistCAPlugin.from_environment()``).
         packing: ``PackingConfig`` for raw documents.
         **kwargs: the rest of ``transformers.Trainer``'s arguments.
 
     Attributes:
-        distca: ``DistCAGroups`` built by the plugin (topology, server group, settings).
+        distca: ``DistCAGroups`` built by the plugin (topology, server group, settings in force).
+        span_ranks: whether documents span the ranks of the attention-server group (see the module
+            docstring for how it is chosen).
         packing_reports: ``{"train": PackingReport, "eval": ...}`` (a property).
     """
 
@@ -81,18 +101,15 @@ class DistCATrainer(Trainer):
             world = args.world_size
         else:
             world = 1
-        self._packed_datasets = {}
-        train_dataset = self._packed(train_dataset, packing, world, "train")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {name: self._packed(d, packing, world, f"eval_{name}") for name, d in eval_dataset.items()}
-        else:
-            eval_dataset = self._packed(eval_dataset, packing, world, "eval")
-        streaming = any(isinstance(d, StreamingPackedDataset) for d in
-                        [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])])
-        if streaming and args is not None:
+        named = _named_datasets(train_dataset, eval_dataset)
+        for name, dataset in named.items():
+            _check_packable(dataset, packing, name)
+        if any(_is_streaming(d) for d in named.values()) and args is not None:
             # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
             # would concatenate rows of different lengths.
             args.accelerator_config.dispatch_batches = False
+        # The datasets are packed once the server groups exist (below): how many ranks share a
+        # global batch decides the packing.
         super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
@@ -108,26 +125,67 @@ class DistCATrainer(Trainer):
                 "could not be normalised by the global label-token count; pass compute_loss_func="
             )
         self.distca = self.distca_plugin.attach()
+        server_groups = self.distca.topology.server_groups(self.distca_plugin.server_group)
+        self.span_ranks = self._choose_span_ranks(group_size=len(server_groups[0]))
+        if self.span_ranks:
+            self._check_span_setup()
+        self._packed_datasets = {}
+        layout = {"world_size": world, "span_ranks": self.span_ranks,
+                  "server_groups": server_groups if self.span_ranks else None}
+        self.train_dataset = self._packed(train_dataset, packing, layout, "train")
+        if isinstance(eval_dataset, dict):
+            self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
+                                 for name, d in eval_dataset.items()}
+        else:
+            self.eval_dataset = self._packed(eval_dataset, packing, layout, "eval")
         self._reset_window()
         self._eval_totals = None
 
     # -- set-up helpers ---------------------------------------------------------------------------
 
-    def _packed(self, dataset, packing: PackingConfig | None, world: int, name: str):
+    def _choose_span_ranks(self, *, group_size: int) -> bool:
+        """``span_ranks`` as the user set it (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:``
+        section), else on when the server group has more than one rank, put in force process-wide."""
+        plugin = self.distca_plugin
+        variable = SETTINGS["span_ranks"].metadata["env"]
+        if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
+            return self.distca.config.span_ranks  # attach() resolved it with the usual precedence
+        if group_size == 1:
+            return False
+        self.distca = dataclasses.replace(self.distca, config=configure(span_ranks=True))
+        return True
+
+    def _check_span_setup(self) -> None:
+        """With documents spanning ranks the loss must take ``shift_labels`` (the boundary labels)."""
+        if not isinstance(self.data_collator, PackedCollator):
+            raise ValueError(
+                "with span_ranks=True the rows must come from distca_hf.PackedCollator (it emits the continuing "
+                "positions and the labels across rank boundaries), got "
+                f"data_collator={type(self.data_collator).__name__}; "
+                "drop data_collator= or set DistCAPlugin(span_ranks=False)")
+        if self.compute_loss_func is not None or self.args.label_smoothing_factor:
+            raise ValueError(
+                "with span_ranks=True the loss must read shift_labels (the last token of a rank's piece predicts the "
+                "first token of the next rank's); compute_loss_func and label_smoothing_factor receive labels only. "
+                "Remove them or set DistCAPlugin(span_ranks=False)")
+        if self.model is None:
+            return  # no model yet (model_init): checked again by train()
+        model = hf_model_of(self.model)
+        loss_function = getattr(model, "loss_function", None)
+        if loss_function is None or "shift_labels" not in inspect.signature(loss_function).parameters:
+            raise ValueError(
+                f"with span_ranks=True the model's loss must take shift_labels (transformers' ForCausalLMLoss does); "
+                f"{type(model).__name__}.loss_function does not. Set DistCAPlugin(span_ranks=False)")
+
+    def _packed(self, dataset, packing: PackingConfig | None, layout: dict, name: str):
         if dataset is None:
             return None
         if isinstance(dataset, (PackedDataset, StreamingPackedDataset)):
-            if packing is not None and dataset.config != packing:
-                raise ValueError(f"the {name} dataset is already packed with {dataset.config}; do not pass a different "
-                                 "packing= as well")
-            packed = dataset.with_world_size(world)
-        elif packing is None:
-            raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
-                             "or an already packed distca_hf.PackedDataset")
-        elif _is_iterable(dataset):
-            packed = StreamingPackedDataset(dataset, packing, world)
+            packed = dataset.with_layout(**layout)
+        elif _is_streaming(dataset):
+            packed = StreamingPackedDataset(dataset, packing, **layout)
         else:
-            packed = PackedDataset(dataset, packing, world)
+            packed = PackedDataset(dataset, packing, **layout)
         self._packed_datasets[name] = packed
         return packed
 
@@ -137,9 +195,48 @@ class DistCATrainer(Trainer):
         fills as the stream is read)."""
         return {name: dataset.report for name, dataset in self._packed_datasets.items()}
 
+    # -- data order: the ranks of a server group read the slices of one global batch together ----
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if not (self.span_ranks and isinstance(dataset, PackedDataset)):
+            return super()._get_train_sampler(train_dataset)
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if strategy not in ("random", "sequential"):
+            raise ValueError(
+                f"train_sampling_strategy={strategy!r} would reorder the rows of a global batch, which with "
+                "span_ranks=True must reach the ranks of a server group together; use 'random' (global batches "
+                "shuffled whole) or 'sequential'")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        self._global_batch_sampler = GlobalBatchSampler(len(dataset), dataset.world_size,
+                                                        shuffle=strategy == "random", seed=seed)
+        return self._global_batch_sampler
+
+    def _get_eval_sampler(self, eval_dataset):
+        if self.span_ranks and isinstance(eval_dataset, PackedDataset):
+            return GlobalBatchSampler(len(eval_dataset), eval_dataset.world_size, shuffle=False)
+        return super()._get_eval_sampler(eval_dataset)
+
+    def _run_epoch(self, *args, **kwargs):
+        # Accelerate's DataLoaderShard.set_epoch does not reach a sampler behind skip_first_batches
+        # (a run resumed mid-epoch), so the sampler would shuffle with epoch 0: set it here.
+        sampler = getattr(self, "_global_batch_sampler", None)
+        if sampler is not None and "epoch" in kwargs:
+            sampler.set_epoch(kwargs["epoch"])
+        return super()._run_epoch(*args, **kwargs)
+
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        # The packed items are PackedCollator's own format: its keys (first_position, last_label) are
+        # not model arguments and must not be removed.
+        if isinstance(data_collator, PackedCollator):
+            return data_collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
     def train(self, *args, **kwargs):
         if self.model is not None:
             _prepare_model(self.model)  # a model_init model is only known now
+            if self.span_ranks:
+                self._check_span_setup()
         return super().train(*args, **kwargs)
 
     # -- training ---------------------------------------------------------------------------------
@@ -154,17 +251,14 @@ class DistCATrainer(Trainer):
 
     def _record_plan(self, inputs) -> None:
         """Attention balance of the micro-batch just run, and the tokens of all ranks."""
-        if "cu_seq_lens_q" in inputs:
-            lengths = torch.diff(inputs["cu_seq_lens_q"].to(torch.int64)).cpu()
-        else:  # a collator of the user's that gives position_ids only: documents restart at 0
-            ids = inputs["input_ids"]
-            lengths = torch.from_numpy(find_documents(ids.shape[0], ids.shape[1], ids.shape[1],
-                                                      attention_mask=inputs.get("attention_mask"),
-                                                      position_ids=inputs.get("position_ids")).lengths)
-        mine = torch.tensor([int(lengths.sum()), int(causal_pairs(0, lengths).sum())], dtype=torch.int64,
-                            device=self.args.device)
+        lengths, first_positions = _local_documents(inputs)
+        colocated_pairs = causal_pairs(first_positions, first_positions + lengths).sum()
+        mine = torch.tensor([int(lengths.sum()), int(colocated_pairs)], dtype=torch.int64, device=self.args.device)
         everyone = self.accelerator.gather(mine).view(-1, 2).cpu()
-        stats = plan_stats()
+        try:
+            stats = plan_stats()
+        except RuntimeError:  # no distca forward ran (another attention function registered under its name)
+            stats = {}
         if stats.get("dispatched"):
             before, after = stats["attn_pairs_local"], stats["attn_pairs_served"]
         else:  # colocated (or one rank): every rank computes its own documents
@@ -194,7 +288,7 @@ class DistCATrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
-        count = labels[..., 1:].ne(-100).sum()
+        count = _label_tokens(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             # num_items_in_batch=1 makes HF's causal-LM loss the sum over label tokens
             outputs = model(**inputs, num_items_in_batch=1)
@@ -221,8 +315,51 @@ class DistCATrainer(Trainer):
         return output
 
 
-def _is_iterable(dataset) -> bool:
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+def _label_tokens(inputs) -> torch.Tensor:
+    """Tokens the causal-LM loss trains in ``inputs`` (a 0-d tensor): ``shift_labels`` when given
+    (they include the label across a rank boundary), else ``labels`` shifted by one."""
+    targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
+    return targets.ne(-100).sum()
+
+
+def _local_documents(inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lengths, first positions)`` of the row's local documents (int64 ``[documents]``, CPU); a
+    piece continuing a document from the previous rank starts at its position ``p > 0``."""
+    ids = inputs["input_ids"]
+    if "cu_seq_lens_q" in inputs:
+        offsets = inputs["cu_seq_lens_q"].to(torch.int64).cpu()
+        lengths, token_starts = torch.diff(offsets), offsets[:-1]
+    else:  # a collator of the user's that gives position_ids (or a mask) only
+        docs = find_documents(ids.shape[0], ids.shape[1], ids.shape[1], attention_mask=inputs.get("attention_mask"),
+                              position_ids=inputs.get("position_ids"))
+        lengths, token_starts = torch.from_numpy(docs.lengths), torch.from_numpy(docs.q_starts)
+    positions = inputs.get("position_ids")
+    if positions is None:
+        return lengths, torch.zeros_like(lengths)
+    return lengths, positions.reshape(-1).cpu().to(torch.int64)[token_starts]
+
+
+def _named_datasets(train_dataset, eval_dataset) -> dict:
+    named = {"train": train_dataset}
+    if isinstance(eval_dataset, dict):
+        named.update({f"eval_{name}": d for name, d in eval_dataset.items()})
+    else:
+        named["eval"] = eval_dataset
+    return {name: d for name, d in named.items() if d is not None}
+
+
+def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
+    if isinstance(dataset, (PackedDataset, StreamingPackedDataset)):
+        if packing is not None and dataset.config != packing:
+            raise ValueError(f"the {name} dataset is already packed with {dataset.config}; do not pass a different "
+                             "packing= as well")
+    elif packing is None:
+        raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
+                         "or an already packed distca_hf.PackedDataset")
+
+
+def _is_streaming(dataset) -> bool:
+    if isinstance(dataset, (torch.utils.data.IterableDataset, StreamingPackedDataset)):
         return True
     try:
         import datasets
