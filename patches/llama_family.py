@@ -149,16 +149,17 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
 
 def _run_layer(layer, plan, rope, h_a, h_b):
     """One decoder layer on both nano-batches, interleaved (see ``distca_hf.runtime.pingpong``)."""
+    from distca_hf.hf import to_compute_dtype
     from distca_hf.runtime.pingpong import NanoAttention
 
     scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
     a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}")
     b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}")
     with timeline.span(f"{a.name}: norm, q/k/v"):
-        q_a, k_a, v_a = attention_inputs(layer, h_a, *rope["a"])
+        q_a, k_a, v_a = to_compute_dtype(*attention_inputs(layer, h_a, *rope["a"]))
     a.launch(q_a, k_a, v_a)
     with timeline.span(f"{b.name}: norm, q/k/v"):
-        q_b, k_b, v_b = attention_inputs(layer, h_b, *rope["b"])
+        q_b, k_b, v_b = to_compute_dtype(*attention_inputs(layer, h_b, *rope["b"]))
         # B also reads K/V rows of A: a cut document's prefix, a document continuing on the next rank
         k_b, v_b = plan.keys_b(k_a, k_b), plan.keys_b(v_a, v_b)
     b.launch(q_b, k_b, v_b)

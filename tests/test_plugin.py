@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from dist_harness import run_ranks
 from distca_hf import DistCAPlugin, ParallelTopology
+from distca_hf.runtime import processes
 from distca_hf.training import launch_checks as launch_module
 from distca_hf.config import reset_config
 
@@ -292,9 +293,9 @@ def test_launched_world_size_reads_the_accelerate_command(monkeypatch, tmp_path)
         (["torchrun", "train.py"], None),
     ]
     for argv, expected in cases:
-        monkeypatch.setattr(launch_module, "_parent_command", lambda argv=argv: (argv, str(tmp_path)))
+        monkeypatch.setattr(processes, "parent_command", lambda argv=argv: (argv, str(tmp_path)))
         assert launch_module.launched_world_size()[0] == expected, argv
-    monkeypatch.setattr(launch_module, "_parent_command",
+    monkeypatch.setattr(processes, "parent_command",
                         lambda: (["accelerate", "launch", "--cpu", "--num_processes", "2", "t.py"], None))
     with pytest.raises(launch_module.LaunchError, match=r"asked for 2 processes .* runs alone .*recipes/cpu-2proc.yaml"):
         launch_module.check_world_size(1)

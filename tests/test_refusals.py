@@ -145,3 +145,44 @@ def test_static_cache():
     cache = StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(UnsupportedAttentionError, match="static"):
         model(input_ids=torch.arange(6).unsqueeze(0), past_key_values=cache)
+
+
+def test_models_that_ignore_the_attention_interface_are_refused_at_load():
+    """Bloom computes attention in its own code: with "distca" its packed documents would attend to
+    each other without a word, so choosing "distca" for it raises, naming the model (plain
+    transformers, no Trainer)."""
+    from transformers import BloomConfig
+
+    config = lambda: BloomConfig(n_layer=1, hidden_size=32, n_head=4, vocab_size=VOCAB)
+    with pytest.raises(UnsupportedAttentionError, match="BloomForCausalLM computes attention in its own code"):
+        AutoModelForCausalLM.from_config(config(), attn_implementation="distca")
+    assert AutoModelForCausalLM.from_config(config()).config._attn_implementation == "eager"  # others unaffected
+    assert tiny_model("llama").config._attn_implementation == "distca"
+
+
+def test_dropout_hint_names_the_models_own_field():
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, attn_pdrop=0.1, bos_token_id=0,
+                        eos_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca").train()
+    with pytest.raises(UnsupportedAttentionError, match=r"set config\.attn_pdrop=0\.0"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_a_process_launched_alone_warns(monkeypatch):
+    """The CPU launch trap under a plain Trainer: `accelerate launch --cpu --num_processes 2` starts
+    one process; the first distca forward says so (once)."""
+    from distca_hf.runtime import processes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(processes, "parent_command",
+                        lambda: (["accelerate", "launch", "--cpu", "--num_processes", "2", "train.py"], None))
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match=r"asked for 2 processes .* runs alone"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))  # once per process

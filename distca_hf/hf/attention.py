@@ -19,9 +19,22 @@ from ..kernels import varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "refuse_short_window",
-           "refuse_unsupported"]
+           "refuse_unsupported", "to_compute_dtype"]
 
 ATTN_IMPLEMENTATION = "distca"
+
+
+def to_compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """q, k, v in one dtype, the one HF's own attention paths compute in: under autocast on their
+    device, the autocast dtype (eager's matmuls and SDPA run in it); otherwise the dtype of ``value``,
+    the projection's output (``query`` and ``key`` may have been promoted to float32 by a float32
+    rotary embedding). Autograd casts the gradients back."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = value.dtype
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in (query, key, value))
 
 
 def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
@@ -39,7 +52,7 @@ def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) ->
     if dropout and dropout > 0:
         raise UnsupportedAttentionError(
             f"distca does not support attention dropout (got dropout={dropout} in {name} while training); "
-            "set config.attention_dropout=0.0"
+            f"set config.{_dropout_field(module, dropout)}=0.0"
         )
     softcap = kwargs.get("softcap")
     if softcap:
@@ -52,6 +65,18 @@ def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) ->
             f"distca does not support attention sinks ({name} has learned sink logits, e.g. gpt-oss); "
             "use attn_implementation='eager' or 'flash_attention_2'"
         )
+
+
+# Where model families keep their attention dropout probability (GPT-2 and friends: attn_pdrop).
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def _dropout_field(module: torch.nn.Module, dropout: float) -> str:
+    """The name of the config field that holds ``module``'s attention dropout, for the refusal's hint."""
+    config = getattr(module, "config", None)
+    present = [f for f in _DROPOUT_FIELDS if hasattr(config, f)]
+    matching = [f for f in present if getattr(config, f) == dropout]
+    return (matching or present or ["attention_dropout"])[0]
 
 
 def refuse_short_window(module: torch.nn.Module, window: int | None, longest: int) -> None:
@@ -78,6 +103,7 @@ def distca_attention_forward(
     """HF attention function. query ``[B, H, S, D]``, key/value ``[B, H_kv, S_kv, D]`` ->
     ``([B, S, H, D], None)``; attention weights are never materialised."""
     refuse_unsupported(module, dropout, kwargs)
+    query, key, value = to_compute_dtype(query, key, value)
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     context = context_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),

@@ -11,6 +11,7 @@
     wave_schedule  overlap ``none`` / ``wave``: all waves in one autograd node
     pingpong       overlap ``pingpong``: two nano-batches, three autograd nodes each
     timeline       per-rank compute / communication intervals and the overlap fraction
+    processes      how many processes the launch asked for, against how many run
 """
 
 from .agree import DistCAPeerError

@@ -29,6 +29,7 @@ from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch, build_dispatch
+from .processes import warn_if_launched_alone
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
@@ -86,6 +87,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> F
     config = current_config()
     number = next_forward_number()
     if distributed_group_size(config) == 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            warn_if_launched_alone()
         if config.span_ranks and config.mode == "colocated":
             warn_once("span-colocated", "distca: span_ranks=True with mode='colocated': a row that continues another "
                       "rank's document attends only to its own piece (colocated computes no cross-rank attention); "

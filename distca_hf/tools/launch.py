@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..training.launch_checks import find_flag
+from ..runtime.processes import find_flag
 
 __all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
 

@@ -1,0 +1,55 @@
+"""Refuse ``attn_implementation="distca"`` on models that would silently ignore it.
+
+transformers accepts any registered implementation name for any model, but some families (Bloom,
+and other older ones) compute attention in their own code and never call the attention interface:
+with ``"distca"`` they would run their own dense attention, and packed documents would attend to
+each other without a word. ``register()`` wraps ``PreTrainedModel.get_correct_attn_implementation``
+(which transformers calls whenever an implementation is chosen: ``from_pretrained``,
+``from_config``, ``set_attn_implementation``, sub-models included) so that choosing ``"distca"``
+for such a model raises at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..errors import UnsupportedAttentionError
+
+__all__ = ["uses_attention_interface", "refuse_models_that_ignore_the_interface"]
+
+
+def uses_attention_interface(model_class) -> bool:
+    """Whether ``model_class`` (a ``PreTrainedModel`` subclass) computes attention through
+    transformers' ``AttentionInterface``: it says so (``is_backend_compatible()``, i.e.
+    ``_supports_attention_backend``), or transformers' own check of its source finds that its
+    attention modules call the interface (classes that predate the flag)."""
+    if model_class.is_backend_compatible():
+        return True
+    from_source = getattr(model_class, "_can_set_attn_implementation", None)
+    return bool(from_source()) if from_source is not None else False
+
+
+def refuse_models_that_ignore_the_interface(implementation: str) -> None:
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` so that choosing ``implementation``
+    for a model that does not use the attention interface raises ``UnsupportedAttentionError``
+    (idempotent)."""
+    from transformers import PreTrainedModel
+
+    choose = PreTrainedModel.get_correct_attn_implementation
+    if getattr(choose, "_distca_checked", False):
+        return
+
+    @functools.wraps(choose)
+    def get_correct_attn_implementation(self, requested_attention=None, *args, **kwargs):
+        chosen = choose(self, requested_attention, *args, **kwargs)
+        if chosen == implementation and not uses_attention_interface(type(self)):
+            name = type(self).__name__
+            raise UnsupportedAttentionError(
+                f"{name} computes attention in its own code instead of through transformers' AttentionInterface, so "
+                f"attn_implementation={implementation!r} would be silently ignored and packed documents would attend "
+                "to each other. Use a model family that dispatches through the interface (Llama, Mistral, Qwen2, "
+                f"Qwen3, Gemma, Phi3, GPT-2, ...), or another attn_implementation for {name}")
+        return chosen
+
+    get_correct_attn_implementation._distca_checked = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
