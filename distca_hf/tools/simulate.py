@@ -134,39 +134,9 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     config = config or PlannerConfig()
     lengths = np.asarray(lengths, dtype=np.int64)
     rng = np.random.default_rng(seed)
-    total = ranks * tokens_per_rank
-    acc = {k: [] for k in ("colo_imb", "wlb_imb", "dca_imb", "moved", "bytes", "cp_bytes", "plan_ms",
-                           "colo_t", "dca_t", "wlb_t", "dca_kv_max", "dca_kv_mean", "cp_kv_max", "cp_kv_mean")}
-    first = None
-    for _ in range(batches):
-        docs = draw_batch(lengths, total, rng)
-        pieces = pack_pieces(docs, ranks, tokens_per_rank)
-        start = time.perf_counter()
-        plan = plan_tasks(pieces, config)
-        acc["plan_ms"].append((time.perf_counter() - start) * 1e3)
-        local = pieces.local_pairs()
-        served = plan.server_pairs()
-        wlb_tokens, wlb_pairs, wlb_pieces = wlb_loads(docs, ranks, tokens_per_rank)
-        servers = plan.servers
-        acc["colo_imb"].append(imbalance(local))
-        acc["wlb_imb"].append(imbalance(wlb_pairs))
-        acc["dca_imb"].append(imbalance(served, servers))
-        acc["moved"].append(plan.moved_queries() / total)
-        transfers = kv_transfers(plan, pieces)
-        acc["bytes"].append(comm_bytes(plan, pieces, config.token_bytes, transfers).total)
-        acc["cp_bytes"].append(_per_doc_cp_bytes(total, ranks, config.token_bytes))
-        received = kv_received(transfers, ranks)[list(servers)]  # only servers receive K/V
-        acc["dca_kv_max"].append(received.max())
-        acc["dca_kv_mean"].append(received.mean())
-        cp_received = per_doc_cp_kv_received(pieces)
-        acc["cp_kv_max"].append(cp_received.max())
-        acc["cp_kv_mean"].append(cp_received.mean())
-        tokens = pieces.tokens()
-        acc["colo_t"].append(time_model.rank_seconds(tokens, local, np.bincount(pieces.rank, minlength=ranks)).max())
-        acc["wlb_t"].append(time_model.rank_seconds(wlb_tokens, wlb_pairs, wlb_pieces).max())
-        acc["dca_t"].append(time_model.rank_seconds(tokens, served, np.bincount(plan.server, minlength=ranks)).max())
-        if keep_first and first is None:
-            first = {"local": local, "served": served, "wlb": wlb_pairs}
+    measured = [_measure_batch(draw_batch(lengths, ranks * tokens_per_rank, rng), ranks, tokens_per_rank, config,
+                               time_model) for _ in range(batches)]
+    acc = {k: [m[k] for m in measured] for k in measured[0] if not k.startswith("_")}
     mean = lambda k: float(np.mean(acc[k]))
     result = {
         "ranks": ranks,
@@ -189,9 +159,38 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         "speedup_vs_colocated": float(sum(acc["colo_t"]) / sum(acc["dca_t"])),
     }
     if keep_first:
-        result["_first"] = first
+        result["_first"] = measured[0]["_first"]
         result["_times"] = {"colocated": mean("colo_t"), "wlb": mean("wlb_t"), "distca": mean("dca_t")}
     return result
+
+
+def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: PlannerConfig,
+                   time_model: TimeModel) -> dict:
+    """One batch's numbers for every method (imbalances, bytes, K/V received, modelled times)."""
+    total = ranks * tokens_per_rank
+    pieces = pack_pieces(docs, ranks, tokens_per_rank)
+    start = time.perf_counter()
+    plan = plan_tasks(pieces, config)
+    plan_ms = (time.perf_counter() - start) * 1e3
+    local, served = pieces.local_pairs(), plan.server_pairs()
+    wlb_tokens, wlb_pairs, wlb_pieces = wlb_loads(docs, ranks, tokens_per_rank)
+    transfers = kv_transfers(plan, pieces)
+    received = kv_received(transfers, ranks)[list(plan.servers)]  # only servers receive K/V
+    cp_received = per_doc_cp_kv_received(pieces)
+    tokens = pieces.tokens()
+    return {
+        "plan_ms": plan_ms,
+        "colo_imb": imbalance(local), "wlb_imb": imbalance(wlb_pairs), "dca_imb": imbalance(served, plan.servers),
+        "moved": plan.moved_queries() / total,
+        "bytes": comm_bytes(plan, pieces, config.token_bytes, transfers).total,
+        "cp_bytes": _per_doc_cp_bytes(total, ranks, config.token_bytes),
+        "dca_kv_max": received.max(), "dca_kv_mean": received.mean(),
+        "cp_kv_max": cp_received.max(), "cp_kv_mean": cp_received.mean(),
+        "colo_t": time_model.rank_seconds(tokens, local, np.bincount(pieces.rank, minlength=ranks)).max(),
+        "wlb_t": time_model.rank_seconds(wlb_tokens, wlb_pairs, wlb_pieces).max(),
+        "dca_t": time_model.rank_seconds(tokens, served, np.bincount(plan.server, minlength=ranks)).max(),
+        "_first": {"local": local, "served": served, "wlb": wlb_pairs},
+    }
 
 
 def load_lengths(path) -> np.ndarray:
