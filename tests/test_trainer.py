@@ -396,6 +396,7 @@ def _layout_worker(rank, world, tensor_parallel):
     loader.set_epoch(1)
     rows = [(batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), int(batch["position_ids"][0, 0]),
              int(batch["shift_labels"][0, -1])) for batch in loader]
+    torch.distributed.barrier()  # rank 0 holds the rendezvous store: no rank leaves before all are done with it
     return {"server_ranks": list(trainer.distca.server_ranks), "span_ranks": trainer.span_ranks, "rows": rows,
             "group_size": trainer.packing_reports["train"].group_size}
 
@@ -560,9 +561,15 @@ def test_models_distca_cannot_dispatch_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"needs attn_implementation='distca', but this LlamaForCausalLM uses 'eager'"):
         DistCATrainer(model=tiny_model("llama", attn="eager"), args=_arguments(tmp_path), train_dataset=[[1, 2]],
                       packing=packing)
-    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4),
-                                             attn_implementation="distca")
-    assert bloom.config._attn_implementation == "distca"  # transformers accepts it, and would ignore it
+    def bloom_config():
+        return BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4)
+
+    # transformers would accept "distca" for Bloom and ignore it: choosing it is refused at once ...
+    with pytest.raises(ValueError, match=r"BloomForCausalLM computes attention in its own code.*silently ignored"):
+        AutoModelForCausalLM.from_config(bloom_config(), attn_implementation="distca")
+    # ... and a model that got the name some other way is refused by the trainer
+    bloom = AutoModelForCausalLM.from_config(bloom_config())
+    bloom.config._attn_implementation = "distca"
     with pytest.raises(ValueError, match=r"BloomForCausalLM computes attention in its own code.*silently ignored"):
         DistCATrainer(model=bloom, args=_arguments(tmp_path), train_dataset=[[1, 2]], packing=packing)
     accelerator = DistCAAccelerator()
