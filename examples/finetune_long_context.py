@@ -9,13 +9,21 @@ Launch it on as many processes as you like (each is one rank; attention is balan
 
 By default it is offline: the documents are the Python help topics shipped with the standard
 library (``pydoc_data.topics``: 79 documents from 78 to 20k tokens), the tokenizer is a byte-level
-BPE trained on them on the spot, and the model is a tiny Llama with random weights. ``--model``
+BPE trained on them on the spot, and the model is a tiny Llama with random weights.
+
+The ranks share global batches of ``ranks x --tokens-per-rank`` tokens, one slice per rank, so a
+document longer than one rank's budget trains whole across ranks (``span_ranks``, the default of
+``DistCATrainer`` on several ranks; ``DISTCA_SPAN_RANKS=0`` packs every rank alone); the packing line
+says how many documents span ranks and how many, longer than a whole global batch, were still cut. ``--model``
 takes a local path or Hub name (its tokenizer comes with it), ``--dataset`` a local file (.jsonl,
 .json, .txt, .csv, .parquet), a ``save_to_disk`` folder or a Hub dataset name.
 
 ``--compare-colocated`` trains the same run twice, with distca and colocated (the same kernel, each
-rank computing its own documents), and prints both loss tables, the largest loss difference and
-the speedup; this is what ``make demo`` runs.
+rank computing the attention of its own tokens), and prints both loss tables, the largest loss
+difference and the speedup; this is what ``make demo`` runs. Colocated here is the plan that moves
+no query: a piece that continues a document begun on another rank still receives that document's
+K/V prefix, as any exact method must, so both runs give the same losses. (distca_hf's
+``mode="colocated"`` leaves that prefix out: a baseline that is not exact once documents span ranks.)
 """
 
 from __future__ import annotations
@@ -60,7 +68,8 @@ def parse_args(argv=None):
     train.add_argument("--resume", help="checkpoint folder to resume from")
     train.add_argument("--logging-steps", type=int, default=1)
     cad = parser.add_argument_group("distca")
-    cad.add_argument("--mode", choices=["distca", "colocated"], default="distca")
+    cad.add_argument("--mode", choices=["distca", "colocated"], default="distca",
+                     help="colocated: every rank computes the attention of its own tokens (no query moves)")
     cad.add_argument("--distca-config", help="YAML file with a distca: section (settings for DistCAPlugin)")
     cad.add_argument("--compare-colocated", action="store_true",
                      help="train distca, then the same run colocated; print both and the speedup")
@@ -137,22 +146,29 @@ def load_data(args):
         eval_documents = documents.select(range(held_out))
         documents = documents.select(range(held_out, len(documents)))
 
-    def make_model():
+    def make_model(world_size: int):
         if args.model:
             torch.manual_seed(args.seed)
             return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca",
                                                         dtype=torch.bfloat16 if args.bf16 else torch.float32)
-        return tiny_llama(tokenizer, max(4096, args.tokens_per_rank), args.seed)
+        # documents span the ranks: the longest trained whole fills every rank's row
+        return tiny_llama(tokenizer, max(4096, world_size * args.tokens_per_rank), args.seed)
 
     return tokenizer, documents, eval_documents, make_model
 
 
+# A tolerance no imbalance exceeds: the plan moves no query, every rank computes the attention of its
+# own tokens, and only the K/V prefixes of documents that span ranks travel.
+COLOCATED = {"mode": "distca", "tolerance": 1e9}
+
+
 def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallback, dict, DistCATrainer]:
     tokenizer, documents, eval_documents, make_model = data
+    settings = COLOCATED if mode == "colocated" else {"mode": mode}
     if args.distca_config:
-        plugin = DistCAPlugin.from_accelerate_config(args.distca_config, mode=mode)
+        plugin = DistCAPlugin.from_accelerate_config(args.distca_config, **settings)
     else:  # the distca: section of a `distca-hf launch` config, if any, else the defaults
-        plugin = DistCAPlugin.from_environment(mode=mode)
+        plugin = DistCAPlugin.from_environment(**settings)
     # Under a multi-process launcher without GPU, Accelerate needs ACCELERATE_USE_CPU=1 (DDP) or the
     # gloo backend (DeepSpeed) to count the processes; set them before TrainingArguments sets up.
     ddp_backend = prepare_cpu_launch().get("backend")
@@ -170,8 +186,8 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
     prepare_training_arguments(training_args)
     table = StepTableCallback()
     trainer = DistCATrainer(
-        model=make_model(), args=training_args, train_dataset=documents, eval_dataset=eval_documents,
-        processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
+        model=make_model(training_args.world_size), args=training_args, train_dataset=documents,
+        eval_dataset=eval_documents, processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
         packing=PackingConfig(tokens_per_rank=args.tokens_per_rank, length_aware=args.length_aware, seed=args.seed,
                               pad_token_id=tokenizer.pad_token_id or 0),
     )
@@ -182,8 +198,10 @@ def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallbac
         if not args.streaming:  # a stream's report fills as it is read: printed after training
             print(f"packing: {trainer.packing_reports['train']}", flush=True)
         config = trainer.distca.config
-        print(f"distca: {config.mode}, tolerance {config.tolerance}, overlap {config.overlap}, server group "
-              f"{list(trainer.distca.server_ranks)} of {trainer.distca.topology.world_size} ranks", flush=True)
+        balance = ("colocated (no query moves)" if mode == "colocated"
+                   else f"{config.mode}, tolerance {config.tolerance}")
+        print(f"distca: {balance}, overlap {config.overlap}, server group {list(trainer.distca.server_ranks)} of "
+              f"{trainer.distca.topology.world_size} ranks", flush=True)
     trainer.train(resume_from_checkpoint=args.resume)
     if args.streaming and trainer.is_world_process_zero():
         print(f"packing (the stream read so far): {trainer.packing_reports['train']}", flush=True)

@@ -709,7 +709,9 @@ def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes():
     out = result.stdout
     assert "== distca: 3 steps on 2 ranks ==" in out and "== colocated: 3 steps on 2 ranks ==" in out
     assert "largest |loss difference| over 3 steps" in out and "speedup:" in out
-    assert "cut into" in out  # the packing report names what was cut
+    assert "cut into" in out  # the packing report names what was cut ...
+    assert "document(s) span ranks (trained whole, up to 2048 tokens)" in out  # ... and what spans ranks
+    assert "colocated (no query moves)" in out
 
 
 @pytest.mark.distributed

@@ -46,7 +46,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["PackingConfig", "PackingReport", "PackedRow", "RankLayout", "PackedDataset", "StreamingPackedDataset",
+__all__ = ["PackingConfig", "PackingReport", "Piece", "PackedRow", "RankLayout", "PackedDataset", "StreamingPackedDataset",
            "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
