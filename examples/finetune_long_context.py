@@ -20,10 +20,9 @@ takes a local path or Hub name (its tokenizer comes with it), ``--dataset`` a lo
 
 ``--compare-colocated`` trains the same run twice, with distca and colocated (the same kernel, each
 rank computing the attention of its own tokens), and prints both loss tables, the largest loss
-difference and the speedup; this is what ``make demo`` runs. Colocated here is the plan that moves
+difference and the speedup; this is what ``make demo`` runs. Colocated (``mode="colocated"``) moves
 no query: a piece that continues a document begun on another rank still receives that document's
-K/V prefix, as any exact method must, so both runs give the same losses. (distca_hf's
-``mode="colocated"`` leaves that prefix out: a baseline that is not exact once documents span ranks.)
+K/V prefix, as any exact method must, so both runs give the same losses.
 """
 
 from __future__ import annotations
@@ -157,14 +156,9 @@ def load_data(args):
     return tokenizer, documents, eval_documents, make_model
 
 
-# A tolerance no imbalance exceeds: the plan moves no query, every rank computes the attention of its
-# own tokens, and only the K/V prefixes of documents that span ranks travel.
-COLOCATED = {"mode": "distca", "tolerance": 1e9}
-
-
 def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallback, dict, DistCATrainer]:
     tokenizer, documents, eval_documents, make_model = data
-    settings = COLOCATED if mode == "colocated" else {"mode": mode}
+    settings = {"mode": mode}
     if args.distca_config:
         plugin = DistCAPlugin.from_accelerate_config(args.distca_config, **settings)
     else:  # the distca: section of a `distca-hf launch` config, if any, else the defaults

@@ -77,7 +77,7 @@ def runs_pingpong(model, past_key_values, kwargs) -> bool:
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return False
     config = current_config()
-    if config.overlap != "pingpong" or distributed_group_size(config) == 1:
+    if config.overlap != "pingpong" or config.mode != "distca" or distributed_group_size(config) == 1:
         return False
     wants = lambda name: kwargs.get(name) or (kwargs.get(name) is None and getattr(model.config, name, False))
     return past_key_values is None and not wants("output_hidden_states") and not wants("output_attentions")

@@ -1,8 +1,9 @@
 """Documents that span ranks (``span_ranks=True``): the ranks hold consecutive pieces of one global
 token stream; a continuing piece's queries attend to its whole prefix wherever it lives. Every
 rank's logits and the sum over ranks of every parameter's gradient equal the whole documents run
-alone (fp32), in every overlap and backward mode, with and without checkpointing, and in evaluation;
-a continuation the previous rank does not hold stops every rank."""
+alone (fp32), in every overlap and backward mode, with and without checkpointing, colocated (no
+query moves, the prefix K/V still travels), and in evaluation; a continuation the previous rank does
+not hold stops every rank."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def test_spanning_documents_are_exact(tmp_path, case):
     assert sum(doc_lengths) == sum(slice_lengths)
     results = run_ranks(span_worker, world, tmp_path, family, doc_lengths, slice_lengths,
                         env={"DISTCA_TOLERANCE": "0.02"})
-    for rank, runs in exact_runs(results, 12):
+    for rank, runs in exact_runs(results, 13):
         for run in runs:
             stats = run["stats"]
             assert stats["dispatched"] and stats["overlap"] == run["overlap"]
+            if run["mode"] == "colocated":
+                assert stats["moved_query_fraction"] == 0
             local, served = np.array(stats["attn_pairs_local"]), np.array(stats["attn_pairs_served"])
             assert local.sum() == served.sum() and len(local) == world
             # a continuing piece's pairs include its whole prefix (as chunks they would be fewer)

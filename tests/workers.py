@@ -88,8 +88,8 @@ def global_stream(doc_lengths, seed=0):
 def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave", "pingpong")):
     """Rank ``rank`` holds slice ``rank`` of a global stream of documents (``span_ranks=True``):
     its logits and the sum over ranks of the parameter gradients, against every whole document run
-    alone; every overlap mode given, both backward modes, with and without checkpointing, and
-    evaluation. Returns one report per run."""
+    alone; every overlap mode given, both backward modes, with and without checkpointing,
+    ``mode="colocated"``, and evaluation. Returns one report per run."""
     import torch.distributed as dist
 
     import distca_hf
@@ -106,28 +106,30 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
     ref_logits = torch.cat(ref_logits)[lo:hi]
     ids, pos = tokens[lo:hi][None], positions[lo:hi][None]
     report = []
-    for overlap in overlaps:
-        for backward in ("saved", "resend"):
-            for checkpointing in (False, True):
-                distca_hf.configure(span_ranks=True, overlap=overlap, backward=backward)
-                if checkpointing:
-                    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-                else:
-                    model.activation_checkpointing_disable()
-                model.zero_grad(set_to_none=True)
-                logits = model(input_ids=ids, position_ids=pos).logits[0]
-                (logits * weights[lo:hi]).sum().backward()
-                grads = param_grads(model)
-                for g in grads.values():
-                    dist.all_reduce(g)  # the model's gradient is the sum of every rank's
-                report.append({
-                    "overlap": overlap, "backward": backward, "checkpointing": checkpointing,
-                    "logit_err": float((logits.detach() - ref_logits).abs().max()),
-                    "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
-                                       for n in ref_grads),
-                    "same_grad_keys": sorted(grads) == sorted(ref_grads),
-                    "stats": distca_hf.plan_stats(),
-                })
+    # every overlap and backward mode with and without checkpointing, then colocated (exact too: a
+    # continuing piece still receives its prefix K/V)
+    runs = [("distca", o, b, c) for o in overlaps for b in ("saved", "resend") for c in (False, True)]
+    for mode, overlap, backward, checkpointing in runs + [("colocated", "none", "saved", False)]:
+        distca_hf.configure(span_ranks=True, mode=mode, overlap=overlap, backward=backward)
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=pos).logits[0]
+        (logits * weights[lo:hi]).sum().backward()
+        grads = param_grads(model)
+        for g in grads.values():
+            dist.all_reduce(g)  # the model's gradient is the sum of every rank's
+        report.append({
+            "mode": mode, "overlap": overlap, "backward": backward, "checkpointing": checkpointing,
+            "logit_err": float((logits.detach() - ref_logits).abs().max()),
+            "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                               for n in ref_grads),
+            "same_grad_keys": sorted(grads) == sorted(ref_grads),
+            "stats": distca_hf.plan_stats(),
+        })
+    distca_hf.configure(mode="distca")
     model.activation_checkpointing_disable()
     with torch.no_grad():
         model.eval()

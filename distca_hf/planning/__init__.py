@@ -17,7 +17,7 @@ from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, atten
                    document_pairs, imbalance, start_with_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
-from .planner import Plan, PlannerConfig, plan_tasks
+from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
@@ -26,7 +26,7 @@ from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_trans
 __all__ = [
     "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
-    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
+    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
 ]

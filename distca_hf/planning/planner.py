@@ -39,7 +39,7 @@ from ..config import SETTINGS, setting_problem
 from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, start_with_pairs
 from .pieces import DocumentPieces
 
-__all__ = ["PlannerConfig", "Plan", "plan_tasks", "PLANNING_MARGIN"]
+__all__ = ["PlannerConfig", "Plan", "plan_tasks", "colocated_plan", "PLANNING_MARGIN"]
 
 
 PLANNING_MARGIN = 0.85  # the planner aims at (1 + 0.85 tolerance) x mean
@@ -132,7 +132,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     excess = load - np.where(is_server, cap, 0.0)
     donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
     if not donors:
-        return _local_plan(pieces, servers)
+        return colocated_plan(pieces, servers)
 
     tb = config.token_bytes
     # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
@@ -307,7 +307,10 @@ class _PrefixHolders:
         return held
 
 
-def _local_plan(pieces: DocumentPieces, servers) -> Plan:
+def colocated_plan(pieces: DocumentPieces, servers=None) -> Plan:
+    """Every piece's queries computed on the rank that holds them (no query moves; the K/V of a
+    document spanning ranks still has to reach its later pieces)."""
+    servers = tuple(range(pieces.num_ranks)) if servers is None else servers
     order = np.lexsort((pieces.start, pieces.doc, pieces.rank))
     order = order[pieces.end[order] > pieces.start[order]]  # a key-only piece holds no work
     r = pieces.rank[order]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..config import DistCAConfig, current_config
 from ..errors import UnsupportedAttentionError
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
-                        TokenBytes, find_documents, fuse_tasks, plan_tasks, stitch_rank_documents,
+                        TokenBytes, colocated_plan, find_documents, fuse_tasks, plan_tasks, stitch_rank_documents,
                         whole_document_tasks)
 from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
@@ -37,8 +37,12 @@ __all__ = ["CallInputs", "context_for_call", "plan_batch", "distributed_group_si
 
 
 def distributed_group_size(config: DistCAConfig) -> int:
-    """Ranks of the server group that would exchange CA-tasks now (1: compute locally)."""
-    if config.mode != "distca" or not (dist.is_available() and dist.is_initialized()):
+    """Ranks of the server group that take part in a forward's collectives (1: compute locally).
+    ``mode="colocated"`` computes every rank's own queries where they are, which needs no other rank
+    unless documents span ranks (their later pieces need the K/V prefix held by earlier ranks)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    if config.mode != "distca" and not config.span_ranks:
         return 1
     return dist.get_world_size(config.group)
 
@@ -89,10 +93,6 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> F
     if distributed_group_size(config) == 1:
         if not (dist.is_available() and dist.is_initialized()):
             warn_if_launched_alone()
-        if config.span_ranks and config.mode == "colocated":
-            warn_once("span-colocated", "distca: span_ranks=True with mode='colocated': a row that continues another "
-                      "rank's document attends only to its own piece (colocated computes no cross-rank attention); "
-                      "it is a baseline, not the exact result", stacklevel=5)
         docs = call.documents()
         return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
     error, docs, first_position = None, None, 0
@@ -118,7 +118,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> F
                                   span_ranks=config.span_ranks)
     _, num_heads, _, head_dim = query.shape
     token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
-    overlap = _overlap_of(module, config)
+    overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
@@ -193,7 +193,10 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     if servers is not None and max(servers) >= world:
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
     pieces = ranks.pieces
-    plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
+    if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
+        plan = colocated_plan(pieces)
+    else:
+        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=config.block, group=group, timeout_s=config.timeout_s,

@@ -34,10 +34,8 @@ else ``span_ranks:`` in the plugin's ``distca:`` section, else the trainer's def
 attention-server group has more than one rank (the trainer then puts ``span_ranks=True`` in force
 process-wide, as ``distca_hf.configure`` would). With ``span_ranks=False`` every rank packs its own
 rows and a document longer than ``tokens_per_rank`` is cut into chunks. ``mode="colocated"`` does
-not change the packing: its continuing pieces then attend to their own tokens only (the runtime
-warns: a baseline, not exact); an exact baseline without balancing is a tolerance no imbalance
-reaches (``DistCAPlugin(tolerance=1e9)``: no query moves, only the K/V prefixes of spanning documents
-travel), which ``examples/finetune_long_context.py --compare-colocated`` uses.
+not change the packing and stays exact: no query moves, only the K/V prefixes of spanning documents
+travel (the baseline of ``examples/finetune_long_context.py --compare-colocated``).
 
 Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
 and resume (mid-epoch too: global batches are shuffled whole, by ``GlobalBatchSampler``, from the
