@@ -1,9 +1,12 @@
 """Tools: the ``distca-hf`` command and what it runs.
 
-    cli           the ``distca-hf`` entry point (``env`` and the subcommands below)
-    launch        ``distca-hf launch``: accelerate launch with a ``distca:`` section in the config
-    bench         ``distca-hf bench``: multi-process step time, colocated against distca
-    simulate      ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
-    profiling     ``distca-hf profile``: the time model's constants on this device
-    kernel_bench  ``distca-hf kernel-bench``: the exact attention paths side by side
+    cli               the ``distca-hf`` entry point (``env`` and the subcommands below)
+    launch            ``distca-hf launch``: accelerate launch with a ``distca:`` section in the config
+    bench             ``distca-hf bench``: multi-process step time, colocated against distca; ``--workload long``:
+                      one document over every rank, distca against per-document CP and Ulysses
+    context_parallel  per-document context parallelism, head-tail balanced: the bench's CP baseline
+    ulysses           DeepSpeed Ulysses (ALST) over distca's kernel: the bench's Ulysses baseline
+    simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
+    profiling         ``distca-hf profile``: the time model's constants on this device
+    kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side
 """

@@ -18,6 +18,21 @@ The *ideal* is measured from the colocated run: each rank's time outside the att
 the mean over ranks of the kernel time, i.e. the step if attention were perfectly balanced and
 communication were free.
 
+``--workload long`` (``long_documents``): one document spans every rank beside short ones: short
+documents, then the long one starting in rank 0's row and ending in the last rank's, then short ones
+(the ranks hold consecutive slices of that stream). It compares distca (``span_ranks=True``) with
+per-document context parallelism (``context_parallel``: the spanning document head-tail balanced
+over its holders, its K/V all-gathered in every layer, whole documents where they are), DeepSpeed
+Ulysses (``ulysses``: ALST's ``UlyssesSPAttentionHF`` with the same kernel as its core) and
+*colocated-where-possible*: each rank computes its own pieces with no communication, which for the
+spanning document is **not** its attention (a piece sees only itself): the no-communication lower
+bound, not a method. Every method runs the same tokens with the same kernel; all but colocated are
+exact. Per method: the median step time (methods taking turns), the bytes sent in one layer's
+forward (all ranks, counted at the ``torch.distributed`` calls), and memory: the peak of tensor
+bytes allocated during one forward + backward and alive at once, and those still alive when the
+forward ends (kept for backward), from ``TensorMemory``, max over ranks; also the per-step speedup
+of distca over each baseline (min / median / max over steps).
+
 CPU: ``distca-hf bench`` (gloo, one thread per process). GPUs: ``distca-hf bench --world N`` on a
 machine with N GPUs (NCCL, bf16, flash-attn when installed), or under ``torchrun --nproc-per-node N
 -m distca_hf bench``.
@@ -54,12 +69,15 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     from ..runtime import timeline
 
     device = _init_process(rank, world, args, port)
-    step = _training_step(rank, args, device)
-    kernel_seconds = _time_kernels(device)
-    methods = _methods(args)
-    timeline.enable()
-    runs = _run_in_turns(step, methods, args, kernel_seconds, device)
-    results = _gather_results(runs, methods, rank, world, args)
+    if args.workload == "long":
+        results = _long_worker(rank, world, args, device)
+    else:
+        step = _training_step(rank, args, device)
+        kernel_seconds = _time_kernels(device)
+        methods = _methods(args)
+        timeline.enable()
+        runs = _run_in_turns(step, methods, args, kernel_seconds, device)
+        results = _gather_results(runs, methods, rank, world, args)
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)
@@ -83,8 +101,8 @@ def _init_process(rank: int, world: int, args, port: int):
     return torch.device("cuda" if use_cuda else "cpu")
 
 
-def _training_step(rank: int, args, device):
-    """The model (same weights on every rank), this rank's skewed batch, and one forward + backward."""
+def _model(args, device, max_positions: int):
+    """The small Llama-like model, the same weights on every rank."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -92,9 +110,16 @@ def _training_step(rank: int, args, device):
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.tokens, use_cache=False)
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=max_positions, use_cache=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, getattr(torch, args.dtype))
+    return AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, getattr(torch, args.dtype))
+
+
+def _training_step(rank: int, args, device):
+    """The model (same weights on every rank), this rank's skewed batch, and one forward + backward."""
+    import torch
+
+    model = _model(args, device, args.tokens)
     lengths = _batch(rank, args.tokens, args.short_docs)
     g = torch.Generator().manual_seed(rank)
     input_ids = torch.randint(0, args.vocab, (1, sum(lengths)), generator=g).to(device)
@@ -217,6 +242,247 @@ def _gather_results(runs: dict, methods, rank: int, world: int, args) -> dict:
     return results
 
 
+# --- --workload long: one document over every rank, against per-document CP, Ulysses, colocated ---
+
+
+def default_long_tokens(world: int, tokens: int) -> int:
+    """The long document's default length: all of the global batch but ``tokens / 2`` (short
+    documents, half before it and half after)."""
+    return world * tokens - tokens // 2
+
+
+def long_documents(world: int, tokens: int, long_tokens: int, short_len: int) -> list[int]:
+    """Document lengths of the global stream of ``world * tokens`` tokens: short documents of
+    ``short_len`` tokens (the last of each run shorter), one of ``long_tokens`` starting in rank 0's
+    row and ending in the last rank's, then short ones."""
+    rest = world * tokens - long_tokens
+    before, after = rest // 2, rest - rest // 2
+    if not (0 <= rest and before < tokens and after < tokens):
+        raise ValueError(f"--long-tokens {long_tokens} must be at most {world * tokens} and above "
+                         f"{world * tokens - 2 * tokens + 1} so that the long document starts in rank 0's row "
+                         f"and ends in rank {world - 1}'s ({world} ranks of {tokens} tokens)")
+
+    def shorts(n):
+        return [short_len] * (n // short_len) + ([n % short_len] if n % short_len else [])
+
+    return shorts(before) + [long_tokens] + shorts(after)
+
+
+def per_step_ratios(baseline: list[float], distca: list[float]) -> dict:
+    """Per-step speedup of distca over a baseline (``baseline / distca``, steps of the same round)."""
+    ratios = [b / d for b, d in zip(baseline, distca)]
+    return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+
+
+class TensorMemory:
+    """Tensor bytes allocated inside the ``with`` block: ``live`` now and their ``peak``.
+
+    A ``TorchDispatchMode`` sees every op; an output whose storage is new (not one of the op's
+    inputs': views, in-place ops) is counted until the storage is freed. Tensors that existed before
+    (weights, inputs) are not counted. Works on any device; allocator caching and fragmentation are
+    not included (on CPU there is no allocator counter to read)."""
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+        self.live = self.peak = 0
+        sizes: dict[int, int] = {}
+
+        def free(key):
+            tracker.live -= sizes.pop(key)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)}
+                for t in tree_flatten(out)[0]:
+                    storage = t.untyped_storage() if _is_tensor(t) else None
+                    if storage is None or storage.nbytes() == 0 or storage.data_ptr() in inputs \
+                            or storage.data_ptr() in sizes:
+                        continue
+                    sizes[storage.data_ptr()] = storage.nbytes()
+                    tracker.live += storage.nbytes()
+                    tracker.peak = max(tracker.peak, tracker.live)
+                    weakref.finalize(storage, free, storage.data_ptr())
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _is_tensor(t) -> bool:
+    import torch
+
+    return isinstance(t, torch.Tensor)
+
+
+class CommBytes:
+    """Bytes this rank sends to other ranks through ``torch.distributed``'s all-to-all and
+    all-gather calls inside the ``with`` block (distca, per-document CP and DeepSpeed all go
+    through them): an all-to-all sends everything but its own split, an all-gather its input to
+    every other rank."""
+
+    NAMES = ("all_to_all_single", "all_gather", "all_gather_into_tensor")
+
+    def __enter__(self):
+        import inspect
+
+        import torch.distributed as dist
+
+        self.sent, self._saved = 0, {name: getattr(dist, name) for name in self.NAMES}
+        for name, fn in self._saved.items():
+            signature = inspect.signature(fn)
+
+            def counting(*args, _fn=fn, _name=name, _signature=signature, **kwargs):
+                self.sent += _bytes_sent(_name, _signature.bind(*args, **kwargs).arguments)
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _bytes_sent(name: str, a: dict) -> int:
+    import torch.distributed as dist
+
+    group = a.get("group")
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    if name == "all_to_all_single":
+        rows = a["input"].shape[0] if a["input"].dim() else 0
+        splits = a.get("input_split_sizes") or [rows // world] * world
+        return (rows - splits[me]) * (a["input"].nbytes // max(rows, 1))
+    sent = a["tensor"] if name == "all_gather" else a["input_tensor"]
+    return (world - 1) * sent.nbytes
+
+
+def _long_methods(rank: int, world: int, args, device) -> dict:
+    """Per method: the distca settings, the attention implementation and this rank's inputs.
+    colocated and distca hold the stream's slice ``[r T, (r + 1) T)``, as does Ulysses; per-document
+    CP holds its head-tail layout of the same tokens."""
+    import numpy as np
+    import torch
+
+    from . import context_parallel as cp
+
+    lengths = long_documents(world, args.tokens, args.long_tokens, args.tokens // args.short_docs)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (sum(lengths),), generator=g)
+    positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+    stream = cp.stream_segments(lengths, args.tokens, world)
+    layout = cp.head_tail_segments(stream)
+    sl = slice(rank * args.tokens, (rank + 1) * args.tokens)
+    own = {"input_ids": ids[sl][None].to(device), "position_ids": positions[sl][None].to(device)}
+    index = torch.from_numpy(cp.segment_tokens(layout[rank], lengths))
+    local = {"mode": "colocated", "span_ranks": False}
+    distca = {"mode": "distca", "span_ranks": True, "backward": "resend" if args.backward == "resend" else "saved",
+              "overlap": args.overlap}
+    methods = {
+        "colocated": (local, "distca", own, cp.piece_pairs(stream), False),
+        "distca": (distca, "distca", own, None, True),
+        "cp": (local, cp.CP_IMPLEMENTATION, {"input_ids": ids[index][None].to(device),
+                                             "position_ids": torch.from_numpy(cp.segment_positions(layout[rank]))[None]
+                                             .to(device), "cp_plan": cp.cp_exchange(layout, rank, device)},
+               cp.segment_pairs(layout), True),
+    }
+    if args.ulysses_skipped is None:
+        total = sum(cp.segment_pairs(stream))  # every rank: all documents, heads / world of them
+        methods["ulysses"] = (local, "distca_ulysses", own, [total / world] * world, True)
+    return {name: dict(zip(("settings", "attn", "inputs", "pairs", "exact"), m)) for name, m in methods.items()}
+
+
+def _long_step(model, method: dict, sent: CommBytes | None = None, memory: TensorMemory | None = None):
+    """One forward + backward of ``method`` (already prepared). ``sent`` counts the forward's bytes;
+    returns the live bytes of ``memory`` when the forward ends (what it keeps for backward)."""
+    import contextlib
+
+    model.zero_grad(set_to_none=True)
+    with sent or contextlib.nullcontext():
+        loss = model(**method["inputs"]).logits.float().square().mean()
+    kept = memory.live if memory is not None else None
+    loss.backward()
+    return kept
+
+
+def _prepare(model, method: dict, args) -> None:
+    import distca_hf
+
+    distca_hf.configure(tolerance=args.tolerance, **{"backward": "saved", "overlap": "none", **method["settings"]})
+    if model.config._attn_implementation != method["attn"]:
+        model.set_attn_implementation(method["attn"])
+
+
+def _long_worker(rank: int, world: int, args, device) -> dict:
+    """Every method in turns (``args.steps`` rounds after ``args.warmup``), then one measured step
+    per method (bytes, memory); rank 0 gets every rank's measurements."""
+    import torch
+    import torch.distributed as dist
+
+    import distca_hf
+
+    from . import context_parallel as cp
+    from .ulysses import register_ulysses
+
+    model = _model(args, device, args.world * args.tokens)
+    cp.register()
+    if args.ulysses_skipped is None:
+        register_ulysses(model, world)
+        torch.set_num_threads(args.threads)
+    methods = _long_methods(rank, world, args, device)
+    for method in methods.values():
+        _prepare(model, method, args)
+        for _ in range(args.warmup):
+            _long_step(model, method)
+    steps = {name: [] for name in methods}
+    for _ in range(args.steps):
+        for name, method in methods.items():
+            _prepare(model, method, args)
+            _sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            _long_step(model, method)
+            _sync(device)
+            dist.barrier()
+            steps[name].append(time.perf_counter() - start)
+    measured = {}
+    for name, method in methods.items():
+        _prepare(model, method, args)
+        sent = CommBytes()
+        with TensorMemory() as memory:
+            kept = _long_step(model, method, sent, memory)
+        measured[name] = {"sent": sent.sent, "peak": memory.peak, "kept": kept,
+                          "stats": distca_hf.plan_stats() if name == "distca" else None}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, measured)
+    return {"workload": "long", "documents": long_documents(world, args.tokens, args.long_tokens,
+                                                            args.tokens // args.short_docs),
+            "methods": {name: _combine(name, methods[name], steps[name], [m[name] for m in everyone], args)
+                        for name in methods}}
+
+
+def _combine(name: str, method: dict, steps: list[float], ranks: list[dict], args) -> dict:
+    """One method's result over all ranks: rank 0's step times (between barriers: the slowest
+    rank's), bytes of one layer's forward summed over ranks, memory of the worst rank."""
+    stats = ranks[0]["stats"]
+    pairs = stats["attn_pairs_served"] if name == "distca" else method["pairs"]
+    return {"step_s": steps, "exact": method["exact"], "attn_pairs": pairs, "stats": stats,
+            "bytes_per_layer_forward": sum(r["sent"] for r in ranks) / args.layers,
+            "peak_bytes_max_rank": max(r["peak"] for r in ranks),
+            "kept_for_backward_bytes_max_rank": max(r["kept"] for r in ranks)}
+
+
 def _trace_path(path: str, overlap: str, modes: int) -> str:
     if modes == 1:
         return path
@@ -238,6 +504,7 @@ def summarize(results: dict, args) -> dict:
     distca = median(results[first]["step_s"])
     stats = results[first]["stats"]
     summary = {
+        "workload": "skewed",
         "colocated_step_s": colocated,
         "distca_step_s": distca,
         "speedup": colocated / distca,
@@ -251,6 +518,7 @@ def summarize(results: dict, args) -> dict:
         "bytes_sent_per_layer_forward": stats["bytes_sent_per_layer"],
         "overlap_mode": results[first]["overlap"],
         "overlap_fraction": _median_overlap(results[first]["overlap_per_step"])["overlap_fraction"],
+        "per_step_speedup": {"colocated": per_step_ratios(results["colocated"]["step_s"], results[first]["step_s"])},
     }
     summary["overlap"] = {}
     for key, r in results.items():
@@ -272,6 +540,68 @@ def summarize(results: dict, args) -> dict:
                 "saved_for_backward_bytes_max_rank": r["saved_for_backward_bytes_max_rank"],
             }
     return summary
+
+
+def summarize_long(results: dict, args) -> dict:
+    """The ``--workload long`` JSON: the contract's keys (``speedup`` is colocated-where-possible over
+    distca), ``cp_step_s`` and ``speedup_vs_cp``, per baseline the per-step speedup of distca, and
+    per method its step, bytes, memory, attention imbalance and exactness."""
+    median, methods = statistics.median, results["methods"]
+    distca = methods["distca"]
+    stats = distca["stats"]
+    docs = results["documents"]
+    summary = {
+        "workload": "long",
+        "colocated_step_s": median(methods["colocated"]["step_s"]),
+        "distca_step_s": median(distca["step_s"]),
+        "cp_step_s": median(methods["cp"]["step_s"]),
+        "attn_imbalance_before": imbalance(stats["attn_pairs_local"]),
+        "attn_imbalance_after": imbalance(stats["attn_pairs_served"]),
+        "world": args.world, "device": args.device, "tokens_per_rank": args.tokens, "long_tokens": args.long_tokens,
+        "short_documents": len(docs) - 1, "short_tokens": args.tokens // args.short_docs,
+        "distca_settings": {"backward": "resend" if args.backward == "resend" else "saved", "overlap": args.overlap},
+        "per_step_speedup": {name: per_step_ratios(m["step_s"], distca["step_s"])
+                             for name, m in methods.items() if name != "distca"},
+        "methods": {name: {"step_s": median(m["step_s"]), "exact": m["exact"],
+                           "bytes_per_layer_forward": m["bytes_per_layer_forward"],
+                           "peak_bytes_max_rank": m["peak_bytes_max_rank"],
+                           "kept_for_backward_bytes_max_rank": m["kept_for_backward_bytes_max_rank"],
+                           "attn_imbalance": imbalance(m["attn_pairs"])} for name, m in methods.items()},
+    }
+    summary["speedup"] = summary["colocated_step_s"] / summary["distca_step_s"]
+    summary["speedup_vs_cp"] = summary["cp_step_s"] / summary["distca_step_s"]
+    summary["methods"]["distca"]["plan_bytes_sent_per_layer"] = stats["bytes_sent_per_layer"]
+    summary["methods"]["distca"]["kv_tokens_received_max"] = stats["kv_tokens_received_max"]
+    if args.ulysses_skipped is not None:
+        summary["ulysses_skipped"] = args.ulysses_skipped
+    return summary
+
+
+def format_long_table(s: dict) -> str:
+    names = {"distca": "distca", "cp": "per-document CP", "ulysses": "Ulysses (DeepSpeed ALST)",
+             "colocated": "colocated-where-possible (NOT exact)"}
+    header = ("method", "step (median)", "distca speedup per step (min/median/max)", "bytes/layer fwd (all ranks)",
+              "peak tensor memory", "kept for backward", "attn imbalance")
+    rows = [header]
+    for name, m in s["methods"].items():
+        ratio = s["per_step_speedup"].get(name)
+        rows.append((names[name], f"{m['step_s']:.3f} s",
+                     "-" if ratio is None else f"{ratio['min']:.2f} / {ratio['median']:.2f} / {ratio['max']:.2f}x",
+                     f"{m['bytes_per_layer_forward'] / 1e6:.2f} MB", f"{m['peak_bytes_max_rank'] / 1e6:.1f} MB",
+                     f"{m['kept_for_backward_bytes_max_rank'] / 1e6:.1f} MB", f"{m['attn_imbalance']:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [f"workload long: {s['world']} x {s['device']}, {s['tokens_per_rank']} tokens per rank; one "
+             f"{s['long_tokens']}-token document over every rank beside {s['short_documents']} short documents "
+             f"(up to {s['short_tokens']} tokens)",
+             f"attention imbalance (each rank its own queries, whole prefixes) -> distca plan: "
+             f"{s['attn_imbalance_before']:.2f} -> {s['attn_imbalance_after']:.3f}"]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.append("memory: max over ranks of tensor bytes allocated during one forward + backward and alive at once "
+                 "(peak) or when the forward ends (kept); colocated-where-possible computes each piece alone: the "
+                 "no-communication lower bound, not the spanning document's attention")
+    if "ulysses_skipped" in s:
+        lines.append(f"Ulysses not run: {s['ulysses_skipped']}")
+    return "\n".join(lines)
 
 
 def format_table(s: dict) -> str:
@@ -302,7 +632,8 @@ def format_table(s: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="processes (GPUs on a CUDA machine)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--short-docs", type=int, default=32, help="documents on the odd (short) ranks")
+    parser.add_argument("--short-docs", type=int, default=32, help="documents on the odd (short) ranks; "
+                        "--workload long: short documents are tokens / short-docs tokens long")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=688)
     parser.add_argument("--layers", type=int, default=4)
@@ -323,6 +654,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
+    parser.add_argument("--workload", choices=["skewed", "long"], default="skewed",
+                        help="skewed: even ranks one long document, odd ranks many short; long: one document over "
+                        "every rank beside short ones, against per-document CP, Ulysses and colocated-where-possible")
+    parser.add_argument("--long-tokens", type=int, default=None,
+                        help="--workload long: the long document's tokens (default: world x tokens - tokens / 2)")
+    parser.add_argument("--no-ulysses", action="store_true", help="--workload long: leave DeepSpeed Ulysses out")
+
+
+def _check_long(args, parser) -> None:
+    """``--workload long``: the long document's length, one distca setting, whether Ulysses runs."""
+    args.ulysses_skipped = "--no-ulysses" if args.no_ulysses else None
+    if args.workload != "long":
+        return
+    if args.long_tokens is None:
+        args.long_tokens = default_long_tokens(args.world, args.tokens)
+    try:
+        long_documents(args.world, args.tokens, args.long_tokens, args.tokens // args.short_docs)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.backward == "both" or "," in args.overlap or args.trace:
+        parser.error("--workload long runs one distca setting: --backward saved|resend, one --overlap, no --trace")
+    if args.ulysses_skipped is None:
+        from .ulysses import ulysses_unavailable
+
+        args.ulysses_skipped = ulysses_unavailable(args.world, args.heads, args.kv_heads)
 
 
 def run_cli(args, parser) -> int:
@@ -349,6 +705,9 @@ def run_cli(args, parser) -> int:
     bad = [o for o in overlaps if o not in ("none", "wave", "pingpong")]
     if bad or len(set(overlaps)) != len(overlaps):
         parser.error(f"--overlap takes distinct values among none, wave, pingpong separated by commas; got {args.overlap!r}")
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
+        args.world = int(os.environ["WORLD_SIZE"])
+    _check_long(args, parser)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
@@ -364,6 +723,10 @@ def run_cli(args, parser) -> int:
                                start_method="spawn")
         with open(path) as f:
             results = json.load(f)
+    if args.workload == "long":
+        summary = summarize_long(results, args)
+        print(json.dumps(summary) if args.json else format_long_table(summary))
+        return 0
     summary = summarize(results, args)
     print(json.dumps(summary) if args.json else format_table(summary))
     return 0

@@ -1,0 +1,205 @@
+"""``distca-hf bench --workload long`` and its baselines: the per-document context-parallel (CP)
+layout (pure), CP's forward and backward against every whole document run alone (gloo ranks, fp32),
+DeepSpeed's Ulysses (ALST) on the same data, and the command's JSON."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from distca_hf.planning.cost import document_pairs
+from distca_hf.tools import bench
+from distca_hf.tools import context_parallel as cp
+
+
+def test_head_tail_chunks_give_holder_i_chunks_i_and_2n_minus_1_minus_i():
+    assert cp.head_tail_chunks(12, 3) == [((0, 2), (10, 12)), ((2, 4), (8, 10)), ((4, 6), (6, 8))]
+    # the remainder goes one token each to the first chunks; a tail may be empty
+    assert cp.head_tail_chunks(9, 2) == [((0, 3), (7, 9)), ((3, 5), (5, 7))]
+    assert cp.head_tail_chunks(3, 2) == [((0, 1), (3, 3)), ((1, 2), (2, 3))]
+
+
+def test_head_tail_layout_keeps_every_token_once():
+    lengths = [3, 5, 30, 3, 4]  # the 30-token document spans all three ranks of 15
+    stream = cp.stream_segments(lengths, 15, 3)
+    assert [[(s.doc, s.start, s.end, s.spanning) for s in row] for row in stream] == [
+        [(0, 0, 3, False), (1, 0, 5, False), (2, 0, 7, True)], [(2, 7, 22, True)],
+        [(2, 22, 30, True), (3, 0, 3, False), (4, 0, 4, False)]]
+    layout = cp.head_tail_segments(stream)
+    assert [[(s.doc, s.start, s.end) for s in row] for row in layout] == [
+        [(0, 0, 3), (1, 0, 5), (2, 0, 5), (2, 25, 30)], [(2, 5, 10), (2, 20, 25)],
+        [(2, 10, 15), (2, 15, 20), (3, 0, 3), (4, 0, 4)]]
+    tokens = np.concatenate([cp.segment_tokens(row, lengths) for row in layout])
+    assert sorted(tokens.tolist()) == list(range(45))
+    positions = cp.segment_positions(layout[1])
+    assert positions.tolist() == [*range(5, 10), *range(20, 25)]
+    assert sum(cp.segment_pairs(layout)) == sum(document_pairs(n) for n in lengths)
+    assert sum(cp.piece_pairs(stream)) < sum(cp.segment_pairs(stream))  # pieces alone undercount
+
+
+def test_head_tail_evens_out_a_document_split_in_equal_pieces():
+    stream = cp.stream_segments([5, 20, 5], 15, 2)
+    assert cp.segment_pairs(stream) == [15 + 55, 155 + 15]
+    assert cp.segment_pairs(cp.head_tail_segments(stream)) == [120, 120]
+
+
+def test_long_workload_spans_every_rank_beside_short_documents():
+    lengths = bench.long_documents(world=2, tokens=8192, long_tokens=12288, short_len=256)
+    assert sum(lengths) == 16384 and lengths.count(12288) == 1 and lengths.count(256) == 16
+    for world in (2, 3, 4):
+        lengths = bench.long_documents(world, 1000, bench.default_long_tokens(world, 1000), 64)
+        stream = cp.stream_segments(lengths, 1000, world)
+        long = lengths.index(max(lengths))
+        assert all(any(s.doc == long and s.spanning for s in row) for row in stream)
+    with pytest.raises(ValueError, match="--long-tokens"):
+        bench.long_documents(world=4, tokens=1000, long_tokens=1500, short_len=64)
+
+
+def test_per_step_ratios():
+    ratios = bench.per_step_ratios([2.0, 3.0, 4.0], [1.0, 1.0, 2.0])
+    assert ratios == {"min": 2.0, "median": 2.0, "max": 3.0}
+
+
+def test_tensor_memory_counts_new_storages_until_freed():
+    a = torch.zeros(1000, 250)  # allocated before: not counted, nor its views
+    with bench.TensorMemory() as memory:
+        b = a * 2  # 1 MB
+        c = b + 1  # 1 MB: peak 2 MB
+        del b
+        view = c.t()  # a view: no new bytes
+        del c, view
+        e = torch.ones(500, 250)  # 0.5 MB, still alive at the end
+    assert memory.peak == 2_000_000 and memory.live == 500_000
+    del e
+
+
+def test_long_workload_arguments_are_checked(capsys):
+    from distca_hf.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "long", "--world", "4", "--tokens", "1000", "--long-tokens", "1500"])
+    assert "--long-tokens 1500 must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "long", "--overlap", "none,wave"])
+    assert "--workload long runs one distca setting" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_bench_long_cli_json():
+    """`distca-hf bench --workload long --json` on two real processes (tiny sizes): the contract's
+    keys, every method, bytes that match what each method must send."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "distca-hf"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
+    tokens, hidden, heads, kv_heads, layers = 512, 64, 8, 2, 2
+    result = subprocess.run([*cmd, "bench", "--workload", "long", "--tokens", str(tokens), "--short-docs", "8",
+                             "--layers", str(layers), "--hidden", str(hidden), "--intermediate", "128", "--steps", "2",
+                             "--warmup", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("colocated_step_s", "distca_step_s", "speedup", "attn_imbalance_before", "attn_imbalance_after",
+                "cp_step_s", "speedup_vs_cp"):
+        assert isinstance(out[key], float) and out[key] > 0
+    assert out["speedup"] == pytest.approx(out["colocated_step_s"] / out["distca_step_s"])
+    assert out["long_tokens"] == 2 * tokens - tokens // 2 and out["attn_imbalance_after"] <= 1.05
+    methods = out["methods"]
+    expected = {"colocated", "distca", "cp"} | ({"ulysses"} if "ulysses_skipped" not in out else set())
+    assert set(methods) == expected and set(out["per_step_speedup"]) == expected - {"distca"}
+    for ratios in out["per_step_speedup"].values():
+        assert 0 < ratios["min"] <= ratios["median"] <= ratios["max"]
+    assert [name for name, m in methods.items() if not m["exact"]] == ["colocated"]
+    assert methods["colocated"]["bytes_per_layer_forward"] == 0
+    # CP: each holder sends its half of the long document's K and V (fp32) to the other
+    kv_bytes = 2 * kv_heads * (hidden // heads) * 4
+    assert methods["cp"]["bytes_per_layer_forward"] == out["long_tokens"] * kv_bytes
+    # distca: what plan_stats reports, plus the forward's opening all-gather (a few ints per layer)
+    distca = methods["distca"]
+    assert 0 <= distca["bytes_per_layer_forward"] - distca["plan_bytes_sent_per_layer"] < 200
+    for m in methods.values():
+        assert m["peak_bytes_max_rank"] >= m["kept_for_backward_bytes_max_rank"] > 0
+
+
+def _cp_worker(rank, world, doc_lengths, tokens_per_rank, ulysses):
+    """Rank ``rank`` of a global stream of documents under per-document CP (and, when asked, under
+    DeepSpeed Ulysses on the stream layout): its logits and the sum over ranks of every parameter's
+    gradient, against every whole document run alone with eager attention."""
+    import torch.distributed as dist
+
+    import distca_hf
+    from distca_hf.tools import context_parallel as cp
+    from helpers import param_grads, per_document_reference, tiny_model
+    from workers import global_stream
+
+    tokens, positions, weights = global_stream(doc_lengths)
+    model = tiny_model("llama", max_position_embeddings=max(256, max(doc_lengths)))
+    bounds = torch.tensor([0, *doc_lengths]).cumsum(0)
+    docs = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    ref_logits, ref_grads = per_document_reference(model, docs, [weights[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    ref_logits = torch.cat(ref_logits)
+    cp.register()
+    layout = cp.head_tail_segments(cp.stream_segments(doc_lengths, tokens_per_rank, world))
+    index = torch.from_numpy(cp.segment_tokens(layout[rank], doc_lengths))
+    pos = torch.from_numpy(cp.segment_positions(layout[rank]))
+    runs = {"cp": (index, pos, "distca_cp", {"cp_plan": cp.cp_exchange(layout, rank)})}
+    if ulysses:
+        from distca_hf.tools import ulysses as uly
+
+        uly.register_ulysses(model, world)
+        distca_hf.configure(mode="colocated")  # Ulysses' core computes each rank's heads locally
+        lo = rank * tokens_per_rank
+        stream = torch.arange(lo, lo + tokens_per_rank)
+        runs["ulysses"] = (stream, positions[stream], uly.ULYSSES_IMPLEMENTATION, {})
+    report = {}
+    for name, (index, pos, attn, extra) in runs.items():
+        model.set_attn_implementation(attn)
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens[index][None], position_ids=pos[None], **extra).logits[0]
+        (logits * weights[index]).sum().backward()
+        grads = param_grads(model)
+        for g in grads.values():
+            dist.all_reduce(g)  # the model's gradient is the sum of every rank's
+        report[name] = {
+            "logit_err": float((logits.detach() - ref_logits[index]).abs().max()),
+            "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                               for n in ref_grads),
+            "same_grad_keys": sorted(grads) == sorted(ref_grads),
+        }
+    return report
+
+
+CP_CASES = {
+    # world: (document lengths of the global stream, tokens per rank)
+    "one document over both ranks": (2, [9, 60, 5, 6], 40),
+    "over three ranks, uneven pieces": (3, [3, 5, 100, 2, 4, 6], 40),
+    "two spanning documents": (3, [30, 25, 40, 10, 15], 40),
+    "one-token pieces at the boundary": (2, [39, 2, 39], 40),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_per_document_cp_is_exact(tmp_path, case):
+    world, doc_lengths, tokens_per_rank = CP_CASES[case]
+    results = run_ranks(_cp_worker, world, tmp_path, doc_lengths, tokens_per_rank, False)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        run = result["value"]["cp"]
+        assert run["same_grad_keys"] and run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5, (rank, run)
+
+
+@pytest.mark.distributed
+def test_deepspeed_ulysses_on_the_same_data_is_exact(tmp_path):
+    """ALST's ``UlyssesSPAttentionHF`` runs on gloo with distca's per-document kernel as its core
+    attention; checked here so that the bench compares it on exact results."""
+    pytest.importorskip("deepspeed")
+    results = run_ranks(_cp_worker, 2, tmp_path, [9, 60, 5, 6], 40, True)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        for name, run in result["value"].items():
+            assert run["same_grad_keys"] and run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5, (rank, name, run)
