@@ -138,7 +138,8 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
     # margin between the planning cap and the guarantee (so the guarantee still holds).
     slack = 0.1 * max(config.tolerance - margin, 0.0) * load.sum() / len(servers)
-    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv, slack))
+    bound = (1.0 + config.tolerance) * load.sum() / len(servers)  # the guarantee (the cap can exceed it at tolerance 0)
+    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv, slack), bound)
     # Pass 1: donors, largest excess first, fill the servers with the most room. A room smaller than
     # the donor's smallest shard is overfilled by less than one block rather than wasted...
     for donor in donors:
@@ -153,8 +154,8 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
 class _Shedder:
     """State of one planning: server loads, each opened rank's carvable intervals, the tasks."""
 
-    def __init__(self, pieces: DocumentPieces, is_server, load, cap: float, carver: "_Carver"):
-        self.pieces, self.is_server, self.cap, self.carver = pieces, is_server, cap, carver
+    def __init__(self, pieces: DocumentPieces, is_server, load, cap: float, carver: "_Carver", bound: float):
+        self.pieces, self.is_server, self.cap, self.carver, self.bound = pieces, is_server, cap, carver, bound
         self.served = load.astype(np.float64).copy()  # pairs each rank computes so far
         self.own_load = load.astype(np.float64).copy()
         self.was_donor = np.zeros(len(is_server), dtype=bool)
@@ -259,7 +260,9 @@ class _Shedder:
                 # No room fits one block: overfill the rank that can best trim itself in the
                 # second pass. One block of the latest interval holds at most block * end pairs.
                 receiver = self._overfill_target(donor)
-                budget = max(self._room(receiver), 0.0) + self.carver.block * intervals[0][2]
+                # ...by at most one block beyond the guarantee (not the planning cap, which tolerance 0 puts above it)
+                room = min(self._room(receiver), self.bound - self.served[receiver])
+                budget = max(room, 0.0) + self.carver.block * intervals[0][2]
                 moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
             need -= moved
             self.served[receiver] += moved
