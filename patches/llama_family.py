@@ -132,12 +132,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     batch, seq, _ = inputs_embeds.shape
     call = CallInputs(batch, seq, seq, attention_mask, position_ids, kwargs.get("cu_seq_lens_q"),
                       kwargs.get("cu_seq_lens_k"))
-    error, docs, first_position = None, None, 0
-    try:
-        docs = call.documents()
-        first_position = call.first_position(docs) if current_config().span_ranks else 0
-    except ValueError as e:  # joins the planning collective first, so every rank stops
-        error = e
+    docs, first_position, error = call.describe(span_ranks=current_config().span_ranks)
     config, head_dim = model.config, layers[0].self_attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)

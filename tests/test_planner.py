@@ -238,35 +238,31 @@ def _tie_break_batch(extra_on_holder: int) -> DocumentPieces:
                                            *[[16] + [1] * 14] * 5])
 
 
-def test_tie_break_prefers_the_server_holding_the_prefix():
+@pytest.mark.parametrize("extra_on_holder, receiver", [(0, 0), (140, 2)])
+def test_tie_break_prefers_the_server_holding_the_prefix(extra_on_holder, receiver):
     """Issue 11: among servers that balance equally well, the one that already holds part of the
-    shard's K/V prefix takes the shard, and is sent fewer K/V tokens."""
+    shard's K/V prefix takes the shard, and is sent fewer K/V tokens.
+
+    No extra work on the holder: mean 120 pairs, cap (1 + 0.85 * 0.3) * 120 = 150.6; rank 1 sheds
+    about 49.4 pairs; rank 2 has 150.6 of room, rank 0 (holding [0, 4)) 140.6: enough for all of it,
+    so the two tie and rank 0 takes it, sent its prefix less the 4 tokens it holds. 140 more pairs on
+    rank 0: mean 137.5, cap 172.6, rank 1 sheds about 27.4 pairs but rank 0 has only 22.6 of room: no
+    tie, the roomiest (rank 2) takes it and is sent its whole prefix. Rank 1 always needs [0, 4)."""
     config = PlannerConfig(tolerance=0.3, block=1)
-    # mean 120 pairs, cap (1 + 0.85 * 0.3) * 120 = 150.6: rank 1 sheds about 49.4 pairs; rank 2 has
-    # 150.6 of room, rank 0 has 140.6: enough for all of it, so the two tie and rank 0 holds [0, 4).
-    pieces = _tie_break_batch(extra_on_holder=0)
+    pieces = _tie_break_batch(extra_on_holder=extra_on_holder)
     plan = plan_tasks(pieces, config)
     _check_plan(pieces, plan, config)
     moved = plan.source != plan.server
-    assert plan.server[moved].tolist() == [0] * int(moved.sum()) and moved.any()
+    assert plan.server[moved].tolist() == [receiver] * int(moved.sum()) and moved.any()
     received = kv_received(kv_transfers(plan, pieces), pieces.num_ranks)
     prefix = int(plan.q_end[moved].max())
-    # rank 0 is sent the prefix less the 4 tokens it holds; rank 1 needs [0, 4) for its own queries
-    assert received.tolist() == [prefix - 4, 4, 0, 0, 0, 0, 0, 0]
+    expected = [0] * 8
+    expected[1] = 4
+    expected[receiver] = prefix - 4 if receiver == 0 else prefix
+    assert received.tolist() == expected
 
 
-def test_tie_break_keeps_the_roomiest_when_the_holder_has_too_little_room():
-    config = PlannerConfig(tolerance=0.3, block=1)
-    # 140 more pairs on rank 0: mean 137.5, cap 172.6, rank 1 sheds about 27.4 pairs but rank 0 has
-    # only 22.6 of room: no tie, the shard goes to the roomiest (rank 2), which is sent its whole prefix
-    pieces = _tie_break_batch(extra_on_holder=140)
-    plan = plan_tasks(pieces, config)
-    _check_plan(pieces, plan, config)
-    moved = plan.source != plan.server
-    assert plan.server[moved].tolist() == [2] * int(moved.sum()) and moved.any()
-    received = kv_received(kv_transfers(plan, pieces), pieces.num_ranks)
-    assert received.tolist() == [0, 4, int(plan.q_end[moved].max()), 0, 0, 0, 0, 0]
-    # and a holder outside the server pool never receives
+def test_a_holder_outside_the_server_pool_never_serves():
     pool = PlannerConfig(tolerance=0.3, block=1, servers=(1, 2, 3, 4, 5, 6, 7))
     plan = plan_tasks(_tie_break_batch(extra_on_holder=0), pool)
     assert not (plan.server == 0).any()

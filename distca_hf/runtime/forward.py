@@ -95,12 +95,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> F
             warn_if_launched_alone()
         docs = call.documents()
         return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
-    error, docs, first_position = None, None, 0
-    try:
-        docs = call.documents()
-        first_position = call.first_position(docs) if config.span_ranks else 0
-    except ValueError as e:  # still join the collective, so the other ranks learn of it
-        error = e
+    docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     path = PATH_KV_CACHE if key.shape[2] != query.shape[2] else PATH_PLAIN
     headers, gathered = agree(np.concatenate(([first_position], lengths)), path, error, config, query.device,
@@ -149,6 +144,15 @@ class CallInputs:
     def documents(self) -> PackedDocuments:
         return find_documents(*self.shape, attention_mask=self.attention_mask, position_ids=self.position_ids,
                               cu_seq_lens_q=self.cu_seq_lens[0], cu_seq_lens_k=self.cu_seq_lens[1])
+
+    def describe(self, *, span_ranks: bool):
+        """``(docs, first_position, error)`` for the opening collective: an invalid input is returned
+        as ``error`` (not raised) so that this rank still joins and every rank stops together."""
+        try:
+            docs = self.documents()
+            return docs, (self.first_position(docs) if span_ranks else 0), None
+        except ValueError as e:
+            return None, 0, e
 
     def first_position(self, docs: PackedDocuments) -> int:
         """With span_ranks: the position of the row's first real token (> 0: the row continues the

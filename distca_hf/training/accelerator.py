@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
-from ..hf import ATTN_IMPLEMENTATION
+from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
 from .launch_checks import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
 from .plugin import DistCAPlugin
 
@@ -42,7 +42,7 @@ def require_distca_model(model) -> None:
             f"with from_pretrained(..., attn_implementation='distca') or call model.set_attn_implementation('distca') "
             "(`import distca_hf` registers the implementation)"
         )
-    if not getattr(type(inner), "_supports_attention_backend", False):
+    if not uses_attention_interface(type(inner)):
         raise ValueError(
             f"{name} computes attention in its own code instead of through transformers' AttentionInterface "
             "(_supports_attention_backend is False), so attn_implementation='distca' would be silently ignored and "
