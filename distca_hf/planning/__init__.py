@@ -14,7 +14,7 @@ data-path order:
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
-                   document_pairs, imbalance, start_with_pairs)
+                   document_pairs, imbalance, key_start, start_with_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
@@ -26,7 +26,7 @@ from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_trans
 __all__ = [
     "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
-    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "document_pairs", "find_documents",
+    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "document_pairs", "find_documents", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
 ]

@@ -15,27 +15,47 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["causal_pairs", "document_pairs", "start_with_pairs", "imbalance", "attention_flops", "TokenBytes",
+__all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100"]
 
 
-def causal_pairs(q_start, q_end):
-    """Pairs of the queries ``[q_start, q_end)`` of a document, bottom-right causal:
-    ``sum(t + 1 for t in range(q_start, q_end))``. Exact on Python ints; elementwise on int64 numpy
-    arrays (lists are converted) and integer tensors."""
+def causal_pairs(q_start, q_end, window=None):
+    """Pairs of the queries ``[q_start, q_end)`` of a document, bottom-right causal: query ``t`` sees
+    ``t + 1`` keys, or ``min(t + 1, window)`` under a sliding window (HF's ``sliding_window``: the
+    keys ``[t - window + 1, t]``). Exact on Python ints; elementwise on int64 numpy arrays (lists are
+    converted) and integer tensors."""
     if isinstance(q_start, (list, tuple)) or isinstance(q_end, (list, tuple)):
         q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
-    return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2
+    if window is None:
+        return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2
+    # queries before position `window` see t + 1 keys; from there on, `window` keys each
+    head_end = np.minimum(q_end, window) if not isinstance(q_end, int) else min(q_end, window)
+    head_start = np.minimum(q_start, head_end) if not isinstance(q_start, int) else min(q_start, head_end)
+    tail_start = np.maximum(q_start, head_end) if not isinstance(q_start, int) else max(q_start, head_end)
+    return causal_pairs(head_start, head_end) + window * (q_end - tail_start)
 
 
-def document_pairs(length):
+def document_pairs(length, window=None):
     """Pairs of a whole causal document of ``length`` tokens (ints or arrays)."""
-    return causal_pairs(0, length)
+    return causal_pairs(0, length, window)
 
 
-def start_with_pairs(q_end: int, pairs: float) -> float:
+def key_start(q_start, window=None):
+    """First key position the queries ``[q_start, ..)`` of a document see: 0, or
+    ``q_start - window + 1`` under a sliding window (ints or arrays)."""
+    if window is None:
+        return q_start * 0
+    return np.maximum(q_start - window + 1, 0) if not isinstance(q_start, int) else max(q_start - window + 1, 0)
+
+
+def start_with_pairs(q_end: int, pairs: float, window=None) -> float:
     """The real ``q_start`` whose queries ``[q_start, q_end)`` hold ``pairs`` pairs (the inverse of
-    ``causal_pairs``): ``q_start (q_start + 1) = q_end (q_end + 1) - 2 pairs``."""
+    ``causal_pairs``): ``q_start (q_start + 1) = q_end (q_end + 1) - 2 pairs`` without a window."""
+    if window is not None and q_end > window:
+        flat = window * (q_end - window)  # queries at positions >= window hold `window` pairs each
+        if pairs <= flat:
+            return q_end - pairs / window
+        return start_with_pairs(window, pairs - flat)
     return (-1.0 + math.sqrt(max(1.0 + 4.0 * (q_end * (q_end + 1) - 2.0 * pairs), 0.0))) / 2.0
 
 
