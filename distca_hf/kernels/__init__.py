@@ -8,6 +8,10 @@ Shapes (flash-attn's varlen convention):
 
 Task ``i`` has queries ``q[cu_q[i]:cu_q[i+1]]`` and keys ``k[cu_k[i]:cu_k[i+1]]`` with
 ``lk >= lq``; the causal mask is aligned bottom-right: query ``j`` sees keys ``0 .. j + lk - lq``.
+With a sliding ``window`` (HF's ``sliding_window``, a number of keys), query ``j`` sees only keys
+``j + lk - lq - window + 1 .. j + lk - lq`` (flash-attn's ``window_size=(window - 1, 0)``): the
+window counts back from the query's own position, so a task whose keys are a suffix of the
+document's prefix (``[max(0, a - window + 1), b)`` for queries ``[a, b)``) is exact.
 
 Backends: ``flash_attn`` (CUDA, fp16/bf16, when installed), ``torch_cpu`` (PyTorch's fused CPU
 flash kernel, the winner of ``distca-hf kernel-bench``), ``math`` (plain torch, any device; the
@@ -88,19 +92,30 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
             )
 
 
+def _check_window(window) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None or a positive number of keys (HF's sliding_window), got {window!r}")
+    return int(window)
+
+
 def varlen_attention_forward(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None
 ):
     """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    window = _check_window(window)
     kernel = select_backend(q.device, q.dtype, backend)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
-        return kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+        return kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                              window=window)
 
 
 def varlen_attention_backward(
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None,
+    *, window=None
 ):
     """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
     (gradients of grouped K/V heads summed over their query heads)."""
@@ -108,35 +123,38 @@ def varlen_attention_backward(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
         return kernel.backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+            window=_check_window(window),
         )
 
 
 class _VarlenCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, window):
         out, lse = varlen_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, window=window
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend, window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, backend = ctx.args
-        dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, backend)
-        return dq, dk, dv, None, None, None, None, None, None
+        max_q, max_k, scale, backend, window = ctx.args
+        dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, backend,
+                                               window=window)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def varlen_causal_attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None
 ) -> torch.Tensor:
-    """Differentiable bottom-right causal attention over a fused batch of CA-tasks.
+    """Differentiable bottom-right causal attention over a fused batch of CA-tasks, optionally under
+    a sliding ``window`` (keys per query, see the module docstring).
 
     Returns ``out [total_q, num_heads, head_dim]``; see the module docstring for the layout.
     """
     return _VarlenCausalAttention.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, _check_window(window)
     )

@@ -39,8 +39,11 @@ def _pad_head_dim(*tensors):
     return tuple(F.pad(t, (0, 8 - head_dim % 8)) for t in tensors)
 
 
-def _window_kwargs(fn) -> dict:
-    # flash-attn 2.7 split `window_size` into left/right arguments.
+def _window_kwargs(fn, window: int | None) -> dict:
+    """flash-attn's window arguments for HF's ``sliding_window`` (``window`` keys per query, its own
+    included): ``(window - 1, 0)`` keys left and right of the bottom-right diagonal, ``(-1, -1)`` for
+    none. flash-attn 2.7 split ``window_size`` into left/right arguments."""
+    left, right = (-1, -1) if window is None else (window - 1, 0)
     try:
         import inspect
 
@@ -48,11 +51,11 @@ def _window_kwargs(fn) -> dict:
     except (TypeError, ValueError):
         params = {}
     if "window_size" in params:
-        return {"window_size": (-1, -1)}
-    return {"window_size_left": -1, "window_size_right": -1}
+        return {"window_size": (left, right)}
+    return {"window_size_left": left, "window_size_right": right}
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
     fa = _interface()
     head_dim = q.shape[-1]
     qp, kp, vp = _pad_head_dim(q, k, v)
@@ -60,14 +63,15 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     result = fn(
         qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=0.0, softmax_scale=softmax_scale, causal=True, softcap=0.0, alibi_slopes=None,
-        return_softmax=False, **_window_kwargs(fn),
+        return_softmax=False, **_window_kwargs(fn, window),
     )
     # flash-attn 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+ (out, lse, S_dmask, rng_state).
     out, lse = result[0], result[5] if len(result) == 8 else result[1]
     return out[..., :head_dim], lse
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             window=None):
     fa = _interface()
     head_dim = q.shape[-1]
     dout_p, qp, kp, vp, out_p = _pad_head_dim(dout.contiguous(), q, k, v, out)
@@ -76,6 +80,6 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     fn(
         dout_p, qp, kp, vp, out_p, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=0.0, softmax_scale=softmax_scale, causal=True, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=None, **_window_kwargs(fn),
+        deterministic=False, rng_state=None, **_window_kwargs(fn, window),
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]

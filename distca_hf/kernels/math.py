@@ -23,58 +23,69 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int):
-    """Yield (query rows, key rows, offset of the first query row inside its task's queries, lq, lk)."""
+def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int, window: int | None):
+    """Yield (query rows, key rows, position of the first query row among the task's keys, i.e.
+    its own key column, minus the first key row's column). A chunk's key rows end at its last query's
+    column; under a window they start where its first query's window does."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        rows = max(1, SCORE_ELEMENTS // max(1, num_heads * lk))
+        span = lk if window is None else min(lk, window)
+        rows = max(1, SCORE_ELEMENTS // max(1, num_heads * span))
         for first in range(0, lq, rows):
             last = min(lq, first + rows)
-            yield slice(cu_q[i] + first, cu_q[i] + last), slice(cu_k[i], cu_k[i + 1]), first, lq, lk
+            column = first + lk - lq  # the key column of the chunk's first query (bottom-right)
+            k_lo = 0 if window is None else max(0, column - window + 1)
+            k_hi = last + lk - lq  # keys after the chunk's last query are masked for all its rows
+            yield slice(cu_q[i] + first, cu_q[i] + last), slice(cu_k[i] + k_lo, cu_k[i] + k_hi), column - k_lo
 
 
-def _probabilities(q, k, scale, first: int, lq: int):
-    """Bottom-right causal softmax of query rows ``first ..`` of a task with ``lq`` queries.
+def _probabilities(q, k, scale, column: int, window: int | None):
+    """Causal (optionally windowed) softmax of query rows whose first sees key columns up to
+    ``column`` of ``k`` (the next row one more).
 
-    q: ``[rows, Hkv, G, D]``, k: ``[lk, Hkv, D]`` (accumulation dtype) ->
-    (probs ``[Hkv, G, rows, lk]``, lse ``[Hkv, G, rows]``).
+    q: ``[rows, Hkv, G, D]``, k: ``[keys, Hkv, D]`` (accumulation dtype) ->
+    (probs ``[Hkv, G, rows, keys]``, lse ``[Hkv, G, rows]``).
     """
-    rows, lk = q.shape[0], k.shape[0]
+    rows, keys = q.shape[0], k.shape[0]
     scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
-    query_pos = torch.arange(first, first + rows, device=q.device) + (lk - lq)
-    visible = torch.arange(lk, device=q.device)[None, :] <= query_pos[:, None]
+    query_pos = torch.arange(column, column + rows, device=q.device)
+    key_pos = torch.arange(keys, device=q.device)[None, :]
+    visible = key_pos <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos > query_pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.exp(scores - lse.unsqueeze(-1)), lse
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
     out = torch.empty_like(q)
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
-    for qs, ks, first, lq, _ in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads):
+    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
         qt = q[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
-        probs, chunk_lse = _probabilities(qt, k[ks].to(acc), softmax_scale, first, lq)
+        probs, chunk_lse = _probabilities(qt, k[ks].to(acc), softmax_scale, column, window)
         out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, head_dim).to(q.dtype)
         lse[:, qs] = chunk_lse.reshape(num_heads, -1)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             window=None):
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for qs, ks, first, lq, _ in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads):
+    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
         grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
         qt, do, ot = grouped(q), grouped(dout), grouped(out)
         kt, vt = k[ks].to(acc), v[ks].to(acc)
-        probs, _ = _probabilities(qt, kt, softmax_scale, first, lq)
+        probs, _ = _probabilities(qt, kt, softmax_scale, column, window)
         dp = torch.einsum("qhgd,khd->hgqk", do, vt)
         delta = (do * ot).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, rows, 1]
         ds = probs * (dp - delta) * softmax_scale

@@ -9,7 +9,12 @@ CA-task with ``lq`` queries and a ``lk``-token prefix is run as two blocks and m
 - the prefix block, queries against the first ``lk - lq`` keys, no mask.
 
 Backward runs the kernel's own backward on each block with the *merged* output and log-sum-exp,
-which gives each block its exact share of the gradient. Tasks of identical shape are stacked into
+which gives each block its exact share of the gradient.
+
+A sliding window shorter than the task's keys is a band, not a triangle: the queries are taken
+``WINDOW_ROWS`` at a time against the keys their windows cover (at most ``WINDOW_ROWS + window - 1``)
+with an additive band mask in the query dtype (the kernel's ``attn_mask``); backward runs the same
+chunks and sums the key gradients of overlapping chunks. Tasks of identical shape are stacked into
 one call when ``GROUP_SAME_SHAPE``; ``distca-hf kernel-bench`` measures that within noise of one call
 per task, so it is off and the copies it needs are saved.
 """
@@ -22,6 +27,7 @@ import torch
 
 NAME = "torch_cpu"
 GROUP_SAME_SHAPE = False
+WINDOW_ROWS = 256  # queries per windowed chunk: the band mask is WINDOW_ROWS x (WINDOW_ROWS + window - 1)
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -73,10 +79,53 @@ def _scatter(dst: torch.Tensor, src: torch.Tensor, starts, length: int) -> None:
         dst[s : s + length] = src[i].transpose(0, 1)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def _window_chunks(lq: int, lk: int, window: int):
+    """``(first, last, k_lo, k_hi)``: query rows ``[first, last)`` of a task and the key columns
+    ``[k_lo, k_hi)`` their windows cover (bottom-right: query row i sits at key column i + lk - lq)."""
+    for first in range(0, lq, WINDOW_ROWS):
+        last = min(lq, first + WINDOW_ROWS)
+        yield first, last, max(0, first + lk - lq - window + 1), last + lk - lq
+
+
+def _band_mask(first: int, last: int, k_lo: int, k_hi: int, lq: int, lk: int, window: int, dtype, device):
+    """Additive mask ``[1, 1, last - first, k_hi - k_lo]``: 0 where query row sees the key column, -inf
+    elsewhere."""
+    column = torch.arange(first, last, device=device)[:, None] + (lk - lq)
+    key = torch.arange(k_lo, k_hi, device=device)[None, :]
+    visible = (key <= column) & (key > column - window)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))[None, None]
+
+
+def _windowed_forward(q, k, v, out, lse, lq, lk, q0, k0, window, scale):
+    for first, last, k_lo, k_hi in _window_chunks(lq, lk, window):
+        mask = _band_mask(first, last, k_lo, k_hi, lq, lk, window, q.dtype, q.device)
+        o, l = _flash_cpu(_gather(q, [q0 + first], last - first), _gather(k, [k0 + k_lo], k_hi - k_lo),
+                          _gather(v, [k0 + k_lo], k_hi - k_lo), 0.0, False, attn_mask=mask, scale=scale)
+        _scatter(out, o, [q0 + first], last - first)
+        lse[:, q0 + first : q0 + last] = l[0]
+
+
+def _windowed_backward(dout, q, k, v, out, lse, dq, dk, dv, lq, lk, q0, k0, window, scale):
+    for first, last, k_lo, k_hi in _window_chunks(lq, lk, window):
+        mask = _band_mask(first, last, k_lo, k_hi, lq, lk, window, q.dtype, q.device)
+        rows, keys = [q0 + first], [k0 + k_lo]
+        dqb, dkb, dvb = _flash_cpu_backward(
+            _gather(dout, rows, last - first), _gather(q, rows, last - first), _gather(k, keys, k_hi - k_lo),
+            _gather(v, keys, k_hi - k_lo), _gather(out, rows, last - first),
+            _gather_lse(lse, rows, last - first).to(_lse_dtype(q.dtype)), 0.0, False, attn_mask=mask, scale=scale)
+        _scatter(dq, dqb, rows, last - first)
+        dk[k0 + k_lo : k0 + k_hi] += dkb[0].transpose(0, 1)
+        dv[k0 + k_lo : k0 + k_hi] += dvb[0].transpose(0, 1)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
-    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE):
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
+        if window is not None and window < lk:  # the window cuts some query's keys
+            (q0, k0), = starts
+            _windowed_forward(q, k, v, out, lse, lq, lk, q0, k0, window, softmax_scale)
+            continue
         q_starts = [s for s, _ in starts]
         diag_starts = [s + lk - lq for _, s in starts]
         qb = _gather(q, q_starts, lq)
@@ -102,9 +151,14 @@ def _merge(o1, lse1, o2, lse2):
     return (o1.to(acc) * w1 + o2.to(acc) * w2).to(o1.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             window=None):
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE):
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
+        if window is not None and window < lk:
+            (q0, k0), = starts
+            _windowed_backward(dout, q, k, v, out, lse, dq, dk, dv, lq, lk, q0, k0, window, softmax_scale)
+            continue
         q_starts = [s for s, _ in starts]
         diag_starts = [s + lk - lq for _, s in starts]
         qb, ob, dob = (_gather(t, q_starts, lq) for t in (q, out, dout))
