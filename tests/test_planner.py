@@ -34,6 +34,19 @@ configs = st.builds(
     block=st.sampled_from([1, 2, 3, 8]),
     token_bytes=st.sampled_from([TokenBytes(8, 4, 8), TokenBytes(1, 10, 1), TokenBytes(4, 0, 4)]),
 )
+windowed_configs = st.builds(
+    PlannerConfig,
+    tolerance=st.sampled_from([0.0, 0.01, 0.05, 0.3]),
+    block=st.sampled_from([1, 2, 3, 8]),
+    token_bytes=st.sampled_from([TokenBytes(8, 4, 8), TokenBytes(1, 10, 1), TokenBytes(4, 0, 4)]),
+    window=st.sampled_from([None, 1, 3, 16, 50]),
+)
+
+
+def _reference_pairs(start: int, end: int, window) -> int:
+    """Pairs of the queries [start, end) counted one query at a time: query t sees t + 1 keys, or
+    at most ``window`` of them."""
+    return sum(t + 1 if window is None else min(t + 1, window) for t in range(start, end))
 
 
 def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig):
@@ -55,19 +68,23 @@ def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig):
             assert (s - piece_start) % config.block == 0
             assert e == piece_end or (e - piece_start) % config.block == 0
     assert (plan.q_end > plan.q_start).all()
-    assert plan.server_pairs().sum() == pieces.local_pairs().sum()
+    window = config.window
+    assert plan.window == window
+    assert plan.server_pairs().sum() == sum(_reference_pairs(int(a), int(b), window)
+                                            for a, b in zip(pieces.start, pieces.end))
     servers = plan.servers
     non_servers = np.setdiff1d(np.arange(pieces.num_ranks), servers)
     assert not plan.server_pairs()[non_servers].any(), "only pool ranks may serve"
     # the guarantee: max load <= (1 + tolerance) * mean, up to one block of the longest document
     loads = plan.server_pairs()[list(servers)]
     cap = (1 + config.tolerance) * loads.sum() / len(servers)
-    granule = config.block * int(pieces.end.max())
+    longest = int(pieces.end.max())
+    granule = config.block * (longest if window is None else min(longest, window))
     assert loads.max() <= cap + granule + 1e-6
 
 
 @settings(max_examples=150, deadline=None)
-@given(pieces=packed_batches(), config=configs)
+@given(pieces=packed_batches(), config=windowed_configs)
 def test_plan_properties(pieces, config):
     plan = plan_tasks(pieces, config)
     _check_plan(pieces, plan, config)
@@ -77,10 +94,10 @@ def test_plan_properties(pieces, config):
 
 
 @settings(max_examples=60, deadline=None)
-@given(pieces=packed_batches(), config=configs, data=st.data())
+@given(pieces=packed_batches(), config=windowed_configs, data=st.data())
 def test_server_pool(pieces, config, data):
     pool = data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))
-    config = PlannerConfig(config.tolerance, config.block, tuple(pool), config.token_bytes)
+    config = PlannerConfig(config.tolerance, config.block, tuple(pool), config.token_bytes, window=config.window)
     _check_plan(pieces, plan_tasks(pieces, config), config)
 
 
@@ -149,6 +166,8 @@ def test_edge_cases():
     (dict(block=0), "block"),
     (dict(servers=()), "servers"),
     (dict(servers=(1, 1)), "servers"),
+    (dict(window=0), "window"),
+    (dict(window=2.5), "window"),
 ])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):

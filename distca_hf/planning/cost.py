@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "imbalance", "attention_flops", "TokenBytes",
+__all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100"]
 
 
@@ -57,6 +57,16 @@ def start_with_pairs(q_end: int, pairs: float, window=None) -> float:
             return q_end - pairs / window
         return start_with_pairs(window, pairs - flat)
     return (-1.0 + math.sqrt(max(1.0 + 4.0 * (q_end * (q_end + 1) - 2.0 * pairs), 0.0))) / 2.0
+
+
+def end_with_pairs(q_start: int, pairs: float, window=None) -> float:
+    """The real ``q_end`` whose queries ``[q_start, q_end)`` hold ``pairs`` pairs (the inverse of
+    ``causal_pairs`` in its end): the document's pairs up to ``q_end`` are those up to ``q_start``
+    plus ``pairs``; without a window ``q_end (q_end + 1) = q_start (q_start + 1) + 2 pairs``."""
+    total = float(document_pairs(q_start, window)) + pairs
+    if window is not None and total > window * (window + 1) / 2:
+        return window + (total - window * (window + 1) / 2) / window  # `window` pairs per query from there on
+    return (-1.0 + math.sqrt(1.0 + 8.0 * total)) / 2.0
 
 
 def imbalance(loads, ranks=None) -> float:

@@ -18,7 +18,9 @@ K/V tokens. Each transfer carves shards out of the donor's
 pieces, latest document positions first (a query late in a long document carries the most pairs
 per byte), at the position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving
 ``P`` pairs the bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix),
-minimised by a width near ``sqrt(P * kv / (q + o + kv / 2))``. Shards never exceed the receiver's
+minimised by a width near ``sqrt(P * kv / (q + o + kv / 2))``. Under a sliding window
+(``PlannerConfig.window``) pairs are counted under the window and the K/V a shard needs start at
+``key_start(a, window)``: ``(b - key_start(a, window)) * kv``. Shards never exceed the receiver's
 room, except when no room can take a single block: then the rank with the most room that still
 holds all its own work takes it, and a second pass trims every server above the cap with its own
 finest work (short documents). What cannot be trimmed is under one block (a granule): the bound is
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SETTINGS, setting_problem
-from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, start_with_pairs
+from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, end_with_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 
 __all__ = ["PlannerConfig", "Plan", "plan_tasks", "colocated_plan", "PLANNING_MARGIN"]
@@ -56,12 +58,16 @@ class PlannerConfig:
             tokens from the piece start (flash-attn likes 128; 1 is fine on CPU).
         servers: ranks that serve attention (``None``: every rank).
         token_bytes: wire size of a token, used to choose what moves.
+        window: the model's sliding attention window when every layer uses the same one (``None``:
+            full causal). Pairs are counted under it and a shard ``[a, b)`` needs K/V only from
+            ``key_start(a, window)``.
     """
 
     tolerance: float = SETTINGS["tolerance"].default
     block: int = SETTINGS["block"].default
     servers: tuple[int, ...] | None = None
     token_bytes: TokenBytes = field(default=LLAMA3_8B_BYTES)
+    window: int | None = None
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
@@ -75,6 +81,11 @@ class PlannerConfig:
                 raise ValueError(f"{name} {problem}")
         if self.servers is not None:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
+        if isinstance(self.window, np.integer):
+            object.__setattr__(self, "window", int(self.window))
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"window must be None or an integer >= 1 (tokens a query sees), got {self.window!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +93,8 @@ class Plan:
     """CA-tasks and where they run (arrays of shape ``[num_tasks]``, int64).
 
     Task ``i``: queries ``[q_start[i], q_end[i])`` of document ``doc[i]`` live on rank ``source[i]``
-    and are computed on ``server[i]`` with K/V prefix ``[0, q_end[i])``.
+    and are computed on ``server[i]`` with K/V ``[key_start(q_start[i], window), q_end[i])`` (the whole
+    prefix ``[0, q_end[i])`` without a sliding ``window``).
     """
 
     source: np.ndarray
@@ -92,13 +104,14 @@ class Plan:
     q_end: np.ndarray
     num_ranks: int
     servers: tuple[int, ...]
+    window: int | None = None
 
     @property
     def num_tasks(self) -> int:
         return int(self.source.size)
 
     def pairs(self) -> np.ndarray:
-        return causal_pairs(self.q_start, self.q_end)
+        return causal_pairs(self.q_start, self.q_end, self.window)
 
     def server_pairs(self) -> np.ndarray:
         """``[num_ranks]`` pairs each rank computes as a server under the plan."""
@@ -112,7 +125,7 @@ class Plan:
     def subset(self, mask: np.ndarray) -> "Plan":
         """The tasks selected by the boolean ``mask`` ``[num_tasks]``, in plan order."""
         return Plan(self.source[mask], self.server[mask], self.doc[mask], self.q_start[mask], self.q_end[mask],
-                    self.num_ranks, self.servers)
+                    self.num_ranks, self.servers, self.window)
 
 
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
@@ -124,7 +137,8 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     is_server = np.zeros(num_ranks, dtype=bool)
     is_server[list(servers)] = True
 
-    load = np.bincount(pieces.rank, weights=causal_pairs(pieces.start, pieces.end), minlength=num_ranks)
+    window = config.window
+    load = np.bincount(pieces.rank, weights=causal_pairs(pieces.start, pieces.end, window), minlength=num_ranks)
     # Plan to a cap a little inside the tolerance, so that the rare block that cannot be placed
     # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow.
     margin = PLANNING_MARGIN * config.tolerance if config.tolerance > 0 else 1e-3
@@ -132,14 +146,15 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     excess = load - np.where(is_server, cap, 0.0)
     donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
     if not donors:
-        return colocated_plan(pieces, servers)
+        return colocated_plan(pieces, servers, window=window)
 
     tb = config.token_bytes
     # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
     # margin between the planning cap and the guarantee (so the guarantee still holds).
     slack = 0.1 * max(config.tolerance - margin, 0.0) * load.sum() / len(servers)
     bound = (1.0 + config.tolerance) * load.sum() / len(servers)  # the guarantee (the cap can exceed it at tolerance 0)
-    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv, slack), bound)
+    shedder = _Shedder(pieces, is_server, load, cap, _Carver(config.block, tb.q + tb.o, tb.kv, slack, window),
+                       bound)
     # Pass 1: donors, largest excess first, fill the servers with the most room. A room smaller than
     # the donor's smallest shard is overfilled by less than one block rather than wasted...
     for donor in donors:
@@ -148,7 +163,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     over = shedder.served - cap
     for server in [int(r) for r in np.lexsort((np.arange(num_ranks), -over)) if over[r] > 1e-9 * cap]:
         shedder.shed(server, float(shedder.served[server] - cap), overfill=False)
-    return shedder.plan(servers)
+    return shedder.plan(servers, window)
 
 
 class _Shedder:
@@ -163,7 +178,7 @@ class _Shedder:
         self.by_rank = np.lexsort((pieces.doc, -pieces.end, pieces.rank))
         self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(len(is_server) + 1))
         self.intervals: dict[int, list[list[int]]] = {}
-        self.prefix_holders = _PrefixHolders(pieces)
+        self.prefix_holders = _PrefixHolders(pieces, carver.window)
         self.out = _TaskList()
         self.heap = [(-self._room(r), r) for r in np.flatnonzero(is_server).tolist() if self._room(r) > 0]
         heapq.heapify(self.heap)
@@ -262,7 +277,7 @@ class _Shedder:
                 receiver = self._overfill_target(donor)
                 # ...by at most one block beyond the guarantee (not the planning cap, which tolerance 0 puts above it)
                 room = min(self._room(receiver), self.bound - self.served[receiver])
-                budget = max(room, 0.0) + self.carver.block * intervals[0][2]
+                budget = max(room, 0.0) + self.carver.block_pairs(intervals[0][2])
                 moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
             need -= moved
             self.served[receiver] += moved
@@ -271,7 +286,7 @@ class _Shedder:
                 if self._room(r) > 0:
                     heapq.heappush(self.heap, (-self._room(r), r))
 
-    def plan(self, servers) -> Plan:
+    def plan(self, servers, window) -> Plan:
         p = self.pieces
         opened = np.zeros(p.num_ranks, dtype=bool)
         opened[list(self.intervals)] = True
@@ -280,7 +295,7 @@ class _Shedder:
         for rank, intervals in self.intervals.items():
             for d, s, e in intervals:
                 self.out.add(rank, rank, d, s, e)
-        return self.out.to_plan(p.num_ranks, servers)
+        return self.out.to_plan(p.num_ranks, servers, window)
 
 
 class _PrefixHolders:
@@ -288,7 +303,8 @@ class _PrefixHolders:
     any other document has no holder but its donor. Only these few pieces (about two per rank in
     packed batches) reach Python, as one list of ``(rank, kv_start, end)`` rows grouped by document."""
 
-    def __init__(self, pieces: DocumentPieces):
+    def __init__(self, pieces: DocumentPieces, window=None):
+        self.window = window
         several = np.flatnonzero(np.bincount(pieces.doc)[pieces.doc] > 1) if pieces.num_pieces else np.zeros(0, int)
         several = several[np.argsort(pieces.doc[several], kind="stable")]
         docs = pieces.doc[several]
@@ -300,24 +316,27 @@ class _PrefixHolders:
 
     def held_before(self, doc: int, position: int, donor: int) -> dict[int, int]:
         """``{rank: K/V tokens}`` that ranks other than ``donor`` hold of ``doc`` in pieces ending at
-        or before ``position`` (empty for a document on one rank)."""
+        or before ``position`` (empty for a document on one rank); under a sliding window only those
+        from ``key_start(position)`` on, the most a shard starting at ``position`` or later needs."""
         group = self.groups.get(doc)
         held: dict[int, int] = {}
         if group is not None:
+            first = key_start(position, self.window)
             for rank, kv_start, end in self.rows[group[0] : group[1]]:
-                if end <= position and rank != donor:
-                    held[rank] = held.get(rank, 0) + end - kv_start
+                if end <= position and rank != donor and end > max(kv_start, first):
+                    held[rank] = held.get(rank, 0) + end - max(kv_start, first)
         return held
 
 
-def colocated_plan(pieces: DocumentPieces, servers=None) -> Plan:
+def colocated_plan(pieces: DocumentPieces, servers=None, *, window=None) -> Plan:
     """Every piece's queries computed on the rank that holds them (no query moves; the K/V of a
-    document spanning ranks still has to reach its later pieces)."""
+    document spanning ranks still has to reach its later pieces). ``window``: as ``PlannerConfig``'s."""
     servers = tuple(range(pieces.num_ranks)) if servers is None else servers
     order = np.lexsort((pieces.start, pieces.doc, pieces.rank))
     order = order[pieces.end[order] > pieces.start[order]]  # a key-only piece holds no work
     r = pieces.rank[order]
-    return Plan(r, r.copy(), pieces.doc[order], pieces.start[order], pieces.end[order], pieces.num_ranks, servers)
+    return Plan(r, r.copy(), pieces.doc[order], pieces.start[order], pieces.end[order], pieces.num_ranks, servers,
+                window)
 
 
 class _TaskList:
@@ -333,14 +352,14 @@ class _TaskList:
     def add(self, source, server, doc, start, end):
         self.rows.append((source, server, doc, start, end))
 
-    def to_plan(self, num_ranks, servers) -> Plan:
+    def to_plan(self, num_ranks, servers, window=None) -> Plan:
         cols = [np.concatenate([b[i] for b in self.blocks]) if self.blocks else np.zeros(0, np.int64) for i in range(5)]
         if self.rows:
             extra = np.asarray(self.rows, dtype=np.int64).T
             cols = [np.concatenate((c, x)) for c, x in zip(cols, extra)]
         source, server, doc, q_start, q_end = cols
         order = np.lexsort((q_start, doc, source, server))
-        return Plan(*(c[order] for c in (source, server, doc, q_start, q_end)), num_ranks, servers)
+        return Plan(*(c[order] for c in (source, server, doc, q_start, q_end)), num_ranks, servers, window)
 
 
 class _Carver:
@@ -348,16 +367,25 @@ class _Carver:
 
     Cut points lie a multiple of ``block`` tokens from the start of the interval's original piece,
     so every shard is a multiple of ``block`` long except one that ends at a piece's end. ``q_o``
-    and ``kv`` are wire bytes per token (query out + output back; K and V)."""
+    and ``kv`` are wire bytes per token (query out + output back; K and V); ``window``: the sliding
+    window pairs and K/V ranges are counted under (``None``: full causal)."""
 
-    def __init__(self, block: int, q_o: int, kv: int, slack: float = 0.0):
-        self.block, self.q_o, self.kv, self.slack = block, q_o, kv, slack
+    def __init__(self, block: int, q_o: int, kv: int, slack: float = 0.0, window: int | None = None):
+        self.block, self.q_o, self.kv, self.slack, self.window = block, q_o, kv, slack, window
+
+    def block_pairs(self, end: int) -> int:
+        """The most pairs one block of queries ending at ``end`` holds."""
+        return self.block * (end if self.window is None else min(end, self.window))
+
+    def shard_bytes(self, a: int, b: int) -> int:
+        """Wire bytes of moving the shard ``[a, b)``: queries out, outputs back, its K/V range."""
+        return (b - a) * self.q_o + (b - key_start(a, self.window)) * self.kv
 
     def next_interval(self, intervals, want: float, allowed: float) -> int:
         """Index of the interval the next shard is cut from: the latest (most pairs per byte), or the
         one that ends earliest when less than a block of the latest is wanted or fits (a block
         there holds the fewest pairs)."""
-        return len(intervals) - 1 if min(want, allowed) < self.block * intervals[0][2] else 0
+        return len(intervals) - 1 if min(want, allowed) < self.block_pairs(intervals[0][2]) else 0
 
     def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
         """Move about ``need`` pairs, never more than ``budget``, from ``intervals`` (kept sorted by
@@ -369,8 +397,8 @@ class _Carver:
                 break  # the receiver is as good as full: the next one has more room
             i = self.next_interval(intervals, want, allowed)
             d, lo, hi = intervals[i]
-            whole = causal_pairs(lo, hi)
-            if whole <= allowed and whole <= want + self.block * hi:
+            whole = causal_pairs(lo, hi, self.window)
+            if whole <= allowed and whole <= want + self.block_pairs(hi):
                 out.add(donor, receiver, d, lo, hi)
                 intervals.pop(i)
                 moved += whole
@@ -380,7 +408,7 @@ class _Carver:
                 break
             a, b = shard
             out.add(donor, receiver, d, a, b)
-            moved += causal_pairs(a, b)
+            moved += causal_pairs(a, b, self.window)
             if b < hi:
                 intervals[i] = [d, b, hi]  # same end: the order by end is kept
             else:
@@ -399,14 +427,17 @@ class _Carver:
         ``budget``), at the cut points that move the fewest bytes per pair."""
         want = min(want, budget)
         # Candidate ends: the interval's end (a tail shard), the byte-optimal end, and the end of a
-        # head shard starting at lo. For P pairs and width w the bytes are w (q + o) + b kv with
-        # b = P / w + w / 2, smallest at w = sqrt(P kv / (q + o + kv / 2)).
+        # head shard starting at lo. Full causal: for P pairs and width w the bytes are
+        # w (q + o) + b kv with b = P / w + w / 2, smallest at w = sqrt(P kv / (q + o + kv / 2)).
+        # Under a window a shard past the window's reach holds `window` pairs per query and needs
+        # w + window - 1 K/V tokens: the widest (the tail) moves the fewest bytes per pair; the
+        # candidates are compared on their exact bytes (shard_bytes) either way.
         width = math.sqrt(want * self.kv / (self.q_o + self.kv / 2)) if self.kv else float(hi - lo)
         ideal_end = want / max(width, 1.0) + width / 2
         if ideal_end >= hi:  # the byte-optimal shard would end past the interval: take its tail
             a = self._start_for(lo, hi, want, budget)
             return None if a is None else (a, hi)
-        head_end = (-1.0 + math.sqrt(1.0 + 4.0 * (lo * (lo + 1) + 2.0 * want))) / 2.0
+        head_end = end_with_pairs(lo, want, self.window)
         best, best_key = None, None
         for b in (hi, self._aligned_up(lo, ideal_end, hi), self._aligned_up(lo, head_end, hi)):
             if b <= lo or (best is not None and b == best[1]):
@@ -414,8 +445,8 @@ class _Carver:
             a = self._start_for(lo, b, want, budget)
             if a is None:
                 continue
-            got = causal_pairs(a, b)
-            key = (got < want - self.block * b, ((b - a) * self.q_o + b * self.kv) / got)
+            got = causal_pairs(a, b, self.window)
+            key = (got < want - self.block_pairs(b), self.shard_bytes(a, b) / got)
             if best_key is None or key < best_key:
                 best, best_key = (a, b), key
         return best
@@ -424,10 +455,11 @@ class _Carver:
         """The cut point ``a`` in ``[lo, b)`` whose shard ``[a, b)`` is the smallest holding at least
         ``want`` pairs, moved up while it exceeds ``budget``; ``None`` if no shard fits."""
         block = self.block
-        a = lo + max(0, math.ceil((start_with_pairs(b, budget) - lo) / block)) * block  # pairs <= budget
+        w = self.window
+        a = lo + max(0, math.ceil((start_with_pairs(b, budget, w) - lo) / block)) * block  # pairs <= budget
         if want < budget:
-            a = max(a, lo + max(0, math.floor((start_with_pairs(b, want) - lo) / block)) * block)
-        while a < b and causal_pairs(a, b) > budget:  # float rounding: at most a step or two
+            a = max(a, lo + max(0, math.floor((start_with_pairs(b, want, w) - lo) / block)) * block)
+        while a < b and causal_pairs(a, b, w) > budget:  # float rounding: at most a step or two
             a += block
         return a if a < b else None
 
