@@ -79,6 +79,7 @@ def _one_of(choices):
     def problem(value):
         if value not in choices:
             return f"must be one of {list(choices)}, got {value!r}"
+    problem.choices = tuple(choices)  # read by the command-line flags (training.arguments)
     return problem
 
 

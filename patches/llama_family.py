@@ -6,7 +6,7 @@ These families share the layer structure that the ping-pong schedule splits into
 - ``attention_inputs``: input norm, q/k/v projections (Qwen3's q/k norms), rotary embedding;
 - ``layer_output``: o_proj, residual, post-attention norm, MLP, residual.
 
-``install()`` (run by ``import distca_hf``) wraps the decoder stacks' ``forward`` (``LlamaModel``,
+``install()`` (run when transformers imports each family's module, after ``import distca_hf``) wraps the decoder stacks' ``forward`` (``LlamaModel``,
 ``MistralModel``, ``Qwen2Model``, ``Qwen3Model``): when the model uses ``attn_implementation="distca"``,
 ``DISTCA_OVERLAP=pingpong`` (or ``configure(overlap="pingpong")``) is set, the server group has more
 than one rank and no KV cache is passed (training, evaluation), the stack runs the ping-pong schedule
@@ -27,6 +27,9 @@ from distca_hf.runtime import timeline
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
                    for t, n in zip(LLAMA_FAMILY_MODEL_TYPES, ("Llama", "Mistral", "Qwen2", "Qwen3"))}
+DECODER_STACK_MODULES = tuple(module_name for module_name, _ in _DECODER_STACKS.values())
+"""The transformers modules whose decoder stacks ``install`` wraps (``import distca_hf`` wraps each
+when transformers imports it)."""
 
 
 def is_llama_family(config) -> bool:
@@ -122,7 +125,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     """Refuse what distca cannot do, find the documents, and plan both nano-batches with every rank
     (a rank whose inputs are invalid still joins, so every rank stops)."""
     from distca_hf.config import current_config
-    from distca_hf.hf import refuse_short_window, refuse_unsupported
+    from distca_hf.hf import refuse_unsupported, widest_window
     from distca_hf.planning import TokenBytes
     from distca_hf.runtime.forward import CallInputs
     from distca_hf.runtime.pingpong import plan_pingpong
@@ -136,10 +139,8 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     config, head_dim = model.config, layers[0].self_attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
-    plan = plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads, first_position)
-    for layer in layers:
-        refuse_short_window(layer.self_attn, sliding_window(layer.self_attn), plan.longest_document)
-    return plan
+    return plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads, first_position,
+                         kv_window=widest_window(config))
 
 
 def _run_layer(layer, plan, rope, h_a, h_b):
@@ -147,9 +148,9 @@ def _run_layer(layer, plan, rope, h_a, h_b):
     from distca_hf.hf import to_compute_dtype
     from distca_hf.runtime.pingpong import NanoAttention
 
-    scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
-    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}")
-    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}")
+    scale, index, window = layer.self_attn.scaling, layer.self_attn.layer_idx, sliding_window(layer.self_attn)
+    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", window=window)
+    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", window=window)
     with timeline.span(f"{a.name}: norm, q/k/v"):
         q_a, k_a, v_a = to_compute_dtype(*attention_inputs(layer, h_a, *rope["a"]))
     a.launch(q_a, k_a, v_a)
@@ -169,11 +170,14 @@ def _run_layer(layer, plan, rope, h_a, h_b):
     return h_a, h_b
 
 
-def install() -> list[str]:
+def install(*, modules: tuple[str, ...] = DECODER_STACK_MODULES) -> list[str]:
     """Wrap the Llama-family decoder stacks' ``forward`` with the ping-pong switch (idempotent).
-    Returns the class names wrapped; families missing from the installed transformers are skipped."""
+    ``modules``: which of ``DECODER_STACK_MODULES`` to import and wrap (default: all). Returns the
+    class names wrapped; families missing from the installed transformers are skipped."""
     wrapped = []
     for module_name, class_name in _DECODER_STACKS.values():
+        if module_name not in modules:
+            continue
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):

@@ -1,26 +1,40 @@
 """HF glue: the ``"distca"`` attention and mask functions, their registration with transformers, and
 the refusal of models that would ignore them (``model_check``).
 
-``import distca_hf`` calls ``register()``; then ``attn_implementation="distca"`` works in
+``import distca_hf`` arranges for ``register()`` to run as soon as transformers has imported the
+interfaces (``distca_hf._after_import``); then ``attn_implementation="distca"`` works in
 ``from_pretrained``, ``from_config`` and ``set_attn_implementation`` for every decoder model that
 dispatches through transformers' attention interface.
 """
 
-from .attention import (ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, refuse_short_window,
+from .attention import (ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, widest_window,
                         refuse_unsupported, to_compute_dtype)
 from .mask import distca_mask
 from .model_check import refuse_models_that_ignore_the_interface, uses_attention_interface
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "distca_mask",
-           "refuse_short_window", "refuse_unsupported", "register", "to_compute_dtype", "uses_attention_interface"]
+           "widest_window", "refuse_unsupported", "register", "register_attention", "register_mask",
+           "to_compute_dtype", "uses_attention_interface"]
 
 
 def register() -> None:
     """Register ``"distca"`` with transformers' attention and mask interfaces, and refuse it for
     models that would ignore it (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    register_attention()
+    register_mask()
+
+
+def register_attention() -> None:
+    """``"distca"`` in ``transformers.AttentionInterface`` (``transformers.modeling_utils``), and
+    the refusal of models that would ignore it (idempotent)."""
+    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, distca_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, distca_mask)
     refuse_models_that_ignore_the_interface(ATTN_IMPLEMENTATION)
+
+
+def register_mask() -> None:
+    """``"distca"`` in ``transformers.masking_utils.AttentionMaskInterface`` (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, distca_mask)

@@ -9,29 +9,34 @@
     launch_checks  launched vs running processes, the CPU launch traps
     accelerator    DistCAAccelerator and the model checks every entry point runs
     trainer        DistCATrainer and its step table
+    arguments      DistCAArguments: the distca settings as command-line flags (``HfArgumentParser``)
 
-The trainer and the accelerator import transformers' and accelerate's heavier modules, so they are
-loaded on first use.
+Every name is loaded on first use: the trainer and the accelerator import transformers' and
+accelerate's heavier modules, packing imports torch, and a script's ``--help`` needs none of them.
 """
 
 from importlib import import_module
 
-from .loading import load_documents
-from .packing import (GlobalBatchSampler, PackedCollator, PackedDataset, PackedRow, PackingConfig, PackingReport,
-                      RankLayout, StreamingPackedDataset, pack_lengths, pack_rows)
-from .plugin import DistCAGroups, DistCAPlugin, read_distca_section
-from .topology import ParallelTopology, group_ranks
+_LAZY = {
+    "load_documents": "loading",
+    **dict.fromkeys(("GlobalBatchSampler", "PackedCollator", "PackedDataset", "PackedRow", "PackingConfig",
+                     "PackingReport", "RankLayout", "StreamingPackedDataset", "pack_lengths", "pack_rows"), "packing"),
+    **dict.fromkeys(("DistCAGroups", "DistCAPlugin", "read_distca_section"), "plugin"),
+    **dict.fromkeys(("ParallelTopology", "group_ranks"), "topology"),
+    "DistCAArguments": "arguments",
+    "DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
+    "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator",
+    "prepare_cpu_launch": "launch_checks",
+}
 
-_LAZY = {"DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
-         "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator",
-         "prepare_cpu_launch": "launch_checks"}
-
-__all__ = ["DistCAGroups", "DistCAPlugin", "GlobalBatchSampler", "PackedCollator", "PackedDataset", "PackedRow",
-           "PackingConfig", "PackingReport", "ParallelTopology", "RankLayout", "StreamingPackedDataset", "group_ranks",
-           "load_documents", "pack_lengths", "pack_rows", "read_distca_section", *_LAZY]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,83 @@
+"""``DistCAArguments``: the distca settings as command-line flags, for ``transformers.HfArgumentParser``.
+
+    from transformers import HfArgumentParser, TrainingArguments
+    parser = HfArgumentParser((TrainingArguments, DistCAArguments))
+    training_args, distca_args = parser.parse_args_into_dataclasses()
+    trainer = DistCATrainer(..., args=training_args, distca_plugin=distca_args.plugin())
+
+One flag per setting of the table in ``distca_hf.config`` (same name, help, choices and check;
+``--tolerance 0.05``, ``--overlap pingpong``, ``--servers 0 1``, ``--span_ranks false``), plus
+``--distca_config`` (a YAML file with a ``distca:`` section). A flag left out is not set: the
+setting's ``DISTCA_*`` variable, else the file, else the table's default decides, as for
+``DistCAPlugin``. Importing this module is cheap (no torch), so ``--help`` is quick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field, make_dataclass
+from typing import Literal, Optional
+
+from ..config import SETTINGS
+
+__all__ = ["DistCAArguments"]
+
+_PLAIN_TYPES = {"float": float, "int": int, "str": str, "bool": bool}
+
+
+def _flag_type(name: str, setting) -> type:
+    """The type ``HfArgumentParser`` turns into the flag: choices as a ``Literal``, a list of ranks as
+    ``list[int]``, else the setting's own type."""
+    choices = getattr(setting.metadata["check"], "choices", None)
+    if choices:
+        return Literal[choices]
+    annotation = str(setting.type)
+    if annotation.startswith("tuple[int"):
+        return list[int]
+    if annotation in _PLAIN_TYPES:
+        return _PLAIN_TYPES[annotation]
+    raise TypeError(f"distca setting {name!r} has type {annotation!r}, which has no command-line form; "
+                    f"expected one of {sorted(_PLAIN_TYPES)}, a tuple of ints or a set of choices")
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def _flag_help(name: str, setting) -> str:
+    variable = setting.metadata["env"]
+    unset = f"{variable}, else " if variable else ""
+    return (f"{_sentence(setting.metadata['help'])} Left out (None): {unset}the distca: section of "
+            f"--distca_config, else {setting.default!r}.")
+
+
+def _setting_field(name: str, setting):
+    metadata = {"help": _flag_help(name, setting)}
+    flag_type = _flag_type(name, setting)
+    if flag_type is bool:  # a bare --span_ranks means true, as transformers' own optional flags do
+        metadata.update(nargs="?", const=True)
+    return name, Optional[flag_type], field(default=None, metadata=metadata)
+
+
+def _plugin(self, **overrides):
+    """The ``DistCAPlugin`` these flags describe; ``overrides`` (settings) beat the flags."""
+    from .plugin import DistCAPlugin
+
+    given = {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
+    given.update(overrides)
+    if self.distca_config:
+        return DistCAPlugin.from_accelerate_config(self.distca_config, **given)
+    return DistCAPlugin.from_environment(**given)
+
+
+DistCAArguments = make_dataclass(
+    "DistCAArguments",
+    [_setting_field(name, setting) for name, setting in SETTINGS.items()] + [
+        ("distca_config", Optional[str], field(default=None, metadata={
+            "help": "A YAML file with a distca: section (e.g. recipes/distca.yaml): settings below the flags and "
+                    "the DISTCA_* variables in precedence. Left out: the file `distca-hf launch` names, if any."})),
+    ],
+    namespace={"plugin": _plugin, "__module__": __name__},
+)
+DistCAArguments.__doc__ = """The distca settings as ``HfArgumentParser`` flags (see the module docstring); ``plugin()``
+gives the ``DistCAPlugin`` they describe."""
