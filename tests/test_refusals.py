@@ -18,17 +18,20 @@ def _packed(lengths, seed=0):
     return ids, pos
 
 
-@pytest.mark.parametrize("family, window_config", [
-    ("mistral", dict(sliding_window=8)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
-])
-def test_sliding_window_shorter_than_a_document(family, window_config):
-    model = tiny_model(family, **window_config)
-    ids, pos = _packed([5, 8, 3])
-    model(input_ids=ids, position_ids=pos)  # every document fits the window: exact, accepted
-    ids, pos = _packed([5, 9, 3])
-    with pytest.raises(UnsupportedAttentionError, match=r"sliding_window=8.*9 tokens"):
-        model(input_ids=ids, position_ids=pos)
+def test_a_layer_window_wider_than_the_planned_one_is_refused():
+    """A forward's CA-tasks carry the keys of the widest window in the config; a layer asking for a
+    wider one (or none) would silently miss keys, so it raises naming both windows."""
+    from types import SimpleNamespace
+
+    from distca_hf.runtime.phases import check_layer_window
+
+    wave = SimpleNamespace(kv_window=8, forward_number=3)
+    check_layer_window(wave, 8)
+    check_layer_window(wave, 2)
+    for wider in (9, None):
+        with pytest.raises(UnsupportedAttentionError, match=rf"forward 3: a layer asks for sliding_window={wider}.*8 keys"):
+            check_layer_window(wave, wider)
+    check_layer_window(SimpleNamespace(kv_window=None, forward_number=1), None)
 
 
 def test_attention_softcapping():

@@ -121,3 +121,124 @@ def test_windowed_pairs_count_visible_keys(start, width, window):
     if width:
         assert key_start(start, window) == (0 if window is None else max(0, start - window + 1))
         assert start_with_pairs(end, sum(seen), window) == pytest.approx(start, abs=1e-6)
+
+
+# ---- pure planning: the K/V a windowed plan moves ----
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=8), st.integers(1, 4), st.integers(1, 30), st.data())
+def test_windowed_transfers_bring_every_key_a_task_sees(doc_lengths, world, window, data):
+    """Documents over ``world`` ranks (spanning ranks): under a window, every server holds, from its own
+    pieces and what it receives, the keys ``[key_start(a, w), b)`` of each task it runs, and the
+    transfers are a subset of the unwindowed ones."""
+    from distca_hf.planning import PlannerConfig, kv_transfers, plan_tasks, stitch_rank_documents
+
+    total = sum(doc_lengths)
+    world = min(world, total)
+    cuts = sorted(data.draw(st.lists(st.integers(1, total - 1), min_size=world - 1, max_size=world - 1, unique=True))
+                  if world > 1 else [])
+    bounds = [0, *cuts, total]
+    starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
+    per_rank, firsts = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        docs = [(max(lo, s), min(hi, s + n), s) for s, n in zip(starts, doc_lengths) if max(lo, s) < min(hi, s + n)]
+        per_rank.append(torch.tensor([b - a for a, b, _ in docs]).numpy())
+        firsts.append(docs[0][0] - docs[0][2])
+    pieces = stitch_rank_documents(per_rank, [0 * x for x in per_rank], firsts, span_ranks=True).pieces
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, window=window))
+    windowed, whole = kv_transfers(plan, pieces, window), kv_transfers(plan, pieces)
+    for server, d, a, b in zip(plan.server, plan.doc, plan.q_start, plan.q_end):
+        have = set()
+        for r, pd, ks, e in zip(pieces.rank, pieces.doc, pieces.kv_start, pieces.end):
+            if pd == d and r == server:
+                have.update(range(int(ks), int(e)))
+        for v, td, ts, te in zip(windowed.server, windowed.doc, windowed.start, windowed.end):
+            if v == server and td == d:
+                have.update(range(int(ts), int(te)))
+        assert set(range(key_start(int(a), window), int(b))) <= have
+    as_set = lambda t: {(int(s), int(v), int(d), x) for s, v, d, a, b in zip(t.source, t.server, t.doc, t.start, t.end)
+                        for x in range(int(a), int(b))}
+    assert as_set(windowed) <= as_set(whole)
+
+
+# ---- models: exact against eager per document ----
+
+def _window_models():
+    from transformers import Gemma3TextConfig
+
+    from helpers import tiny_config
+
+    return {
+        # every layer slides: the CA-tasks carry only the window's keys
+        "mistral w5": tiny_config("mistral", sliding_window=5),
+        # full and sliding layers: whole prefixes travel, each layer masks its own window
+        "qwen2 mixed w6": tiny_config("qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                      num_hidden_layers=3),
+        "gemma3 mixed w4": Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                                                           "sliding_attention"],
+                                            max_position_embeddings=256),
+    }
+
+
+@pytest.mark.parametrize("name", ["mistral w5", "qwen2 mixed w6", "gemma3 mixed w4"])
+def test_windowed_models_exact_against_each_document_alone(name):
+    """Packed documents longer and shorter than the window, one process: logits and every parameter's
+    gradient equal each document run alone with eager attention (HF's own sliding-window mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_grads_close, objective_weights, param_grads, per_document_reference
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_window_models()[name], attn_implementation="distca",
+                                             dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 96, (n,), generator=g) for n in (13, 3, 1, 21, 6)]
+    weights = [objective_weights((len(d), 96), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    logits = model(input_ids=ids, position_ids=pos).logits[0]
+    (logits * torch.cat(weights)).sum().backward()
+    torch.testing.assert_close(logits.detach(), torch.cat(ref_logits), atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+def test_widest_window_reads_the_config():
+    from distca_hf.hf import widest_window
+
+    models = _window_models()
+    assert widest_window(models["mistral w5"]) == 5
+    assert widest_window(models["qwen2 mixed w6"]) is None  # a full-attention layer needs whole prefixes
+    assert widest_window(models["gemma3 mixed w4"]) is None
+    from helpers import tiny_config
+
+    assert widest_window(tiny_config("llama")) is None
+
+
+# ---- several ranks: windows shorter than documents that span ranks ----
+
+WINDOW_CASES = {
+    # name: (world, family, model overrides, document lengths, slice lengths per rank)
+    "mistral w7, documents over both ranks": (2, "mistral", {"sliding_window": 7}, [30, 50, 7, 1, 12], [60, 40]),
+    "qwen2 mixed w9, one document over three ranks": (
+        3, "qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1, "num_hidden_layers": 3},
+        [9, 100, 5], [40, 40, 34]),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_windowed_spanning_documents_are_exact(tmp_path, case):
+    """Every overlap mode and both backward modes, exact against each whole document alone; a
+    uniformly windowed model moves fewer K/V tokens than its unwindowed plan would."""
+    from dist_harness import run_ranks
+    from workers import exact_runs, span_worker
+
+    world, family, overrides, doc_lengths, slice_lengths = WINDOW_CASES[case]
+    results = run_ranks(span_worker, world, tmp_path, family, doc_lengths, slice_lengths,
+                        ("none", "wave", "pingpong"), overrides, (False,), env={"DISTCA_TOLERANCE": "0.02"})
+    for rank, runs in exact_runs(results, 7):
+        for run in runs:
+            assert run["stats"]["dispatched"]

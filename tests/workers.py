@@ -85,11 +85,13 @@ def global_stream(doc_lengths, seed=0):
     return tokens, positions, weights
 
 
-def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave", "pingpong")):
+def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none", "wave", "pingpong"),
+                model_overrides=None, checkpointing=(False, True)):
     """Rank ``rank`` holds slice ``rank`` of a global stream of documents (``span_ranks=True``):
     its logits and the sum over ranks of the parameter gradients, against every whole document run
     alone; every overlap mode given, both backward modes, with and without checkpointing,
-    ``mode="colocated"``, and evaluation. Returns one report per run."""
+    ``mode="colocated"``, and evaluation. ``model_overrides``: config fields of the tiny model (e.g.
+    a sliding window). Returns one report per run."""
     import torch.distributed as dist
 
     import distca_hf
@@ -98,7 +100,7 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
     tokens, positions, weights = global_stream(doc_lengths)
     lo = sum(slice_lengths[:rank])
     hi = lo + slice_lengths[rank]
-    model = tiny_model(family, max_position_embeddings=max(256, max(doc_lengths)))
+    model = tiny_model(family, max_position_embeddings=max(256, max(doc_lengths)), **(model_overrides or {}))
     bounds = torch.tensor([0, *doc_lengths]).cumsum(0)
     docs = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     doc_weights = [weights[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -108,7 +110,7 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
     report = []
     # every overlap and backward mode with and without checkpointing, then colocated (exact too: a
     # continuing piece still receives its prefix K/V)
-    runs = [("distca", o, b, c) for o in overlaps for b in ("saved", "resend") for c in (False, True)]
+    runs = [("distca", o, b, c) for o in overlaps for b in ("saved", "resend") for c in checkpointing]
     for mode, overlap, backward, checkpointing in runs + [("colocated", "none", "saved", False)]:
         distca_hf.configure(span_ranks=True, mode=mode, overlap=overlap, backward=backward)
         if checkpointing:

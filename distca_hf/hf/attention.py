@@ -18,7 +18,7 @@ from ..errors import UnsupportedAttentionError
 from ..kernels import varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
 
-__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "refuse_short_window",
+__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "widest_window",
            "refuse_unsupported", "to_compute_dtype"]
 
 ATTN_IMPLEMENTATION = "distca"
@@ -79,15 +79,20 @@ def _dropout_field(module: torch.nn.Module, dropout: float) -> str:
     return (matching or present or ["attention_dropout"])[0]
 
 
-def refuse_short_window(module: torch.nn.Module, window: int | None, longest: int) -> None:
-    """Refuse a sliding window shorter than the longest document. ``longest`` is over every rank of
-    the server group, so all ranks refuse together and none waits for the others."""
-    if window is not None and longest > window:
-        raise UnsupportedAttentionError(
-            f"distca does not support sliding-window attention: {type(module).__name__} has sliding_window="
-            f"{window} but a document holds {longest} tokens (windows at least as long as every document are "
-            "exact and allowed); shorten the documents or disable the window"
-        )
+def widest_window(config) -> int | None:
+    """The widest sliding window (keys per query) over a model's attention layers, from its config:
+    ``config.sliding_window`` when every layer slides (Mistral; ``layer_types`` all
+    ``"sliding_attention"``), ``None`` when any layer attends to whole prefixes (Gemma 2/3, Qwen2
+    with ``max_window_layers``, plain Llama). A forward's CA-tasks carry only the K/V this window
+    sees; each layer then applies its own window in the kernel, so mixed models stay exact and
+    uniformly windowed ones move fewer K/V bytes."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "sliding_attention" for t in layer_types):
+        return None
+    return int(window)
 
 
 def distca_attention_forward(
@@ -107,14 +112,15 @@ def distca_attention_forward(
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     context = context_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
-                               kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    refuse_short_window(module, kwargs.get("sliding_window"), context.longest_document)
+                               kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+                               kv_window=widest_window(getattr(module, "config", None)))
+    window = kwargs.get("sliding_window")
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     if context.dispatch is not None:
         scale = head_dim**-0.5 if scaling is None else float(scaling)
-        out = dispatched_attention(q, k, v, context.dispatch, scale)
+        out = dispatched_attention(q, k, v, context.dispatch, scale, window=window)
         return out.view(batch_size, query_len, num_heads, head_dim), None
     batch = context.local
     if batch.q_index is not None:
@@ -122,7 +128,8 @@ def distca_attention_forward(
         k = k.index_select(0, batch.k_index)
         v = v.index_select(0, batch.k_index)
     out = varlen_causal_attention(
-        q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, scaling
+        q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, scaling,
+        window=window,
     )
     if batch.q_index is not None:
         # Padding queries get zeros, as HF's flash-attention path gives them.

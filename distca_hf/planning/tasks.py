@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from .cost import causal_pairs
+from .cost import causal_pairs, key_start
 from .documents import PackedDocuments
 from .ranges import concat_ranges
 
@@ -97,25 +97,28 @@ class FusedBatch:
         )
 
 
-def fused_batch(q_index, k_index, q_start, q_end, device=None) -> FusedBatch:
+def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | None = None) -> FusedBatch:
     """The one way a list of CA-tasks becomes a varlen batch.
 
     Task ``i`` has queries ``[q_start[i], q_end[i])`` of its document (``[num_tasks]`` int64 arrays)
-    and the K/V prefix ``[0, q_end[i])``. ``q_index`` / ``k_index`` are the flat rows of the query /
-    key pools holding them, task after task (``[sum of shard lengths]`` / ``[sum of q_end]`` int64),
-    or ``None`` when the tasks already are the pools, row for row. Tensors go to ``device``.
+    and the K/V prefix ``[0, q_end[i])``, or under a sliding ``window`` only the keys its queries see,
+    ``[key_start(q_start[i], window), q_end[i])``. ``q_index`` / ``k_index`` are the flat rows of the
+    query / key pools holding them, task after task (``[sum of shard lengths]`` / ``[sum of K/V
+    lengths]`` int64), or ``None`` when the tasks already are the pools, row for row. Tensors go to
+    ``device``.
     """
     q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     q_lens = q_end - q_start
+    k_lens = q_end - key_start(q_start, window)
     as_tensor = lambda x, dtype: None if x is None else torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(device)
     return FusedBatch(
         as_tensor(q_index, np.int64),
         as_tensor(k_index, np.int64),
         as_tensor(np.concatenate(([0], np.cumsum(q_lens))), np.int32),
-        as_tensor(np.concatenate(([0], np.cumsum(q_end))), np.int32),
+        as_tensor(np.concatenate(([0], np.cumsum(k_lens))), np.int32),
         int(q_lens.max(initial=0)),
-        int(q_end.max(initial=0)),
-        int(causal_pairs(q_start, q_end).sum()),
+        int(k_lens.max(initial=0)),
+        int(causal_pairs(q_start, q_end, window).sum()),
     )
 
 

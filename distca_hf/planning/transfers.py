@@ -1,7 +1,8 @@
 """What a plan moves: the Q, K/V and O token ranges that cross ranks, and their bytes.
 
 Pure numpy. A server needs, for each document it serves, the K/V prefix ``[0, max q_end)`` of its
-tasks of that document; each K/V token is sent once per (source rank, server) pair, from the rank
+tasks of that document (under a sliding window, ``[min key_start(q_start), max q_end)``: the keys
+before the window of its earliest query are never seen); each K/V token is sent once per (source rank, server) pair, from the rank
 that holds it, however many of the server's tasks use it. Queries go from their rank to the server
 when the two differ, and outputs come back the same way.
 """
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import TokenBytes
+from .cost import TokenBytes, key_start
 from .pieces import DocumentPieces
 from .planner import Plan
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes"]
+__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,14 +36,17 @@ class KVTransfers:
         return int((self.end - self.start).sum())
 
 
-def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
-    """The K/V ranges every server must receive to run its tasks of ``plan``."""
-    # The prefix each server needs per document: max q_end over its tasks of that document.
+def kv_transfers(plan: Plan, pieces: DocumentPieces, window: int | None = None) -> KVTransfers:
+    """The K/V ranges every server must receive to run its tasks of ``plan`` (``window``: the sliding
+    window the tasks' keys are cut to, ``None`` for whole prefixes)."""
+    # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
     key = plan.server * (int(plan.doc.max(initial=0)) + 1) + plan.doc
     order = np.lexsort((-plan.q_end, key))
     first = np.ones(order.size, dtype=bool)
     first[1:] = key[order][1:] != key[order][:-1]
     need_server, need_doc, need_end = plan.server[order][first], plan.doc[order][first], plan.q_end[order][first]
+    need_start = (np.minimum.reduceat(key_start(plan.q_start[order], window), np.flatnonzero(first))
+                  if order.size else np.zeros(0, dtype=np.int64))
 
     # Join each need with every piece of its document (pieces grouped by document).
     by_doc = np.argsort(pieces.doc, kind="stable")
@@ -55,7 +59,7 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
 
     source = pieces.rank[piece_idx]
     server = need_server[need_idx]
-    start = pieces.kv_start[piece_idx]
+    start = np.maximum(pieces.kv_start[piece_idx], need_start[need_idx])
     end = np.minimum(pieces.end[piece_idx], need_end[need_idx])
     send = (source != server) & (end > start)
     return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])
@@ -81,8 +85,30 @@ def kv_received(transfers: KVTransfers, num_ranks: int) -> np.ndarray:
 
 
 def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None) -> CommBytes:
+               transfers: KVTransfers | None = None, window: int | None = None) -> CommBytes:
     """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran."""
     moved_q = plan.moved_queries()
-    kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces)).tokens()
+    kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces, window)).tokens()
     return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * token_bytes.o)
+
+
+def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
+               transfers: KVTransfers | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(sent, received)``, each ``[num_ranks]`` int64: the bytes every rank sends and receives in
+    one layer's forward under ``plan`` (Q out and O back for moved tasks, K/V from the holder to the
+    server). Both sum to ``comm_bytes(...).total``."""
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    moved = plan.source != plan.server
+    queries = (plan.q_end - plan.q_start)[moved]
+    source, server = plan.source[moved], plan.server[moved]
+    kv = (transfers.end - transfers.start) * token_bytes.kv
+    n = plan.num_ranks
+
+    def per_rank(ranks, weights):
+        return np.bincount(ranks, weights=weights, minlength=n).astype(np.int64)
+
+    sent = per_rank(source, queries * token_bytes.q) + per_rank(server, queries * token_bytes.o) \
+        + per_rank(transfers.source, kv)
+    received = per_rank(server, queries * token_bytes.q) + per_rank(source, queries * token_bytes.o) \
+        + per_rank(transfers.server, kv)
+    return sent, received

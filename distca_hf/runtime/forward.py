@@ -64,9 +64,11 @@ def _starts_forward(module) -> bool:
 
 
 def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
-                     cu_seq_lens_k) -> ForwardContext:
+                     cu_seq_lens_k, *, kv_window: int | None = None) -> ForwardContext:
     """The context of the forward this attention call belongs to (made now if the call opens one).
-    query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``."""
+    query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``;
+    ``kv_window``: the widest sliding window of the model's layers (``None`` when a layer attends to
+    whole prefixes), which a dispatch's CA-tasks cut their K/V to."""
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     # The mask identifies the documents only when nothing else does (it is a new view per layer type).
@@ -82,10 +84,10 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
         return current
 
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    return begin_forward(_open_forward(module, query, key, call, call_key, identifying))
+    return begin_forward(_open_forward(module, query, key, call, call_key, identifying, kv_window))
 
 
-def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> ForwardContext:
+def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_window: int | None) -> ForwardContext:
     """Find the documents, agree with the other ranks of the server group (a collective when there
     are any) and plan."""
     config = current_config()
@@ -114,7 +116,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs) -> F
     _, num_heads, _, head_dim = query.shape
     token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
-    dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap)
+    dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
+                                   kv_window=kv_window)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
@@ -188,9 +191,11 @@ def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device,
 
 
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
-               number: int, overlap: str, counters: DispatchCounters | None = None) -> tuple[Dispatch, BatchPlan]:
+               number: int, overlap: str, counters: DispatchCounters | None = None, *,
+               kv_window: int | None = None) -> tuple[Dispatch, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
-    ranks) and build this rank's dispatch; ``docs`` are this rank's own."""
+    ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
+    ``context_for_call``."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -200,9 +205,10 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
         plan = colocated_plan(pieces)
     else:
-        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes))
+        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes,
+                                                window=kv_window))
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=config.block, group=group, timeout_s=config.timeout_s,
-                              backward_mode=config.backward, forward_number=number)
+                              backward_mode=config.backward, forward_number=number, kv_window=kv_window)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))

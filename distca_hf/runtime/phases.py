@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UnsupportedAttentionError
 from ..kernels import varlen_attention_backward, varlen_attention_forward
 from . import timeline
 from .exchange import Pending, split_rows, start_exchange
@@ -51,8 +52,20 @@ class Served:
     f_lse: torch.Tensor
 
 
-def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool) -> Served:
-    """Forward, server side: run the wave's CA-tasks as one fused varlen batch."""
+def check_layer_window(w: Wave, window: int | None) -> None:
+    """A layer may run a sliding window up to the one the wave's K/V were cut to, never wider (its
+    queries would miss keys the plan did not bring)."""
+    if w.kv_window is not None and (window is None or window > w.kv_window):
+        raise UnsupportedAttentionError(
+            f"distca forward {w.forward_number}: a layer asks for sliding_window={window} but this forward's CA-tasks "
+            f"carry only the last {w.kv_window} keys of each query (the widest window found in the model's config); "
+            "set config.sliding_window / config.layer_types to what the layers use")
+
+
+def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool, window: int | None = None) -> Served:
+    """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
+    sliding ``window``, if any)."""
+    check_layer_window(w, window)
     served = w.served
     if received is None:
         q_pool, k_pool, v_pool = q, k, v
@@ -64,7 +77,7 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool) -> S
     if w.num_tasks:
         with timeline.span(f"attention kernel ({w.name})"):
             f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
-                                                    served.max_seqlen_q, served.max_seqlen_k, scale)
+                                                    served.max_seqlen_q, served.max_seqlen_k, scale, window=window)
     else:
         f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
     out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, served.q_index, f_out)
@@ -121,7 +134,7 @@ def receive_all(pending: list[Pending]) -> list[torch.Tensor]:
     return [t for p in pending for t in p.wait()]
 
 
-def serve_backward(w: Wave, dout, received, saved, scale: float):
+def serve_backward(w: Wave, dout, received, saved, scale: float, window: int | None = None):
     """Backward, server side: the wave's fused backward. ``saved`` is ``(fq, k_pool, v_pool, f_out,
     f_lse)`` (``saved`` mode) or the source's ``(q, k, v, out, lse)`` (``resend`` mode, whose
     ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
@@ -147,7 +160,7 @@ def serve_backward(w: Wave, dout, received, saved, scale: float):
         with timeline.span(f"attention kernel backward ({w.name})"):
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
                                                       served.cu_seqlens_k, served.max_seqlen_q,
-                                                      served.max_seqlen_k, scale)
+                                                      served.max_seqlen_k, scale, window=window)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
     dq_pool = fq.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)

@@ -74,13 +74,14 @@ class PingPongPlan:
 
 
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
-                  num_heads: int, first_position: int = 0) -> PingPongPlan:
+                  num_heads: int, first_position: int = 0, *, kv_window: int | None = None) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
     (a collective: each rank sends its first position and document lengths, as the attention
     function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
     rank stops). Every rank then splits every rank's documents alike (``assign_nano_batches``: with
     ``span_ranks``, a row's last document that continues on the next rank stays whole in A). Opens
-    the forward whose ``distca_hf.plan_stats()`` sums both nano-batches."""
+    the forward whose ``distca_hf.plan_stats()`` sums both nano-batches. ``kv_window``: the widest
+    sliding window of the model's layers (see ``runtime.forward.context_for_call``)."""
     config = current_config()
     number = next_forward_number()
     if error is None:
@@ -101,7 +102,8 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     dispatches, planned = [], []
     for name, nano_docs, world_docs in (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
                                         ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1))):
-        dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters)
+        dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters,
+                                     kv_window=kv_window)
         for w in dispatch.waves:
             w.name = "nano-batch " + name
         dispatches.append(dispatch)
@@ -136,10 +138,10 @@ def _nano_world(rows: RankDocuments, per_rank, assignments, which: int) -> RankD
 class _Flight:
     """What the three nodes of one nano-batch's attention in one layer hand to each other."""
 
-    def __init__(self, dispatch: Dispatch, scale: float):
+    def __init__(self, dispatch: Dispatch, scale: float, window: int | None):
         self.wave = dispatch.waves[0]
         self.counters = dispatch.counters
-        self.scale = scale
+        self.scale, self.window = scale, window
         self.resend = self.wave.backward_mode == "resend"
         self.inputs = self.outputs = self.grad_inputs = self.grads = None
         self.lse_local = None
@@ -176,7 +178,8 @@ class _Serve(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ticket, q, k, v, flight: _Flight):
         w = flight.wave
-        served = serve_forward(w, q, k, v, flight.inputs.wait(), flight.scale, want_lse=flight.resend)
+        served = serve_forward(w, q, k, v, flight.inputs.wait(), flight.scale, want_lse=flight.resend,
+                               window=flight.window)
         flight.inputs = None
         flight.outputs = launch_outputs(w, served)
         out_local = served.out_pool[: w.num_local]
@@ -197,7 +200,8 @@ class _Serve(torch.autograd.Function):
         flight = ctx.flight
         w = flight.wave
         dout = dout.contiguous()
-        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), ctx.saved_tensors, flight.scale)
+        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), ctx.saved_tensors, flight.scale,
+                               flight.window)
         flight.grad_inputs = None
         flight.grads = launch_grad_outputs(w, pools)
         n, nk = w.num_local, w.num_local_kv
@@ -231,10 +235,11 @@ class _Finish(torch.autograd.Function):
 
 class NanoAttention:
     """One nano-batch's dispatched attention in one layer, in three steps the schedule interleaves.
-    q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``."""
+    q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``; ``window``: the layer's
+    sliding window (``None``: none)."""
 
-    def __init__(self, dispatch: Dispatch, scale: float, name: str):
-        self.flight = _Flight(dispatch, scale)
+    def __init__(self, dispatch: Dispatch, scale: float, name: str, *, window: int | None = None):
+        self.flight = _Flight(dispatch, scale, window)
         self.name = name
 
     def launch(self, q, k, v):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..planning import FusedBatch, KVTransfers, PackedDocuments, Plan, concat_ranges, fused_batch
+from ..planning import FusedBatch, KVTransfers, PackedDocuments, Plan, concat_ranges, fused_batch, key_start
 
 __all__ = ["DispatchCounters", "LocalDocuments", "Wave", "build_wave"]
 
@@ -35,7 +35,8 @@ class Wave:
     ``[local rows] ++ [received rows, by source]``; ``served`` is the fused batch of the CA-tasks
     this rank computes, its ``q_index`` / ``k_index`` picking query and K/V prefix rows from the pools.
     ``local_only``: no rank sends anything in this wave (the same on every rank), so no collective
-    runs. ``num_local`` / ``num_local_kv``: rows of the local query / key streams (they differ when a
+    runs. ``kv_window``: the sliding window the tasks' K/V were cut to (``None``: whole prefixes);
+    a layer may run a window up to it, never a wider one. ``num_local`` / ``num_local_kv``: rows of the local query / key streams (they differ when a
     nano-batch holds a cut document's prefix K/V without its queries).
     """
 
@@ -51,6 +52,7 @@ class Wave:
     recv_kv_counts: list[int]
     served: FusedBatch
     local_only: bool = False
+    kv_window: int | None = None
     group: object = None
     timeout_s: float = 600.0
     backward_mode: str = "saved"
@@ -94,17 +96,19 @@ class LocalDocuments:
         return self.docs.k_starts[local] + positions - self.offsets[local]
 
 
-def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, **settings) -> Wave:
-    """Index tables of ``plan`` for ``rank``, whose documents are ``local``. ``settings`` are
-    ``Wave``'s optional fields."""
+def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, *,
+               kv_window: int | None = None, **settings) -> Wave:
+    """Index tables of ``plan`` for ``rank``, whose documents are ``local``; ``kv`` must come from
+    ``kv_transfers(plan, pieces, kv_window)``. ``settings`` are ``Wave``'s optional fields."""
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
     send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, kv, local, rank)
-    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device)
+    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device, kv_window)
     docs = local.docs
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
-                recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, **settings)
+                recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=kv_window,
+                **settings)
 
 
 def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int):
@@ -123,10 +127,10 @@ def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     return send_q_rows, send_q_counts.astype(np.int64).tolist(), send_kv_rows, send_kv_counts.astype(np.int64).tolist()
 
 
-def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device):
+def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, window: int | None):
     """Rows this server receives from each source, and its fused batch over the pools ``[local rows]
-    ++ [received rows, by source]``. A task's K/V prefix may come in several segments: its document's
-    piece on this rank and the ranges received from every other holder."""
+    ++ [received rows, by source]``. A task's K/V prefix (cut to ``window``) may come in several
+    segments: its document's piece on this rank and the ranges received from every other holder."""
     world, docs = plan.num_ranks, local.docs
     on_me = plan.server == rank
     remote = on_me & (plan.source != rank)
@@ -157,24 +161,26 @@ def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     seg_start = np.concatenate((local.offsets, kv.start[kv_in]))
     seg_end = np.concatenate((local.offsets + docs.lengths, kv.end[kv_in]))
     seg_row = np.concatenate((docs.k_starts, docs.num_key_tokens + np.cumsum(kv_len) - kv_len))
-    return recv_q_counts.tolist(), recv_kv_counts.tolist(), fused_batch(
-        q_index, _prefix_rows(t_doc, t_b, seg_doc, seg_start, seg_end, seg_row), t_a, t_b, device)
+    k_rows = _prefix_rows(t_doc, key_start(t_a, window), t_b, seg_doc, seg_start, seg_end, seg_row)
+    return recv_q_counts.tolist(), recv_kv_counts.tolist(), fused_batch(q_index, k_rows, t_a, t_b, device,
+                                                                        window=window)
 
 
-def _prefix_rows(task_doc, task_end, seg_doc, seg_start, seg_end, seg_row) -> np.ndarray:
-    """Pool rows of every task's K/V prefix ``[0, task_end)``, task after task, in position order,
-    from segments (``[start, end)`` of a document at pool rows ``row ..``) that tile each document's
-    positions from 0 on this server."""
+def _prefix_rows(task_doc, task_start, task_end, seg_doc, seg_start, seg_end, seg_row) -> np.ndarray:
+    """Pool rows of every task's keys ``[task_start, task_end)`` (its K/V prefix, or the part of it
+    a window sees), task after task, in position order, from segments (``[start, end)`` of a document
+    at pool rows ``row ..``) that tile each document's positions on this server."""
     order = np.lexsort((seg_start, seg_doc))
     seg_doc, seg_start, seg_end, seg_row = seg_doc[order], seg_start[order], seg_end[order], seg_row[order]
     lo = np.searchsorted(seg_doc, task_doc, side="left")
     hi = np.searchsorted(seg_doc, task_doc, side="right")
     task = np.repeat(np.arange(task_doc.size), hi - lo)
     seg = concat_ranges(lo, hi - lo)
-    used = seg_start[seg] < task_end[task]
-    task, seg = task[used], seg[used]
-    lengths = np.minimum(seg_end[seg], task_end[task]) - seg_start[seg]
+    first = np.maximum(seg_start[seg], task_start[task])
+    lengths = np.minimum(seg_end[seg], task_end[task]) - first
+    used = lengths > 0
+    task, seg, first, lengths = task[used], seg[used], first[used], lengths[used]
     covered = np.bincount(task, weights=lengths, minlength=task_doc.size)
-    if not np.array_equal(covered, task_end):
+    if not np.array_equal(covered, task_end - task_start):
         raise AssertionError("distca: a task's K/V prefix is not fully on its server; please report this")
-    return concat_ranges(seg_row[seg], lengths)
+    return concat_ranges(seg_row[seg] + first - seg_start[seg], lengths)

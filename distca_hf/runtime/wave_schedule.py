@@ -22,7 +22,7 @@ class _WaveSchedule(torch.autograd.Function):
     are placed at the end. Backward does the mirror image, waves in reverse order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dispatch: Dispatch, scale: float):
+    def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, window: int | None):
         waves = dispatch.waves
         resend = waves[0].backward_mode == "resend"
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
@@ -31,7 +31,7 @@ class _WaveSchedule(torch.autograd.Function):
         returning, kept = [], []
         for i, w in enumerate(waves):
             received = in_flight[i].wait() if i in in_flight else None
-            served = serve_forward(w, q, k, v, received, scale, want_lse=resend)
+            served = serve_forward(w, q, k, v, received, scale, want_lse=resend, window=window)
             out += served.out_pool[: w.num_local]  # rows of other waves' tasks are zero here
             if resend:
                 lse += served.lse_pool[: w.num_local]
@@ -41,7 +41,7 @@ class _WaveSchedule(torch.autograd.Function):
                 kept.append((served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
         for w, pending in returning:
             place_outputs(w, pending, out, lse)
-        ctx.dispatch, ctx.scale = dispatch, scale
+        ctx.dispatch, ctx.scale, ctx.window = dispatch, scale, window
         flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
         ctx.save_for_backward(*flat)
         if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
@@ -67,7 +67,7 @@ class _WaveSchedule(torch.autograd.Function):
         for i in order:
             w = waves[i]
             received = receive_all(in_flight[i]) if i in in_flight else []
-            pools = serve_backward(w, dout, received, per_wave(i), scale)
+            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.window)
             dq += pools[0][: w.num_local]
             dk += pools[1][: w.num_local_kv]
             dv += pools[2][: w.num_local_kv]
@@ -75,10 +75,11 @@ class _WaveSchedule(torch.autograd.Function):
                 returning.append((w, launch_grad_outputs(w, pools)))
         for w, pending in returning:
             place_grads(w, pending, dq, dk, dv)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float) -> torch.Tensor:
-    """Causal attention of the rank's documents, computed where the plan says. q ``[tokens, heads,
-    head_dim]``, k/v ``[tokens, kv_heads, head_dim]`` -> ``[tokens, heads, head_dim]``."""
-    return _WaveSchedule.apply(q, k, v, dispatch, scale)
+def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float, *, window: int | None = None) -> torch.Tensor:
+    """Causal attention of the rank's documents (under the layer's sliding ``window``, if any),
+    computed where the plan says. q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads,
+    head_dim]`` -> ``[tokens, heads, head_dim]``."""
+    return _WaveSchedule.apply(q, k, v, dispatch, scale, window)
