@@ -12,14 +12,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs, kv_transfers, plan_tasks
-from distca_hf.tools.simulate import draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, simulate, wlb_loads
+from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs, colocated_plan,
+                                comm_bytes, kv_transfers, plan_tasks)
+from distca_hf.planning.baselines import RankLoads
+from distca_hf.tools.simulate import (draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, rank_step_seconds,
+                                      simulate)
 
 CONTRACT_KEYS = {
-    "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "speedup_vs_colocated",
+    "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "ulysses", "time_model",
+    "hidden_comm_fraction", "best_baseline", "speedup_vs_best_baseline", "speedup_vs_colocated",
 }
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
-               "plan_ms_median", "kv_received_tokens_per_layer"}
+               "plan_ms_median", "kv_received_tokens_per_layer", "step_time_s", "exposed_comm_s", "tasks_per_server",
+               "smallest_shard_tokens"}
 
 
 def _console_script(*args):
@@ -63,8 +68,12 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     out = json.loads(result.stdout)
     assert set(out) == CONTRACT_KEYS
     assert set(out["distca"]) == DISTCA_KEYS
-    assert set(out["colocated"]) == {"attn_imbalance"} == set(out["wlb"])
-    assert set(out["per_doc_cp"]) == {"comm_bytes_per_layer", "kv_received_tokens_per_layer"}
+    assert set(out["colocated"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s"}
+    assert set(out["wlb"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s", "threshold_tokens",
+                               "tokens_left_waiting"}
+    assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "kv_received_tokens_per_layer",
+                                      "step_time_s", "exposed_comm_s"}
+    assert set(out["ulysses"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "step_time_s", "exposed_comm_s"}
     for method in ("distca", "per_doc_cp"):
         received = out[method]["kv_received_tokens_per_layer"]
         assert set(received) == {"max", "mean"} and 0 <= received["mean"] <= received["max"]
@@ -72,7 +81,12 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     d = out["distca"]
     assert 1.0 <= d["attn_imbalance"] <= d["worst_attn_imbalance"] <= out["colocated"]["attn_imbalance"] + 1e-9
     assert 0.0 <= d["moved_query_fraction"] <= 1.0
-    assert out["speedup_vs_colocated"] >= 1.0
+    assert out["time_model"]["source"].startswith("FLOP model") and out["hidden_comm_fraction"] == 0.0
+    steps = {m: out[m]["step_time_s"] for m in ("colocated", "wlb", "per_doc_cp", "ulysses")}
+    assert out["best_baseline"] == min(steps, key=steps.get)
+    assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])
+    assert out["speedup_vs_colocated"] == pytest.approx(steps["colocated"] / d["step_time_s"])
+    assert 0 <= d["exposed_comm_s"] < d["step_time_s"]
     assert plot.stat().st_size > 10_000
     again = json.loads(_cli("simulate", "--lengths", str(lengths_file), "--ranks", "8", "--tokens-per-rank", "2048",
                             "--batches", "3", "--seed", "1", "--json").stdout)
@@ -104,20 +118,21 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
     result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64",
                   "--heads", "6", "--kv-heads", "4")
     assert result.returncode == 2 and "multiple of kv_heads" in result.stderr
+    for flag, value, match in (("--hidden-comm-fraction", "1.5", "--hidden-comm-fraction must be between 0 and 1"),
+                               ("--wlb-threshold", "65", "--wlb-threshold must be between 1 and --tokens-per-rank"),
+                               ("--bytes-per-s", "0", "--bytes-per-s must be a positive number")):
+        result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", flag, value)
+        assert result.returncode == 2 and match in result.stderr, result.stderr
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 1000), ranks=st.integers(1, 6), tokens=st.integers(1, 300))
-def test_batches_fill_ranks_exactly_and_baselines_conserve_work(seed, ranks, tokens):
+def test_batches_fill_ranks_exactly(seed, ranks, tokens):
     lengths = np.array([1, 7, 40, 333, 2000])
     docs = draw_batch(lengths, ranks * tokens, np.random.default_rng(seed))
     assert docs.sum() == ranks * tokens and (docs > 0).all()
     pieces = pack_pieces(docs, ranks, tokens)
     assert pieces.tokens().tolist() == [tokens] * ranks
-    wlb_tokens, wlb_pairs, _ = wlb_loads(docs, ranks, tokens)
-    assert wlb_tokens.sum() == ranks * tokens and (wlb_tokens <= tokens).all()
-    # WLB splits documents into pieces at multiples of the budget, then places (and maybe splits) them
-    assert wlb_pairs.sum() == pytest.approx(sum(int(causal_pairs(0, n)) for n in docs.tolist()))
     assert pieces.local_pairs().sum() == sum(int(causal_pairs(0, n)) for n in docs.tolist())
 
 
@@ -128,6 +143,10 @@ def test_distca_beats_colocated_on_skewed_batches():
     assert result["colocated"]["attn_imbalance"] > 2
     assert result["distca"]["worst_attn_imbalance"] <= 1.02 + 1e-9
     assert result["speedup_vs_colocated"] > 1.5
+    # with 100% of communication hidden, distca is only limited by compute
+    hidden = simulate(lengths, ranks=8, tokens_per_rank=1024, batches=4, seed=0, time_model=attention_bound,
+                      hidden_comm_fraction=1.0)
+    assert hidden["distca"]["exposed_comm_s"] == 0 and hidden["speedup_vs_colocated"] >= result["speedup_vs_colocated"]
     assert result["per_doc_cp"]["comm_bytes_per_layer"] > result["distca"]["comm_bytes_per_layer"]
 
 
@@ -237,5 +256,226 @@ def test_simulate_kv_received_hand_checked():
     result = simulate(np.array([150]), ranks=2, tokens_per_rank=100, batches=2, seed=0)
     assert result["per_doc_cp"]["kv_received_tokens_per_layer"] == {"max": 100.0, "mean": 75.0}
     table = format_table(result)
-    assert "K/V tokens received per layer, distca" in table and "K/V tokens received per layer, per-doc CP" in table
+    assert "K/V tokens received per layer, distca" in table and "K/V tokens received per layer, CP of spanning documents" in table
     assert "100 / 75" in table
+    assert result["time_model"]["source"] in table and "exposed comm" in table and "step time" not in table
+    assert "WLB-LLM packing" in table and "wlb" not in table and "per_doc_cp" not in table
+
+
+# --- the baselines' layouts and bytes (distca_hf.planning.baselines), against hand counts -----------
+
+def test_step_time_is_the_slowest_rank_with_its_exposed_communication():
+    loads = RankLoads(tokens=np.array([10, 0]), pairs=np.array([0.0, 100.0]), tasks=np.array([1, 1]),
+                      sent=np.array([0, 1000]), received=np.array([500, 0]))
+    model = TimeModel(linear_s_per_token=1.0, attn_s_per_pair=0.1, task_s=0.5, bytes_per_s=1000.0)
+    compute, exposed = rank_step_seconds(loads, model, hidden_comm_fraction=0.5)
+    # compute 10 + 0.5 and 10 + 0.5; wire (forward + backward) 2 x max(sent, received) / 1000 = 1 and 2, half hidden
+    assert compute.tolist() == [10.5, 10.5] and exposed.tolist() == [0.5, 1.0]
+    _, none_hidden = rank_step_seconds(loads, model, hidden_comm_fraction=0.0)
+    assert none_hidden.tolist() == [1.0, 2.0]
+
+
+def test_rank_bytes_hand_checked():
+    # rank 0 holds a 10-token document; the plan sends its queries [6, 10) to rank 1, which needs the
+    # K/V prefix [0, 10) from rank 0 and returns the output.
+    from distca_hf.planning import Plan
+    from distca_hf.planning.transfers import rank_bytes
+
+    pieces = DocumentPieces.from_rank_lists([[10], []])
+    plan = Plan(np.array([0, 0]), np.array([0, 1]), np.array([0, 0]), np.array([0, 6]), np.array([6, 10]), 2, (0, 1))
+    tb = TokenBytes(q=8, kv=4, o=8)
+    sent, received = rank_bytes(plan, pieces, tb)
+    assert sent.tolist() == [4 * 8 + 10 * 4, 4 * 8] and received.tolist() == [4 * 8, 4 * 8 + 10 * 4]
+    assert sent.sum() == received.sum() == comm_bytes(plan, pieces, tb).total
+
+
+def test_head_tail_chunks_hand_checked():
+    from distca_hf.planning.baselines import head_tail_chunks
+
+    # 12 tokens, 3 holders: chunks of 2; holder i gets chunks i and 5 - i
+    hs, he, ts, te = head_tail_chunks(12, 3)
+    assert list(zip(hs, he, ts, te)) == [(0, 2, 10, 12), (2, 4, 8, 10), (4, 6, 6, 8)]
+    # 9 tokens, 2 holders: chunk sizes 3, 2, 2, 2 (the remainder to the first chunks)
+    hs, he, ts, te = head_tail_chunks(np.array([9, 3]), 2)
+    assert hs.tolist() == [[0, 3], [0, 1]] and he.tolist() == [[3, 5], [1, 2]]
+    assert ts.tolist() == [[7, 5], [3, 2]] and te.tolist() == [[9, 7], [3, 3]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 500), holders=st.integers(1, 9))
+def test_head_tail_chunks_partition_the_document(length, holders):
+    from distca_hf.planning.baselines import head_tail_chunks
+
+    hs, he, ts, te = (a.tolist() for a in head_tail_chunks(length, holders))
+    chunks = sorted([*zip(hs, he), *zip(ts, te)])
+    assert chunks[0][0] == 0 and chunks[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # consecutive, no gap, no overlap
+    sizes = [e - s for s, e in chunks]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_smallest_degree_and_deepspeeds_ulysses_rule():
+    from distca_hf.planning.baselines import smallest_degree, ulysses_degree_ok
+
+    assert smallest_degree(100, 30, 8) == 4  # 4 x 30 >= 100, 3 does not divide 8
+    assert smallest_degree(100, 30, 6) == 6  # divisors 1, 2, 3 hold 90 at most
+    assert smallest_degree(30, 30, 6) == 1
+    assert smallest_degree(300, 30, 8) is None
+    assert smallest_degree(100, 30, 8, allowed=lambda d: d != 4) == 8
+    assert ulysses_degree_ok(4, 32, 8) and ulysses_degree_ok(16, 32, 8) and ulysses_degree_ok(32, 32, 8)
+    assert not ulysses_degree_ok(64, 32, 8)  # heads do not split
+    assert not ulysses_degree_ok(6, 12, 4)  # 4 KV heads neither split over 6 nor repeat evenly
+
+
+def test_cp_loads_hand_checked():
+    from distca_hf.planning.baselines import cp_loads
+
+    tb = TokenBytes(q=8, kv=4, o=8)
+    # one group of 2 ranks x 6 tokens holding documents of 8 and 4 tokens: the 8 in chunks of 2 (rank 0:
+    # [0, 2) and [6, 8); rank 1: [2, 4) and [4, 6)), the 4 in chunks of 1 (rank 0: [0, 1), [3, 4); rank 1:
+    # [1, 2), [2, 3))
+    loads = cp_loads(np.array([8, 4]), ranks=2, tokens_per_rank=6, degree=2, token_bytes=tb)
+    assert loads.tokens.tolist() == [6, 6] and loads.tasks.tolist() == [4, 4]
+    assert loads.pairs.tolist() == [(1 + 2) + (7 + 8) + 1 + 4, (3 + 4) + (5 + 6) + 2 + 3]
+    assert loads.received.tolist() == [6 * 4, 6 * 4] and loads.sent.tolist() == [6 * 4, 6 * 4]
+    # two groups of 2 ranks x 3 tokens: the 8-token document is cut at the group boundary (6 | 2);
+    # group 0's 6 tokens in chunks [0, 2) [2, 4) [4, 5) [5, 6); group 1 holds a 2-token document
+    # (chunks [0, 1) [1, 2) and two empty ones) and a 4-token one. Degree 1 is plain data
+    # parallelism: no bytes.
+    loads = cp_loads(np.array([8, 4]), ranks=4, tokens_per_rank=3, degree=2, token_bytes=tb)
+    assert loads.tokens.tolist() == [3, 3, 3, 3] and loads.tasks.tolist() == [2, 2, 3, 3]
+    assert loads.pairs.tolist() == [1 + 2 + 6, 3 + 4 + 5, 1 + (1 + 4), 2 + (2 + 3)]
+    one = cp_loads(np.array([5, 7]), ranks=3, tokens_per_rank=4, degree=1, token_bytes=tb)
+    assert one.tokens.tolist() == [4, 4, 4] and one.sent.tolist() == [0, 0, 0] and one.received.tolist() == [0, 0, 0]
+    assert one.pairs.tolist() == [10, 1 + 6, 10]  # [5 | 7] cut at ranks: 4 | 1 + 3 | 4
+
+
+def _ulysses_bytes_brute_force(degree, heads, kv_heads, q_head, kv_head, o_head):
+    """Bytes rank 0 sends per token it holds: to each other rank j, the query and output heads j
+    computes and every K/V head those query heads use (GQA: query head h uses KV head h // group),
+    counted head by head."""
+    group = heads // kv_heads
+    mine = heads // degree
+    total = 0
+    for j in range(1, degree):
+        q_heads = range(j * mine, (j + 1) * mine)
+        total += len(q_heads) * (q_head + o_head) + len({h // group for h in q_heads}) * kv_head
+    return total
+
+
+@settings(max_examples=60, deadline=None)
+@given(degree=st.sampled_from([1, 2, 4, 8, 16, 32]), kv_heads=st.sampled_from([1, 2, 4, 8, 32]),
+       head_bytes=st.integers(1, 64))
+def test_ulysses_bytes_equal_a_head_by_head_count(degree, kv_heads, head_bytes):
+    from distca_hf.planning.baselines import ulysses_degree_ok, ulysses_token_bytes
+
+    heads = 32
+    if not ulysses_degree_ok(degree, heads, kv_heads):
+        return
+    tb = TokenBytes(q=heads * head_bytes, kv=2 * kv_heads * head_bytes, o=heads * head_bytes)
+    expected = _ulysses_bytes_brute_force(degree, heads, kv_heads, head_bytes, 2 * head_bytes, head_bytes)
+    assert ulysses_token_bytes(degree, tb, kv_heads) == pytest.approx(expected)
+
+
+def test_ulysses_loads_balance_inside_groups_only():
+    from distca_hf.planning.baselines import ulysses_loads
+
+    tb = TokenBytes(q=8, kv=4, o=8)
+    # two groups of 2 ranks x 4 tokens: group 0 holds one 8-token document, group 1 eight 1-token ones
+    loads = ulysses_loads(np.array([8] + [1] * 8), ranks=4, tokens_per_rank=4, degree=2, token_bytes=tb, kv_heads=2)
+    assert loads.pairs.tolist() == [18.0, 18.0, 4.0, 4.0]  # 36 / 2 and 8 / 2
+    assert loads.tasks.tolist() == [1, 1, 8, 8] and loads.tokens.tolist() == [4, 4, 4, 4]
+    per_token = (8 + 8) / 2 + 4 * 0.5  # half the heads of q and o, one of the two KV heads
+    assert loads.sent.tolist() == [4 * per_token] * 4 == loads.received.tolist()
+
+
+def test_wlb_queue_releases_one_long_document_per_micro_batch():
+    from distca_hf.planning.baselines import wlb_steps
+
+    # 2 ranks x 10 tokens, documents over 5 tokens queued. Step 1: 6 and 7 each start a rank, 8 waits;
+    # the shorts (4 then 3, most pairs first) go to the least-loaded rank with room: 4 only fits rank 0,
+    # 3 then only rank 1. Step 2: the queued 8 comes first, then 9 on the other rank; the 2 fits rank 0.
+    steps, left = wlb_steps([np.array([6, 7, 8, 3, 4]), np.array([9, 2])], ranks=2, tokens_per_rank=10, threshold=5)
+
+    def contents(pieces, lengths):
+        return [sorted(int(lengths[d]) for d in pieces.doc[pieces.rank == r]) for r in range(pieces.num_ranks)]
+
+    assert contents(*steps[0]) == [[4, 6], [3, 7]]
+    assert contents(*steps[1]) == [[2, 8], [9]]
+    assert left.tolist() == []
+    # a queued document longer than a rank starts on a fresh rank and continues on the next ones
+    steps, left = wlb_steps([np.array([9, 1, 1, 1])], ranks=3, tokens_per_rank=4, threshold=2)
+    pieces, lengths = steps[0]
+    long_doc = pieces.doc == int(np.flatnonzero(lengths == 9)[0])
+    assert pieces.rank[long_doc].tolist() == [0, 1, 2] and pieces.start[long_doc].tolist() == [0, 4, 8]
+    assert pieces.tokens().tolist() == [4, 4, 4] and left.tolist() == []
+    # what does not fit waits: 3 + 3 + 3 on 2 ranks of 4
+    steps, left = wlb_steps([np.array([3, 3, 3])], ranks=2, tokens_per_rank=4, threshold=4)
+    assert sorted(left.tolist()) == [3] and steps[0][0].tokens().tolist() == [3, 3]
+    with pytest.raises(ValueError, match="threshold"):
+        wlb_steps([np.array([3])], ranks=2, tokens_per_rank=4, threshold=5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 1000), ranks=st.integers(1, 6), tokens=st.integers(4, 200), frac=st.floats(0.1, 1.0))
+def test_wlb_steps_conserve_tokens_and_release_at_most_one_long_document_per_rank(seed, ranks, tokens, frac):
+    from distca_hf.planning.baselines import wlb_steps
+
+    lengths = np.array([1, 7, 40, 333, 2000])
+    rng = np.random.default_rng(seed)
+    batches = [draw_batch(lengths, ranks * tokens, rng) for _ in range(3)]
+    threshold = max(1, int(frac * tokens))
+    steps, left = wlb_steps(batches, ranks, tokens, threshold)
+    placed = []
+    for pieces, step_lengths in steps:
+        assert (pieces.tokens() <= tokens).all()
+        long_starts = pieces.rank[(pieces.start == 0) & (step_lengths[pieces.doc] > threshold)]
+        assert len(set(long_starts.tolist())) == long_starts.size  # one released document per micro-batch
+        np.testing.assert_array_equal(np.bincount(pieces.doc, weights=pieces.end - pieces.start,
+                                                  minlength=step_lengths.size), step_lengths)
+        placed += step_lengths.tolist()
+    assert sorted(placed + left.tolist()) == sorted(np.concatenate(batches).tolist())
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 1000), ranks=st.integers(1, 5), tokens=st.integers(16, 300),
+       hidden=st.sampled_from([0.0, 0.5, 1.0]))
+def test_simulated_colocated_and_distca_steps_equal_an_independent_recount(seed, ranks, tokens, hidden):
+    """Colocated and distca step times recomputed from the same batches: per rank, its tokens, the
+    pairs of its pieces (or served tasks) counted query by query, its tasks, and its bytes from the
+    K/V transfers and moved queries; the step is the slowest rank."""
+    lengths = np.array([1, 7, 40, 333, 2000])
+    tb = TokenBytes(8, 4, 8)
+    config = PlannerConfig(tolerance=0.02, block=4, token_bytes=tb)
+    model = TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-8, task_s=1e-6, bytes_per_s=1e7)
+    result = simulate(lengths, ranks, tokens, batches=2, seed=seed, config=config, time_model=model,
+                      hidden_comm_fraction=hidden)
+    rng = np.random.default_rng(seed)
+
+    def step(plan, pieces):
+        sent, received = np.zeros(ranks), np.zeros(ranks)
+        for src, srv, a, b in zip(plan.source, plan.server, plan.q_start, plan.q_end):
+            if src != srv:
+                sent[src] += (b - a) * tb.q
+                received[srv] += (b - a) * tb.q
+                sent[srv] += (b - a) * tb.o
+                received[src] += (b - a) * tb.o
+        t = kv_transfers(plan, pieces)
+        for src, srv, a, b in zip(t.source, t.server, t.start, t.end):
+            sent[src] += (b - a) * tb.kv
+            received[srv] += (b - a) * tb.kv
+        times = []
+        for r in range(ranks):
+            pairs = sum(q + 1 for a, b in zip(plan.q_start[plan.server == r], plan.q_end[plan.server == r])
+                        for q in range(a, b))
+            times.append(1e-6 * tokens + 1e-8 * pairs + 1e-6 * int((plan.server == r).sum())
+                         + (1 - hidden) * 2 * max(sent[r], received[r]) / 1e7)
+        return max(times)
+
+    colocated, distca = [], []
+    for _ in range(2):
+        pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
+        colocated.append(step(colocated_plan(pieces), pieces))
+        distca.append(step(plan_tasks(pieces, config), pieces))
+    assert result["colocated"]["step_time_s"] == pytest.approx(np.mean(colocated))
+    assert result["distca"]["step_time_s"] == pytest.approx(np.mean(distca))

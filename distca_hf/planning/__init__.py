@@ -11,6 +11,8 @@ data-path order:
     planner    CA-tasks -> attention servers, balanced within a tolerance, few bytes moved
     transfers  the K/V ranges and bytes a plan moves
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
+    baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
+               per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,

@@ -93,11 +93,11 @@ def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
 
 
 def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None) -> tuple[np.ndarray, np.ndarray]:
+               transfers: KVTransfers | None = None, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(sent, received)``, each ``[num_ranks]`` int64: the bytes every rank sends and receives in
     one layer's forward under ``plan`` (Q out and O back for moved tasks, K/V from the holder to the
     server). Both sum to ``comm_bytes(...).total``."""
-    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces, window)
     moved = plan.source != plan.server
     queries = (plan.q_end - plan.q_start)[moved]
     source, server = plan.source[moved], plan.server[moved]

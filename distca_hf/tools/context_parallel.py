@@ -32,6 +32,7 @@ import torch
 from .. import kernels
 from ..config import current_config
 from ..hf import distca_mask
+from ..planning import baselines
 from ..planning.cost import causal_pairs
 from ..runtime.comm import all_to_all
 
@@ -80,9 +81,8 @@ def head_tail_chunks(length: int, holders: int) -> list[tuple[tuple[int, int], t
     implementations cut a sequence (equal sizes, the remainder one token each to the first chunks):
     holder ``i`` gets chunk ``i`` (its head) and chunk ``2n - 1 - i`` (its tail). Returns per holder
     ``((head start, end), (tail start, end))`` in document positions."""
-    count = 2 * holders
-    bounds = np.cumsum([0, *[length // count + (1 if j < length % count else 0) for j in range(count)]]).tolist()
-    return [((bounds[i], bounds[i + 1]), (bounds[count - 1 - i], bounds[count - i])) for i in range(holders)]
+    head_start, head_end, tail_start, tail_end = (a.tolist() for a in baselines.head_tail_chunks(length, holders))
+    return list(zip(zip(head_start, head_end), zip(tail_start, tail_end)))
 
 
 def head_tail_segments(stream: list[list[Segment]]) -> list[list[Segment]]:

@@ -2,27 +2,38 @@
 
 Each batch draws documents from a length sample (seeded) and packs them, in draw order, into N
 ranks of T tokens; a document longer than what is left on a rank continues on the next ones (the
-batch's last document is cut where the batch is full). Four ways to run the batch are compared:
+batch's last document is cut where the batch is full). Five ways to run the same documents, each
+timed with one ``TimeModel`` *and* its communication:
 
-- ``colocated``: packed data parallelism; every rank computes attention for its own tokens.
-- ``wlb``: WLB-LLM-style length-aware packing of the same documents: pieces (documents cut to at
-  most T tokens) sorted by attention cost, each to the least-loaded rank that still has room.
-- ``per_doc_cp``: per-document context parallelism: every document split over all ranks, K/V
-  all-gathered (balanced by construction; we count its bytes). For memory we also count the
-  lighter variant that runs CP only where the packing already cut a document: every rank holding a
-  piece of a document that spans ranks gathers the rest of that document's K/V.
-- ``distca``: the planner's CA-task assignment on top of the colocated packing.
+- ``colocated``: packed data parallelism; every rank computes attention for its own tokens (a piece
+  of a document that spans ranks receives its prefix K/V).
+- ``wlb``: WLB-LLM-style packing: documents longer than a threshold wait in a queue and are released
+  one per micro-batch, the rest go to the least attention-loaded rank with room; what does not fit
+  waits for the next step (its step time is per ``N x T`` tokens it ran: documents still waiting
+  after the last batch do not count against it).
+- ``per_doc_cp``: per-document context parallelism (head-tail chunks, K/V all-gathered in the group)
+  at the degree a user would pick (the smallest that holds the longest document), data parallel
+  across the CP groups.
+- ``ulysses``: DeepSpeed Ulysses / ALST (all-to-all of q, k, v and the output over heads) at the
+  smallest degree that holds the longest document and that DeepSpeed accepts for the heads; data
+  parallel across groups.
+- ``distca``: the planner's CA-task assignment on the colocated packing (``distca_plan``).
 
-Attention cost is in query-key pairs; bytes assume bf16 and the model given by ``--hidden``,
-``--heads``, ``--kv-heads`` (default: Llama-3-8B) and count one layer's forward; times come from a
-``TimeModel`` (a FLOP model of an H100 by default, or ``distca-hf profile``'s JSON). K/V received is
-in tokens per layer (the memory a method adds on a rank besides its own tokens; multiply by the K/V
-bytes per token for bytes).
+A rank's layer time (forward + backward) is ``TimeModel.rank_seconds(tokens, pairs, tasks)`` plus its
+exposed communication: ``(1 - hidden_comm_fraction) x 2 x max(sent, received) / bytes_per_s`` (the
+backward moves as many bytes as the forward: gradients of what the forward moved; a rank's link
+sends and receives at once). The step takes as long as its slowest rank. ``hidden_comm_fraction`` is
+the share the overlap mode hides, an input, the same for every method. Layouts and bytes live in
+``distca_hf.planning.baselines``; bytes assume bf16 and the model given by ``--hidden``, ``--heads``,
+``--kv-heads`` (default: Llama-3-8B); times come from a FLOP model of an H100 by default or
+``distca-hf profile``'s JSON. K/V received is in tokens per layer (the memory a method adds on a rank
+besides its own tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -32,10 +43,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..planning import (LLAMA3_8B_H100, DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
-                        comm_bytes, concat_ranges, imbalance, kv_received, kv_transfers, plan_tasks)
+from ..planning import (LLAMA3_8B_H100, DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, colocated_plan,
+                        comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
+from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_degree, ulysses_degree_ok, ulysses_loads,
+                                  wlb_steps)
+from ..planning.transfers import rank_bytes
 
-__all__ = ["draw_batch", "cut_to", "pack_pieces", "wlb_loads", "per_doc_cp_kv_received", "simulate", "main"]
+__all__ = ["METHODS", "LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received", "distca_plan",
+           "plan_loads", "rank_step_seconds", "simulate", "format_table", "main"]
+
+METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
+LABELS = {"colocated": "colocated packing", "wlb": "WLB-LLM packing", "per_doc_cp": "per-document CP",
+          "ulysses": "Ulysses SP", "distca": "distca"}
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -61,55 +80,6 @@ def cut_to(docs: np.ndarray, total_tokens: int) -> np.ndarray:
     return kept
 
 
-def pack_pieces(docs: np.ndarray, ranks: int, tokens_per_rank: int) -> DocumentPieces:
-    """Pack documents in order into ``ranks`` x ``tokens_per_rank``; a document crossing a rank
-    boundary becomes one piece per rank."""
-    ends = np.cumsum(docs)
-    starts = ends - docs
-    first, last = starts // tokens_per_rank, (ends - 1) // tokens_per_rank
-    counts = last - first + 1
-    doc = np.repeat(np.arange(docs.size), counts)
-    rank = concat_ranges(first, counts)
-    lo = np.maximum(starts[doc], rank * tokens_per_rank)
-    hi = np.minimum(ends[doc], (rank + 1) * tokens_per_rank)
-    return DocumentPieces(rank, doc, lo - starts[doc], hi - starts[doc], ranks)
-
-
-def wlb_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int):
-    """WLB-LLM-style packing; returns per-rank (tokens, pairs, pieces)."""
-    chunk_doc, chunk_start = [], []
-    for d, n in enumerate(docs.tolist()):
-        for s in range(0, n, tokens_per_rank):
-            chunk_doc.append(d), chunk_start.append(s)
-    chunk_start = np.asarray(chunk_start, dtype=np.int64)
-    chunk_end = np.minimum(chunk_start + tokens_per_rank, docs[np.asarray(chunk_doc, dtype=np.int64)])
-    order = np.argsort(-causal_pairs(chunk_start, chunk_end), kind="stable")
-    free = np.full(ranks, tokens_per_rank, dtype=np.int64)
-    pairs = np.zeros(ranks, dtype=np.float64)
-    pieces = np.zeros(ranks, dtype=np.int64)
-    for i in order.tolist():
-        lo, hi = int(chunk_start[i]), int(chunk_end[i])
-        fits = free >= hi - lo
-        while lo < hi:
-            if fits.any():
-                r = int(np.argmin(np.where(fits, pairs, np.inf)))
-                take = hi - lo
-            else:  # nothing has room for the whole piece: fill the least-loaded ranks that have some
-                r = int(np.argmin(np.where(free > 0, pairs, np.inf)))
-                take = min(hi - lo, int(free[r]))
-            pairs[r] += float(causal_pairs(lo, lo + take))
-            free[r] -= take
-            pieces[r] += 1
-            lo += take
-            fits = free >= hi - lo
-    return tokens_per_rank - free, pairs, pieces
-
-
-def _per_doc_cp_bytes(total_tokens: int, ranks: int, token_bytes: TokenBytes) -> int:
-    # every rank all-gathers the K/V of every document: (ranks - 1) / ranks of each token, to each rank
-    return (ranks - 1) * total_tokens * token_bytes.kv
-
-
 def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
     """``[num_ranks]`` K/V tokens each rank receives per layer under per-document CP of the documents
     that span ranks: a rank holding a piece of such a document gathers all of that document's K/V
@@ -127,23 +97,81 @@ def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
     return np.bincount(rank, weights=missing, minlength=pieces.num_ranks).astype(np.int64)
 
 
+def distca_plan(pieces: DocumentPieces, config: PlannerConfig, time_model: TimeModel,
+                hidden_comm_fraction: float) -> Plan:
+    """distca's plan of one batch: the one place the simulator asks the planner (it plans with
+    ``config``; the time model and hidden fraction are what a time-based planner weighs)."""
+    return plan_tasks(pieces, config)
+
+
+def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, transfers=None) -> RankLoads:
+    """Per-rank work of ``plan`` on ``pieces``: every rank's own tokens through the linear layers,
+    the pairs and tasks it serves, the bytes it sends and receives."""
+    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
+    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
+                     np.bincount(plan.server, minlength=pieces.num_ranks), sent, received)
+
+
+def rank_step_seconds(loads: RankLoads, time_model: TimeModel, hidden_comm_fraction: float):
+    """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
+    backward (module docstring); the step is ``max(compute + exposed)``."""
+    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks)
+    wire = 2.0 * np.maximum(loads.sent, loads.received) / time_model.bytes_per_s  # forward + backward
+    return compute, (1.0 - hidden_comm_fraction) * wire
+
+
+def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
+    compute, exposed = rank_step_seconds(loads, time_model, hidden)
+    return {"t": float((compute + exposed).max()), "comm": float(exposed.max()), "imb": imbalance(loads.pairs),
+            "bytes": float(loads.received.sum())}
+
+
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
-             config: PlannerConfig | None = None, time_model: TimeModel = LLAMA3_8B_H100, keep_first: bool = False):
+             config: PlannerConfig | None = None, time_model: TimeModel = LLAMA3_8B_H100, keep_first: bool = False,
+             *, hidden_comm_fraction: float = 0.0, heads: int = 32, kv_heads: int = 8,
+             wlb_threshold: int | None = None):
     """Run the comparison; returns the contract's JSON object (and the first batch's details as
-    ``_first`` when ``keep_first``)."""
+    ``_first`` when ``keep_first``).
+
+    ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
+    ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
+    packing queues a document."""
     config = config or PlannerConfig()
+    if not 0.0 <= hidden_comm_fraction <= 1.0:
+        raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     lengths = np.asarray(lengths, dtype=np.int64)
+    threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
+    longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
+    cp_degree = smallest_degree(longest, tokens_per_rank, ranks)
+    sp_degree = smallest_degree(longest, tokens_per_rank, ranks, lambda d: ulysses_degree_ok(d, heads, kv_heads))
     rng = np.random.default_rng(seed)
-    measured = [_measure_batch(draw_batch(lengths, ranks * tokens_per_rank, rng), ranks, tokens_per_rank, config,
-                               time_model) for _ in range(batches)]
+    drawn = [draw_batch(lengths, ranks * tokens_per_rank, rng) for _ in range(batches)]
+    measured = [_measure_batch(docs, ranks, tokens_per_rank, config, time_model, hidden_comm_fraction, cp_degree,
+                               sp_degree, kv_heads) for docs in drawn]
+    wlb_packed, _ = wlb_steps(drawn, ranks, tokens_per_rank, threshold)
+    wlb = [_timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden_comm_fraction)
+           for pieces, _ in wlb_packed]
+    # documents still queued at the end are missing from WLB's steps: its time per token, per batch
+    wlb_tokens = sum(int(pieces.tokens().sum()) for pieces, _ in wlb_packed)
     acc = {k: [m[k] for m in measured] for k in measured[0] if not k.startswith("_")}
     mean = lambda k: float(np.mean(acc[k]))
+    step = {"colocated": mean("colo_t"), "wlb": sum(w["t"] for w in wlb) * ranks * tokens_per_rank / max(wlb_tokens, 1), "per_doc_cp": mean("cp_t"),
+            "ulysses": mean("sp_t") if sp_degree else None, "distca": mean("dca_t")}
+    baselines = {k: v for k, v in step.items() if k != "distca" and v is not None}
+    best = min(baselines, key=baselines.get)
     result = {
         "ranks": ranks,
         "tokens_per_rank": tokens_per_rank,
         "batches": batches,
-        "colocated": {"attn_imbalance": mean("colo_imb")},
-        "wlb": {"attn_imbalance": mean("wlb_imb")},
+        "time_model": {"source": time_model.source, "linear_s_per_token": time_model.linear_s_per_token,
+                       "attn_s_per_pair": time_model.attn_s_per_pair, "task_s": time_model.task_s,
+                       "bytes_per_s": time_model.bytes_per_s},
+        "hidden_comm_fraction": hidden_comm_fraction,
+        "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
+                      "exposed_comm_s": mean("colo_comm")},
+        "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
+                "exposed_comm_s": float(np.mean([w["comm"] for w in wlb])), "threshold_tokens": threshold,
+                "tokens_left_waiting": batches * ranks * tokens_per_rank - wlb_tokens},
         "distca": {
             "attn_imbalance": mean("dca_imb"),
             "worst_attn_imbalance": float(max(acc["dca_imb"])),
@@ -151,45 +179,72 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             "comm_bytes_per_layer": mean("bytes"),
             "plan_ms_median": float(statistics.median(acc["plan_ms"])),
             "kv_received_tokens_per_layer": {"max": mean("dca_kv_max"), "mean": mean("dca_kv_mean")},
+            "step_time_s": step["distca"],
+            "exposed_comm_s": mean("dca_comm"),
+            "tasks_per_server": {"max": mean("tasks_max"), "mean": mean("tasks_mean")},
+            "smallest_shard_tokens": min((x for x in acc["shard_min"] if x is not None), default=None),
         },
         "per_doc_cp": {
+            "degree": cp_degree,
+            "attn_imbalance": mean("cp_imb"),
             "comm_bytes_per_layer": mean("cp_bytes"),
             "kv_received_tokens_per_layer": {"max": mean("cp_kv_max"), "mean": mean("cp_kv_mean")},
+            "step_time_s": step["per_doc_cp"],
+            "exposed_comm_s": mean("cp_comm"),
         },
-        "speedup_vs_colocated": float(sum(acc["colo_t"]) / sum(acc["dca_t"])),
+        "ulysses": ({"degree": sp_degree, "attn_imbalance": mean("sp_imb"), "comm_bytes_per_layer": mean("sp_bytes"),
+                     "step_time_s": step["ulysses"], "exposed_comm_s": mean("sp_comm")} if sp_degree else
+                    {"degree": None, "step_time_s": None,
+                     "unavailable": f"no degree dividing {ranks} ranks holds a {longest}-token document with "
+                                    f"{heads} heads / {kv_heads} KV heads (DeepSpeed's rule)"}),
+        "best_baseline": best,
+        "speedup_vs_best_baseline": baselines[best] / step["distca"],
+        "speedup_vs_colocated": step["colocated"] / step["distca"],
     }
     if keep_first:
         result["_first"] = measured[0]["_first"]
-        result["_times"] = {"colocated": mean("colo_t"), "wlb": mean("wlb_t"), "distca": mean("dca_t")}
     return result
 
 
+def _pieces_loads(pieces: DocumentPieces, token_bytes: TokenBytes) -> RankLoads:
+    """Packed ranks computing their own pieces (a spanning piece receives its prefix K/V)."""
+    return plan_loads(colocated_plan(pieces), pieces, token_bytes)
+
+
 def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: PlannerConfig,
-                   time_model: TimeModel) -> dict:
-    """One batch's numbers for every method (imbalances, bytes, K/V received, modelled times)."""
+                   time_model: TimeModel, hidden: float, cp_degree: int, sp_degree: int | None,
+                   kv_heads: int) -> dict:
+    """One batch's numbers for every method but WLB (which carries a queue across batches)."""
     total = ranks * tokens_per_rank
     pieces = pack_pieces(docs, ranks, tokens_per_rank)
     start = time.perf_counter()
-    plan = plan_tasks(pieces, config)
+    plan = distca_plan(pieces, config, time_model, hidden)
     plan_ms = (time.perf_counter() - start) * 1e3
-    local, served = pieces.local_pairs(), plan.server_pairs()
-    wlb_tokens, wlb_pairs, wlb_pieces = wlb_loads(docs, ranks, tokens_per_rank)
     transfers = kv_transfers(plan, pieces)
     received = kv_received(transfers, ranks)[list(plan.servers)]  # only servers receive K/V
     cp_received = per_doc_cp_kv_received(pieces)
-    tokens = pieces.tokens()
+    colo = _timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden)
+    dca_loads = plan_loads(plan, pieces, config.token_bytes, transfers)
+    dca = _timed(dca_loads, time_model, hidden)
+    cp = _timed(cp_loads(docs, ranks, tokens_per_rank, cp_degree, config.token_bytes), time_model, hidden)
+    sp = _timed(ulysses_loads(docs, ranks, tokens_per_rank, sp_degree, config.token_bytes, kv_heads), time_model,
+                hidden) if sp_degree else {"t": 0.0, "comm": 0.0, "imb": 1.0, "bytes": 0.0}
+    tasks = dca_loads.tasks[list(plan.servers)]
+    shard = plan.source != plan.server  # the shards the planner sent away
     return {
         "plan_ms": plan_ms,
-        "colo_imb": imbalance(local), "wlb_imb": imbalance(wlb_pairs), "dca_imb": imbalance(served, plan.servers),
+        "colo_imb": colo["imb"], "dca_imb": imbalance(plan.server_pairs(), plan.servers),
+        "cp_imb": cp["imb"], "sp_imb": sp["imb"],
         "moved": plan.moved_queries() / total,
         "bytes": comm_bytes(plan, pieces, config.token_bytes, transfers).total,
-        "cp_bytes": _per_doc_cp_bytes(total, ranks, config.token_bytes),
+        "cp_bytes": cp["bytes"], "sp_bytes": sp["bytes"],
         "dca_kv_max": received.max(), "dca_kv_mean": received.mean(),
         "cp_kv_max": cp_received.max(), "cp_kv_mean": cp_received.mean(),
-        "colo_t": time_model.rank_seconds(tokens, local, np.bincount(pieces.rank, minlength=ranks)).max(),
-        "wlb_t": time_model.rank_seconds(wlb_tokens, wlb_pairs, wlb_pieces).max(),
-        "dca_t": time_model.rank_seconds(tokens, served, np.bincount(plan.server, minlength=ranks)).max(),
-        "_first": {"local": local, "served": served, "wlb": wlb_pairs},
+        "colo_t": colo["t"], "dca_t": dca["t"], "cp_t": cp["t"], "sp_t": sp["t"],
+        "colo_comm": colo["comm"], "dca_comm": dca["comm"], "cp_comm": cp["comm"], "sp_comm": sp["comm"],
+        "tasks_max": float(tasks.max()), "tasks_mean": float(tasks.mean()),
+        "shard_min": int((plan.q_end - plan.q_start)[shard].min()) if shard.any() else None,
+        "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
     }
 
 
@@ -210,14 +265,15 @@ def load_lengths(path) -> np.ndarray:
     return np.asarray(data, dtype=np.int64)
 
 
-def _plot(path, lengths, args, config, time_model, result):
+def _plot(path, lengths, args, config, time_model, result, options: dict):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     first = result["_first"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    d = result["distca"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 4.4))
     mean = first["local"].mean()
     xs = np.arange(args.ranks)
     left.bar(xs, first["local"] / mean, width=1.0, alpha=0.55, label="colocated (before)", color="#fc8d62")
@@ -225,29 +281,37 @@ def _plot(path, lengths, args, config, time_model, result):
     left.axhline(1 + config.tolerance, color="gray", ls="--", lw=0.8, label=f"1 + tolerance ({config.tolerance})")
     left.set_xlabel("rank")
     left.set_ylabel("attention pairs / mean")
-    left.set_title(f"Per-rank attention, first batch ({args.ranks} ranks x {args.tokens_per_rank} tokens)", fontsize=10)
+    shard = d["smallest_shard_tokens"]
+    left.set_title(f"Per-rank attention, first batch ({args.ranks} ranks x {args.tokens_per_rank} tokens)\n"
+                   f"distca: {d['tasks_per_server']['max']:.0f} tasks on the busiest server, smallest moved shard "
+                   f"{'-' if shard is None else shard} tokens (block {config.block})", fontsize=9)
     left.legend(fontsize=8)
 
     contexts = sorted({max(1, args.tokens_per_rank // 4), max(1, args.tokens_per_rank // 2), args.tokens_per_rank,
                        args.tokens_per_rank * 2})
-    lines = {"colocated": [], "wlb": [], "per_doc_cp": [], "distca": []}
+    lines = {m: [] for m in METHODS}
     for t in contexts:
-        r = simulate(lengths, args.ranks, t, min(args.batches, 4), args.seed, config, time_model, keep_first=True)
-        ideal = time_model.rank_seconds(t, r["_first"]["local"].mean())
-        cp_comm = r["per_doc_cp"]["comm_bytes_per_layer"] / args.ranks / time_model.bytes_per_s
-        lines["colocated"].append(r["_times"]["colocated"])
-        lines["wlb"].append(r["_times"]["wlb"])
-        lines["per_doc_cp"].append(ideal + cp_comm)
-        lines["distca"].append(r["_times"]["distca"])
-    for name, ys in lines.items():
-        right.plot(contexts, np.array(ys) * 1e3, marker="o", label=name)
+        r = simulate(lengths, args.ranks, t, min(args.batches, 4), args.seed, config, time_model, **options)
+        for m in METHODS:
+            lines[m].append(r[m]["step_time_s"])
+    for m, ys in lines.items():
+        if any(y is None for y in ys):
+            continue
+        right.plot(contexts, np.array(ys) * 1e3, marker="o", label=_label(m, result))
     right.set_xscale("log", base=2)
     right.set_xlabel("tokens per rank")
-    right.set_ylabel("layer time, fwd+bwd (ms, time model)")
-    right.set_title("Step time vs context (per_doc_cp includes its un-hidden K/V all-gather)", fontsize=10)
+    right.set_ylabel("layer time, fwd+bwd (ms)")
+    right.set_title(f"Layer time vs context, slowest rank, with exposed communication\n(time model: "
+                    f"{time_model.source}; {100 * result['hidden_comm_fraction']:.0f}% of communication hidden)",
+                    fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _label(method: str, result: dict) -> str:
+    degree = result.get(method, {}).get("degree") if method in ("per_doc_cp", "ulysses") else None
+    return LABELS[method] + (f" (degree {degree})" if degree else "")
 
 
 def _max_mean(stat: dict) -> str:
@@ -256,19 +320,43 @@ def _max_mean(stat: dict) -> str:
 
 def format_table(result: dict) -> str:
     d = result["distca"]
+    tm = result["time_model"]
+    best = result["best_baseline"]
     rows = [
         ("ranks x tokens per rank", f"{result['ranks']} x {result['tokens_per_rank']} ({result['batches']} batches)"),
+        (f"estimated speedup vs best baseline ({_label(best, result)})", f"{result['speedup_vs_best_baseline']:.2f}x"),
+        ("estimated speedup vs colocated", f"{result['speedup_vs_colocated']:.2f}x"),
+    ]
+    for m in METHODS:
+        r = result[m]
+        if r["step_time_s"] is None:
+            rows.append((f"layer time, {_label(m, result)}", f"n/a: {r['unavailable']}"))
+            continue
+        comm = r["exposed_comm_s"]
+        rows.append((f"layer time, {_label(m, result)} (of it: exposed comm)",
+                     f"{1e3 * r['step_time_s']:.2f} ms ({1e3 * comm:.2f} ms)"))
+    rows += [
+        ("time model", f"{tm['source']}; {tm['bytes_per_s'] / 1e9:g} GB/s per rank, "
+                       f"{100 * result['hidden_comm_fraction']:.0f}% of communication hidden"),
         ("attention imbalance, colocated", f"{result['colocated']['attn_imbalance']:.3f}"),
-        ("attention imbalance, WLB-LLM packing", f"{result['wlb']['attn_imbalance']:.3f}"),
+        (f"attention imbalance, WLB-LLM packing (queue above {result['wlb']['threshold_tokens']} tokens)",
+         f"{result['wlb']['attn_imbalance']:.3f}"),
         ("attention imbalance, distca (mean / worst)", f"{d['attn_imbalance']:.4f} / {d['worst_attn_imbalance']:.4f}"),
         ("queries moved", f"{100 * d['moved_query_fraction']:.1f}%"),
+        ("distca tasks per server (max / mean), smallest moved shard",
+         f"{d['tasks_per_server']['max']:.1f} / {d['tasks_per_server']['mean']:.1f}, "
+         f"{'-' if d['smallest_shard_tokens'] is None else d['smallest_shard_tokens']} tokens"),
         ("bytes per layer, distca", f"{d['comm_bytes_per_layer'] / 1e9:.3f} GB"),
-        ("bytes per layer, per-document CP", f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
+        (f"bytes per layer, {_label('per_doc_cp', result)}", f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
+    ]
+    if result["ulysses"]["step_time_s"] is not None:
+        rows.append((f"bytes per layer, {_label('ulysses', result)}",
+                     f"{result['ulysses']['comm_bytes_per_layer'] / 1e9:.3f} GB"))
+    rows += [
         ("K/V tokens received per layer, distca (max / mean server)", _max_mean(d["kv_received_tokens_per_layer"])),
-        ("K/V tokens received per layer, per-doc CP (max / mean rank)",
+        ("K/V tokens received per layer, CP of spanning documents (max / mean rank)",
          _max_mean(result["per_doc_cp"]["kv_received_tokens_per_layer"])),
         ("plan time (median)", f"{d['plan_ms_median']:.2f} ms"),
-        ("estimated speedup vs colocated", f"{result['speedup_vs_colocated']:.2f}x"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -281,13 +369,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the contract's JSON object on stdout")
-    parser.add_argument("--plot", metavar="OUT.png", help="per-rank load before/after and time vs context")
+    parser.add_argument("--plot", metavar="OUT.png", help="per-rank load before/after and layer time vs context")
     parser.add_argument("--hidden", type=int, default=4096, help="model hidden size (bytes; default Llama-3-8B)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--tolerance", type=float, default=PlannerConfig.tolerance)
     parser.add_argument("--block", type=int, default=128, help="shard block in tokens (GPU kernels like 128)")
     parser.add_argument("--time-model", metavar="FILE.json", help="constants from `distca-hf profile`")
+    parser.add_argument("--bytes-per-s", type=float, help="network bandwidth per rank (default: the time model's)")
+    parser.add_argument("--hidden-comm-fraction", type=float, default=0.0,
+                        help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
+    parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
+                        "(tokens; default tokens-per-rank / 2)")
 
 
 def main(argv=None) -> int:
@@ -300,18 +393,27 @@ def run_cli(args, parser) -> int:
     for name in ("ranks", "tokens_per_rank", "batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.hidden_comm_fraction <= 1.0:
+        parser.error(f"--hidden-comm-fraction must be between 0 and 1, got {args.hidden_comm_fraction}")
+    if args.wlb_threshold is not None and not 1 <= args.wlb_threshold <= args.tokens_per_rank:
+        parser.error(f"--wlb-threshold must be between 1 and --tokens-per-rank ({args.tokens_per_rank}), "
+                     f"got {args.wlb_threshold}")
     try:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes)
         time_model = TimeModel.load(args.time_model) if args.time_model else TimeModel.from_flops(
             args.hidden, int(math.ceil(args.hidden * 3.5 / 256) * 256), args.heads, args.kv_heads)
+        if args.bytes_per_s is not None:
+            time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s"))
+    options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
+               "wlb_threshold": args.wlb_threshold}
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,
-                      keep_first=bool(args.plot))
+                      keep_first=bool(args.plot), **options)
     if args.plot:
-        _plot(args.plot, lengths, args, config, time_model, result)
+        _plot(args.plot, lengths, args, config, time_model, result, options)
     public = {k: v for k, v in result.items() if not k.startswith("_")}
     print(json.dumps(public) if args.json else format_table(public))
     if args.plot and not args.json:

@@ -1,0 +1,213 @@
+"""What each rank does under the methods distca is compared with: tokens, attention pairs, kernel
+tasks and bytes per rank for one batch. Pure numpy; ``distca-hf simulate`` times these with one
+``TimeModel``.
+
+A batch is ``docs`` (document lengths in draw order) over ``ranks`` ranks of ``tokens_per_rank``
+tokens each. The layouts:
+
+- packed (``pack_pieces``): documents in order, a document crossing a rank boundary continues on the
+  next rank (one piece per rank; a piece's queries attend to the whole prefix, so the prefix K/V
+  travels). Colocated runs this; distca plans on it.
+- WLB-LLM-style packing (``wlb_steps``): documents longer than a threshold wait in a queue and are
+  released one per micro-batch (a rank's slice; first in, first out); the others go, most pairs
+  first, to the least attention-loaded rank with room. What does not fit waits for the next step.
+- per-document context parallelism (``cp_loads``): data parallel over groups of ``degree`` ranks;
+  each group packs ``degree x tokens_per_rank`` tokens, cuts every document into ``2 degree`` chunks
+  and gives rank ``i`` chunks ``i`` and ``2 degree - 1 - i`` (``head_tail_chunks``); K/V are
+  all-gathered inside the group.
+- Ulysses / ALST sequence parallelism (``ulysses_loads``): data parallel over groups of ``degree``
+  ranks; an all-to-all turns q, k, v from *own tokens, all heads* into *the group's tokens, heads /
+  degree* (K/V heads repeated when fewer than ``degree``), and a second returns the output.
+  Balanced inside the group, not across groups.
+
+Data parallel groups (CP, Ulysses) pack documents in order like ranks do; a document crossing a
+group boundary is cut there into two independent documents (a data-parallel loader cannot share a
+document between replicas), which drops that document's cross-boundary attention: the baselines get
+slightly less work, never more.
+
+Bytes are one layer's forward, per rank, sent and received (``RankLoads``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import TokenBytes, causal_pairs, document_pairs
+from .pieces import DocumentPieces
+from .ranges import concat_ranges
+
+__all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "smallest_degree", "ulysses_degree_ok", "cp_loads",
+           "ulysses_loads", "ulysses_token_bytes", "wlb_steps"]
+
+
+@dataclass(frozen=True, eq=False)
+class RankLoads:
+    """One step of one method, per rank (arrays ``[ranks]``).
+
+    Attributes:
+        tokens: tokens whose linear layers the rank runs.
+        pairs: attention pairs the rank computes (float: Ulysses splits a group's pairs over heads).
+        tasks: varlen sequences (kernel tasks) the rank runs.
+        sent, received: bytes the rank sends / receives in one layer's forward.
+    """
+
+    tokens: np.ndarray
+    pairs: np.ndarray
+    tasks: np.ndarray
+    sent: np.ndarray
+    received: np.ndarray
+
+
+def pack_pieces(docs: np.ndarray, ranks: int, tokens_per_rank: int) -> DocumentPieces:
+    """Pack documents in order into ``ranks`` x ``tokens_per_rank``; a document crossing a rank
+    boundary becomes one piece per rank."""
+    docs = np.asarray(docs, dtype=np.int64)
+    ends = np.cumsum(docs)
+    starts = ends - docs
+    first, last = starts // tokens_per_rank, (ends - 1) // tokens_per_rank
+    counts = last - first + 1
+    doc = np.repeat(np.arange(docs.size), counts)
+    rank = concat_ranges(first, counts)
+    lo = np.maximum(starts[doc], rank * tokens_per_rank)
+    hi = np.minimum(ends[doc], (rank + 1) * tokens_per_rank)
+    return DocumentPieces(rank, doc, lo - starts[doc], hi - starts[doc], ranks)
+
+
+def head_tail_chunks(lengths, holders: int):
+    """Documents of ``lengths`` tokens cut into ``2 n`` chunks for ``n = holders`` ranks, as CP
+    implementations cut a sequence (equal sizes, the remainder one token each to the first chunks);
+    holder ``i`` gets chunk ``i`` (its head) and chunk ``2n - 1 - i`` (its tail).
+
+    Returns ``(head_start, head_end, tail_start, tail_end)``, each int64 ``[*lengths.shape, holders]``
+    in document positions (empty chunks have start == end)."""
+    lengths = np.asarray(lengths, dtype=np.int64)[..., None]
+    count = 2 * holders
+    j = np.arange(count + 1, dtype=np.int64)
+    bounds = j * (lengths // count) + np.minimum(j, lengths % count)  # [..., 2n + 1]
+    i = np.arange(holders)
+    return bounds[..., i], bounds[..., i + 1], bounds[..., count - 1 - i], bounds[..., count - i]
+
+
+def smallest_degree(longest: int, tokens_per_rank: int, ranks: int, allowed=lambda d: True) -> int | None:
+    """The degree a user would pick: the smallest divisor ``d`` of ``ranks`` (data parallel over
+    ``ranks / d`` groups) with ``d x tokens_per_rank >= longest`` and ``allowed(d)``; ``None`` when
+    none holds ``longest`` tokens."""
+    for d in range(1, ranks + 1):
+        if ranks % d == 0 and d * tokens_per_rank >= longest and allowed(d):
+            return d
+    return None
+
+
+def ulysses_degree_ok(degree: int, heads: int, kv_heads: int) -> bool:
+    """DeepSpeed's rule for a Ulysses group: the query heads split evenly, and the K/V heads either
+    split evenly or are repeated evenly."""
+    return heads % degree == 0 and (kv_heads % degree == 0 or degree % kv_heads == 0)
+
+
+def _group_documents(docs: np.ndarray, groups: int, group_tokens: int):
+    """``(group, length)`` of every document of the batch packed in order into data-parallel groups,
+    cut at group boundaries (module docstring)."""
+    pieces = pack_pieces(docs, groups, group_tokens)
+    return pieces.rank, pieces.end - pieces.start
+
+
+def cp_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, token_bytes: TokenBytes) -> RankLoads:
+    """Per-document CP of ``degree`` ranks per group (module docstring). Rank ``g degree + i`` holds
+    chunks ``i`` and ``2 degree - 1 - i`` of every document of group ``g``, computes them against
+    their prefixes, and all-gathers the group's K/V: it receives the K/V of every token of its group
+    it does not hold and sends its own to the ``degree - 1`` others."""
+    if ranks % degree:
+        raise ValueError(f"CP degree {degree} must divide ranks ({ranks})")
+    group, length = _group_documents(docs, ranks // degree, degree * tokens_per_rank)
+    head_start, head_end, tail_start, tail_end = head_tail_chunks(length, degree)  # [documents, degree]
+    rank = group[:, None] * degree + np.arange(degree)
+
+    def per_rank(values):
+        return np.bincount(rank.ravel(), weights=values.ravel(), minlength=ranks)
+
+    tokens = per_rank((head_end - head_start) + (tail_end - tail_start)).astype(np.int64)
+    pairs = per_rank(causal_pairs(head_start, head_end) + causal_pairs(tail_start, tail_end)).astype(np.float64)
+    tasks = per_rank((head_end > head_start).astype(np.int64) + (tail_end > tail_start)).astype(np.int64)
+    group_tokens = np.bincount(group, weights=length, minlength=ranks // degree).astype(np.int64)
+    received = (np.repeat(group_tokens, degree) - tokens) * token_bytes.kv
+    sent = tokens * (degree - 1) * token_bytes.kv
+    return RankLoads(tokens, pairs, tasks, sent, received)
+
+
+def ulysses_token_bytes(degree: int, token_bytes: TokenBytes, kv_heads: int) -> float:
+    """Bytes a rank sends (and receives) per token it holds, per layer forward, in a Ulysses group of
+    ``degree``: of each token's q and output all but ``1 / degree`` of the heads cross ranks, and of
+    its K/V each of the other ``degree - 1`` ranks gets the K/V heads its query heads use
+    (``kv_heads / degree`` of them, at least one, as DeepSpeed repeats K/V heads)."""
+    kv_share = max(1.0 / degree, 1.0 / kv_heads)
+    return (degree - 1) * ((token_bytes.q + token_bytes.o) / degree + token_bytes.kv * kv_share)
+
+
+def ulysses_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, token_bytes: TokenBytes,
+                  kv_heads: int) -> RankLoads:
+    """Ulysses of ``degree`` ranks per group (module docstring): every rank of group ``g`` runs its
+    own ``tokens_per_rank`` tokens through the linear layers and ``1 / degree`` of the heads of every
+    document of the group (its pairs: the group's pairs / degree; its tasks: the group's documents)."""
+    if ranks % degree:
+        raise ValueError(f"Ulysses degree {degree} must divide ranks ({ranks})")
+    groups = ranks // degree
+    group, length = _group_documents(docs, groups, degree * tokens_per_rank)
+    group_pairs = np.bincount(group, weights=document_pairs(length).astype(np.float64), minlength=groups)
+    group_docs = np.bincount(group, minlength=groups)
+    wire = np.full(ranks, tokens_per_rank * ulysses_token_bytes(degree, token_bytes, kv_heads))
+    return RankLoads(np.full(ranks, tokens_per_rank, dtype=np.int64), np.repeat(group_pairs / degree, degree),
+                     np.repeat(group_docs, degree).astype(np.int64), wire, wire.copy())
+
+
+def wlb_steps(batches, ranks: int, tokens_per_rank: int, threshold: int):
+    """WLB-LLM-style packing of successive batches (module docstring), one step per batch.
+
+    Returns ``(steps, left)``: per step ``(pieces, lengths)``, the pieces on the ranks (document ids
+    index ``lengths``, that step's documents), and the lengths of the documents still waiting after
+    the last step (their tokens are missing from the steps: compare time per token).
+
+    A released (long) document starts on a rank holding nothing yet and, when longer than a rank,
+    continues on the next ones (its pieces attend to their whole prefix, like packed ranks). Short
+    documents (``<= threshold``), those left over first, then the batch's, go longest (most pairs)
+    first each to the least attention-loaded rank with room for all of it; what fits nowhere waits
+    for the next step."""
+    if not 1 <= threshold <= tokens_per_rank:
+        raise ValueError(f"WLB threshold must be between 1 and tokens_per_rank ({tokens_per_rank}), got {threshold}")
+    queue, waiting, steps = deque(), [], []
+    for docs in batches:
+        docs = np.asarray(docs, dtype=np.int64)
+        if docs.size and docs.max() > ranks * tokens_per_rank:
+            raise ValueError(f"a document of {docs.max()} tokens does not fit {ranks} ranks of {tokens_per_rank}")
+        queue.extend(int(n) for n in docs[docs > threshold])
+        free = np.full(ranks, tokens_per_rank, dtype=np.int64)
+        pairs = np.zeros(ranks, dtype=np.float64)
+        rank, doc, start, end, lengths = [], [], [], [], []
+        fresh = 0  # ranks [fresh, ranks) hold nothing yet
+        while queue and fresh + -(-queue[0] // tokens_per_rank) <= ranks:
+            n = queue.popleft()
+            for s in range(0, n, tokens_per_rank):
+                e = min(n, s + tokens_per_rank)
+                rank.append(fresh), doc.append(len(lengths)), start.append(s), end.append(e)
+                free[fresh] -= e - s
+                pairs[fresh] += causal_pairs(s, e)
+                fresh += 1
+            lengths.append(n)
+        shorts = sorted(waiting, reverse=True) + sorted((int(n) for n in docs[docs <= threshold]), reverse=True)
+        waiting = []
+        for n in shorts:
+            fits = free >= n
+            if not fits.any():
+                waiting.append(n)
+                continue
+            r = int(np.argmin(np.where(fits, pairs, np.inf)))
+            rank.append(r), doc.append(len(lengths)), start.append(0), end.append(n)
+            free[r] -= n
+            pairs[r] += causal_pairs(0, n)
+            lengths.append(n)
+        steps.append((DocumentPieces(np.array(rank, dtype=np.int64), np.array(doc, dtype=np.int64),
+                                     np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), ranks),
+                      np.array(lengths, dtype=np.int64)))
+    return steps, np.array([*queue, *waiting], dtype=np.int64)
