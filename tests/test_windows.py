@@ -242,3 +242,10 @@ def test_windowed_spanning_documents_are_exact(tmp_path, case):
     for rank, runs in exact_runs(results, 7):
         for run in runs:
             assert run["stats"]["dispatched"]
+    colocated = results[0]["value"][-2]["stats"]
+    if case.startswith("mistral"):
+        # colocated: only rank 1's piece [30, 50) of document 1 needs keys from rank 0, and under the
+        # window only [key_start(30, 7), 30) = [24, 30): 6 tokens, not the whole 30-token prefix
+        assert sum(colocated["kv_tokens_received_per_layer"]) == 6
+    else:  # a full-attention layer: whole prefixes travel
+        assert sum(colocated["kv_tokens_received_per_layer"]) > 9
