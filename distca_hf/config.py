@@ -27,7 +27,7 @@ __all__ = ["DistCAConfig", "SETTINGS", "configure", "current_config", "reset_con
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
 MODES = ("distca", "colocated")
-KERNELS = ("auto", "flash_attn", "torch_cpu", "math")
+KERNELS = ("auto", "flash_attn", "torch_cuda", "torch_cuda_efficient", "torch_cpu", "math")
 
 
 # ---- checks: each returns what is wrong, as "must be ..., got ...", or None ----

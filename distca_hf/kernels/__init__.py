@@ -13,9 +13,14 @@ With a sliding ``window`` (HF's ``sliding_window``, a number of keys), query ``j
 window counts back from the query's own position, so a task whose keys are a suffix of the
 document's prefix (``[max(0, a - window + 1), b)`` for queries ``[a, b)``) is exact.
 
-Backends: ``flash_attn`` (CUDA, fp16/bf16, when installed), ``torch_cpu`` (PyTorch's fused CPU
-flash kernel, the winner of ``distca-hf kernel-bench``), ``math`` (plain torch, any device; the
-fallback). ``DISTCA_KERNEL`` or the ``backend`` argument forces one.
+Backends, in the order ``auto`` tries them: ``flash_attn`` (CUDA, fp16/bf16, when flash-attn is
+installed), ``torch_cuda`` (PyTorch's own flash varlen ops: CUDA, fp16/bf16, compute capability
+8.0+, no extra install), ``torch_cuda_efficient`` (PyTorch's memory-efficient varlen kernel: CUDA
+fp32, and fp16 before Ampere), ``torch_cpu`` (PyTorch's fused CPU flash kernel, the winner of
+``distca-hf kernel-bench`` on CPU), ``math`` (plain torch, any device; the fallback, with a one-time
+warning). A backend that serves a device and dtype but cannot run there (an old torch, an old GPU)
+is skipped with a one-time warning naming why. ``DISTCA_KERNEL`` or the ``backend`` argument forces
+one.
 """
 
 from __future__ import annotations
@@ -29,24 +34,42 @@ from ..state import warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
 from . import torch_cpu as _torch_cpu
+from . import torch_cuda as _torch_cuda
+from . import torch_cuda_efficient as _torch_cuda_efficient
 
 __all__ = [
     "BACKENDS",
     "available_backends",
+    "unavailable_reasons",
     "select_backend",
     "varlen_attention_forward",
     "varlen_attention_backward",
     "varlen_causal_attention",
 ]
 
-BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (_flash_attn, _torch_cpu, _math)}
-_AUTO_ORDER = (_flash_attn, _torch_cpu)
+BACKENDS: dict[str, ModuleType] = {
+    m.NAME: m for m in (_flash_attn, _torch_cuda, _torch_cuda_efficient, _torch_cpu, _math)
+}
+_AUTO_ORDER = (_flash_attn, _torch_cuda, _torch_cuda_efficient, _torch_cpu)
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     """Names of the backends that can run on ``device`` with ``dtype``, fastest first."""
     device = torch.device(device)
     return [name for name, m in BACKENDS.items() if m.is_available(device, dtype)]
+
+
+def unavailable_reasons(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
+    """``{backend: why}`` for the backends meant for ``device`` and ``dtype`` (their ``serves``) that
+    cannot run there (their ``unavailable_reason``): a torch without the op, a GPU too old."""
+    device = torch.device(device)
+    reasons = {}
+    for name, m in BACKENDS.items():
+        if hasattr(m, "serves") and m.serves(device, dtype):
+            reason = m.unavailable_reason(device, dtype)
+            if reason:
+                reasons[name] = reason
+    return reasons
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, name: str | None = None) -> ModuleType:
@@ -64,12 +87,18 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, name: str | N
         if not backend.is_available(device, dtype):
             raise ValueError(f"distca kernel backend {name!r} cannot run on {device} with {dtype}")
         return backend
+    skipped = unavailable_reasons(device, dtype)
+    why = "; ".join(f"{n}: {r}" for n, r in skipped.items())
+    where = f"{device.type}/{str(dtype).removeprefix('torch.')}"
     for backend in _AUTO_ORDER:
         if backend.is_available(device, dtype):
+            if any(_AUTO_ORDER.index(BACKENDS[n]) < _AUTO_ORDER.index(backend) for n in skipped):
+                warn_once(f"kernel-skipped:{where}", f"distca: using kernel backend {backend.NAME} on {where} ({why})")
             return backend
-    hint = " (install flash-attn: pip install 'distca-hf[gpu]'; it needs fp16/bf16)" if device.type == "cuda" else ""
-    warn_once(f"kernel-fallback:{device.type}/{dtype}",
-              f"distca: no fused varlen kernel for {device.type}/{dtype}; using the slow math backend{hint}")
+    hint = f" ({why})" if why else ""
+    if device.type == "cuda" and not why:
+        hint = " (the fused CUDA kernels take float32, float16 and bfloat16)"
+    warn_once(f"kernel-fallback:{where}", f"distca: no fused varlen kernel for {where}; using the slow math backend{hint}")
     return _math
 
 
