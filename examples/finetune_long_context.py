@@ -2,89 +2,137 @@
 
 Launch it on as many processes as you like (each is one rank; attention is balanced across them):
 
-    accelerate launch --config_file recipes/cpu-2proc.yaml examples/finetune_long_context.py
-    accelerate launch --config_file recipes/single-node.yaml examples/finetune_long_context.py \\
-        --model meta-llama/Llama-3.2-1B --dataset my_corpus.jsonl --tokens-per-rank 32768 --bf16
-    torchrun --nproc-per-node 2 examples/finetune_long_context.py
+    accelerate launch --config_file recipes/cpu-2proc.yaml examples/finetune_long_context.py \
+        --max_steps 4 --output_dir out/finetune
+    accelerate launch --config_file recipes/single-node.yaml examples/finetune_long_context.py \
+        --model_name_or_path meta-llama/Llama-3.2-1B --dataset my_corpus.jsonl --tokens_per_rank 32768 \
+        --bf16 --learning_rate 2e-5 --lr_scheduler_type cosine --warmup_steps 100 --report_to tensorboard
+    torchrun --nproc-per-node 2 examples/finetune_long_context.py --max_steps 10
+
+The command line is ``transformers.HfArgumentParser`` over ``TrainingArguments`` and this script's
+own groups (model, data, packing, the distca settings, the comparison), so every Trainer flag works
+as in any HF script (``--output_dir``, ``--learning_rate``, ``--report_to``, ``--save_steps``,
+``--resume_from_checkpoint``, ``--bf16``, ``--use_cpu``, ...; dashes work as well as underscores).
+The defaults suit this demo and differ from TrainingArguments' in: ``--max_steps 30``,
+``--learning_rate 1e-3``, ``--lr_scheduler_type constant``, ``--logging_steps 1``, ``--seed 0``,
+``--output_dir out/finetune_long_context`` and one packed row per device (the token budget is
+``--tokens_per_rank``). The model is saved to ``--output_dir`` at the end. On a machine without GPU,
+mixed precision needs ``--use_cpu`` as well (``--bf16 --use_cpu``), as transformers requires.
 
 By default it is offline: the documents are the Python help topics shipped with the standard
 library (``pydoc_data.topics``: 79 documents from 78 to 20k tokens), the tokenizer is a byte-level
 BPE trained on them on the spot, and the model is a tiny Llama with random weights.
 
-The ranks share global batches of ``ranks x --tokens-per-rank`` tokens, one slice per rank, so a
+The ranks share global batches of ``ranks x --tokens_per_rank`` tokens, one slice per rank, so a
 document longer than one rank's budget trains whole across ranks (``span_ranks``, the default of
-``DistCATrainer`` on several ranks; ``DISTCA_SPAN_RANKS=0`` packs every rank alone); the packing line
-says how many documents span ranks and how many, longer than a whole global batch, were still cut. ``--model``
-takes a local path or Hub name (its tokenizer comes with it), ``--dataset`` a local file (.jsonl,
-.json, .txt, .csv, .parquet), a ``save_to_disk`` folder or a Hub dataset name.
+``DistCATrainer`` on several ranks; ``--span_ranks false`` packs every rank alone); the packing line
+says how many documents span ranks and how many, longer than a whole global batch, were still cut.
+``--model_name_or_path`` takes a local path or Hub name (its tokenizer comes with it), ``--dataset`` a
+local file (.jsonl, .json, .txt, .csv, .parquet), a ``save_to_disk`` folder or a Hub dataset name.
 
-``--compare-colocated`` trains the same run twice, with distca and colocated (the same kernel, each
-rank computing the attention of its own tokens), and prints both loss tables, the largest loss
-difference and the speedup; this is what ``make demo`` runs. Colocated (``mode="colocated"``) moves
-no query: a piece that continues a document begun on another rank still receives that document's
-K/V prefix, as any exact method must, so both runs give the same losses.
+``--compare_colocated`` trains the same run twice, with distca and colocated (the same kernel, each
+rank computing the attention of its own tokens), into ``--output_dir``/distca and /colocated, and
+prints both loss tables, the largest loss difference and the speedup; this is what ``make demo``
+runs. Colocated (``--mode colocated``) moves no query: a piece that continues a document begun on
+another rank still receives that document's K/V prefix, as any exact method must, so both runs give
+the same losses.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import tempfile
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PrinterCallback, ProgressCallback, \
-    TrainingArguments
+# Only what --help needs is imported here; torch, transformers' models and the trainer load in main().
 
-from distca_hf import (DistCAPlugin, DistCATrainer, PackingConfig, StepTableCallback, load_documents,
-                       prepare_training_arguments)
-from distca_hf.training.launch_checks import prepare_cpu_launch
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(default=None, metadata={
+        "aliases": ["--model"],
+        "help": "A local model folder or a Hub name; its tokenizer comes with it. Left out: a tiny Llama with "
+                "random weights and a tokenizer trained on the offline documents."})
+    dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={
+        "help": "The dtype of the model's weights. Mixed precision (weights in float32, compute in bfloat16) is "
+                "--bf16, as in any Trainer script."})
+
+
+@dataclass
+class DataArguments:
+    dataset: Optional[str] = field(default=None, metadata={
+        "aliases": ["--dataset_name"],
+        "help": "The documents: a local file (.jsonl, .json, .txt, .csv, .parquet), a save_to_disk folder or a "
+                "Hub dataset name (owner/name). Left out: Python's help topics (pydoc_data.topics), offline. "
+                "Needs --model_name_or_path (its tokenizer)."})
+    dataset_split: str = field(default="train", metadata={"help": "The split of --dataset to train on."})
+    text_column: str = field(default="text", metadata={
+        "help": "The column of --dataset holding the text (ignored when the data has input_ids already)."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Read --dataset lazily and pack it on the fly (no held-out evaluation documents)."})
+    eval_documents: int = field(default=8, metadata={
+        "help": "How many documents to hold out for evaluation after training (at most a quarter of them; "
+                "0: none)."})
+
+
+@dataclass
+class PackingArguments:
+    tokens_per_rank: int = field(default=8192, metadata={
+        "help": "The token budget of one rank's packed row per forward (the micro-batch)."})
+    length_aware: bool = field(default=False, metadata={
+        "help": "Pack best-fit by length inside windows of documents, for fuller rows."})
+
+
+@dataclass
+class ComparisonArguments:
+    compare_colocated: bool = field(default=False, metadata={
+        "help": "Train with distca, then the same run colocated (each rank its own attention); print both "
+                "tables, the largest loss difference and the speedup."})
+    loss_tolerance: float = field(default=1e-3, metadata={
+        "help": "With --compare_colocated: the largest allowed loss difference between the runs; the exit status "
+                "is 1 above it."})
+
+
+# The example's defaults where they differ from TrainingArguments' (shown by --help).
+EXAMPLE_DEFAULTS = dict(
+    output_dir=os.path.join("out", "finetune_long_context"), max_steps=30, learning_rate=1e-3,
+    lr_scheduler_type="constant", logging_steps=1, seed=0, per_device_train_batch_size=1,
+    per_device_eval_batch_size=1, ddp_find_unused_parameters=False,
+)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    data = parser.add_argument_group("model and data")
-    data.add_argument("--model", help="model path or Hub name (default: a tiny random Llama)")
-    data.add_argument("--dataset", help="documents: file, save_to_disk folder or Hub name (default: pydoc topics)")
-    data.add_argument("--dataset-split", default="train")
-    data.add_argument("--text-column", default="text")
-    data.add_argument("--streaming", action="store_true", help="read the dataset lazily (packs on the fly)")
-    data.add_argument("--eval-documents", type=int, default=8, help="documents held out for evaluation (0: none)")
-    pack = parser.add_argument_group("packing")
-    pack.add_argument("--tokens-per-rank", type=int, default=8192, help="token budget of one rank's micro-batch")
-    pack.add_argument("--length-aware", action="store_true", help="pack best-fit by length (fuller micro-batches)")
-    train = parser.add_argument_group("training")
-    train.add_argument("--max-steps", type=int, default=30)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--optim", default="adamw_torch")
-    train.add_argument("--grad-accum", type=int, default=1)
-    train.add_argument("--gradient-checkpointing", action="store_true")
-    train.add_argument("--bf16", action="store_true")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--output-dir", help="checkpoints and logs (default: a temporary folder)")
-    train.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    train.add_argument("--resume", help="checkpoint folder to resume from")
-    train.add_argument("--logging-steps", type=int, default=1)
-    cad = parser.add_argument_group("distca")
-    cad.add_argument("--mode", choices=["distca", "colocated"], default="distca",
-                     help="colocated: every rank computes the attention of its own tokens (no query moves)")
-    cad.add_argument("--distca-config", help="YAML file with a distca: section (settings for DistCAPlugin)")
-    cad.add_argument("--compare-colocated", action="store_true",
-                     help="train distca, then the same run colocated; print both and the speedup")
-    cad.add_argument("--loss-tolerance", type=float, default=1e-3,
-                     help="with --compare-colocated: largest allowed |loss difference| (exit status 1 above)")
-    args = parser.parse_args(argv)
-    for name in ("max_steps", "tokens_per_rank", "grad_accum", "logging_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.eval_documents < 0 or args.save_steps < 0:
-        parser.error("--eval-documents and --save-steps must be >= 0")
-    if args.compare_colocated and args.resume:
-        parser.error("--compare-colocated trains from scratch; drop --resume")
-    if args.dataset and not args.model:
-        parser.error("--dataset needs --model (its tokenizer); the offline tokenizer only knows the pydoc topics")
-    return args
+    """``(model, data, packing, distca, comparison, training)`` arguments from ``argv`` (default:
+    ``sys.argv``); a bad combination exits with a message naming the flags."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from distca_hf.training.arguments import DistCAArguments
+    from distca_hf.training.launch_checks import has_gpu, prepare_cpu_launch
+
+    # Under a multi-process launcher without GPU, Accelerate needs ACCELERATE_USE_CPU=1 (DDP) or the
+    # gloo backend (DeepSpeed) to count the processes: set before TrainingArguments sets them up.
+    backend = prepare_cpu_launch().get("backend")
+    parser = HfArgumentParser((ModelArguments, DataArguments, PackingArguments, DistCAArguments, ComparisonArguments,
+                               TrainingArguments), description=__doc__.splitlines()[0])
+    parser.set_defaults(**EXAMPLE_DEFAULTS, dataloader_pin_memory=has_gpu(), **({"ddp_backend": backend} if backend
+                                                                                else {}))
+    model, data, packing, distca, comparison, training = parser.parse_args_into_dataclasses(
+        args=argv, look_for_args_file=False)
+    if packing.tokens_per_rank < 2:
+        parser.error(f"--tokens_per_rank must be at least 2, got {packing.tokens_per_rank}")
+    if data.eval_documents < 0:
+        parser.error(f"--eval_documents must be >= 0, got {data.eval_documents}")
+    if training.per_device_train_batch_size != 1 or training.per_device_eval_batch_size != 1:
+        parser.error("--per_device_train_batch_size and --per_device_eval_batch_size must be 1: each rank runs one "
+                     "packed row per forward; set its size with --tokens_per_rank")
+    if comparison.compare_colocated and training.resume_from_checkpoint:
+        parser.error("--compare_colocated trains from scratch; drop --resume_from_checkpoint")
+    if data.dataset and not model.model_name_or_path:
+        parser.error("--dataset needs --model_name_or_path (its tokenizer); the offline tokenizer only knows the "
+                     "pydoc topics")
+    return model, data, packing, distca, comparison, training
 
 
 # -- the offline defaults ---------------------------------------------------------------------------
@@ -112,6 +160,11 @@ def offline_tokenizer(texts: list[str]):
 def tiny_llama(tokenizer, max_positions: int, seed: int):
     """A 2-layer Llama with random weights. Narrow on purpose (hidden 64, two heads of 32): on a CPU
     the attention of long documents then dominates a step, as it does for long contexts on GPUs."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import distca_hf  # noqa: F401  (registers "distca")
+
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
                          tie_word_embeddings=False, use_cache=False, bos_token_id=None,
@@ -123,92 +176,99 @@ def tiny_llama(tokenizer, max_positions: int, seed: int):
 # -- one run ----------------------------------------------------------------------------------------
 
 
-def load_data(args):
+def load_data(model_args, data_args, packing_args, seed: int):
     """(tokenizer, train documents, eval documents or None, model factory)."""
-    if args.model:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if args.dataset:
-        documents = load_documents(args.dataset, tokenizer if args.model else None, split=args.dataset_split,
-                                   text_column=args.text_column, streaming=args.streaming)
-    else:
-        import datasets
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from distca_hf import load_documents
+
+    datasets.disable_progress_bars()
+    if model_args.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    if data_args.dataset:
+        documents = load_documents(data_args.dataset, tokenizer, split=data_args.dataset_split,
+                                   text_column=data_args.text_column, streaming=data_args.streaming,
+                                   flags={"source": "--dataset", "split": "--dataset_split",
+                                          "text_column": "--text_column", "tokenizer": "--model_name_or_path"})
+    else:
         texts = pydoc_topics()
-        if not args.model:
+        if not model_args.model_name_or_path:
             tokenizer = offline_tokenizer(texts)
         documents = load_documents(datasets.Dataset.from_dict({"text": texts}), tokenizer)
-        if args.streaming:
+        if data_args.streaming:
             documents = documents.to_iterable_dataset()
     eval_documents = None
-    if args.eval_documents and not args.streaming:
-        held_out = min(args.eval_documents, len(documents) // 4)
-        eval_documents = documents.select(range(held_out))
+    if data_args.eval_documents and not data_args.streaming:
+        held_out = min(data_args.eval_documents, len(documents) // 4)
+        eval_documents = documents.select(range(held_out)) if held_out else None
         documents = documents.select(range(held_out, len(documents)))
 
     def make_model(world_size: int):
-        if args.model:
-            torch.manual_seed(args.seed)
-            return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="distca",
-                                                        dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        if model_args.model_name_or_path:
+            torch.manual_seed(seed)
+            return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, attn_implementation="distca",
+                                                        dtype=getattr(torch, model_args.dtype))
         # documents span the ranks: the longest trained whole fills every rank's row
-        return tiny_llama(tokenizer, max(4096, world_size * args.tokens_per_rank), args.seed)
+        return tiny_llama(tokenizer, max(4096, world_size * packing_args.tokens_per_rank), seed).to(
+            getattr(torch, model_args.dtype))
 
     return tokenizer, documents, eval_documents, make_model
 
 
-def train_once(args, mode: str, data, output_dir: str) -> tuple[StepTableCallback, dict, DistCATrainer]:
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def train_once(mode: str, data, packing_args, distca_args, training_args, *, save: bool = True):
+    """Train (and evaluate, and save to ``training_args.output_dir``) one run with ``mode``; returns
+    ``(step table, eval metrics, trainer)``."""
+    from distca_hf import DistCATrainer, PackingConfig, StepTableCallback, prepare_training_arguments
+
     tokenizer, documents, eval_documents, make_model = data
-    settings = {"mode": mode}
-    if args.distca_config:
-        plugin = DistCAPlugin.from_accelerate_config(args.distca_config, **settings)
-    else:  # the distca: section of a `distca-hf launch` config, if any, else the defaults
-        plugin = DistCAPlugin.from_environment(**settings)
-    # Under a multi-process launcher without GPU, Accelerate needs ACCELERATE_USE_CPU=1 (DDP) or the
-    # gloo backend (DeepSpeed) to count the processes; set them before TrainingArguments sets up.
-    ddp_backend = prepare_cpu_launch().get("backend")
-    training_args = TrainingArguments(
-        output_dir=output_dir, ddp_backend=ddp_backend, dataloader_pin_memory=torch.cuda.is_available(),
-        ddp_find_unused_parameters=False, per_device_train_batch_size=1, per_device_eval_batch_size=1,
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
-        optim=args.optim, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=args.seed,
-        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, eval_strategy="no", report_to=[], bf16=args.bf16,
-        activation_checkpointing=args.gradient_checkpointing, disable_tqdm=True,
-    )
+    plugin = distca_args.plugin(mode=mode)
     # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
     # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
     prepare_training_arguments(training_args)
+    world = training_args.world_size
     table = StepTableCallback()
+    main_process = training_args.process_index == 0
+    if main_process:  # the run's header first, then what it is about to do
+        print(f"\n== {mode}: {training_args.max_steps} steps on {_ranks(world)} ==", flush=True)
     trainer = DistCATrainer(
-        model=make_model(training_args.world_size), args=training_args, train_dataset=documents,
-        eval_dataset=eval_documents, processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
-        packing=PackingConfig(tokens_per_rank=args.tokens_per_rank, length_aware=args.length_aware, seed=args.seed,
-                              pad_token_id=tokenizer.pad_token_id or 0),
+        model=make_model(world), args=training_args, train_dataset=documents, eval_dataset=eval_documents,
+        processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
+        packing=PackingConfig(tokens_per_rank=packing_args.tokens_per_rank, length_aware=packing_args.length_aware,
+                              seed=training_args.seed, pad_token_id=tokenizer.pad_token_id or 0),
     )
-    table.title = f"\n== {mode}: {args.max_steps} steps on {trainer.args.world_size} ranks =="
-    trainer.remove_callback(PrinterCallback)  # the table replaces the raw log dicts
-    trainer.remove_callback(ProgressCallback)
+    streaming = not hasattr(documents, "__len__")  # a datasets.IterableDataset
     if trainer.is_world_process_zero():
-        if not args.streaming:  # a stream's report fills as it is read: printed after training
+        if not streaming:  # a stream's report fills as it is read: printed after training
             print(f"packing: {trainer.packing_reports['train']}", flush=True)
         config = trainer.distca.config
         balance = ("colocated (no query moves)" if mode == "colocated"
                    else f"{config.mode}, tolerance {config.tolerance}")
         print(f"distca: {balance}, overlap {config.overlap}, server group {list(trainer.distca.server_ranks)} of "
-              f"{trainer.distca.topology.world_size} ranks", flush=True)
-    trainer.train(resume_from_checkpoint=args.resume)
-    if args.streaming and trainer.is_world_process_zero():
+              f"{_ranks(trainer.distca.topology.world_size)}", flush=True)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if streaming and trainer.is_world_process_zero():
         print(f"packing (the stream read so far): {trainer.packing_reports['train']}", flush=True)
     metrics = trainer.evaluate() if eval_documents is not None else {}
     if trainer.is_world_process_zero() and metrics:
         print(f"eval loss {metrics['eval_loss']:.4f} over {metrics['eval_label_tokens']} label tokens", flush=True)
+    if save:
+        trainer.save_model()  # the model, its config and the tokenizer, in --output_dir
+        if trainer.is_world_process_zero():
+            print(f"model saved to {training_args.output_dir}", flush=True)
     return table, metrics, trainer
 
 
-def compare(distca: StepTableCallback, colocated: StepTableCallback, tolerance: float) -> bool:
+def compare(distca, colocated, tolerance: float) -> bool:
+    """Print the comparison of two runs' step tables; whether their losses agree within ``tolerance``."""
     pairs = list(zip(distca.rows, colocated.rows))
     if not pairs:
-        print("no logged steps to compare (--logging-steps larger than --max-steps?)")
+        print("no logged steps to compare (--logging_steps larger than --max_steps?)")
         return False
     worst = max(abs(a["loss"] - b["loss"]) for a, b in pairs)
     # The first step carries one-off costs (allocation, caches): time the rest. Both runs train the
@@ -221,25 +281,36 @@ def compare(distca: StepTableCallback, colocated: StepTableCallback, tolerance: 
     print("\n== distca vs colocated ==")
     print(f"largest |loss difference| over {len(pairs)} steps: {worst:.2e} (tolerance {tolerance:g})")
     print(f"attention imbalance (mean over steps): {before:.2f} colocated -> {after:.3f} distca")
-    print(f"training time of steps 2..{len(pairs)}: colocated {colocated_time:.1f} s, distca {distca_time:.1f} s")
+    first = 2 if len(pairs) > 1 else 1
+    print(f"training time of steps {first}..{len(pairs)}: colocated {colocated_time:.1f} s, "
+          f"distca {distca_time:.1f} s")
     print(f"speedup: {colocated_time / distca_time:.2f}x", flush=True)
     return worst <= tolerance
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    import datasets
+    model_args, data_args, packing_args, distca_args, comparison, training_args = parse_args(argv)
+    from distca_hf.training.loading import DocumentSourceError
 
-    datasets.disable_progress_bars()
-    data = load_data(args)
-    with tempfile.TemporaryDirectory(prefix="distca-finetune-") as scratch:
-        output_dir = args.output_dir or scratch
-        if not args.compare_colocated:
-            train_once(args, args.mode, data, output_dir)
-            return 0
-        distca, _, trainer = train_once(args, "distca", data, os.path.join(output_dir, "distca"))
-        colocated, _, _ = train_once(args, "colocated", data, os.path.join(output_dir, "colocated"))
-        ok = compare(distca, colocated, args.loss_tolerance) if trainer.is_world_process_zero() else True
+    try:
+        data = load_data(model_args, data_args, packing_args, training_args.seed)
+    except DocumentSourceError as error:  # one line that names the flag, not a traceback per rank
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if not comparison.compare_colocated:
+        mode = distca_args.mode or "distca"
+        train_once(mode, data, packing_args, distca_args, training_args)
+        return 0
+    base = training_args.output_dir
+    runs = {}
+    for mode in ("distca", "colocated"):
+        training_args.output_dir = os.path.join(base, mode)
+        runs[mode] = train_once(mode, data, packing_args, distca_args, training_args)
+    training_args.output_dir = base
+    trainer = runs["distca"][2]
+    ok = True
+    if trainer.is_world_process_zero():
+        ok = compare(runs["distca"][0], runs["colocated"][0], comparison.loss_tolerance)
     return 0 if ok else 1
 
 

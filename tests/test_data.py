@@ -251,7 +251,7 @@ def test_load_documents_from_files_and_streams(tmp_path):
     assert load_documents(documents).column_names == ["input_ids"]  # already tokenized: kept as is
     with pytest.raises(ValueError, match="tokenizer="):
         load_documents(str(path))
-    with pytest.raises(ValueError, match="text column 'body'"):
+    with pytest.raises(ValueError, match="text_column= body: no such column"):
         load_documents(str(path), tokenizer, text_column="body", eos_token_id=eos)
     with pytest.raises(ValueError, match="eos_token_id"):
         load_documents(str(path), tokenizer)

@@ -18,7 +18,7 @@ accelerate's heavier modules, packing imports torch, and a script's ``--help`` n
 from importlib import import_module
 
 _LAZY = {
-    "load_documents": "loading",
+    **dict.fromkeys(("load_documents", "DocumentSourceError", "MissingDocumentsError"), "loading"),
     **dict.fromkeys(("GlobalBatchSampler", "PackedCollator", "PackedDataset", "PackedRow", "PackingConfig",
                      "PackingReport", "RankLayout", "StreamingPackedDataset", "pack_lengths", "pack_rows"), "packing"),
     **dict.fromkeys(("DistCAGroups", "DistCAPlugin", "read_distca_section"), "plugin"),

@@ -1,76 +1,144 @@
 """Loading documents: local files, ``save_to_disk`` folders, Hub names or ``datasets`` objects, as a
 ``datasets`` dataset of token ids (one ``input_ids`` column) ready for packing.
+
+Errors are one line that says what is wrong and which argument to change, named as the caller's
+users set it (``flags``: e.g. ``--text_column`` in the examples). A path that does not exist is
+reported at once: the Hub is asked only for names shaped like a Hub dataset (``owner/name``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-__all__ = ["load_documents", "open_dataset", "tokenize"]
+__all__ = ["DocumentSourceError", "MissingDocumentsError", "load_documents", "looks_like_hub_name", "open_dataset",
+           "tokenize"]
 
 _EXTENSION_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class DocumentSourceError(ValueError):
+    """The documents cannot be read as asked (no such split or column, no documents, no tokenizer)."""
+
+
+class MissingDocumentsError(DocumentSourceError, FileNotFoundError):
+    """The documents' path does not exist (and it is not a Hub dataset name)."""
+
+
+def _flag(flags: dict | None, name: str) -> str:
+    """How the caller's users set the argument ``name``: ``flags[name]``, else ``name=``."""
+    return (flags or {}).get(name, f"{name}=")
+
+
+def looks_like_hub_name(source: str) -> bool:
+    """Whether ``source`` is shaped like a Hub dataset name, ``owner/name``, and not like a file
+    (a data-file suffix, a leading ``.``, ``/`` or ``~``)."""
+    return (bool(_HUB_NAME.fullmatch(source)) and Path(source).suffix.lower() not in _EXTENSION_BUILDERS
+            and not source.startswith((".", "~")))
 
 
 def load_documents(source, tokenizer=None, *, split: str = "train", text_column: str = "text",
                    streaming: bool = False, add_eos: bool = True, eos_token_id: int | None = None,
-                   **load_kwargs):
+                   flags: dict | None = None, **load_kwargs):
     """Token-id documents as a ``datasets`` dataset with a single ``input_ids`` column.
 
     Args:
         source: a ``datasets.Dataset`` / ``IterableDataset``; a local file (``.json``, ``.jsonl``,
             ``.txt``, ``.csv``, ``.parquet``); a directory (``save_to_disk`` output, or data files);
-            or a Hub dataset name (``load_dataset(source, split=split, **load_kwargs)``).
+            or a Hub dataset name ``owner/name`` (``load_dataset(source, split=split, **load_kwargs)``).
         tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``; needed unless the data
             already has ``input_ids``.
         text_column: the text to tokenize.
         streaming: read lazily (an ``IterableDataset``; pack it with ``StreamingPackedDataset``).
         add_eos: append the end-of-sequence token to every document.
         eos_token_id: that token (default: the tokenizer's ``eos_token_id``).
+        flags: how the caller's users set these arguments, for the errors: ``{"source": "--dataset",
+            "text_column": "--text_column", "split": "--dataset_split", "tokenizer": "--model_name_or_path"}``
+            (default: the argument names, ``text_column=``).
+
+    Raises:
+        MissingDocumentsError: ``source`` is a path that does not exist (and not an ``owner/name``).
+        DocumentSourceError: no such split or column, no documents, no tokenizer for text.
     """
-    dataset = open_dataset(source, split=split, streaming=streaming, **load_kwargs)
+    dataset = open_dataset(source, split=split, streaming=streaming, flags=flags, **load_kwargs)
+    _require_documents(dataset, source, flags)
     columns = dataset.column_names
     if columns is not None and "input_ids" in columns:
         return dataset.select_columns(["input_ids"])
-    return tokenize(dataset, tokenizer, text_column=text_column, add_eos=add_eos, eos_token_id=eos_token_id)
+    return tokenize(dataset, tokenizer, text_column=text_column, add_eos=add_eos, eos_token_id=eos_token_id,
+                    flags=flags)
 
 
-def open_dataset(source, *, split: str = "train", streaming: bool = False, **load_kwargs):
+def open_dataset(source, *, split: str = "train", streaming: bool = False, flags: dict | None = None, **load_kwargs):
     """``source`` (see ``load_documents``) as a ``datasets`` dataset, untouched."""
     import datasets
 
     if isinstance(source, (datasets.Dataset, datasets.IterableDataset)):
         return source
-    if isinstance(source, (str, Path)) and Path(source).exists():
-        path = Path(source)
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"source must be a datasets dataset, a path or a dataset name, got {type(source).__name__}")
+    path = Path(source).expanduser()
+    if not path.exists():
+        if isinstance(source, str) and looks_like_hub_name(source):
+            return datasets.load_dataset(source, split=split, streaming=streaming, **load_kwargs)
+        raise MissingDocumentsError(
+            f"{_flag(flags, 'source')} {source}: no such file or folder (a Hub dataset would be named owner/name)")
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
             dataset = datasets.load_from_disk(str(path))
             if isinstance(dataset, datasets.DatasetDict):
+                if split not in dataset:
+                    raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: no such split in {path} "
+                                              f"(splits: {sorted(dataset)})")
                 dataset = dataset[split]
             return dataset.to_iterable_dataset() if streaming else dataset
-        if path.is_dir():
-            return datasets.load_dataset(str(path), split=split, streaming=streaming, **load_kwargs)
-        builder = _EXTENSION_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected one of {sorted(_EXTENSION_BUILDERS)}")
-        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming, **load_kwargs)
-    if isinstance(source, str):
-        return datasets.load_dataset(source, split=split, streaming=streaming, **load_kwargs)
-    raise TypeError(f"source must be a datasets dataset, a path or a dataset name, got {type(source).__name__}")
+        return datasets.load_dataset(str(path), split=split, streaming=streaming, **load_kwargs)
+    builder = _EXTENSION_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DocumentSourceError(f"{_flag(flags, 'source')} {path}: unknown file type {path.suffix!r}; expected one "
+                                  f"of {sorted(_EXTENSION_BUILDERS)}, a save_to_disk folder or a Hub name")
+    if _blank(path):
+        raise DocumentSourceError(f"{_flag(flags, 'source')} {path} holds no documents (the file is empty)")
+    return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming, **load_kwargs)
 
 
-def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = True, eos_token_id: int | None = None):
+def _blank(path: Path) -> bool:
+    """Whether the file holds nothing but whitespace (read until its first other byte)."""
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _require_documents(dataset, source, flags) -> None:
+    """Raise ``DocumentSourceError`` when a (non-streaming) ``dataset`` has no rows."""
+    try:
+        rows = len(dataset)
+    except TypeError:  # a stream: its length is unknown until read
+        return
+    if rows == 0:
+        where = f"{_flag(flags, 'source')} {source}" if isinstance(source, (str, Path)) else "the dataset"
+        raise DocumentSourceError(f"{where} holds no documents")
+
+
+def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = True, eos_token_id: int | None = None,
+             flags: dict | None = None):
     """``dataset``'s ``text_column`` as token ids (one ``input_ids`` column), with an end-of-sequence
-    token appended when ``add_eos``."""
+    token appended when ``add_eos``. ``flags``: as for ``load_documents``."""
     columns = dataset.column_names
-    if tokenizer is None:
-        raise ValueError(f"the documents have no 'input_ids' column (columns: {columns}); pass tokenizer= to "
-                         f"tokenize their {text_column!r} column")
     if columns is not None and text_column not in columns:
-        raise ValueError(f"no text column {text_column!r} in the documents (columns: {columns}); pass text_column=")
+        raise DocumentSourceError(f"{_flag(flags, 'text_column')} {text_column}: no such column in the documents "
+                                  f"(columns: {columns})")
+    if tokenizer is None:
+        raise DocumentSourceError(f"the documents are text (column {text_column!r}) and no tokenizer was given; set "
+                                  f"{_flag(flags, 'tokenizer')}")
     if add_eos and eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if eos_token_id is None:
-            raise ValueError("add_eos=True but the tokenizer has no eos_token_id; pass eos_token_id= or add_eos=False")
+            raise DocumentSourceError("add_eos=True but the tokenizer has no eos_token_id; pass eos_token_id= or "
+                                      "add_eos=False")
     encode = _batch_encoder(tokenizer)
     suffix = [eos_token_id] if add_eos else []
 

@@ -25,7 +25,9 @@ What it adds to the stock Trainer:
 - the evaluation loss is the exact token-weighted mean over the whole evaluation set;
 - each logged step carries ``attn_imbalance_before`` / ``attn_imbalance_after`` (max/mean of
   per-rank attention pairs without and with the plan, averaged over the micro-batches since the
-  last log), ``tokens_per_s`` (all ranks) and ``step_time_s`` (wall seconds per optimizer step);
+  last log), ``tokens_per_s`` (all ranks) and ``step_time_s`` (wall seconds per optimizer step),
+  added in ``Trainer.log``, so the progress bar, ``report_to`` (TensorBoard, W&B, ...) and
+  ``state.log_history`` all get them; ``StepTableCallback`` shows them as a table above the bar;
 - the launch checks of ``DistCAAccelerator`` (CPU traps, process count) and the plugin's process
   groups and settings.
 
@@ -50,7 +52,7 @@ import os
 import time
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import PrinterCallback, ProgressCallback, Trainer
 
 from ..config import SETTINGS, configure
 from ..planning import causal_pairs, find_documents, imbalance
@@ -142,6 +144,15 @@ class DistCATrainer(Trainer):
             self.eval_dataset = self._packed(eval_dataset, packing, layout, "eval")
         self._reset_window()
         self._eval_totals = None
+        self._table_replaces_progress()
+
+    def _table_replaces_progress(self) -> None:
+        """A ``StepTableCallback`` draws the bar and writes the logs itself: drop the Trainer's own
+        ``ProgressCallback`` / ``PrinterCallback`` (exactly those classes) so nothing is written twice."""
+        callbacks = self.callback_handler.callbacks
+        if any(isinstance(c, StepTableCallback) for c in callbacks):
+            for callback in [c for c in callbacks if type(c) in (ProgressCallback, PrinterCallback)]:
+                self.remove_callback(callback)
 
     # -- set-up helpers ---------------------------------------------------------------------------
 
@@ -389,18 +400,60 @@ def _check_arguments(args) -> None:
                          "average_tokens_across_devices=False would weight each rank's tokens differently")
 
 
-class StepTableCallback(TrainerCallback):
-    """Prints one table row per logged training step on the main process:
-    step, loss, attention imbalance before -> after the plan, tokens/s (all ranks), seconds per step."""
+class StepTableCallback(ProgressCallback):
+    """The progress bar of ``ProgressCallback``, with one table row per logged training step in place
+    of the raw log dict: step, loss, attention imbalance before -> after the plan, tokens/s (all
+    ranks), seconds per step. Other logs (evaluation, the training summary) are written as the
+    Trainer writes them. With ``disable_tqdm`` there is no bar and the rows are printed.
+
+    Given in ``DistCATrainer(callbacks=[...])``, it takes the place of the Trainer's own
+    ``ProgressCallback`` / ``PrinterCallback``. The metrics themselves are logged by
+    ``DistCATrainer.log``, so every ``report_to`` integration (TensorBoard, W&B, ...) receives them
+    with or without this table.
+
+    Args:
+        title: printed above the table (before its first row).
+        out: a file to print the table to instead of through the progress bar (tests).
+
+    Attributes:
+        rows: every logged training step, on every rank: ``step``, ``loss``, ``before``, ``after``,
+            ``tokens_per_s``, ``step_time_s``.
+    """
 
     def __init__(self, title: str | None = None, out=None):
+        super().__init__()
         self.title = title
         self.out = out
         self.rows: list[dict] = []
         self._header_printed = False
 
+    # -- the bar, unless the arguments turn it off ------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current_step = 0
+        if not args.disable_tqdm:
+            super().on_train_begin(args, state, control, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_step_end(args, state, control, **kwargs)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if not args.disable_tqdm:
+            super().on_prediction_step(args, state, control, eval_dataloader=eval_dataloader, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
+
+    # -- the table --------------------------------------------------------------------------------
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "loss" not in logs or "attn_imbalance_before" not in logs:
+            if self.training_bar is not None:
+                super().on_log(args, state, control, logs=logs, **kwargs)
+            elif logs and state.is_world_process_zero:
+                self._write({k: v for k, v in logs.items() if k != "total_flos"})
             return
         row = {"step": state.global_step, "loss": logs["loss"], "before": logs["attn_imbalance_before"],
                "after": logs["attn_imbalance_after"], "tokens_per_s": logs["tokens_per_s"],
@@ -410,9 +463,14 @@ class StepTableCallback(TrainerCallback):
             return
         if not self._header_printed:
             if self.title:
-                print(self.title, file=self.out, flush=True)
-            print(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'tokens/s':>9} {'step s':>7}", file=self.out,
-                  flush=True)
+                self._write(self.title)
+            self._write(f"{'step':>5} {'loss':>9} {'attn imbalance':>18} {'tokens/s':>9} {'step s':>7}")
             self._header_printed = True
-        print(f"{row['step']:>5} {row['loss']:>9.4f} {row['before']:>8.2f} -> {row['after']:<6.3f} "
-              f"{row['tokens_per_s']:>9.0f} {row['step_time_s']:>7.2f}", file=self.out, flush=True)
+        self._write(f"{row['step']:>5} {row['loss']:>9.4f} {row['before']:>8.2f} -> {row['after']:<6.3f} "
+                    f"{row['tokens_per_s']:>9.0f} {row['step_time_s']:>7.2f}")
+
+    def _write(self, line) -> None:
+        if self.out is None and self.training_bar is not None:
+            self.training_bar.write(str(line))  # above the bar, which redraws below it
+        else:
+            print(line, file=self.out, flush=True)
