@@ -145,8 +145,10 @@ def test_windowed_transfers_bring_every_key_a_task_sees(doc_lengths, world, wind
         per_rank.append(torch.tensor([b - a for a, b, _ in docs]).numpy())
         firsts.append(docs[0][0] - docs[0][2])
     pieces = stitch_rank_documents(per_rank, [0 * x for x in per_rank], firsts, span_ranks=True).pieces
-    plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, window=window))
-    windowed, whole = kv_transfers(plan, pieces, window), kv_transfers(plan, pieces)
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1, window=window))
+    unwindowed = type(plan)(plan.source, plan.server, plan.doc, plan.q_start, plan.q_end, plan.num_ranks,
+                            plan.servers)
+    windowed, whole = kv_transfers(plan, pieces), kv_transfers(unwindowed, pieces)
     for server, d, a, b in zip(plan.server, plan.doc, plan.q_start, plan.q_end):
         have = set()
         for r, pd, ks, e in zip(pieces.rank, pieces.doc, pieces.kv_start, pieces.end):

@@ -64,7 +64,7 @@ def cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
         i = int(np.searchsorted(running, half))  # the task whose range holds the half
         a, b = int(plan.q_start[on[i]]), int(plan.q_end[on[i]])
         before = running[i] - pairs[on[i]]
-        c = start_with_pairs(b, float(running[i] - half))
+        c = start_with_pairs(b, float(running[i] - half), plan.window)
         c = a + int(round((c - a) / block)) * block
         if a < c < b and before < half:
             cut_at[on[i]] = c
@@ -79,7 +79,7 @@ def cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
     q_start[ends - 1] = cut_at[cut]
     q_end[ends - 2] = cut_at[cut]
     return Plan(plan.source[index], plan.server[index], plan.doc[index], q_start, q_end, plan.num_ranks,
-                plan.servers)
+                plan.servers, plan.window)
 
 
 # ---- ping-pong's nano-batches ----

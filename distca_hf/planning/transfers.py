@@ -36,9 +36,9 @@ class KVTransfers:
         return int((self.end - self.start).sum())
 
 
-def kv_transfers(plan: Plan, pieces: DocumentPieces, window: int | None = None) -> KVTransfers:
-    """The K/V ranges every server must receive to run its tasks of ``plan`` (``window``: the sliding
-    window the tasks' keys are cut to, ``None`` for whole prefixes)."""
+def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
+    """The K/V ranges every server must receive to run its tasks of ``plan`` (cut to ``plan.window``)."""
+    window = plan.window
     # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
     key = plan.server * (int(plan.doc.max(initial=0)) + 1) + plan.doc
     order = np.lexsort((-plan.q_end, key))
@@ -85,19 +85,19 @@ def kv_received(transfers: KVTransfers, num_ranks: int) -> np.ndarray:
 
 
 def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None, window: int | None = None) -> CommBytes:
+               transfers: KVTransfers | None = None) -> CommBytes:
     """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran."""
     moved_q = plan.moved_queries()
-    kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces, window)).tokens()
+    kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces)).tokens()
     return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * token_bytes.o)
 
 
 def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               transfers: KVTransfers | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(sent, received)``, each ``[num_ranks]`` int64: the bytes every rank sends and receives in
     one layer's forward under ``plan`` (Q out and O back for moved tasks, K/V from the holder to the
     server). Both sum to ``comm_bytes(...).total``."""
-    transfers = transfers if transfers is not None else kv_transfers(plan, pieces, window)
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
     moved = plan.source != plan.server
     queries = (plan.q_end - plan.q_start)[moved]
     source, server = plan.source[moved], plan.server[moved]

@@ -57,21 +57,19 @@ class Dispatch:
 
 def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, rank: int, device, *,
                    overlap: str = "none", counters: DispatchCounters | None = None, block: int = 1,
-                   kv_window: int | None = None, **settings) -> Dispatch:
+                   **settings) -> Dispatch:
     """The waves of ``plan`` (over every rank's ``pieces``) on ``rank``, whose documents are
     ``local`` (see ``Dispatch``); ``settings`` go to every ``Wave``. ``counters`` may be shared with
     another dispatch (ping-pong's two nano-batches); ``block``: the wave cut of a local task lands
-    on a multiple of it from the task's start; ``kv_window``: the widest sliding window of the
-    model's layers (``None`` if any layer attends to whole prefixes): tasks carry only the K/V it
-    sees."""
+    on a multiple of it from the task's start. Under ``plan.window`` (the widest sliding window of
+    the model's layers) tasks carry only the K/V it sees."""
     counters = counters if counters is not None else DispatchCounters()
     named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
     waves, received = [], np.zeros(plan.num_ranks, dtype=np.int64)
     for name, sub in named:
-        transfers = kv_transfers(sub, pieces, kv_window)
+        transfers = kv_transfers(sub, pieces)
         received += kv_received(transfers, plan.num_ranks)
-        wave = build_wave(sub, transfers, local, rank, device, kv_window=kv_window, counters=counters, name=name,
-                          **settings)
+        wave = build_wave(sub, transfers, local, rank, device, counters=counters, name=name, **settings)
         # A wave runs no collective when nothing crosses ranks in it (the same on every rank: the
         # plan is); a local task may still need K/V of its document held on another rank.
         wave.local_only = overlap == "wave" and sub.moved_queries() == 0 and transfers.tokens() == 0

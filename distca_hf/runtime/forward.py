@@ -203,12 +203,12 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
     pieces = ranks.pieces
     if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
-        plan = colocated_plan(pieces)
+        plan = colocated_plan(pieces, window=kv_window)
     else:
         plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes,
                                                 window=kv_window))
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=config.block, group=group, timeout_s=config.timeout_s,
-                              backward_mode=config.backward, forward_number=number, kv_window=kv_window)
+                              backward_mode=config.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))

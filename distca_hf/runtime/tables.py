@@ -96,18 +96,17 @@ class LocalDocuments:
         return self.docs.k_starts[local] + positions - self.offsets[local]
 
 
-def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, *,
-               kv_window: int | None = None, **settings) -> Wave:
-    """Index tables of ``plan`` for ``rank``, whose documents are ``local``; ``kv`` must come from
-    ``kv_transfers(plan, pieces, kv_window)``. ``settings`` are ``Wave``'s optional fields."""
+def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, **settings) -> Wave:
+    """Index tables of ``plan`` for ``rank``, whose documents are ``local``; ``kv`` is
+    ``kv_transfers(plan, pieces)``. ``settings`` are ``Wave``'s optional fields."""
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
     send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, kv, local, rank)
-    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device, kv_window)
+    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device)
     docs = local.docs
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
-                recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=kv_window,
+                recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=plan.window,
                 **settings)
 
 
@@ -127,10 +126,11 @@ def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     return send_q_rows, send_q_counts.astype(np.int64).tolist(), send_kv_rows, send_kv_counts.astype(np.int64).tolist()
 
 
-def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, window: int | None):
+def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device):
     """Rows this server receives from each source, and its fused batch over the pools ``[local rows]
-    ++ [received rows, by source]``. A task's K/V prefix (cut to ``window``) may come in several
+    ++ [received rows, by source]``. A task's K/V prefix (cut to ``plan.window``) may come in several
     segments: its document's piece on this rank and the ranges received from every other holder."""
+    window = plan.window
     world, docs = plan.num_ranks, local.docs
     on_me = plan.server == rank
     remote = on_me & (plan.source != rank)
