@@ -11,7 +11,7 @@ from pathlib import Path
 from distca_hf.runtime.comm import free_port
 
 
-def _entry(fn, rank, world, port, out_dir, env, args):
+def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo"):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import datetime
@@ -22,7 +22,7 @@ def _entry(fn, rank, world, port, out_dir, env, args):
     torch.set_num_threads(1)
     result = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
         result = {"ok": True, "value": fn(rank, world, *args)}
     except BaseException as e:  # report everything, including the errors the tests expect
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
@@ -31,10 +31,10 @@ def _entry(fn, rank, world, port, out_dir, env, args):
     os._exit(0)  # skip process-group teardown: a peer may be dead on purpose
 
 
-def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0) -> list[dict]:
+def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0, backend: str = "gloo") -> list[dict]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
