@@ -330,3 +330,36 @@ def test_forced_backends_and_the_setting():
     distca_hf.configure(kernel="torch_cuda_efficient")
     with pytest.raises(ValueError, match="'torch_cuda_efficient' cannot run on cpu"):
         select_backend("cpu", torch.float32)
+
+
+def test_kernel_bench_cuda_mode_on_a_small_workload(monkeypatch):
+    """The CUDA mode's bookkeeping (task shapes, FLOPs, efficiency against whole documents), run on CPU
+    with the CPU kernel standing in for the CUDA ones."""
+    from distca_hf.planning import attention_flops
+    from distca_hf.tools import kernel_bench
+
+    assert kernel_bench.cuda_task_shapes([300, 1000], None) == [(300, 300), (1000, 1000)]
+    assert kernel_bench.cuda_task_shapes([1000], 3) == [(384, 384), (384, 768), (232, 1000)]
+    tail = kernel_bench.cuda_task_shapes([4096], "tail")
+    assert tail == [(128, 4096 - 128 * i) for i in range(16)][::-1]
+    monkeypatch.setattr(kernel_bench, "CUDA_WORKLOADS", {"whole_documents": ([300, 200], None),
+                                                         "at_most_3_shards": ([300, 200], 3)})
+    results = kernel_bench.run_cuda(4, 2, 16, torch.float32, repeats=1, device="cpu")
+    whole, cut = results["whole_documents"]["torch_cpu"], results["at_most_3_shards"]["torch_cpu"]
+    assert whole["pairs"] == cut["pairs"] == 300 * 301 // 2 + 200 * 201 // 2
+    assert (whole["tasks"], cut["tasks"]) == (2, 5)
+    assert whole["tflops"] == pytest.approx(attention_flops(whole["pairs"], 4, 16, backward=True) / whole["ms"] / 1e9)
+    assert whole["efficiency"] == 1.0 and cut["efficiency"] == pytest.approx(cut["tflops"] / whole["tflops"])
+    assert "| at_most_3_shards | torch_cpu | 5 |" in kernel_bench.format_cuda_table(results)
+
+
+def test_kernel_bench_refuses_cuda_options_on_cpu(capsys):
+    from distca_hf.tools import kernel_bench
+
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--device", "cpu", "--workload", "at_most_3_shards"])
+    assert "not a cpu workload" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            kernel_bench.main(["--device", "cuda"])
+        assert "torch sees no CUDA device" in capsys.readouterr().err

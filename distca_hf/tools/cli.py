@@ -34,7 +34,7 @@ def environment() -> dict:
     import torch.distributed as dist
 
     from .. import __version__
-    from ..kernels import available_backends, select_backend
+    from ..kernels import available_backends, select_backend, unavailable_reasons
 
     info = {
         "distca_hf": __version__,
@@ -54,9 +54,11 @@ def environment() -> dict:
         f"{device}/{str(dtype).removeprefix('torch.')}": {
             "usable": available_backends(device, dtype),
             "auto": select_backend(device, dtype).NAME,
+            # backends meant for this device and dtype that cannot run here, and why
+            "unavailable": unavailable_reasons(device, dtype),
         }
         for device in devices
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
     }
     return info
 
@@ -76,6 +78,8 @@ def _print_env(args) -> int:
             print("- kernel backends (auto choice first):")
             for where, choice in value.items():
                 print(f"    {where}: {choice['auto']}  (usable: {', '.join(choice['usable'])})")
+                for name, why in choice["unavailable"].items():
+                    print(f"      {name} unavailable: {why}")
         else:
             print(f"- {key}: {value}")
     return 0
@@ -83,7 +87,8 @@ def _print_env(args) -> int:
 
 # Subcommands with their own parser: name -> (module, one-line help). Imported only when used.
 SUBCOMMANDS = {
-    "kernel-bench": ("distca_hf.tools.kernel_bench", "time the exact CPU attention paths side by side"),
+    "kernel-bench": ("distca_hf.tools.kernel_bench", "time the attention kernels: CPU paths side by side, or CA-task "
+                     "efficiency on CUDA"),
     "simulate": ("distca_hf.tools.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
     "profile": ("distca_hf.tools.profiling", "measure time-model constants on this device"),
     "bench": ("distca_hf.tools.bench", "multi-process step time: colocated against distca"),

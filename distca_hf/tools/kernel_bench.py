@@ -1,8 +1,8 @@
-"""Side-by-side timing of the exact CPU paths for a fused batch of CA-tasks (``distca-hf kernel-bench``).
+"""Side-by-side timing of the exact attention paths for a fused batch of CA-tasks (``distca-hf kernel-bench``).
 
-Every candidate computes the same bottom-right causal attention, forward + backward, on the same
-tensors; the table reports milliseconds and the ratio to the fastest. The ``torch_cpu`` backend is
-the default because it wins here. Candidates:
+On CPU (``--device cpu``, the default without CUDA) every candidate computes the same bottom-right
+causal attention, forward + backward, on the same tensors; the table reports milliseconds and the
+ratio to the fastest. The ``torch_cpu`` backend is the default because it wins here. Candidates:
 
 - ``torch_cpu``: the backend (CPU flash kernel, diagonal/prefix split, one call per task);
 - ``torch_cpu_stacked``: the same kernel with same-shape tasks stacked into one call;
@@ -11,6 +11,14 @@ the default because it wins here. Candidates:
 - ``dense_packed_sdpa``: one SDPA over the whole packed batch with a ``[T, T]`` document mask,
   which is what HF's ``sdpa`` does on packed input (cost independent of document lengths);
 - ``flex_attention`` (``--flex``): compiled, forward only: torch has no flex backward on CPU.
+
+On CUDA (``--device cuda``, the default when there is one; Llama-3-8B heads, 32 query / 8 KV heads
+of 128, bf16) it measures what cutting documents into CA-tasks costs the kernel: the same documents
+run whole, then cut into at most 3 and at most 12 shards per document (each shard a task with its
+K/V prefix), and the tail of a long document as 16 shards of 128 queries against 64k-token prefixes.
+Every usable CUDA backend runs each workload forward + backward; the table gives milliseconds,
+TFLOP/s (``planning.attention_flops`` of the visible pairs, backward counted as 2.5x the forward) and
+the efficiency: TFLOP/s over the same backend's on the whole documents.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..kernels import torch_cpu, varlen_causal_attention
+from ..kernels import available_backends, torch_cpu, varlen_causal_attention
+from ..planning import attention_flops, causal_pairs
 
 WORKLOADS = {
     # whole documents of a skewed mix, as a rank holds them before planning (8k tokens)
@@ -172,22 +181,135 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+# --- CUDA: whole documents against the same documents as CA-tasks ------------------------------------
+
+CUDA_DOCS = [32768, 16384, 8192, 8192, 4096, 4096, 2048, 2048, 1024, 1024, 1024, 1024]  # 80k tokens
+CUDA_WORKLOADS = {
+    # name: (documents, at most this many shards per document; None: whole)
+    "whole_documents": (CUDA_DOCS, None),
+    "at_most_3_shards": (CUDA_DOCS, 3),
+    "at_most_12_shards": (CUDA_DOCS, 12),
+    # the last 16 x 128 queries of a 64k-token document, each shard its own task with its prefix
+    "16x128_queries_64k_prefix": ([65536], "tail"),
+}
+SHARD_ALIGN = 128  # shard boundaries on multiples of the kernels' query tile
+
+
+def cuda_task_shapes(docs, cut) -> list[tuple[int, int]]:
+    """``(lq, lk)`` of each CA-task: documents whole (``cut=None``), cut into at most ``cut`` shards of
+    equal size (boundaries on multiples of ``SHARD_ALIGN``), or ``"tail"``: the last 16 shards of
+    ``SHARD_ALIGN`` queries of each document."""
+    shapes = []
+    for n in docs:
+        if cut == "tail":
+            shapes += [(SHARD_ALIGN, n - SHARD_ALIGN * i) for i in range(16)][::-1]
+            continue
+        step = n if cut is None else -(-n // (cut * SHARD_ALIGN)) * SHARD_ALIGN
+        shapes += [(min(n, start + step) - start, min(n, start + step)) for start in range(0, n, step)]
+    return shapes
+
+
+def run_cuda(heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, repeats=3, workloads=None, candidates=None,
+             window=None, device="cuda"):
+    """``{workload: {backend: {"ms", "tflops", "efficiency", "tasks", "pairs"}}}``: forward + backward of
+    each workload's CA-tasks with each usable CUDA backend (``candidates``: a subset of them)."""
+    device = torch.device(device)
+    backends = [b for b in available_backends(device, dtype) if b != "math" and (not candidates or b in candidates)]
+    if not backends:
+        raise ValueError(f"no fused CUDA kernel backend runs {str(dtype).removeprefix('torch.')} on {device}; "
+                         "see `distca-hf env`")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    results = {}
+    for name in workloads or CUDA_WORKLOADS:
+        docs, cut = CUDA_WORKLOADS[name]
+        shapes = cuda_task_shapes(docs, cut)
+        cu_q = _cu([s[0] for s in shapes]).to(device)
+        cu_k = _cu([s[1] for s in shapes]).to(device)
+        max_q, max_k = max(s[0] for s in shapes), max(s[1] for s in shapes)
+        pairs = sum(int(causal_pairs(lk - lq, lk, window)) for lq, lk in shapes)
+        flops = attention_flops(pairs, heads, head_dim, backward=True)
+        g = torch.Generator(device=device).manual_seed(0)
+        make = lambda n, h: torch.randn(n, h, head_dim, generator=g, device=device).to(dtype).requires_grad_()
+        q, k, v = make(int(cu_q[-1]), heads), make(int(cu_k[-1]), kv_heads), make(int(cu_k[-1]), kv_heads)
+        dout = torch.randn(q.shape, generator=g, device=device).to(dtype)
+        row = {}
+        for backend in backends:
+            def step(backend=backend):
+                out = varlen_causal_attention(q, k, v, cu_q, cu_k, max_q, max_k, head_dim**-0.5, backend, window=window)
+                torch.autograd.grad(out, (q, k, v), dout)
+
+            seconds = median_seconds(step, repeats, sync)
+            row[backend] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12, "tasks": len(shapes), "pairs": pairs}
+        results[name] = row
+        del q, k, v, dout
+    whole = results.get("whole_documents", {})
+    for row in results.values():
+        for backend, r in row.items():
+            r["efficiency"] = r["tflops"] / whole[backend]["tflops"] if backend in whole else None
+    return results
+
+
+def format_cuda_table(results) -> str:
+    lines = ["| workload | backend | tasks | fwd+bwd ms | TFLOP/s | efficiency vs whole |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for workload, row in results.items():
+        for backend, r in row.items():
+            eff = "" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
+            lines.append(f"| {workload} | {backend} | {r['tasks']} | {r['ms']:.2f} | {r['tflops']:.0f} | {eff} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="distca-hf kernel-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when there is one (CA-task efficiency), else cpu (exact CPU paths)")
+    parser.add_argument("--heads", type=int, default=None, help="default: 32 on cuda, 8 on cpu")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: 8 on cuda, 2 on cpu")
+    parser.add_argument("--head-dim", type=int, default=None, help="default: 128 on cuda, 64 on cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default all")
-    parser.add_argument("--candidate", action="append", choices=CANDIDATES, help="repeatable; default all")
-    parser.add_argument("--flex", action="store_true", help="also time compiled flex attention (forward only)")
+    parser.add_argument("--workload", action="append", choices=sorted({*WORKLOADS, *CUDA_WORKLOADS}),
+                        help="repeatable; default all of the device's")
+    parser.add_argument("--candidate", action="append", choices=sorted({*CANDIDATES, "flash_attn", "torch_cuda",
+                                                                        "torch_cuda_efficient"}),
+                        help="repeatable; default all of the device's")
+    parser.add_argument("--window", type=int, default=None, help="cuda: a sliding window (HF's sliding_window)")
+    parser.add_argument("--flex", action="store_true", help="cpu: also time compiled flex attention (forward only)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    if args.heads % args.kv_heads:
-        parser.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    results = run(args.heads, args.kv_heads, args.head_dim, getattr(torch, args.dtype), args.repeats, args.flex,
-                  args.workload, args.threads, args.candidate)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    heads = args.heads or (32 if cuda else 8)
+    kv_heads = args.kv_heads or (8 if cuda else 2)
+    head_dim = args.head_dim or (128 if cuda else 64)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    if heads % kv_heads:
+        parser.error(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    if args.window is not None and args.window < 1:
+        parser.error("--window must be a positive number of keys")
+    known = CUDA_WORKLOADS if cuda else WORKLOADS
+    wrong = [w for w in args.workload or () if w not in known]
+    if wrong:
+        parser.error(f"--workload {wrong[0]} is not a {device} workload; choose from {sorted(known)}")
+    if cuda:
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device")
+        if args.flex:
+            parser.error("--flex is a cpu option")
+        try:
+            results = run_cuda(heads, kv_heads, head_dim, dtype, args.repeats, args.workload, args.candidate, args.window)
+        except ValueError as e:
+            parser.error(str(e))
+        table = format_cuda_table(results)
+        name = torch.cuda.get_device_name()
+        header = f"{name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads of {head_dim}"
+        print(json.dumps(results, indent=2) if args.json else f"{header}\n\n{table}")
+        return 0
+    if args.window is not None:
+        parser.error("--window is a cuda option")
+    results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
+                  [c for c in args.candidate or CANDIDATES if c in CANDIDATES])
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0

@@ -2,15 +2,19 @@
 
 Linear cost per token: one Llama-style layer without core attention (RMSNorms, q/k/v/o projections,
 gated MLP), forward + backward, timed at several token counts; the slope of a least-squares line.
-Attention cost per pair and per task: the selected varlen kernel, forward + backward, on fused
-batches that vary pair and task counts independently; a least-squares fit of
-``time = attn_s_per_pair * pairs + task_s * tasks + c``. The JSON it writes is what
+Attention cost per pair, per K/V token of a task and per task: the selected varlen kernel (on CUDA
+``torch_cuda`` for bf16, ``torch_cuda_efficient`` for fp32), forward + backward, on fused batches of
+whole documents and of thin shards (128 queries) against long prefixes, which vary pairs, keys and
+tasks independently; a least-squares fit of ``time = attn_s_per_pair * pairs + task_key_s * keys +
+task_s * tasks + c`` (``task_key_s`` where ``TimeModel`` has it). On CUDA the defaults time up to
+16k tokens (2k on CPU), so that launch overheads do not hide the slopes. The JSON it writes is what
 ``distca-hf simulate --time-model`` (and the planner's callers) load with ``TimeModel.load``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 import torch
@@ -60,27 +64,39 @@ def profile(hidden=512, intermediate=1408, heads=8, kv_heads=2, dtype=torch.floa
     head_dim = hidden // heads
     rows, targets = [], []
     largest = max(token_counts)
-    for doc_len in (largest // 8, largest // 4, largest // 2, largest):
-        for docs in (1, 4):
-            lengths = [max(1, doc_len // docs)] * docs
-            total = sum(lengths)
-            cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32, device=device)
-            q = torch.randn(total, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-            k = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-            v = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-            step = lambda: varlen_causal_attention(q, k, v, cu, cu, max(lengths), max(lengths)).sum().backward()
-            targets.append(median_seconds(step, repeats, sync))
-            rows.append([sum(causal_pairs(0, n) for n in lengths), docs, 1.0])
-    (per_pair, per_task, _), *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64), np.asarray(targets), rcond=None)
+    shard = min(128, largest // 8)
+    batches = [[(max(1, n // docs), max(1, n // docs))] * docs
+               for n in (largest // 8, largest // 4, largest // 2, largest) for docs in (1, 4)]
+    # thin shards against long prefixes: few pairs per K/V token, what a cut document's tail looks like
+    batches += [[(shard, n)] * 4 for n in (largest // 4, largest)]
+    for shapes in batches:
+        lq, lk = [s[0] for s in shapes], [s[1] for s in shapes]
+        cu_q = torch.tensor([0, *np.cumsum(lq).tolist()], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, *np.cumsum(lk).tolist()], dtype=torch.int32, device=device)
+        q = torch.randn(sum(lq), heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(sum(lk), kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(sum(lk), kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+        step = lambda: varlen_causal_attention(q, k, v, cu_q, cu_k, max(lq), max(lk)).sum().backward()
+        targets.append(median_seconds(step, repeats, sync))
+        rows.append([sum(causal_pairs(b - a, b) for a, b in shapes), sum(lk), len(shapes), 1.0])
+    keys_fitted = "task_key_s" in {f.name for f in dataclasses.fields(TimeModel)}
+    design = np.asarray(rows, dtype=np.float64)
+    if not keys_fitted:
+        design = design[:, [0, 2, 3]]
+    fit, *_ = np.linalg.lstsq(design, np.asarray(targets), rcond=None)
+    per_pair, per_key, per_task = (fit[0], fit[1], fit[2]) if keys_fitted else (fit[0], 0.0, fit[1])
     if per_pair <= 0:
-        per_pair = targets[-1] / rows[-1][0]
+        per_pair = targets[6] / rows[6][0]  # the largest document, whole
     backend = select_backend(device, dtype).NAME
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    extra = {"task_key_s": max(float(per_key), 0.0)} if keys_fitted else {}
     return TimeModel(
         linear_s_per_token=max(float(slope), 0.0),
         attn_s_per_pair=max(float(per_pair), 0.0),
         task_s=max(float(per_task), 0.0),
-        source=f"distca-hf profile on {where}, {str(dtype).removeprefix('torch.')}, kernel {backend}",
+        source=f"distca-hf profile on {where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
+               f"kernel {backend}",
+        **extra,
     )
 
 
@@ -95,18 +111,23 @@ def main(argv=None) -> int:
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=2048, help="largest token count timed")
+    parser.add_argument("--max-tokens", type=int, default=None, help="largest token count timed (default: 16384 on "
+                        "cuda, 2048 on cpu)")
     args = parser.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch sees no CUDA device")
+    args.max_tokens = args.max_tokens or (16384 if device.startswith("cuda") else 2048)
     if args.max_tokens < 64 or args.repeats < 1:
         parser.error("--max-tokens must be >= 64 and --repeats >= 1")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     counts = tuple(args.max_tokens // d for d in (8, 4, 2, 1))
     model = profile(args.hidden, args.intermediate, args.heads, args.kv_heads, dtype, device, args.repeats, counts)
     model.save(args.out, shape={"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
                                 "kv_heads": args.kv_heads})
-    print(f"linear {model.linear_s_per_token * 1e6:.3f} us/token, attention {model.attn_s_per_pair * 1e9:.4f} ns/pair, "
-          f"task {model.task_s * 1e6:.1f} us ({model.source}); written to {args.out}")
+    keys = f", {model.task_key_s * 1e9:.3f} ns per task K/V token" if hasattr(model, "task_key_s") else ""
+    print(f"linear {model.linear_s_per_token * 1e6:.3f} us/token, attention {model.attn_s_per_pair * 1e9:.4f} ns/pair"
+          f"{keys}, task {model.task_s * 1e6:.1f} us ({model.source}); written to {args.out}")
     return 0
