@@ -25,18 +25,20 @@ _PLAIN_TYPES = {"float": float, "int": int, "str": str, "bool": bool}
 
 
 def _flag_type(name: str, setting) -> type:
-    """The type ``HfArgumentParser`` turns into the flag: choices as a ``Literal``, a list of ranks as
-    ``list[int]``, else the setting's own type."""
+    """The type ``HfArgumentParser`` turns into the flag: choices as a ``Literal``, a tuple of ranks
+    as ``list[int]``, a plain type (``float``, ``int``, ``bool``, ``str``, optionally ``| None``) as
+    itself; any other setting (e.g. ``float | str``) takes the text of its ``DISTCA_*`` variable,
+    read by the table's own ``parse`` (``_TEXT_SETTINGS``)."""
     choices = getattr(setting.metadata["check"], "choices", None)
     if choices:
         return Literal[choices]
     annotation = str(setting.type)
     if annotation.startswith("tuple[int"):
         return list[int]
-    if annotation in _PLAIN_TYPES:
-        return _PLAIN_TYPES[annotation]
-    raise TypeError(f"distca setting {name!r} has type {annotation!r}, which has no command-line form; "
-                    f"expected one of {sorted(_PLAIN_TYPES)}, a tuple of ints or a set of choices")
+    kinds = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
+    if len(kinds) == 1 and kinds[0] in _PLAIN_TYPES:
+        return _PLAIN_TYPES[kinds[0]]
+    return str
 
 
 def _sentence(text: str) -> str:
@@ -64,11 +66,20 @@ def _plugin(self, **overrides):
     from .plugin import DistCAPlugin
 
     given = {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
+    for name in _TEXT_SETTINGS & given.keys():
+        try:
+            given[name] = SETTINGS[name].metadata["parse"](str(given[name]).strip())
+        except ValueError as error:
+            raise ValueError(f"invalid --{name} {given[name]!r}: {error}") from None
     given.update(overrides)
     if self.distca_config:
         return DistCAPlugin.from_accelerate_config(self.distca_config, **given)
     return DistCAPlugin.from_environment(**given)
 
+
+_TEXT_SETTINGS = frozenset(name for name, setting in SETTINGS.items()
+                           if _flag_type(name, setting) is str and str(setting.type) != "str")
+"""Settings whose flag takes text that the table's ``parse`` reads (as it reads their variable)."""
 
 DistCAArguments = make_dataclass(
     "DistCAArguments",

@@ -1,0 +1,147 @@
+"""The examples speak HF: ``HfArgumentParser`` over ``TrainingArguments`` and our own groups (the
+distca flags derived from the settings table), defaults and whole sentences in ``--help``, data
+errors that name the flag in one line, and the per-step metrics reaching ``report_to`` (TensorBoard
+event files) while the progress bar stays on. The two-process launch of the example (with a saved
+model) is in ``tests/test_trainer.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+
+import finetune_long_context as example  # noqa: E402
+from distca_hf.config import SETTINGS  # noqa: E402
+from distca_hf.training.arguments import DistCAArguments  # noqa: E402
+
+
+def test_transformers_flags_and_ours_parse_together(tmp_path):
+    model, data, packing, distca, comparison, training = example.parse_args([
+        "--max_steps", "5", "--output_dir", str(tmp_path), "--learning_rate", "1e-4", "--warmup_steps", "2",
+        "--lr_scheduler_type", "cosine", "--weight_decay", "0.1", "--report_to", "tensorboard", "--use_cpu",
+        "--tokens-per-rank", "512", "--text_column", "body", "--tolerance", "0.05", "--overlap", "wave",
+        "--servers", "0", "1", "--span_ranks", "false", "--compare-colocated"])
+    assert (training.max_steps, training.output_dir, training.learning_rate, training.warmup_steps) == \
+        (5, str(tmp_path), 1e-4, 2)
+    assert training.lr_scheduler_type == "cosine" and training.weight_decay == 0.1 and training.use_cpu
+    assert training.report_to == ["tensorboard"]
+    assert packing.tokens_per_rank == 512 and data.text_column == "body" and comparison.compare_colocated
+    plugin = distca.plugin(mode="colocated")
+    assert (plugin.tolerance, plugin.overlap, plugin.servers, plugin.span_ranks, plugin.mode) == \
+        (0.05, "wave", (0, 1), False, "colocated")
+    assert plugin.block is None  # left out: DISTCA_* / the distca: section / the default decide
+    # the example's own defaults (shown by --help), where they differ from TrainingArguments'
+    *_, defaults = example.parse_args(["--output_dir", str(tmp_path)])
+    assert (defaults.max_steps, defaults.learning_rate, defaults.lr_scheduler_type, defaults.logging_steps) == \
+        (30, 1e-3, "constant", 1)
+    assert defaults.per_device_train_batch_size == defaults.per_device_eval_batch_size == 1
+
+
+def test_every_distca_setting_is_a_flag_with_the_tables_help():
+    fields = DistCAArguments.__dataclass_fields__
+    assert set(SETTINGS) | {"distca_config"} == set(fields)
+    for name, setting in SETTINGS.items():
+        help_text = fields[name].metadata["help"]
+        assert (help_text[0].isupper() or help_text[0] == "'") and help_text.endswith(".")  # a sentence
+        assert setting.metadata["help"][1:] in help_text and repr(setting.default) in help_text
+        if setting.metadata["env"]:
+            assert setting.metadata["env"] in help_text
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(DistCAArguments)
+    with pytest.raises(SystemExit):  # the table's choices are the flag's choices
+        parser.parse_args_into_dataclasses(["--overlap", "sideways"])
+    (bad,) = parser.parse_args_into_dataclasses(["--tolerance", "-1"])
+    with pytest.raises(ValueError, match="tolerance"):  # the table's check, naming the setting
+        bad.plugin()
+
+
+def test_help_shows_defaults_and_whole_sentences():
+    result = subprocess.run([sys.executable, "examples/finetune_long_context.py", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    for flag in ("--report_to", "--warmup_steps", "--lr_scheduler_type", "--weight_decay", "--use_cpu",
+                 "--resume_from_checkpoint", "--tolerance", "--distca_config", "--compare_colocated"):
+        assert flag in text
+    assert "The token budget of one rank's packed row per forward (the micro-batch). (default: 8192)" in text
+    assert "(default: out/finetune_long_context)" in text and "(default: constant)" in text
+    assert "``" not in text
+
+
+def test_data_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    from helpers import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    example.offline_tokenizer(["some text to train on", "more text"]).save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # the saving's progress bars
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    common = ["--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    column = tmp_path / "corpus.jsonl"
+    column.write_text('{"body": "hello"}\n')
+    cases = {
+        str(tmp_path / "my_corpus.jsonl"): "--dataset {}: no such file or folder",
+        str(empty): "--dataset {} holds no documents",
+    }
+    for dataset, expected in cases.items():
+        assert example.main([*common, "--dataset", dataset]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected.format(dataset) in err
+    monkeypatch.undo()  # the json builder of datasets reads local files through load_dataset
+    assert example.main([*common, "--dataset", str(column)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--text_column text: no such column" in err and "body" in err
+
+
+def test_step_table_keeps_the_progress_bar_and_tensorboard_gets_the_imbalance(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import ProgressCallback, TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig, StepTableCallback
+    from helpers import tiny_model
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                             max_steps=3, logging_steps=1, report_to=["tensorboard"], save_strategy="no",
+                             use_cpu=True, dataloader_pin_memory=False)
+    documents = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate([40, 3, 17, 25, 9, 30, 12, 5])]
+    table = StepTableCallback(title="== table ==")
+    trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=documents,
+                            packing=PackingConfig(tokens_per_rank=48), distca_plugin=DistCAPlugin(), callbacks=[table])
+    callbacks = trainer.callback_handler.callbacks
+    assert table in callbacks and not any(type(c) is ProgressCallback for c in callbacks)  # the table draws the bar
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "attn_imbalance_before" in h]
+    assert [r["step"] for r in table.rows] == [h["step"] for h in logged] == [1, 2, 3]
+    (run,) = [p.parent for p in (tmp_path / "runs").rglob("events.out.tfevents.*")]  # output_dir/runs/...
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for key in ("attn_imbalance_before", "attn_imbalance_after", "tokens_per_s", "step_time_s", "loss"):
+        scalars = events.Scalars(f"train/{key}")
+        assert [s.step for s in scalars] == [1, 2, 3]
+        assert [s.value for s in scalars] == pytest.approx([h[key] for h in logged], rel=1e-6)
+
+
+def test_without_the_table_the_trainers_own_progress_bar_stays(tmp_path):
+    from transformers import ProgressCallback, TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                             max_steps=1, report_to=[], use_cpu=True)
+    trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=[[1, 2, 3]],
+                            packing=PackingConfig(tokens_per_rank=8), distca_plugin=DistCAPlugin())
+    assert any(type(c) is ProgressCallback for c in trainer.callback_handler.callbacks)
