@@ -261,6 +261,55 @@ def test_load_documents_from_files_and_streams(tmp_path):
         load_documents(str(bad), tokenizer)
 
 
+def test_document_errors_are_one_line_that_names_the_flag(tmp_path, monkeypatch):
+    import datasets
+
+    from distca_hf.training.loading import DocumentSourceError, MissingDocumentsError, looks_like_hub_name
+
+    asked = []
+
+    def fake_hub(name, **kwargs):  # records what would have gone to the Hub
+        asked.append(name)
+        return datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_hub)
+    flags = {"source": "--dataset", "text_column": "--text_column", "split": "--dataset_split",
+             "tokenizer": "--model_name_or_path"}
+    errors = []
+    for missing in (tmp_path / "my_corpus.jsonl", "corpus", "data/corpus.jsonl", "./owner/name"):
+        with pytest.raises(MissingDocumentsError, match="no such file or folder") as caught:
+            load_documents(str(missing), flags=flags)
+        assert str(caught.value).startswith(f"--dataset {missing}:") and isinstance(caught.value, FileNotFoundError)
+        errors.append(caught.value)
+    assert asked == []  # a path that is not there never reaches the Hub ...
+    assert len(load_documents("owner/corpus")) == 1 and asked == ["owner/corpus"]  # ... an owner/name does
+    assert [looks_like_hub_name(n) for n in ("owner/name", "a/b/c", "owner/name.jsonl", "~/x", "name")] == \
+        [True, False, False, False, False]
+
+    for i, text in enumerate(("", "\n  \n")):
+        blank = tmp_path / f"blank{i}.jsonl"
+        blank.write_text(text)
+        with pytest.raises(DocumentSourceError, match=f"--dataset {blank} holds no documents") as caught:
+            load_documents(str(blank), flags=flags)
+        errors.append(caught.value)
+    with pytest.raises(DocumentSourceError, match="the dataset holds no documents") as caught:
+        load_documents(datasets.Dataset.from_dict({"text": []}))
+    errors.append(caught.value)
+
+    texts = datasets.Dataset.from_dict({"body": ["alpha", "beta"]})
+    with pytest.raises(DocumentSourceError, match=r"--text_column text: no such column .*'body'") as caught:
+        load_documents(texts, object(), flags=flags)
+    errors.append(caught.value)
+    with pytest.raises(DocumentSourceError, match="no tokenizer was given; set --model_name_or_path") as caught:
+        load_documents(texts, text_column="body", flags=flags)
+    errors.append(caught.value)
+    datasets.DatasetDict({"train": texts}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DocumentSourceError, match=r"--dataset_split validation: no such split .*\['train'\]") as caught:
+        load_documents(str(tmp_path / "saved"), split="validation", flags=flags)
+    errors.append(caught.value)
+    assert all(len(str(e).splitlines()) == 1 for e in errors)
+
+
 class _Documents(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([[1, 2, 3], [4, 5], [6, 7, 8, 9]] * 3)
