@@ -1,5 +1,7 @@
 # Two-command set-up: `make demo` and `make test` each build the virtual env when it is missing.
 # On a CUDA machine pick the torch build you want, e.g.  make test TORCH="torch==2.8.0" EXTRAS=test,gpu
+# or keep the torch the machine already has: TORCH= (empty) installs no torch and builds the virtual
+# env with --system-site-packages, so it sees that torch, e.g.  make gpu-check TORCH=
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -11,15 +13,16 @@ comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
 
-.PHONY: setup test test-fast demo demo-single kernel-bench bench-sim env clean-venv
+.PHONY: setup test test-fast gpu-check demo demo-single kernel-bench bench-sim env clean-venv
 
 setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	# TORCH= (empty): the torch already installed is kept (pip then finds `torch>=2.4` satisfied).
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)",$(BIN)/python -c "import torch; print('keeping torch', torch.__version__)")
 	# flash-attn compiles against the installed torch, so it must see it (no build isolation).
 	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.
@@ -33,6 +36,22 @@ test: $(STAMP)
 # The fast tier: no spawned processes (tests marked `distributed` are left out).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not distributed" $(PYTEST_ARGS)
+
+# On a CUDA machine: the tests marked `gpu` (they are skipped without CUDA; they include spawned
+# two-rank runs on one GPU), then the CUDA kernel benchmark and a measured time model
+# (GPU_CHECK_OUT/time_model.json). Without CUDA the two measurements are skipped with a message.
+GPU_CHECK_OUT ?= gpu-check-out
+gpu-check: $(STAMP)
+	$(BIN)/python -m pytest -m gpu -rs $(PYTEST_ARGS)
+	@if $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		mkdir -p $(GPU_CHECK_OUT) && \
+		$(BIN)/distca-hf env > $(GPU_CHECK_OUT)/env.txt && cat $(GPU_CHECK_OUT)/env.txt && \
+		$(BIN)/distca-hf kernel-bench --device cuda --out $(GPU_CHECK_OUT)/kernel_bench.json \
+			> $(GPU_CHECK_OUT)/kernel_bench.md && cat $(GPU_CHECK_OUT)/kernel_bench.md && \
+		$(BIN)/distca-hf profile --device cuda --out $(GPU_CHECK_OUT)/time_model.json; \
+	else \
+		echo "gpu-check: torch sees no CUDA device; the gpu tests above were skipped, and distca-hf kernel-bench --device cuda and distca-hf profile --device cuda are not run"; \
+	fi
 
 # The main job: two CPU processes fine-tune a tiny Llama through DistCATrainer (a per-step table of
 # loss, attention imbalance before -> after and tokens/s), then the same run colocated; prints the

@@ -278,6 +278,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=None, help="cuda: a sliding window (HF's sliding_window)")
     parser.add_argument("--flex", action="store_true", help="cpu: also time compiled flex attention (forward only)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--out", default=None, help="also write the results as JSON to this file")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
@@ -306,10 +307,20 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name()
         header = f"{name}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads of {head_dim}"
         print(json.dumps(results, indent=2) if args.json else f"{header}\n\n{table}")
+        _write(args.out, {"device": name, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+                          "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": args.window,
+                          "results": results})
         return 0
     if args.window is not None:
         parser.error("--window is a cuda option")
     results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
                   [c for c in args.candidate or CANDIDATES if c in CANDIDATES])
     print(json.dumps(results, indent=2) if args.json else format_table(results))
+    _write(args.out, {"device": "cpu", "torch": torch.__version__, "results": results})
     return 0
+
+
+def _write(path, payload) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
