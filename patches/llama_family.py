@@ -146,11 +146,13 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
 def _run_layer(layer, plan, rope, h_a, h_b):
     """One decoder layer on both nano-batches, interleaved (see ``distca_hf.runtime.pingpong``)."""
     from distca_hf.hf import to_compute_dtype
+    from distca_hf.kernels import AttentionVariant
     from distca_hf.runtime.pingpong import NanoAttention
 
-    scale, index, window = layer.self_attn.scaling, layer.self_attn.layer_idx, sliding_window(layer.self_attn)
-    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", window=window)
-    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", window=window)
+    scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
+    variant = AttentionVariant(window=sliding_window(layer.self_attn))  # no Llama-family model softcaps
+    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", variant=variant)
+    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", variant=variant)
     with timeline.span(f"{a.name}: norm, q/k/v"):
         q_a, k_a, v_a = to_compute_dtype(*attention_inputs(layer, h_a, *rope["a"]))
     a.launch(q_a, k_a, v_a)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedAttentionError
-from ..kernels import varlen_causal_attention
+from ..kernels import AttentionVariant, varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "widest_window",
@@ -39,7 +39,7 @@ def to_compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise ``UnsupportedAttentionError`` naming the feature when ``module`` asks for one distca
-    cannot compute exactly (non-causal, dropout, softcap, sinks)."""
+    cannot compute exactly (non-causal, dropout, sinks). Sliding windows and softcapping are exact."""
     name = type(module).__name__
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -53,12 +53,6 @@ def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) ->
         raise UnsupportedAttentionError(
             f"distca does not support attention dropout (got dropout={dropout} in {name} while training); "
             f"set config.{_dropout_field(module, dropout)}=0.0"
-        )
-    softcap = kwargs.get("softcap")
-    if softcap:
-        raise UnsupportedAttentionError(
-            f"distca does not support attention logit softcapping (softcap={softcap} in {name}, e.g. Gemma 2); "
-            "use attn_implementation='eager' or 'flash_attention_2'"
         )
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise UnsupportedAttentionError(
@@ -114,13 +108,13 @@ def distca_attention_forward(
     context = context_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
                                kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
                                kv_window=widest_window(getattr(module, "config", None)))
-    window = kwargs.get("sliding_window")
+    variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"))
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     if context.dispatch is not None:
         scale = head_dim**-0.5 if scaling is None else float(scaling)
-        out = dispatched_attention(q, k, v, context.dispatch, scale, window=window)
+        out = dispatched_attention(q, k, v, context.dispatch, scale, variant=variant)
         return out.view(batch_size, query_len, num_heads, head_dim), None
     batch = context.local
     if batch.q_index is not None:
@@ -129,7 +123,7 @@ def distca_attention_forward(
         v = v.index_select(0, batch.k_index)
     out = varlen_causal_attention(
         q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, scaling,
-        window=window,
+        window=variant.window, softcap=variant.softcap,
     )
     if batch.q_index is not None:
         # Padding queries get zeros, as HF's flash-attention path gives them.

@@ -11,7 +11,10 @@ Task ``i`` has queries ``q[cu_q[i]:cu_q[i+1]]`` and keys ``k[cu_k[i]:cu_k[i+1]]`
 With a sliding ``window`` (HF's ``sliding_window``, a number of keys), query ``j`` sees only keys
 ``j + lk - lq - window + 1 .. j + lk - lq`` (flash-attn's ``window_size=(window - 1, 0)``): the
 window counts back from the query's own position, so a task whose keys are a suffix of the
-document's prefix (``[max(0, a - window + 1), b)`` for queries ``[a, b)``) is exact.
+document's prefix (``[max(0, a - window + 1), b)`` for queries ``[a, b)``) is exact. With
+``softcap`` (Gemma 2's attention logit softcapping) the scaled scores become ``softcap *
+tanh(scores / softcap)`` before the softmax; backends that cannot apply it (``SUPPORTS_SOFTCAP``
+false) hand such calls to ``math``, with a one-time warning. ``AttentionVariant`` carries both.
 
 Backends, in the order ``auto`` tries them: ``flash_attn`` (CUDA, fp16/bf16, when flash-attn is
 installed), ``torch_cuda`` (PyTorch's own flash varlen ops: CUDA, fp16/bf16, compute capability
@@ -25,6 +28,8 @@ one.
 
 from __future__ import annotations
 
+import math as _pymath
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -38,6 +43,7 @@ from . import torch_cuda as _torch_cuda
 from . import torch_cuda_efficient as _torch_cuda_efficient
 
 __all__ = [
+    "AttentionVariant",
     "BACKENDS",
     "available_backends",
     "unavailable_reasons",
@@ -121,69 +127,106 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
             )
 
 
-def _check_window(window) -> int | None:
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be None or a positive number of keys (HF's sliding_window), got {window!r}")
-    return int(window)
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What a layer adds to plain causal attention (see the module docstring).
+
+    Attributes:
+        window: keys a query sees, its own included (HF's ``sliding_window``); ``None``: all before it.
+        softcap: attention logit softcapping (HF's ``softcap``, Gemma 2); ``None`` or 0: none.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        window, softcap = self.window, self.softcap
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or a positive number of keys (HF's sliding_window), got {window!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not _pymath.isfinite(softcap) or softcap < 0):
+            raise ValueError(f"softcap must be None or a finite number >= 0 (HF's softcap), got {softcap!r}")
+        object.__setattr__(self, "softcap", float(softcap) if softcap else None)
+
+
+def _kernel_for(q, backend, variant: AttentionVariant) -> ModuleType:
+    """The backend that runs this call: softcapping needs one that supports it (``math`` otherwise)."""
+    kernel = select_backend(q.device, q.dtype, backend)
+    if variant.softcap and not getattr(kernel, "SUPPORTS_SOFTCAP", False):
+        if backend is not None:
+            raise ValueError(f"distca kernel backend {backend!r} cannot apply softcap; use 'math' or 'flash_attn'")
+        warn_once(f"softcap:{kernel.NAME}", f"distca: the {kernel.NAME} kernel cannot apply attention logit "
+                  "softcapping; those layers run on the exact but slower math backend")
+        return _math
+    return kernel
+
+
+def _variant_keywords(variant: AttentionVariant) -> dict:
+    # Backends that know no softcap are never handed one (``_kernel_for``), so it is passed only when set.
+    return {"window": variant.window, **({"softcap": variant.softcap} if variant.softcap else {})}
 
 
 def varlen_attention_forward(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
+    softcap=None
 ):
     """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    window = _check_window(window)
-    kernel = select_backend(q.device, q.dtype, backend)
+    variant = AttentionVariant(window, softcap)
+    kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
         return kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                              window=window)
+                              **_variant_keywords(variant))
 
 
 def varlen_attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None,
-    *, window=None
+    *, window=None, softcap=None
 ):
     """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
     (gradients of grouped K/V heads summed over their query heads)."""
-    kernel = select_backend(q.device, q.dtype, backend)
+    variant = AttentionVariant(window, softcap)
+    kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     with torch.no_grad():
         return kernel.backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-            window=_check_window(window),
+            **_variant_keywords(variant),
         )
 
 
 class _VarlenCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, window):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend,
+                variant: AttentionVariant):
         out, lse = varlen_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, window=window
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend,
+            window=variant.window, softcap=variant.softcap
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend, window)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend, variant)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, backend, window = ctx.args
+        max_q, max_k, scale, backend, variant = ctx.args
         dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, backend,
-                                               window=window)
+                                               window=variant.window, softcap=variant.softcap)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def varlen_causal_attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
+    softcap=None
 ) -> torch.Tensor:
     """Differentiable bottom-right causal attention over a fused batch of CA-tasks, optionally under
-    a sliding ``window`` (keys per query, see the module docstring).
+    a sliding ``window`` (keys per query) and logit ``softcap`` (see the module docstring).
 
     Returns ``out [total_q, num_heads, head_dim]``; see the module docstring for the layout.
     """
     return _VarlenCausalAttention.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend, _check_window(window)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend,
+        AttentionVariant(window, softcap)
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 NAME = "math"
+SUPPORTS_SOFTCAP = True
 SCORE_ELEMENTS = 1 << 26  # 256 MiB of fp32 scores per chunk
 
 
@@ -40,15 +41,21 @@ def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: i
             yield slice(cu_q[i] + first, cu_q[i] + last), slice(cu_k[i] + k_lo, cu_k[i] + k_hi), column - k_lo
 
 
-def _probabilities(q, k, scale, column: int, window: int | None):
+def _probabilities(q, k, scale, column: int, window: int | None, softcap: float | None = None):
     """Causal (optionally windowed) softmax of query rows whose first sees key columns up to
-    ``column`` of ``k`` (the next row one more).
+    ``column`` of ``k`` (the next row one more). ``softcap``: scores become ``softcap * tanh(scores /
+    softcap)`` before the softmax (Gemma 2's attention logit softcapping).
 
-    q: ``[rows, Hkv, G, D]``, k: ``[keys, Hkv, D]`` (accumulation dtype) ->
-    (probs ``[Hkv, G, rows, keys]``, lse ``[Hkv, G, rows]``).
+    q: ``[rows, Hkv, G, D]``, k: ``[keys, Hkv, D]`` (accumulation dtype) -> (probs ``[Hkv, G, rows,
+    keys]``, lse ``[Hkv, G, rows]``, the derivative of the capped scores by the scaled scores,
+    ``1 - tanh^2``, or ``None`` without a cap).
     """
     rows, keys = q.shape[0], k.shape[0]
     scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
+    slope = None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores, slope = capped * softcap, 1.0 - capped * capped
     query_pos = torch.arange(column, column + rows, device=q.device)
     key_pos = torch.arange(keys, device=q.device)[None, :]
     visible = key_pos <= query_pos[:, None]
@@ -56,10 +63,11 @@ def _probabilities(q, k, scale, column: int, window: int | None):
         visible &= key_pos > query_pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    return torch.exp(scores - lse.unsqueeze(-1)), lse, slope
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
+            softcap=None):
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
@@ -67,14 +75,14 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
     for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
         qt = q[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
-        probs, chunk_lse = _probabilities(qt, k[ks].to(acc), softmax_scale, column, window)
+        probs, chunk_lse, _ = _probabilities(qt, k[ks].to(acc), softmax_scale, column, window, softcap)
         out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, head_dim).to(q.dtype)
         lse[:, qs] = chunk_lse.reshape(num_heads, -1)
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None):
+             window=None, softcap=None):
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
@@ -85,10 +93,12 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
         qt, do, ot = grouped(q), grouped(dout), grouped(out)
         kt, vt = k[ks].to(acc), v[ks].to(acc)
-        probs, _ = _probabilities(qt, kt, softmax_scale, column, window)
+        probs, _, slope = _probabilities(qt, kt, softmax_scale, column, window, softcap)
         dp = torch.einsum("qhgd,khd->hgqk", do, vt)
         delta = (do * ot).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, rows, 1]
         ds = probs * (dp - delta) * softmax_scale
+        if slope is not None:
+            ds = ds * slope
         dq[qs] = torch.einsum("hgqk,khd->qhgd", ds, kt).reshape(-1, num_heads, head_dim).to(q.dtype)
         dk[ks] += torch.einsum("hgqk,qhgd->khd", ds, qt)
         dv[ks] += torch.einsum("hgqk,qhgd->khd", probs, do)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedAttentionError
-from ..kernels import varlen_attention_backward, varlen_attention_forward
+from ..kernels import AttentionVariant, varlen_attention_backward, varlen_attention_forward
 from . import timeline
 from .exchange import Pending, split_rows, start_exchange
 from .tables import Wave
@@ -62,10 +62,11 @@ def check_layer_window(w: Wave, window: int | None) -> None:
             "set config.sliding_window / config.layer_types to what the layers use")
 
 
-def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool, window: int | None = None) -> Served:
+def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
+                  variant: AttentionVariant = AttentionVariant()) -> Served:
     """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
-    sliding ``window``, if any)."""
-    check_layer_window(w, window)
+    sliding window and softcap, ``variant``)."""
+    check_layer_window(w, variant.window)
     served = w.served
     if received is None:
         q_pool, k_pool, v_pool = q, k, v
@@ -77,7 +78,8 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool, wind
     if w.num_tasks:
         with timeline.span(f"attention kernel ({w.name})"):
             f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
-                                                    served.max_seqlen_q, served.max_seqlen_k, scale, window=window)
+                                                    served.max_seqlen_q, served.max_seqlen_k, scale,
+                                                    window=variant.window, softcap=variant.softcap)
     else:
         f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
     out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, served.q_index, f_out)
@@ -134,7 +136,7 @@ def receive_all(pending: list[Pending]) -> list[torch.Tensor]:
     return [t for p in pending for t in p.wait()]
 
 
-def serve_backward(w: Wave, dout, received, saved, scale: float, window: int | None = None):
+def serve_backward(w: Wave, dout, received, saved, scale: float, variant: AttentionVariant = AttentionVariant()):
     """Backward, server side: the wave's fused backward. ``saved`` is ``(fq, k_pool, v_pool, f_out,
     f_lse)`` (``saved`` mode) or the source's ``(q, k, v, out, lse)`` (``resend`` mode, whose
     ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
@@ -160,7 +162,8 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, window: int | N
         with timeline.span(f"attention kernel backward ({w.name})"):
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
                                                       served.cu_seqlens_k, served.max_seqlen_q,
-                                                      served.max_seqlen_k, scale, window=window)
+                                                      served.max_seqlen_k, scale, window=variant.window,
+                                                      softcap=variant.softcap)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
     dq_pool = fq.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import current_config
+from ..kernels import AttentionVariant
 from ..planning import (NanoSplit, PackedDocuments, RankDocuments, TokenBytes, assign_nano_batches, check_splittable,
                         rank_documents, split_nano_batches, stitch_rank_documents)
 from . import timeline
@@ -138,10 +139,10 @@ def _nano_world(rows: RankDocuments, per_rank, assignments, which: int) -> RankD
 class _Flight:
     """What the three nodes of one nano-batch's attention in one layer hand to each other."""
 
-    def __init__(self, dispatch: Dispatch, scale: float, window: int | None):
+    def __init__(self, dispatch: Dispatch, scale: float, variant: AttentionVariant):
         self.wave = dispatch.waves[0]
         self.counters = dispatch.counters
-        self.scale, self.window = scale, window
+        self.scale, self.variant = scale, variant
         self.resend = self.wave.backward_mode == "resend"
         self.inputs = self.outputs = self.grad_inputs = self.grads = None
         self.lse_local = None
@@ -179,7 +180,7 @@ class _Serve(torch.autograd.Function):
     def forward(ctx, ticket, q, k, v, flight: _Flight):
         w = flight.wave
         served = serve_forward(w, q, k, v, flight.inputs.wait(), flight.scale, want_lse=flight.resend,
-                               window=flight.window)
+                               variant=flight.variant)
         flight.inputs = None
         flight.outputs = launch_outputs(w, served)
         out_local = served.out_pool[: w.num_local]
@@ -201,7 +202,7 @@ class _Serve(torch.autograd.Function):
         w = flight.wave
         dout = dout.contiguous()
         pools = serve_backward(w, dout, receive_all(flight.grad_inputs), ctx.saved_tensors, flight.scale,
-                               flight.window)
+                               flight.variant)
         flight.grad_inputs = None
         flight.grads = launch_grad_outputs(w, pools)
         n, nk = w.num_local, w.num_local_kv
@@ -235,11 +236,12 @@ class _Finish(torch.autograd.Function):
 
 class NanoAttention:
     """One nano-batch's dispatched attention in one layer, in three steps the schedule interleaves.
-    q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``; ``window``: the layer's
-    sliding window (``None``: none)."""
+    q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``; ``variant``: the layer's
+    sliding window and softcap."""
 
-    def __init__(self, dispatch: Dispatch, scale: float, name: str, *, window: int | None = None):
-        self.flight = _Flight(dispatch, scale, window)
+    def __init__(self, dispatch: Dispatch, scale: float, name: str, *,
+                 variant: AttentionVariant = AttentionVariant()):
+        self.flight = _Flight(dispatch, scale, variant)
         self.name = name
 
     def launch(self, q, k, v):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import AttentionVariant
+
 from .dispatch import Dispatch
 from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs,
                      place_grads, place_outputs, receive_all, serve_backward, serve_forward)
@@ -22,7 +24,7 @@ class _WaveSchedule(torch.autograd.Function):
     are placed at the end. Backward does the mirror image, waves in reverse order."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, window: int | None):
+    def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, variant: AttentionVariant):
         waves = dispatch.waves
         resend = waves[0].backward_mode == "resend"
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
@@ -31,7 +33,7 @@ class _WaveSchedule(torch.autograd.Function):
         returning, kept = [], []
         for i, w in enumerate(waves):
             received = in_flight[i].wait() if i in in_flight else None
-            served = serve_forward(w, q, k, v, received, scale, want_lse=resend, window=window)
+            served = serve_forward(w, q, k, v, received, scale, want_lse=resend, variant=variant)
             out += served.out_pool[: w.num_local]  # rows of other waves' tasks are zero here
             if resend:
                 lse += served.lse_pool[: w.num_local]
@@ -41,7 +43,7 @@ class _WaveSchedule(torch.autograd.Function):
                 kept.append((served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
         for w, pending in returning:
             place_outputs(w, pending, out, lse)
-        ctx.dispatch, ctx.scale, ctx.window = dispatch, scale, window
+        ctx.dispatch, ctx.scale, ctx.variant = dispatch, scale, variant
         flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
         ctx.save_for_backward(*flat)
         if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
@@ -67,7 +69,7 @@ class _WaveSchedule(torch.autograd.Function):
         for i in order:
             w = waves[i]
             received = receive_all(in_flight[i]) if i in in_flight else []
-            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.window)
+            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant)
             dq += pools[0][: w.num_local]
             dk += pools[1][: w.num_local_kv]
             dv += pools[2][: w.num_local_kv]
@@ -78,8 +80,9 @@ class _WaveSchedule(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float, *, window: int | None = None) -> torch.Tensor:
-    """Causal attention of the rank's documents (under the layer's sliding ``window``, if any),
-    computed where the plan says. q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads,
-    head_dim]`` -> ``[tokens, heads, head_dim]``."""
-    return _WaveSchedule.apply(q, k, v, dispatch, scale, window)
+def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float, *,
+                         variant: AttentionVariant = AttentionVariant()) -> torch.Tensor:
+    """Causal attention of the rank's documents (under the layer's sliding window and softcap,
+    ``variant``), computed where the plan says. q ``[tokens, heads, head_dim]``, k/v ``[tokens,
+    kv_heads, head_dim]`` -> ``[tokens, heads, head_dim]``."""
+    return _WaveSchedule.apply(q, k, v, dispatch, scale, variant)
