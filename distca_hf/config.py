@@ -14,6 +14,7 @@ invalid value is an error naming the variable.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import zlib
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "current_config", "reset_config", "resolve",
-           "setting_problem", "settings_fingerprint", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS"]
+           "setting_problem", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -37,13 +38,62 @@ def _is_number(value) -> bool:
 
 
 def _tolerance_problem(value):
-    if not (_is_number(value) and value >= 0):
-        return f"must be a finite number >= 0 (allowed max/mean - 1 of attention load), got {value!r}"
+    if value != "auto" and not (_is_number(value) and value >= 0):
+        return (f"must be a finite number >= 0 (allowed max/mean - 1 of attention load) or 'auto' (plan by time), "
+                f"got {value!r}")
+
+
+def _parse_tolerance(text: str):
+    return "auto" if text.lower() == "auto" else float(text)
 
 
 def _block_problem(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"must be an integer >= 1 (tokens per shard block), got {value!r}"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
+
+
+DEVICE_BLOCKS = {"cuda": 128}
+"""``block`` when the setting is None, by device type (any other: 1): flash kernels work in
+128-query tiles, so shards cut at multiples of 128 run whole tiles; a CPU kernel has no tiles."""
+
+
+def block_for_device(block, device_type: str) -> int:
+    """The shard block in force: the ``block`` setting, or ``DEVICE_BLOCKS``' entry for the device
+    type (1 when it has none) when the setting is None."""
+    return block if block is not None else DEVICE_BLOCKS.get(device_type, 1)
+
+
+def _time_model_file_problem(path) -> str | None:
+    """What is wrong with a time-model file, before ``TimeModel.load`` reads it in full."""
+    try:
+        data = json.loads(open(path).read())
+    except OSError as e:
+        return f"must be a readable `distca-hf profile` JSON file, got {str(path)!r} ({e.strerror or e})"
+    except ValueError as e:
+        return f"must be a `distca-hf profile` JSON file, got {str(path)!r} (not JSON: {e})"
+    if not isinstance(data, dict) or not all(
+            _is_number(data.get(k)) for k in ("linear_s_per_token", "attn_s_per_pair")):
+        return (f"must be a `distca-hf profile` JSON file, got {str(path)!r} (no object with numbers "
+                "linear_s_per_token and attn_s_per_pair)")
+    return None
+
+
+def _time_model_problem(value):
+    if value is None or hasattr(value, "attn_s_per_pair"):  # None: built-in by device; a TimeModel
+        return None
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return _time_model_file_problem(value)
+    return f"must be None (built-in by device), a TimeModel or the path of a `distca-hf profile` JSON, got {value!r}"
+
+
+def _time_model_fingerprint(value):
+    """What ranks compare for the time model: its constants (a file's bytes), not just its path."""
+    if isinstance(value, (str, os.PathLike)):
+        try:
+            return (str(value), zlib.crc32(open(value, "rb").read()))
+        except OSError:
+            return (str(value), None)
+    return value
 
 
 def _timeout_problem(value):
@@ -83,12 +133,13 @@ def _one_of(choices):
     return problem
 
 
-def setting(default, *, check, help: str, env: str | None = None, parse=str, agree: bool = True):
+def setting(default, *, check, help: str, env: str | None = None, parse=str, agree: bool = True, fingerprint=None):
     """A field of the settings table. ``env``: its ``DISTCA_*`` variable (``None``: code and files
     only); ``parse``: text of the variable -> value; ``agree``: every rank of a server group must
-    use the same value (it enters ``settings_fingerprint``)."""
+    use the same value (it enters ``settings_fingerprint``, through ``fingerprint(value)`` when
+    given: what must be equal, e.g. a file's contents)."""
     return field(default=default, metadata={"env": env, "parse": parse, "check": check, "help": help,
-                                            "agree": agree})
+                                            "agree": agree, "fingerprint": fingerprint})
 
 
 @dataclass(frozen=True)
@@ -99,14 +150,15 @@ class DistCAConfig:
     ``DistCAPlugin(name=value)`` or ``name: value`` in a ``distca:`` YAML section sets it.
     """
 
-    tolerance: float = setting(
-        0.02, env="DISTCA_TOLERANCE", parse=float, check=_tolerance_problem,
-        help="allowed max/mean - 1 of attention load (query-key pairs) over servers; smaller balances more tightly "
-             "and moves more bytes")
-    block: int = setting(
-        1, parse=int, check=_block_problem,
-        help="shard granularity in tokens: every CA-task cut is a multiple of it (128 suits flash-attn; 1 is fine "
-             "on CPU)")
+    tolerance: float | str = setting(
+        "auto", env="DISTCA_TOLERANCE", parse=_parse_tolerance, check=_tolerance_problem,
+        help="'auto': plan by time (the time model's fastest step; work moves only while the move pays); a number: "
+             "a hard bound on max/mean - 1 of attention load (query-key pairs) over servers, smaller balances more "
+             "tightly and moves more bytes")
+    block: int | None = setting(
+        None, parse=int, check=_block_problem,
+        help="shard granularity in tokens: every CA-task cut is a multiple of it; None: by device (128 on CUDA, the "
+             "flash kernels' tile; 1 on CPU)")
     backward: str = setting(
         "saved", env="DISTCA_BACKWARD", check=_one_of(BACKWARD_MODES),
         help="'saved': servers keep what their backward needs (fewer bytes); 'resend': servers keep nothing and "
@@ -129,6 +181,11 @@ class DistCAConfig:
         False, env="DISTCA_SPAN_RANKS", parse=_parse_flag, check=_flag_problem,
         help="the server group's ranks hold consecutive pieces of one global token stream, one row per rank: a "
              "row whose first document starts at position p > 0 continues the last document of the previous rank")
+    time_model: object = setting(
+        None, env="DISTCA_TIME_MODEL", check=_time_model_problem, fingerprint=_time_model_fingerprint,
+        help="the time model 'auto' plans with: None for the built-in one of the device kind (CUDA: H100 measured, "
+             "CPU: 2 gloo processes measured; scaled to the model's heads), a `distca-hf profile` JSON path, or a "
+             "TimeModel")
     kernel: str = setting(
         "auto", env="DISTCA_KERNEL", check=_one_of(KERNELS), agree=False,
         help="the varlen attention kernel backend: 'auto' picks the fastest usable one")
@@ -216,8 +273,8 @@ def current_config() -> DistCAConfig:
 
 def settings_fingerprint(config: DistCAConfig) -> int:
     """A number every rank of a server group computes alike when their ``agree`` settings are equal."""
-    return zlib.crc32(repr(tuple((name, getattr(config, name)) for name, f in SETTINGS.items()
-                                 if f.metadata["agree"])).encode())
+    return zlib.crc32(repr(tuple((name, (f.metadata["fingerprint"] or (lambda v: v))(getattr(config, name)))
+                                 for name, f in SETTINGS.items() if f.metadata["agree"])).encode())
 
 
 def agreed_setting_names() -> list[str]:

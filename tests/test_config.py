@@ -5,6 +5,7 @@ compare are derived; precedence code > ``DISTCA_*`` > file > default."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ from hypothesis import strategies as st
 
 import distca_hf
 from distca_hf import DistCAConfig, DistCAPlugin
-from distca_hf.config import SETTINGS, resolve, setting_problem, settings_fingerprint
+from distca_hf.config import SETTINGS, block_for_device, resolve, setting_problem, settings_fingerprint
+from distca_hf.planning import TimeModel
 
+TIME_MODEL_JSON = str(Path(__file__).parent / "time_model_example.json")  # a `distca-hf profile` file
 VALID = {"tolerance": 0.3, "block": 64, "backward": "resend", "overlap": "wave", "timeout_s": 7.5,
-         "mode": "colocated", "servers": (0, 2), "span_ranks": True, "kernel": "math"}
+         "mode": "colocated", "servers": (0, 2), "span_ranks": True, "kernel": "math", "time_model": TIME_MODEL_JSON}
 INVALID = {"tolerance": -1.0, "block": 0, "backward": "later", "overlap": "sideways", "timeout_s": 0,
-           "mode": "remote", "servers": (1, 1), "span_ranks": "yes", "kernel": "triton"}
+           "mode": "remote", "servers": (1, 1), "span_ranks": "yes", "kernel": "triton",
+           "time_model": "/no/such/time_model.json"}
 
 
 def test_every_setting_is_declared_once_and_everything_else_follows():
@@ -116,3 +120,42 @@ def test_configure_and_environment(monkeypatch):
             distca_hf.configure(backward="later")
     finally:
         distca_hf.reset_config()
+
+
+def test_tolerance_auto_and_block_by_device(monkeypatch):
+    assert DistCAConfig().tolerance == "auto" and DistCAConfig().block is None
+    monkeypatch.setenv("DISTCA_TOLERANCE", "auto")
+    assert distca_hf.current_config().tolerance == "auto"
+    monkeypatch.setenv("DISTCA_TOLERANCE", "0.05")
+    assert distca_hf.current_config().tolerance == 0.05
+    monkeypatch.setenv("DISTCA_TOLERANCE", "sometimes")
+    with pytest.raises(ValueError, match="invalid DISTCA_TOLERANCE='sometimes'"):
+        distca_hf.current_config()
+    assert (block_for_device(None, "cuda"), block_for_device(None, "cpu"), block_for_device(8, "cuda")) == (128, 1, 8)
+
+
+@pytest.mark.parametrize("content, why", [(None, "No such file"), ("{not json", "not JSON"),
+                                          ('{"linear_s_per_token": 1}', "no object with numbers")])
+def test_a_bad_time_model_file_is_one_line_naming_the_variable(monkeypatch, tmp_path, content, why):
+    path = tmp_path / "model.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("DISTCA_TIME_MODEL", str(path))
+    with pytest.raises(ValueError) as error:
+        distca_hf.current_config()
+    message = str(error.value)
+    assert message.startswith(f"invalid DISTCA_TIME_MODEL='{path}': distca time_model must be") and why in message
+    assert "\n" not in message
+
+
+def test_ranks_agree_on_the_time_model_contents_not_its_path(tmp_path):
+    path = tmp_path / "model.json"
+    TimeModel(1e-6, 2e-10).save(path)
+    config = DistCAConfig(time_model=str(path))
+    before = settings_fingerprint(config)
+    assert settings_fingerprint(DistCAConfig(time_model=str(path))) == before
+    TimeModel(1e-6, 3e-10).save(path)  # same path, other constants: ranks must not agree
+    assert settings_fingerprint(config) != before
+    in_code = DistCAConfig(time_model=TimeModel(1e-6, 2e-10))
+    assert settings_fingerprint(in_code) == settings_fingerprint(DistCAConfig(time_model=TimeModel(1e-6, 2e-10)))
+    assert settings_fingerprint(in_code) != settings_fingerprint(DistCAConfig(time_model=TimeModel(1e-6, 4e-10)))

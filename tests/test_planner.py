@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TokenBytes, causal_pairs, comm_bytes, imbalance,
-                                kv_received, kv_transfers, plan_tasks)
+from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
+                                colocated_plan, comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks, rank_seconds,
+                                step_seconds)
 from distca_hf.runtime.context import BatchPlan, plan_stats_of
 from distca_hf.tools.simulate import cut_to, draw_batch, pack_pieces
 
@@ -49,7 +50,7 @@ def _reference_pairs(start: int, end: int, window) -> int:
     return sum(t + 1 if window is None else min(t + 1, window) for t in range(start, end))
 
 
-def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig):
+def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig, guarantee: bool = True):
     # every query token of every document exactly once, computed from the rank that holds it
     for d in np.unique(pieces.doc):
         mine = plan.doc == d
@@ -75,6 +76,8 @@ def _check_plan(pieces: DocumentPieces, plan: Plan, config: PlannerConfig):
     servers = plan.servers
     non_servers = np.setdiff1d(np.arange(pieces.num_ranks), servers)
     assert not plan.server_pairs()[non_servers].any(), "only pool ranks may serve"
+    if not guarantee:  # tolerance "auto" promises time, not a load bound
+        return
     # the guarantee: max load <= (1 + tolerance) * mean, up to one block of the longest document
     loads = plan.server_pairs()[list(servers)]
     cap = (1 + config.tolerance) * loads.sum() / len(servers)
@@ -295,3 +298,81 @@ def test_tolerance_zero_overfill_stays_within_one_block_of_the_guarantee():
     plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1, token_bytes=TokenBytes(8, 4, 8)))
     loads = plan.server_pairs()
     assert loads.max() <= loads.sum() / 8 + 1 * 53
+
+
+# -- planning by time (tolerance="auto") ----------------------------------------------------------
+
+time_models = st.sampled_from([
+    TimeModel(1e-6, 1e-9, task_s=1e-5, bytes_per_s=1e9, task_key_s=1e-8, collective_s=1e-4),  # compute-bound
+    TimeModel(1e-6, 1e-9, task_s=1e-5, bytes_per_s=1e6, collective_s=1e-4),  # slow network
+    TimeModel(1e-6, 1e-9, task_s=1e-3, bytes_per_s=1e9, collective_s=5e-2),  # dear collectives and tasks
+    TimeModel(0.0, 1e-9),  # free communication
+])
+
+
+@settings(max_examples=120, deadline=None)
+@given(pieces=packed_batches(), config=windowed_configs, model=time_models, exposed=st.sampled_from([0.0, 0.5, 1.0]))
+def test_auto_plan_is_never_predicted_slower_than_colocated_or_the_fixed_plan(pieces, config, model, exposed):
+    auto = PlannerConfig("auto", config.block, None, config.token_bytes, window=config.window, time_model=model,
+                         exposed_comm=exposed)
+    plan = plan_tasks(pieces, auto)
+    _check_plan(pieces, plan, auto, guarantee=False)
+    seconds = step_seconds(plan, pieces, auto)
+    colocated = colocated_plan(pieces, window=config.window)
+    fixed = plan_tasks(pieces, PlannerConfig(AUTO_TOLERANCES[0], config.block, None, config.token_bytes,
+                                             window=config.window))
+    assert seconds <= step_seconds(colocated, pieces, auto) * (1 + 1e-12)
+    assert seconds <= step_seconds(fixed, pieces, auto) * (1 + 1e-12)
+    again = plan_tasks(pieces, auto)
+    assert all(np.array_equal(getattr(plan, n), getattr(again, n)) for n in ("source", "server", "q_start", "q_end"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(pieces=packed_batches(), config=configs, data=st.data())
+def test_auto_plan_with_a_server_pool_gives_non_servers_work_away(pieces, config, data):
+    pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True)))
+    auto = PlannerConfig("auto", config.block, pool, config.token_bytes, time_model=TimeModel(1e-6, 1e-9))
+    _check_plan(pieces, plan_tasks(pieces, auto), auto, guarantee=False)
+
+
+def test_rank_seconds_by_hand():
+    """Rank 0 holds a 10-token document (55 pairs), rank 1 two 1-token ones; the plan moves [7, 10)
+    (27 pairs) to rank 1. Bytes: 3 queries out and back (q = o = 2 bytes), K/V [0, 10) (4 bytes a
+    token) to rank 1: rank 0 sends 6 + 40 and receives 6, rank 1 the mirror image."""
+    pieces = DocumentPieces.from_rank_lists([[10], [1, 1]])
+    plan = Plan(source=np.array([0, 0, 1, 1]), server=np.array([0, 1, 1, 1]), doc=np.array([0, 0, 1, 2]),
+                q_start=np.array([0, 7, 0, 0]), q_end=np.array([7, 10, 1, 1]), num_ranks=2, servers=(0, 1))
+    model = TimeModel(linear_s_per_token=1.0, attn_s_per_pair=0.5, task_s=3.0, bytes_per_s=4.0, task_key_s=0.25,
+                      collective_s=7.0)
+    config = PlannerConfig("auto", token_bytes=TokenBytes(2, 4, 2), time_model=model, exposed_comm=0.5)
+    # tokens + pairs/2 + tasks (3 s) + keys/4 + 0.5 * 2 * (sent + received) / 4 + collective 7
+    rank0 = 10 + 28 / 2 + 3 + 7 / 4 + 0.5 * 2 * 52 / 4 + 7
+    rank1 = 2 + (27 + 1 + 1) / 2 + 3 * 3 + (10 + 1 + 1) / 4 + 0.5 * 2 * 52 / 4 + 7
+    assert rank_seconds(plan, pieces, config).tolist() == pytest.approx([rank0, rank1])
+    assert step_seconds(plan, pieces, config) == pytest.approx(max(rank0, rank1))
+
+
+def test_auto_moves_work_only_while_it_pays():
+    """Two ranks of 4096 tokens (heads of the bench model, CPU-like constants). Balanced (rank 1 one
+    document 2% shorter than rank 0's): the gain is under the collectives' cost, nothing moves. Skewed
+    (one long document against 32 short ones): the plan balances like the fixed tolerance."""
+    model = TimeModel(1e-4, 1e-7, task_s=6e-4, bytes_per_s=1e9, task_key_s=2.7e-6, collective_s=5e-3)
+    config = PlannerConfig("auto", block=1, token_bytes=TokenBytes.for_model(256, 8, 2, 4), time_model=model)
+    balanced = DocumentPieces.from_rank_lists([[4096], [4014, 82]])
+    assert plan_tasks(balanced, config).moved_queries() == 0
+    skewed = DocumentPieces.from_rank_lists([[4096], [128] * 32])
+    plan = plan_tasks(skewed, config)
+    assert plan.moved_queries() > 0 and imbalance(plan.server_pairs()) < 1.1
+    assert step_seconds(plan, skewed, config) < 0.75 * step_seconds(colocated_plan(skewed), skewed, config)
+
+
+def test_auto_prefers_fewer_fatter_shards_when_tasks_cost():
+    """Issue 12: a task's keys cost time whatever its queries (flash kernels' tiles). With a dear
+    per-key cost the plan moves no more tasks than the cheap-key plan."""
+    pieces = DocumentPieces.from_rank_lists([[8192], [1024] * 2, [512] * 16, [256] * 32])
+    cheap = PlannerConfig("auto", block=128, time_model=TimeModel(1e-9, 1e-12, bytes_per_s=1e12))
+    dear = PlannerConfig("auto", block=128, time_model=TimeModel(1e-9, 1e-12, bytes_per_s=1e12,
+                                                                  task_key_s=128 * 1e-12, task_s=1e-6))
+    cheap_plan, dear_plan = plan_tasks(pieces, cheap), plan_tasks(pieces, dear)
+    assert step_seconds(dear_plan, pieces, dear) <= step_seconds(cheap_plan, pieces, dear)
+    assert dear_plan.num_tasks <= cheap_plan.num_tasks

@@ -71,7 +71,7 @@ def test_precedence_code_environment_file_defaults(monkeypatch, tmp_path):
     path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n"
                     "distca:\n  tolerance: 0.2\n  backward: resend\n  block: 16\n  overlap: wave\n"
                     "  tensor_parallel_size: 2\n")
-    assert DistCAPlugin().resolved().tolerance == 0.02  # defaults
+    assert DistCAPlugin().resolved().tolerance == "auto"  # defaults
     plugin = DistCAPlugin.from_accelerate_config(path)
     resolved = plugin.resolved()
     assert (resolved.tolerance, resolved.backward, resolved.block, resolved.overlap) == (0.2, "resend", 16, "wave")
@@ -116,7 +116,7 @@ def test_yaml_section_errors_name_file_and_key(tmp_path):
     with pytest.raises(ValueError, match="distca.servers must be a list"):
         DistCAPlugin.from_accelerate_config(path)
     path.write_text("num_processes: 2\n")
-    assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == 0.02  # no section: defaults
+    assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == "auto"  # no section: defaults
     with pytest.raises(FileNotFoundError, match="does not exist"):
         DistCAPlugin.from_accelerate_config(tmp_path / "missing.yaml")
 
@@ -149,7 +149,7 @@ def test_accelerate_refuses_a_distca_key_so_the_section_has_its_own_file(tmp_pat
     with pytest.raises(ValueError, match="unknown keys"):
         load_config_from_file(str(path))
     plugin = DistCAPlugin.from_accelerate_config(RECIPES / "distca.yaml")
-    assert plugin.resolved().tolerance == 0.02 and plugin.server_group == "data_parallel"
+    assert plugin.resolved().tolerance == "auto" and plugin.server_group == "data_parallel"
 
 
 # -- topology ------------------------------------------------------------------------------------

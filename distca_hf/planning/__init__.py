@@ -10,13 +10,14 @@ data-path order:
     pieces     every rank's documents as pieces, the planner's input
     planner    CA-tasks -> attention servers, balanced within a tolerance, few bytes moved
     transfers  the K/V ranges and bytes a plan moves
+    by_time    tolerance="auto": the plan the time model predicts fastest (colocated included)
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
-                   document_pairs, imbalance, key_start, start_with_pairs)
+                   default_time_model, document_pairs, imbalance, key_start, resolve_time_model, start_with_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
@@ -24,11 +25,13 @@ from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
+from .by_time import AUTO_TOLERANCES, plan_by_time, rank_seconds, step_seconds
 
 __all__ = [
-    "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
+    "AUTO_TOLERANCES", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
-    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "document_pairs", "find_documents", "key_start",
-    "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_tasks", "rank_documents", "split_document", "split_nano_batches",
+    "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
+    "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
+    "rank_seconds", "step_seconds", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
 ]

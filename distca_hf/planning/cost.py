@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
-           "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100"]
+           "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
+           "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model"]
 
 
 def causal_pairs(q_start, q_end, window=None):
@@ -122,14 +123,24 @@ LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
 class TimeModel:
     """Seconds of one transformer layer, forward + backward, on one device.
 
-    ``rank_time = linear_s_per_token * tokens + attn_s_per_pair * pairs + task_s * tasks``
+    ``rank_time = linear_s_per_token * tokens + sum over its CA-tasks of task_seconds(pairs, keys)
+    + exposed communication``, with ``task_seconds = attn_s_per_pair * pairs + task_key_s * keys +
+    task_s`` (``keys``: the task's K/V tokens) and communication ``bytes / bytes_per_s`` plus
+    ``collective_s`` for a layer whose dispatch moves anything.
 
     Attributes:
         linear_s_per_token: projections, MLP, norms: everything but core attention, per token.
         attn_s_per_pair: core attention per query-key pair.
         task_s: fixed cost of one CA-task (one varlen sequence) in the kernel.
-        bytes_per_s: network bandwidth per rank, to report communication time.
+        bytes_per_s: bytes a rank sends plus receives per second in the dispatch's all-to-alls.
         source: where the constants come from (``distca-hf profile`` writes the device here).
+        task_key_s: seconds per K/V token of each task beyond its pairs: the kernel's pass over a
+            task's keys costs this whatever its queries (flash kernels run a 128-query tile row per
+            key tile and the backward's key-tile loop per task), so a thin shard against a long prefix
+            is worth less than its pair count says (issue 12: 16 shards of 128 queries against 64k
+            keys ran at 53% of whole documents' TFLOP/s on an H100).
+        collective_s: fixed seconds of a layer (forward + backward) whose dispatch moves anything:
+            the latency of its all-to-alls and the dispatch's own work, whatever the bytes.
     """
 
     linear_s_per_token: float
@@ -137,9 +148,11 @@ class TimeModel:
     task_s: float = 0.0
     bytes_per_s: float = 50e9
     source: str = "model"
+    task_key_s: float = 0.0
+    collective_s: float = 0.0
 
     def __post_init__(self):
-        for name in ("linear_s_per_token", "attn_s_per_pair", "task_s"):
+        for name in ("linear_s_per_token", "attn_s_per_pair", "task_s", "task_key_s", "collective_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
@@ -149,6 +162,24 @@ class TimeModel:
     def rank_seconds(self, tokens, pairs, tasks=0):
         """Per-rank layer time; works on scalars and numpy arrays alike."""
         return self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_s * tasks
+
+    def task_seconds(self, pairs, keys):
+        """Kernel seconds of CA-tasks of ``pairs`` pairs over ``keys`` K/V tokens (scalars or arrays,
+        one entry per task), forward + backward."""
+        return self.attn_s_per_pair * pairs + self.task_key_s * keys + self.task_s
+
+    def scaled(self, shape: dict, reference: dict, source: str | None = None) -> "TimeModel":
+        """These constants, measured on a model of shape ``reference``, carried to ``shape`` by the
+        FLOP model (``from_flops``): ``linear_s_per_token`` by the ratio of the linear FLOPs per
+        token, ``attn_s_per_pair`` and ``task_key_s`` by the ratio of attention FLOPs per pair
+        (``heads * head_dim``). ``task_s``, ``bytes_per_s`` and ``collective_s`` do not depend on the
+        shape. Shapes: dicts of ``hidden``, ``intermediate``, ``heads``, ``kv_heads`` (and optionally
+        ``head_dim``)."""
+        new, old = TimeModel.from_flops(**shape), TimeModel.from_flops(**reference)
+        attn = new.attn_s_per_pair / old.attn_s_per_pair
+        return TimeModel(self.linear_s_per_token * new.linear_s_per_token / old.linear_s_per_token,
+                         self.attn_s_per_pair * attn, self.task_s, self.bytes_per_s, source or self.source,
+                         self.task_key_s * attn, self.collective_s)
 
     @classmethod
     def from_flops(cls, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int | None = None,
@@ -176,3 +207,53 @@ class TimeModel:
 
 
 LLAMA3_8B_H100 = TimeModel.from_flops(hidden=4096, intermediate=14336, heads=32, kv_heads=8)
+
+LLAMA3_8B_SHAPE = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128}
+
+H100_MEASURED = TimeModel(
+    linear_s_per_token=2.15e-6, attn_s_per_pair=0.170e-9, task_s=2e-6, bytes_per_s=50e9,
+    source="built-in CUDA default: H100 measured (bf16, Llama-3-8B layer, PyTorch's flash kernel; issue 13)",
+    task_key_s=0.89 * 128 * 0.170e-9, collective_s=100e-6)
+"""The built-in CUDA model, at ``LLAMA3_8B_SHAPE``. Linear 2.15 us per token and attention 0.170 ns
+per pair (forward + backward, bf16) were measured on one H100. ``task_key_s`` makes a task of 128
+queries against 64k keys run at 53% of the pair rate, as measured (issue 12): its pairs take
+``128 * 65536 * attn_s_per_pair`` and its keys ``0.89`` times that, i.e. the cost of ``0.89 * 128``
+more queries per key. ``task_s`` (2 us per varlen sequence) and ``collective_s`` (100 us: four
+NCCL all-to-alls of a layer at about 25 us each) are estimates; ``bytes_per_s`` assumes 50 GB/s
+per rank (400 Gb/s InfiniBand). Measure your own with ``distca-hf profile`` (``DISTCA_TIME_MODEL``)."""
+
+CPU_GLOO_SHAPE = {"hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 2, "head_dim": 32}
+
+CPU_GLOO_MEASURED = TimeModel(
+    linear_s_per_token=330e-6, attn_s_per_pair=141e-9, task_s=0.64e-3, bytes_per_s=1.0e9,
+    source="built-in CPU default: measured on 2 CPU processes over gloo (fp32, one thread each, torch_cpu kernel)",
+    task_key_s=2.7e-6, collective_s=5e-3)
+"""The built-in CPU model, at ``CPU_GLOO_SHAPE`` (``distca-hf bench``'s model): measured on the
+2-core machine this package is developed on, two processes, one torch thread each. FILLED IN BELOW."""
+
+
+def default_time_model(device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:
+    """The built-in time model of a device kind (``"cuda"``: ``H100_MEASURED``, anything else:
+    ``CPU_GLOO_MEASURED``) carried by ``TimeModel.scaled`` to the model whose tokens are
+    ``token_bytes`` in ``dtype_bytes``-byte elements. Attention FLOPs per pair and the projections
+    depend on the heads only through the widths ``heads * head_dim`` (``token_bytes.q``) and
+    ``kv_heads * head_dim`` (``token_bytes.kv / 2``), so the shape is written with head_dim 1. The
+    attention call does not see the hidden and MLP sizes: the shape assumes ``hidden = heads *
+    head_dim`` and Llama-3's MLP ratio ``intermediate = 3.5 * hidden``; only the linear part depends
+    on them, and it matters to a plan only when ranks hold different token counts."""
+    q_width, kv_width = token_bytes.q // dtype_bytes, token_bytes.kv // (2 * dtype_bytes)
+    shape = {"hidden": q_width, "intermediate": int(3.5 * q_width), "heads": q_width, "kv_heads": kv_width,
+             "head_dim": 1}
+    if device_type == "cuda":
+        return H100_MEASURED.scaled(shape, LLAMA3_8B_SHAPE)
+    return CPU_GLOO_MEASURED.scaled(shape, CPU_GLOO_SHAPE)
+
+
+def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:
+    """The ``time_model`` setting as a ``TimeModel``: ``None`` -> ``default_time_model``; a path ->
+    ``TimeModel.load`` (used as measured: profile the model you train); a ``TimeModel`` as given."""
+    if setting is None:
+        return default_time_model(device_type, token_bytes, dtype_bytes)
+    if isinstance(setting, TimeModel):
+        return setting
+    return TimeModel.load(setting)

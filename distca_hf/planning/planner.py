@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import SETTINGS, setting_problem
-from .cost import LLAMA3_8B_BYTES, TokenBytes, causal_pairs, end_with_pairs, key_start, start_with_pairs
+from ..config import setting_problem
+from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, end_with_pairs, key_start,
+                   start_with_pairs)
 from .pieces import DocumentPieces
 
 __all__ = ["PlannerConfig", "Plan", "plan_tasks", "colocated_plan", "PLANNING_MARGIN"]
@@ -52,22 +53,31 @@ class PlannerConfig:
     """How the planner balances.
 
     Attributes:
-        tolerance: allowed max/mean - 1 of server attention load (pairs). Smaller balances more
-            tightly and moves more bytes. Must be >= 0.
+        tolerance: ``"auto"``: plan by time (``planning.by_time``: the plan the time model predicts
+            fastest, colocated included); a number: a hard bound, max/mean - 1 of server attention
+            load (pairs) (smaller balances more tightly and moves more bytes; >= 0). The pure
+            planner's default stays 0.02; the ``tolerance`` setting's default is ``"auto"``.
         block: shard granularity in tokens: every cut inside a piece is a multiple of ``block``
-            tokens from the piece start (flash-attn likes 128; 1 is fine on CPU).
+            tokens from the piece start (flash kernels like 128; 1 is fine on CPU; the ``block``
+            setting's None is resolved by ``config.block_for_device`` before it gets here).
         servers: ranks that serve attention (``None``: every rank).
         token_bytes: wire size of a token, used to choose what moves.
         window: the model's sliding attention window when every layer uses the same one (``None``:
             full causal). Pairs are counted under it and a shard ``[a, b)`` needs K/V only from
             ``key_start(a, window)``.
+        time_model: what ``"auto"`` predicts step times with (default: the built-in CUDA model at
+            Llama-3-8B's shape, matching ``token_bytes``' default).
+        exposed_comm: the fraction of communication time the overlap mode does not hide (1: none
+            hidden, ``overlap="none"``), for ``"auto"``.
     """
 
-    tolerance: float = SETTINGS["tolerance"].default
-    block: int = SETTINGS["block"].default
+    tolerance: float | str = 0.02
+    block: int = 1
     servers: tuple[int, ...] | None = None
     token_bytes: TokenBytes = field(default=LLAMA3_8B_BYTES)
     window: int | None = None
+    time_model: TimeModel = field(default=H100_MEASURED)
+    exposed_comm: float = 1.0
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
@@ -79,6 +89,13 @@ class PlannerConfig:
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"{name} {problem}")
+        if self.block is None:
+            raise ValueError("block must be an integer >= 1 here; resolve the setting's None with "
+                             "distca_hf.config.block_for_device")
+        if not isinstance(self.time_model, TimeModel):
+            raise ValueError(f"time_model must be a TimeModel, got {self.time_model!r}")
+        if not (isinstance(self.exposed_comm, (int, float)) and 0.0 <= self.exposed_comm <= 1.0):
+            raise ValueError(f"exposed_comm must be a fraction in [0, 1], got {self.exposed_comm!r}")
         if self.servers is not None:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
         if isinstance(self.window, np.integer):
@@ -129,7 +146,12 @@ class Plan:
 
 
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
-    """Assign every query of ``pieces`` to a server; see the module docstring."""
+    """Assign every query of ``pieces`` to a server; see the module docstring (``tolerance="auto"``:
+    ``planning.by_time.plan_by_time``)."""
+    if config.tolerance == "auto":
+        from .by_time import plan_by_time  # it builds on this module (and on transfers, which does too)
+
+        return plan_by_time(pieces, config)
     num_ranks = pieces.num_ranks
     servers = config.servers if config.servers is not None else tuple(range(num_ranks))
     if servers[-1] >= num_ranks:

@@ -71,7 +71,8 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
         received += kv_received(transfers, plan.num_ranks)
         wave = build_wave(sub, transfers, local, rank, device, counters=counters, name=name, **settings)
         # A wave runs no collective when nothing crosses ranks in it (the same on every rank: the
-        # plan is); a local task may still need K/V of its document held on another rank.
-        wave.local_only = overlap == "wave" and sub.moved_queries() == 0 and transfers.tokens() == 0
+        # plan is), with any overlap: a colocated plan ("auto" on a balanced step) costs no
+        # all-to-all; a local task may still need K/V of its document held on another rank.
+        wave.local_only = sub.moved_queries() == 0 and transfers.tokens() == 0
         waves.append(wave)
     return Dispatch(waves, counters, overlap, received)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import DistCAConfig, current_config
+from ..config import DistCAConfig, block_for_device, current_config
 from ..errors import UnsupportedAttentionError
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
-                        TokenBytes, colocated_plan, find_documents, fuse_tasks, plan_tasks, stitch_rank_documents,
-                        whole_document_tasks)
+                        TokenBytes, colocated_plan, find_documents, fuse_tasks, plan_tasks, resolve_time_model,
+                        stitch_rank_documents, whole_document_tasks)
 from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
@@ -117,7 +117,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
-                                   kv_window=kv_window)
+                                   kv_window=kv_window, dtype_bytes=query.element_size())
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
@@ -190,25 +190,36 @@ def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device,
                           local=fuse_tasks(whole_document_tasks(docs), docs).to(device))
 
 
+EXPOSED_COMM = {"none": 1.0, "wave": 0.5, "pingpong": 0.5}
+"""Fraction of the dispatch's communication time ``tolerance="auto"`` counts as not hidden, per
+overlap mode: all of it without overlap; half with ``wave`` or ``pingpong`` (a conservative guess
+below the overlap fractions ``distca-hf bench --overlap`` measures)."""
+
+
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
-               kv_window: int | None = None) -> tuple[Dispatch, BatchPlan]:
+               kv_window: int | None = None, dtype_bytes: int | None = None) -> tuple[Dispatch, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
-    ``context_for_call``."""
+    ``context_for_call``; ``dtype_bytes``: bytes of an attention element (default: 2 on CUDA, 4
+    elsewhere), to carry the built-in time model to the model's widths."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
     if servers is not None and max(servers) >= world:
         raise ValueError(f"distca servers {servers} name ranks outside the server group of {world} ranks")
     pieces = ranks.pieces
+    device = torch.device(device)
+    block = block_for_device(config.block, device.type)
     if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
         plan = colocated_plan(pieces, window=kv_window)
     else:
-        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, config.block, servers, token_bytes,
-                                                window=kv_window))
+        dtype_bytes = dtype_bytes or (2 if device.type == "cuda" else 4)
+        time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
+        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
+                                                time_model=time_model, exposed_comm=EXPOSED_COMM[overlap]))
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
-                              block=config.block, group=group, timeout_s=config.timeout_s,
+                              block=block, group=group, timeout_s=config.timeout_s,
                               backward_mode=config.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))
