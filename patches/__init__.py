@@ -11,8 +11,8 @@ from .llama_family import DECODER_STACK_MODULES, LLAMA_FAMILY_MODEL_TYPES, insta
 # model_type -> what the tests check for it (tests/test_models.py runs every one of these).
 TESTED_MODEL_TYPES = {
     "llama": "exact logits and gradients; packed, padded, plain rows; generation",
-    "mistral": "exact, sliding windows shorter than documents included (tests/test_windows.py)",
-    "qwen2": "exact; full and sliding-window layers mixed (tests/test_windows.py)",
+    "mistral": "exact, sliding windows shorter than documents included (tests/test_variants.py)",
+    "qwen2": "exact; full and sliding-window layers mixed (tests/test_variants.py)",
     "qwen3": "exact (q/k norms); generation",
 }
 

@@ -162,7 +162,7 @@ def _agreement_worker(rank, world):
     got = [logits[0], logits[1, :15]] if rank == 0 else [logits[0]]
     report["mixed_err"] = max(float((a - b).abs().max()) for a, b in zip(got, alone))
 
-    # b. a document longer than a sliding window on one rank: exact since windows are (tests/test_windows.py)
+    # b. a document longer than a sliding window on one rank: exact since windows are (tests/test_variants.py)
     mistral = tiny_model("mistral")  # window 64
     report["window"] = outcome(lambda: mistral(input_ids=torch.randint(1, 96, (1, 100 if rank == 0 else 30))))
     # c. invalid position_ids on one rank: it names its problem, the others stop with a peer error
