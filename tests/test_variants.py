@@ -282,7 +282,10 @@ def test_windowed_spanning_documents_are_exact(tmp_path, case):
         for run in runs:
             assert run["stats"]["dispatched"]
     colocated = results[0]["value"][-2]["stats"]
-    if case.startswith("mistral"):
+    if case.startswith("mistral"):  # pairs are counted under the window (at most 7 per query)
+        lengths = [30, 50, 7, 1, 12]
+        assert sum(colocated["attn_pairs_local"]) == sum(sum(min(t + 1, 7) for t in range(n)) for n in lengths)
+        assert sum(colocated["attn_pairs_served"]) == sum(colocated["attn_pairs_local"])
         # colocated: only rank 1's piece [30, 50) of document 1 needs keys from rank 0, and under the
         # window only [key_start(30, 7), 30) = [24, 30): 6 tokens, not the whole 30-token prefix
         assert sum(colocated["kv_tokens_received_per_layer"]) == 6

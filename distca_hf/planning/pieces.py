@@ -91,9 +91,11 @@ class DocumentPieces:
                     rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
         return cls(np.array(rank), np.array(doc), np.array(start), np.array(end), len(per_rank))
 
-    def local_pairs(self) -> np.ndarray:
-        """``[num_ranks]`` pairs each rank computes colocated (its own queries, full prefixes)."""
-        return np.bincount(self.rank, weights=causal_pairs(self.start, self.end), minlength=self.num_ranks).astype(np.int64)
+    def local_pairs(self, window: int | None = None) -> np.ndarray:
+        """``[num_ranks]`` pairs each rank computes colocated (its own queries, their whole prefixes or
+        the sliding ``window`` of them)."""
+        pairs = causal_pairs(self.start, self.end, window)
+        return np.bincount(self.rank, weights=pairs, minlength=self.num_ranks).astype(np.int64)
 
     def tokens(self) -> np.ndarray:
         return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)

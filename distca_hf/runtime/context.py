@@ -29,7 +29,8 @@ class PlanStats:
 
     Attributes:
         attn_pairs_local: ``[ranks]`` query-key pairs each rank would compute colocated.
-        attn_pairs_served: ``[ranks]`` pairs each rank computes as a server under the plan.
+        attn_pairs_served: ``[ranks]`` pairs each rank computes as a server under the plan (both
+            under the plan's sliding window, when every layer of the model slides).
         bytes_sent_per_layer: bytes all ranks send in one layer's forward (Q out, O back, K/V as the
             waves send them; the log-sum-exp too in ``resend`` mode).
         step: the forward's number in this process (forwards, not optimizer steps).
@@ -88,7 +89,7 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
                   num_heads: int = 0, backward: str | None = None, overlap: str | None = None) -> PlanStats:
     """The one builder of ``PlanStats``: per-rank lists and totals summed over ``batches`` (one
     micro-batch, or ping-pong's two nano-batches, each also reported alone)."""
-    local = sum(b.pieces.local_pairs() for b in batches)
+    local = sum(b.pieces.local_pairs(b.plan.window if b.plan is not None else None) for b in batches)
     served = sum(b.plan.server_pairs() if b.plan is not None else b.pieces.local_pairs() for b in batches)
     planned = [b for b in batches if b.plan is not None]
     moved = sum(b.plan.moved_queries() for b in planned)
