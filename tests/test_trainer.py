@@ -701,11 +701,16 @@ def _launch(*arguments, timeout=300):
 
 
 @pytest.mark.distributed
-def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes():
+def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes(tmp_path):
     result = _launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
-                     "examples/finetune_long_context.py", "--max-steps", "3", "--tokens-per-rank", "1024",
-                     "--compare-colocated", "--distca-config", "recipes/distca.yaml")
+                     "examples/finetune_long_context.py", "--max_steps", "3", "--tokens-per-rank", "1024",
+                     "--compare-colocated", "--distca-config", "recipes/distca.yaml", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    for run in ("distca", "colocated"):  # each run's model is saved where --output_dir says
+        assert f"model saved to {tmp_path / run}" in result.stdout
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / run).config.vocab_size == 1024
     out = result.stdout
     assert "== distca: 3 steps on 2 ranks ==" in out and "== colocated: 3 steps on 2 ranks ==" in out
     assert "largest |loss difference| over 3 steps" in out and "speedup:" in out
