@@ -183,14 +183,14 @@ def format_table(results) -> str:
 
 # --- CUDA: whole documents against the same documents as CA-tasks ------------------------------------
 
-CUDA_DOCS = [32768, 16384, 8192, 8192, 4096, 4096, 2048, 2048, 1024, 1024, 1024, 1024]  # 80k tokens
+CUDA_DOCS = (32768, 16384, 8192, 8192, 4096, 4096, 2048, 2048, 1024, 1024, 1024, 1024)  # 80k tokens
 CUDA_WORKLOADS = {
     # name: (documents, at most this many shards per document; None: whole)
     "whole_documents": (CUDA_DOCS, None),
     "at_most_3_shards": (CUDA_DOCS, 3),
     "at_most_12_shards": (CUDA_DOCS, 12),
     # the last 16 x 128 queries of a 64k-token document, each shard its own task with its prefix
-    "16x128_queries_64k_prefix": ([65536], "tail"),
+    "16x128_queries_64k_prefix": ((65536,), "tail"),
 }
 SHARD_ALIGN = 128  # shard boundaries on multiples of the kernels' query tile
 
