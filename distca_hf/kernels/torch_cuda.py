@@ -15,7 +15,7 @@ What the op checks, and what this module does about it:
   256: larger head dims run on ``torch_cuda_efficient`` (or ``math`` under a window) with a one-time
   warning naming why;
 - last dim contiguous, ``cu_seqlens`` int32 contiguous on the device: made so here;
-- torch versions whose op has no ``window_size_left/right`` (before 2.5): windowed calls run on
+- torch versions whose op has no ``window_size_left/right`` (checked in its schema): windowed calls run on
   ``math`` with a one-time warning; plain causal calls still use the kernel;
 - ``max_seqlen_q == 1`` with GQA takes a decode shortcut in the op that assumes one query per task;
   a task without queries would break it, so ``max_seqlen_q`` is passed as at least 2 (an upper bound

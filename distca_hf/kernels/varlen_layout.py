@@ -1,8 +1,8 @@
 """Layout conversions between distca's varlen convention and what PyTorch's CUDA kernels take.
 
 distca's kernels exchange the log-sum-exp packed like the queries: ``[heads, total_q]`` fp32 (see
-``kernels/__init__.py``). PyTorch's memory-efficient kernel (and its flash kernel on ROCm or before
-flash-attn 2.5's "unpadded lse") keep it per task, padded: ``[tasks, heads, width]`` with task
+``kernels/__init__.py``). PyTorch's memory-efficient kernel (and its flash kernel on ROCm, and torch
+builds whose vendored flash-attn predates the "unpadded" varlen lse) keep it per task, padded: ``[tasks, heads, width]`` with task
 ``i``'s query ``j`` at ``[i, :, j]`` (``width >= max_seqlen_q``; the efficient kernel rounds it up
 to a multiple of 32), the rest unused. Flash kernels also want a head dim that is a multiple of 8.
 These functions are pure tensor code, exact, and run on any device.
