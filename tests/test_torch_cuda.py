@@ -169,8 +169,8 @@ def test_torch_cuda_glue_against_band_reference(monkeypatch, lse_layout, heads, 
     fake = FakeFlash(lse_layout)
     monkeypatch.setattr(torch_cuda, "_op", fake.op)
     monkeypatch.setattr(torch_cuda, "accepts_window", lambda: True)
-    if lse_layout == "padded":  # ROCm keeps the padded layout in the backward too
-        monkeypatch.setattr(torch.version, "hip", "6.0")
+    monkeypatch.setattr(torch_cuda, "lse_is_packed", lambda: lse_layout == "packed")
+    if lse_layout == "padded":  # the backward takes the padded layout back
         fake_backward = fake.backward
 
         def backward(dout, q, k, v, out, lse, cu_q, *rest, **kwargs):
@@ -182,6 +182,12 @@ def test_torch_cuda_glue_against_band_reference(monkeypatch, lse_layout, heads, 
     _check_backend(torch_cuda, q, k, v, cu_q, cu_k, window)
     left = -1 if window is None else window - 1
     assert fake.calls == [("fwd", left, 0), ("bwd", left, 0)]
+
+
+def test_this_torch_keeps_the_varlen_lse_packed():
+    """torch 2.13's flash op (read from its meta kernel): ``[heads, total_q]``."""
+    torch_cuda.lse_is_packed.cache_clear()
+    assert torch_cuda.lse_is_packed() is (not torch.version.hip)
 
 
 def test_window_sizes_follow_hf_sliding_window():

@@ -65,6 +65,22 @@ def accepts_window() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def lse_is_packed() -> bool:
+    """Whether this torch's flash op keeps the varlen log-sum-exp packed (``[heads, total_q]``, what
+    its backward then takes too) rather than per task (``[tasks, heads, max_q]``: ROCm, and builds
+    whose vendored flash-attn predates the unpadded lse). Read from the op's meta kernel on CUDA."""
+    if torch.version.hip:
+        return False
+    q = torch.empty(4, 2, 8, device="meta", dtype=torch.float16)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    try:
+        lse = _op("_flash_attention_forward")(q, q, q, cu, cu, 2, 2, 0.0, True, False, scale=1.0)[1]
+    except Exception:  # no meta kernel: the layout of every CUDA build that has one
+        return True
+    return lse.dim() == 2
+
+
+@functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -159,7 +175,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     cu_q, cu_k = _cu(cu_seqlens_q, q.device), _cu(cu_seqlens_k, q.device)
     max_q = max(int(max_seqlen_q), 2)
     lse = lse.to(torch.float32).contiguous()
-    if torch.version.hip:  # ROCm's flash keeps the per-task padded layout (see varlen_layout)
+    if not lse_is_packed():  # the op takes back the per-task layout its forward gave (see varlen_layout)
         lse = padded_lse(lse, cu_q, max_q)
     # dropout is 0, so the RNG state is never read; the same placeholders varlen_attn passes
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
