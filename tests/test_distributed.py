@@ -96,7 +96,7 @@ def test_bench_cli_contract():
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
     result = subprocess.run([*cmd, "bench", "--tokens", "512", "--short-docs", "8", "--layers", "1", "--hidden", "64",
                              "--intermediate", "128", "--steps", "2", "--warmup", "1", "--overlap", "none,pingpong",
-                             "--json"],
+                             "--tolerance", "0.02", "--json"],  # a fixed tolerance: these tiny steps must dispatch
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])

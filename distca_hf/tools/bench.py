@@ -1,12 +1,27 @@
 """``distca-hf bench``: a real multi-process step-time comparison, colocated against distca.
 
-Every rank builds the same small Llama-like model and its own skewed packed batch: even ranks hold
-one long document, odd ranks many short ones (the straggler pattern CAD removes). Both methods run
-the same data with the same exact per-document kernel; *colocated* computes each rank's documents
-where they are, *distca* plans and dispatches. Step time is forward + backward, timed between
-barriers (so it is the slowest rank's), median over ``--steps`` after ``--warmup``. The methods
-take turns step by step (colocated, then each distca setting, then again), so the ratios are
-measured side by side even on a machine whose speed drifts.
+Every rank builds the same small Llama-like model and its own packed batch of ``--workload``:
+
+- ``skewed`` (default): even ranks hold one long document, odd ranks many short ones (the straggler
+  pattern CAD removes);
+- ``balanced``: two documents per rank whose split differs between even and odd ranks, so every
+  rank's attention is within a few percent of the mean (about 1.03 max/mean): a step distca cannot
+  speed up, where it must not be slower;
+- ``mixed``: every round a new batch drawn from a length sample (the demo's documents: the Python
+  help topics at about 3 characters a token, 67 to 20k tokens) packed rank after rank;
+- ``sample:FILE.json``: the same with the lengths (a JSON list of token counts) in FILE;
+- ``long``: below.
+
+A comma list (``--workload skewed,balanced,mixed``) runs several, one after the other in the same
+processes, each measured side by side. Both methods run the same data with the same exact
+per-document kernel; *colocated* computes each rank's documents where they are, *distca* plans
+(``--tolerance``, default ``auto``: by time) and dispatches. Step time is forward + backward, timed
+between barriers (so it is the slowest rank's), median over ``--steps`` after ``--warmup``. The
+methods take turns step by step (colocated, then each distca setting, then again, each round on its
+own batch), so the ratios are measured side by side even on a machine whose speed drifts; the JSON
+and the table give the per-step speedup of each distca setting over colocated (min / median / max
+over rounds). ``--quick``: small sizes for a check in about a minute (``--tokens 2048 --steps 3
+--warmup 1 --layers 2`` unless given).
 
 ``--overlap none,wave,pingpong`` also runs the overlap modes; for each it reports the step time and
 ``overlap_fraction``: communication time hidden under compute / total communication time, from the
@@ -53,6 +68,14 @@ from ..planning.cost import imbalance
 __all__ = ["main"]
 
 
+WORKLOADS = ("skewed", "balanced", "mixed", "long")
+"""``--workload`` names (besides ``sample:FILE.json``)."""
+
+BALANCED_SHIFT = 0.12
+"""``balanced``: odd ranks hold documents of ``(1/2 + 0.12)`` and ``(1/2 - 0.12)`` of their tokens,
+even ranks two halves: ``1 + 4 * 0.12**2`` = 1.058 times the pairs, 1.028 max/mean on two ranks."""
+
+
 def _batch(rank: int, tokens: int, short_docs: int):
     """Document lengths of ``rank``'s micro-batch: one long document on even ranks, ``short_docs``
     equal ones (the remainder spread over the first) on odd ranks."""
@@ -60,6 +83,65 @@ def _batch(rank: int, tokens: int, short_docs: int):
         return [tokens]
     base = tokens // short_docs
     return [base + (1 if i < tokens % short_docs else 0) for i in range(short_docs)]
+
+
+def balanced_batch(rank: int, tokens: int) -> list[int]:
+    """``balanced``: two halves on even ranks, halves shifted by ``BALANCED_SHIFT`` on odd ones."""
+    shift = round(BALANCED_SHIFT * tokens) if rank % 2 else 0
+    half = tokens // 2
+    return [n for n in (half + shift, tokens - half - shift) if n > 0]
+
+
+def demo_lengths() -> list[int]:
+    """The demo's documents as token counts: the Python help topics (``pydoc_data.topics``) at 3
+    characters a token, about what the demo's byte-level BPE gives."""
+    from pydoc_data.topics import topics
+
+    return [max(1, len(text) // 3) for _, text in sorted(topics.items())]
+
+
+def sample_lengths(workload: str) -> list[int]:
+    """The length sample of ``mixed`` or ``sample:FILE.json`` (a JSON list of positive ints)."""
+    if workload == "mixed":
+        return demo_lengths()
+    path = workload.removeprefix("sample:")
+    try:
+        with open(path) as f:
+            lengths = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--workload sample:FILE.json: cannot read {path!r} ({e})") from None
+    if not (isinstance(lengths, list) and lengths and all(isinstance(n, int) and n > 0 for n in lengths)):
+        raise ValueError(f"--workload sample:FILE.json: {path!r} must hold a non-empty JSON list of positive "
+                         "document lengths (tokens)")
+    return lengths
+
+
+def drawn_batches(lengths: list[int], world: int, tokens: int, seed: int) -> list[list[int]]:
+    """One batch of ``mixed`` / ``sample:``: documents drawn (with replacement, ``seed``) from
+    ``lengths`` and packed rank after rank, ``tokens`` each; a document that does not fit is cut
+    at the end of the rank (its rest is dropped: each rank packs alone)."""
+    import random
+
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(world):
+        batch, room = [], tokens
+        while room:
+            n = min(rng.choice(lengths), room)
+            batch.append(n)
+            room -= n
+        batches.append(batch)
+    return batches
+
+
+def workload_batches(workload: str, world: int, tokens: int, short_docs: int, rounds: int) -> list[list[list[int]]]:
+    """``[round][rank]`` document lengths of every round (warm-up rounds first) of a workload."""
+    if workload == "skewed":
+        return [[_batch(r, tokens, short_docs) for r in range(world)]] * rounds
+    if workload == "balanced":
+        return [[balanced_batch(r, tokens) for r in range(world)]] * rounds
+    lengths = sample_lengths(workload)
+    return [drawn_batches(lengths, world, tokens, seed) for seed in range(rounds)]
 
 
 def _worker(rank: int, world: int, args, port: int, result_path: str | None):
@@ -72,12 +154,15 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     if args.workload == "long":
         results = _long_worker(rank, world, args, device)
     else:
-        step = _training_step(rank, args, device)
+        model = _model(args, device, args.tokens)
         kernel_seconds = _time_kernels(device)
         methods = _methods(args)
         timeline.enable()
-        runs = _run_in_turns(step, methods, args, kernel_seconds, device)
-        results = _gather_results(runs, methods, rank, world, args)
+        results = {}
+        for workload in args.workload.split(","):
+            step = _training_step(model, rank, world, args, device, workload)
+            runs = _run_in_turns(step, methods, args, kernel_seconds, device)
+            results[workload] = _gather_results(runs, methods, rank, world, args)
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)
@@ -115,19 +200,19 @@ def _model(args, device, max_positions: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="distca").to(device, getattr(torch, args.dtype))
 
 
-def _training_step(rank: int, args, device):
-    """The model (same weights on every rank), this rank's skewed batch, and one forward + backward."""
+def _training_step(model, rank: int, world: int, args, device, workload: str):
+    """``step(round)``: one forward + backward of the model on this rank's batch of ``workload`` in
+    that round (rounds ``0 .. warmup - 1`` warm up, then one per measured step)."""
     import torch
 
-    model = _model(args, device, args.tokens)
-    lengths = _batch(rank, args.tokens, args.short_docs)
+    rounds = workload_batches(workload, world, args.tokens, args.short_docs, args.warmup + args.steps)
     g = torch.Generator().manual_seed(rank)
-    input_ids = torch.randint(0, args.vocab, (1, sum(lengths)), generator=g).to(device)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
+    input_ids = torch.randint(0, args.vocab, (1, args.tokens), generator=g).to(device)
+    positions = [torch.cat([torch.arange(n) for n in batch[rank]]).unsqueeze(0).to(device) for batch in rounds]
 
-    def step():
+    def step(i: int):
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=input_ids, position_ids=position_ids).logits
+        out = model(input_ids=input_ids[:, : positions[i].shape[1]], position_ids=positions[i]).logits
         out.float().square().mean().backward()
 
     return step
@@ -183,14 +268,14 @@ def _run_in_turns(step, methods, args, kernel_seconds, device) -> dict:
     def configure(mode, backward_mode, overlap):
         distca_hf.configure(mode=mode, backward=backward_mode, tolerance=args.tolerance, overlap=overlap)
 
-    def timed_step(*method):
+    def timed_step(i, *method):
         configure(*method)
         kernel_seconds[0] = 0.0
         timeline.clear()
         _sync(device)
         dist.barrier()
         start = time.perf_counter()
-        step()
+        step(i)
         _sync(device)
         mine = time.perf_counter() - start
         dist.barrier()
@@ -198,12 +283,12 @@ def _run_in_turns(step, methods, args, kernel_seconds, device) -> dict:
 
     for method in methods:
         configure(*method)
-        for _ in range(args.warmup):
-            step()
+        for i in range(args.warmup):
+            step(i)
     runs = {method: [] for method in methods}
-    for _ in range(args.steps):
+    for i in range(args.warmup, args.warmup + args.steps):
         for method in methods:
-            runs[method].append(timed_step(*method))
+            runs[method].append(timed_step(i, *method))
     return runs
 
 
@@ -232,6 +317,10 @@ def _gather_results(runs: dict, methods, rank: int, world: int, args) -> dict:
         key = f"distca_{backward_mode}" if overlap == overlaps[0] else f"distca_{backward_mode}_{overlap}"
         results[key] = {
             "step_s": [r[0] for r in done], "stats": stats, "overlap": overlap,
+            # each round's plan: attention imbalance before -> after, bytes, share of queries moved
+            "plans": [{"before": imbalance(r[2]["attn_pairs_local"]), "after": imbalance(r[2]["attn_pairs_served"]),
+                       "bytes_per_layer": r[2]["bytes_sent_per_layer"],
+                       "moved_query_fraction": r[2]["moved_query_fraction"]} for r in done],
             "bytes_sent_per_step": sum(s[0] for s in sent),
             "saved_for_backward_bytes_max_rank": max(s[1] for s in sent),
             # one step's overlap over all ranks: their communication and blocked seconds summed
@@ -496,36 +585,54 @@ def _median_overlap(steps: list[dict]) -> dict:
     return ordered[len(ordered) // 2]
 
 
-def summarize(results: dict, args) -> dict:
-    median = statistics.median
+TARGETS = {"skewed": 1.4, "balanced": 0.98}
+"""Median per-step speedup over colocated each workload must reach (issue 13): skewed >= 1.4x;
+balanced >= 0.98x, i.e. never slower beyond noise."""
+
+
+def summarize(results: dict, args, workload: str = "skewed") -> dict:
+    """One workload's JSON: the contract's keys, the per-step speedup of every distca setting over
+    colocated (min / median / max over rounds), each round's plan, and the target when it has one.
+    ``attn_imbalance_before`` / ``_after`` are means over rounds (every round's plan is the same
+    batch for ``skewed`` and ``balanced``)."""
+    median, mean = statistics.median, statistics.fmean
     colocated = median(results["colocated"]["step_s"])
     ideal = median(results["ideal_step_s"])
     first = "distca_" + ("saved" if args.backward in ("saved", "both") else "resend")
     distca = median(results[first]["step_s"])
-    stats = results[first]["stats"]
+    plans = results[first]["plans"]
     summary = {
-        "workload": "skewed",
+        "workload": workload,
         "colocated_step_s": colocated,
         "distca_step_s": distca,
         "speedup": colocated / distca,
-        "attn_imbalance_before": imbalance(stats["attn_pairs_local"]),
-        "attn_imbalance_after": imbalance(stats["attn_pairs_served"]),
+        "attn_imbalance_before": mean(p["before"] for p in plans),
+        "attn_imbalance_after": mean(p["after"] for p in plans),
         "ideal_step_s": ideal,
         "distca_over_ideal": distca / ideal,
         "ideal_speedup": colocated / ideal,
         "world": args.world,
         "device": args.device,
-        "bytes_sent_per_layer_forward": stats["bytes_sent_per_layer"],
+        "tokens_per_rank": args.tokens,
+        "tolerance": args.tolerance,
+        "bytes_sent_per_layer_forward": mean(p["bytes_per_layer"] for p in plans),
+        "moved_query_fraction": mean(p["moved_query_fraction"] for p in plans),
         "overlap_mode": results[first]["overlap"],
         "overlap_fraction": _median_overlap(results[first]["overlap_per_step"])["overlap_fraction"],
         "per_step_speedup": {"colocated": per_step_ratios(results["colocated"]["step_s"], results[first]["step_s"])},
+        "steps": {"colocated_step_s": results["colocated"]["step_s"], "distca_step_s": results[first]["step_s"],
+                  "plans": plans},
     }
+    if workload in TARGETS:
+        met = summary["per_step_speedup"]["colocated"]["median"] >= TARGETS[workload]
+        summary["target"] = {"median_speedup_at_least": TARGETS[workload], "met": met}
     summary["overlap"] = {}
     for key, r in results.items():
         if key.startswith(first) and "overlap" in r:
             o = _median_overlap(r["overlap_per_step"])
             summary["overlap"][r["overlap"]] = {
                 "step_s": median(r["step_s"]), "speedup_vs_colocated": colocated / median(r["step_s"]),
+                "per_step_speedup": per_step_ratios(results["colocated"]["step_s"], r["step_s"]),
                 "overlap_fraction": o["overlap_fraction"],
                 "forward_overlap_fraction": o["forward"]["overlap_fraction"],
                 "backward_overlap_fraction": o["backward"]["overlap_fraction"],
@@ -536,6 +643,7 @@ def summarize(results: dict, args) -> dict:
             r = results[f"distca_{mode}"]
             summary[f"backward_{mode}"] = {
                 "step_s": median(r["step_s"]),
+                "per_step_speedup": per_step_ratios(results["colocated"]["step_s"], r["step_s"]),
                 "bytes_sent_per_step_all_ranks": r["bytes_sent_per_step"],
                 "saved_for_backward_bytes_max_rank": r["saved_for_backward_bytes_max_rank"],
             }
@@ -604,46 +712,78 @@ def format_long_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratios(r: dict) -> str:
+    return f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}x"
+
+
 def format_table(s: dict) -> str:
+    ratio = s["per_step_speedup"]["colocated"]
+    target = s.get("target")
     rows = [
-        ("world / device", f"{s['world']} x {s['device']}"),
-        ("attention imbalance before -> after", f"{s['attn_imbalance_before']:.2f} -> {s['attn_imbalance_after']:.3f}"),
+        ("workload / world / device", f"{s['workload']} / {s['world']} x {s['device']}, {s['tokens_per_rank']} tokens "
+                                      f"per rank, tolerance {s['tolerance']}"),
+        ("attention imbalance before -> after", f"{s['attn_imbalance_before']:.2f} -> {s['attn_imbalance_after']:.3f}"
+                                                f"  ({s['moved_query_fraction']:.1%} of queries moved)"),
         ("colocated step (median)", f"{s['colocated_step_s']:.3f} s"),
         ("distca step (median)", f"{s['distca_step_s']:.3f} s"),
         ("speedup", f"{s['speedup']:.2f}x"),
+        ("per-step speedup min / median / max", _ratios(ratio) + (
+            "" if target is None else f"  (target: median >= {target['median_speedup_at_least']}x, "
+                                      f"{'met' if target['met'] else 'MISSED'})")),
         ("ideal step (balanced, free comm)", f"{s['ideal_step_s']:.3f} s  ({s['ideal_speedup']:.2f}x)"),
         ("distca / ideal", f"{s['distca_over_ideal']:.3f}"),
         ("bytes per layer forward (all ranks)", f"{s['bytes_sent_per_layer_forward'] / 1e6:.2f} MB"),
     ]
     for overlap, o in s["overlap"].items():
-        rows.append((f"overlap={overlap}: step / speedup / comm hidden (fwd, bwd)",
-                     f"{o['step_s']:.3f} s / {o['speedup_vs_colocated']:.2f}x / {o['overlap_fraction']:.2f} "
+        rows.append((f"overlap={overlap}: step / per-step speedup / comm hidden (fwd, bwd)",
+                     f"{o['step_s']:.3f} s / {_ratios(o['per_step_speedup'])} / {o['overlap_fraction']:.2f} "
                      f"({o['forward_overlap_fraction']:.2f}, {o['backward_overlap_fraction']:.2f})"))
     for mode in ("saved", "resend"):
         if f"backward_{mode}" in s:
             b = s[f"backward_{mode}"]
-            rows.append((f"backward={mode}: step / bytes per step / kept for backward (max rank)",
-                         f"{b['step_s']:.3f} s / {b['bytes_sent_per_step_all_ranks'] / 1e6:.1f} MB / "
+            rows.append((f"backward={mode}: step / per-step speedup / bytes per step / kept for backward (max rank)",
+                         f"{b['step_s']:.3f} s / {_ratios(b['per_step_speedup'])} / "
+                         f"{b['bytes_sent_per_step_all_ranks'] / 1e6:.1f} MB / "
                          f"{b['saved_for_backward_bytes_max_rank'] / 1e6:.1f} MB"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+QUICK = {"tokens": 2048, "steps": 3, "warmup": 1, "layers": 2}
+"""What ``--quick`` changes (unless given): a check in about a minute on 2 CPU processes."""
+DEFAULTS = {"tokens": 8192, "steps": 5, "warmup": 1, "layers": 4}
+
+
+def _tolerance(text: str):
+    """``--tolerance``: ``auto`` or a number >= 0 (the ``tolerance`` setting's check)."""
+    from ..config import setting_problem
+
+    value = "auto" if text == "auto" else float(text)
+    problem = setting_problem("tolerance", value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="processes (GPUs on a CUDA machine)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--short-docs", type=int, default=32, help="documents on the odd (short) ranks; "
-                        "--workload long: short documents are tokens / short-docs tokens long")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192; --quick 2048)")
+    parser.add_argument("--short-docs", type=int, default=None, help="documents on the odd (short) ranks of skewed "
+                        "(default: tokens / 256); --workload long: short documents are tokens / short-docs tokens long")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=688)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None, help="default 4; --quick 2")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5; --quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="rounds before measuring (default 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sizes for a check in about a minute: {QUICK} unless given")
     parser.add_argument("--backward", choices=["saved", "resend", "both"], default="saved")
-    parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--tolerance", type=_tolerance, default="auto",
+                        help="distca's tolerance: 'auto' plans by time (the default setting), a number bounds "
+                        "max/mean - 1 of attention load")
     parser.add_argument("--overlap", default="none",
                         help="none|wave|pingpong, or several separated by commas (the first gives distca_step_s)")
     parser.add_argument("--trace", metavar="OUT.json", help="write the last step's Chrome trace (one file per mode "
@@ -654,12 +794,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
-    parser.add_argument("--workload", choices=["skewed", "long"], default="skewed",
-                        help="skewed: even ranks one long document, odd ranks many short; long: one document over "
-                        "every rank beside short ones, against per-document CP, Ulysses and colocated-where-possible")
+    parser.add_argument("--workload", default="skewed",
+                        help="skewed: even ranks one long document, odd ranks many short; balanced: every rank's "
+                        "attention within a few percent; mixed: each round a batch drawn from the demo's document "
+                        "lengths; sample:FILE.json: drawn from a JSON list of lengths; several separated by commas run "
+                        "one after the other; long (alone): one document over every rank beside short ones, against "
+                        "per-document CP, Ulysses and colocated-where-possible")
     parser.add_argument("--long-tokens", type=int, default=None,
                         help="--workload long: the long document's tokens (default: world x tokens - tokens / 2)")
     parser.add_argument("--no-ulysses", action="store_true", help="--workload long: leave DeepSpeed Ulysses out")
+
+
+def _check_workloads(args, parser) -> None:
+    """``--workload``: known names or ``sample:FILE.json`` (readable, a list of lengths); ``long``
+    only alone."""
+    names = args.workload.split(",")
+    for name in names:
+        if name.startswith("sample:"):
+            try:
+                sample_lengths(name)
+            except ValueError as e:
+                parser.error(str(e))
+        elif name not in WORKLOADS:
+            parser.error(f"--workload takes {', '.join(WORKLOADS)} or sample:FILE.json (several separated by commas), "
+                         f"got {name!r}")
+    if "long" in names and len(names) > 1:
+        parser.error("--workload long runs alone (its methods differ)")
+    if len(set(names)) != len(names):
+        parser.error(f"--workload names a workload twice: {args.workload!r}")
 
 
 def _check_long(args, parser) -> None:
@@ -692,6 +854,14 @@ def run_cli(args, parser) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else value)
+    if args.short_docs is None:
+        args.short_docs = max(1, args.tokens // 256)  # short documents of 256 tokens
+    _check_workloads(args, parser)
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     for name in ("world", "tokens", "short_docs", "layers", "steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -727,8 +897,13 @@ def run_cli(args, parser) -> int:
         summary = summarize_long(results, args)
         print(json.dumps(summary) if args.json else format_long_table(summary))
         return 0
-    summary = summarize(results, args)
-    print(json.dumps(summary) if args.json else format_table(summary))
+    summaries = {name: summarize(r, args, name) for name, r in results.items()}
+    if len(summaries) == 1:  # the contract's flat object
+        summary = next(iter(summaries.values()))
+        print(json.dumps(summary) if args.json else format_table(summary))
+    else:
+        print(json.dumps({"workloads": summaries}) if args.json
+              else "\n\n".join(format_table(s) for s in summaries.values()))
     return 0
 
 
