@@ -15,8 +15,10 @@ What the op checks, and what this module does about it:
   256: larger head dims run on ``torch_cuda_efficient`` (or ``math`` under a window) with a one-time
   warning naming why;
 - last dim contiguous, ``cu_seqlens`` int32 contiguous on the device: made so here;
-- torch versions whose op has no ``window_size_left/right`` (checked in its schema): windowed calls run on
-  ``math`` with a one-time warning; plain causal calls still use the kernel;
+- torch versions whose op has no ``window_size_left/right`` (read from its schema): windowed calls
+  run on ``math`` with a one-time warning; plain causal calls still use the kernel;
+- no logit softcapping in the op (``SUPPORTS_SOFTCAP`` is not set): the front door runs softcapped
+  layers (Gemma 2) on ``math``;
 - ``max_seqlen_q == 1`` with GQA takes a decode shortcut in the op that assumes one query per task;
   a task without queries would break it, so ``max_seqlen_q`` is passed as at least 2 (an upper bound
   is all the op needs).
@@ -25,8 +27,8 @@ Windows: HF's ``sliding_window = w`` (a query at position p sees keys ``[p - w +
 ``window_size_left = w - 1, window_size_right = 0``, counted from the bottom-right diagonal, which is
 what a CA-task with a prefix needs.
 
-Hopper and Blackwell: ``torch.nn.attention.activate_flash_attention_impl("FA3")`` (torch >= 2.10,
-with FlashAttention-3's ``flash_attn_interface`` installed; compute capability 9.0) or ``"FA4"``
+Hopper and Blackwell: ``torch.nn.attention.activate_flash_attention_impl("FA3")`` (recent torch,
+e.g. 2.13, with FlashAttention-3's ``flash_attn_interface`` installed; compute capability 9.0) or ``"FA4"``
 (``flash_attn.cute``; 9.x and 10.x) re-registers these same aten ops for CUDA, so after that call
 this backend runs FA3/FA4 without any change here; the op keeps its schema and the varlen
 log-sum-exp layout. Call it once, before the first forward.

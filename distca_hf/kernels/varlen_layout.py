@@ -2,9 +2,10 @@
 
 distca's kernels exchange the log-sum-exp packed like the queries: ``[heads, total_q]`` fp32 (see
 ``kernels/__init__.py``). PyTorch's memory-efficient kernel (and its flash kernel on ROCm, and torch
-builds whose vendored flash-attn predates the "unpadded" varlen lse) keep it per task, padded: ``[tasks, heads, width]`` with task
-``i``'s query ``j`` at ``[i, :, j]`` (``width >= max_seqlen_q``; the efficient kernel rounds it up
-to a multiple of 32), the rest unused. Flash kernels also want a head dim that is a multiple of 8.
+builds whose vendored flash-attn predates the "unpadded" varlen lse) keep it per task, padded:
+``[tasks, heads, width]`` with task ``i``'s query ``j`` at ``[i, :, j]`` (``width >= max_seqlen_q``;
+the efficient kernel rounds it up to a multiple of 32), the rest unused. Flash kernels also want a
+head dim that is a multiple of 8.
 These functions are pure tensor code, exact, and run on any device.
 """
 
