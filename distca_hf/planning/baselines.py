@@ -50,12 +50,15 @@ class RankLoads:
     Attributes:
         tokens: tokens whose linear layers the rank runs.
         pairs: attention pairs the rank computes (float: Ulysses splits a group's pairs over heads).
+        keys: K/V tokens summed over the rank's kernel tasks (each task's pass over its keys; Ulysses
+            splits them over heads like the pairs).
         tasks: varlen sequences (kernel tasks) the rank runs.
         sent, received: bytes the rank sends / receives in one layer's forward.
     """
 
     tokens: np.ndarray
     pairs: np.ndarray
+    keys: np.ndarray
     tasks: np.ndarray
     sent: np.ndarray
     received: np.ndarray
@@ -117,7 +120,7 @@ def _group_documents(docs: np.ndarray, groups: int, group_tokens: int):
 def cp_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, token_bytes: TokenBytes) -> RankLoads:
     """Per-document CP of ``degree`` ranks per group (module docstring). Rank ``g degree + i`` holds
     chunks ``i`` and ``2 degree - 1 - i`` of every document of group ``g``, computes them against
-    their prefixes, and all-gathers the group's K/V: it receives the K/V of every token of its group
+    their prefixes (one kernel task per chunk, or one for both when they touch), and all-gathers the group's K/V: it receives the K/V of every token of its group
     it does not hold and sends its own to the ``degree - 1`` others."""
     if ranks % degree:
         raise ValueError(f"CP degree {degree} must divide ranks ({ranks})")
@@ -130,11 +133,14 @@ def cp_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, to
 
     tokens = per_rank((head_end - head_start) + (tail_end - tail_start)).astype(np.int64)
     pairs = per_rank(causal_pairs(head_start, head_end) + causal_pairs(tail_start, tail_end)).astype(np.float64)
-    tasks = per_rank((head_end > head_start).astype(np.int64) + (tail_end > tail_start)).astype(np.int64)
+    # a rank's two chunks run as one task when they touch (the middle rank; every rank at degree 1)
+    joined = (head_end == tail_start) & (head_end > head_start) & (tail_end > tail_start)
+    keys = per_rank(np.where((head_end > head_start) & ~joined, head_end, 0) + np.where(tail_end > tail_start, tail_end, 0))
+    tasks = per_rank((head_end > head_start).astype(np.int64) + (tail_end > tail_start) - joined).astype(np.int64)
     group_tokens = np.bincount(group, weights=length, minlength=ranks // degree).astype(np.int64)
     received = (np.repeat(group_tokens, degree) - tokens) * token_bytes.kv
     sent = tokens * (degree - 1) * token_bytes.kv
-    return RankLoads(tokens, pairs, tasks, sent, received)
+    return RankLoads(tokens, pairs, keys, tasks, sent, received)
 
 
 def ulysses_token_bytes(degree: int, token_bytes: TokenBytes, kv_heads: int) -> float:
@@ -150,16 +156,18 @@ def ulysses_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: in
                   kv_heads: int) -> RankLoads:
     """Ulysses of ``degree`` ranks per group (module docstring): every rank of group ``g`` runs its
     own ``tokens_per_rank`` tokens through the linear layers and ``1 / degree`` of the heads of every
-    document of the group (its pairs: the group's pairs / degree; its tasks: the group's documents)."""
+    document of the group (its pairs and keys: the group's / degree; its tasks: the group's documents)."""
     if ranks % degree:
         raise ValueError(f"Ulysses degree {degree} must divide ranks ({ranks})")
     groups = ranks // degree
     group, length = _group_documents(docs, groups, degree * tokens_per_rank)
     group_pairs = np.bincount(group, weights=document_pairs(length).astype(np.float64), minlength=groups)
+    group_keys = np.bincount(group, weights=length, minlength=groups)
     group_docs = np.bincount(group, minlength=groups)
     wire = np.full(ranks, tokens_per_rank * ulysses_token_bytes(degree, token_bytes, kv_heads))
     return RankLoads(np.full(ranks, tokens_per_rank, dtype=np.int64), np.repeat(group_pairs / degree, degree),
-                     np.repeat(group_docs, degree).astype(np.int64), wire, wire.copy())
+                     np.repeat(group_keys / degree, degree), np.repeat(group_docs, degree).astype(np.int64), wire,
+                     wire.copy())
 
 
 def wlb_steps(batches, ranks: int, tokens_per_rank: int, threshold: int):

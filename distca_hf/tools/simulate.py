@@ -19,14 +19,15 @@ timed with one ``TimeModel`` *and* its communication:
   parallel across groups.
 - ``distca``: the planner's CA-task assignment on the colocated packing (``distca_plan``).
 
-A rank's layer time (forward + backward) is ``TimeModel.rank_seconds(tokens, pairs, tasks)`` plus its
-exposed communication: ``(1 - hidden_comm_fraction) x 2 x max(sent, received) / bytes_per_s`` (the
-backward moves as many bytes as the forward: gradients of what the forward moved; a rank's link
-sends and receives at once). The step takes as long as its slowest rank. ``hidden_comm_fraction`` is
-the share the overlap mode hides, an input, the same for every method. Layouts and bytes live in
+A rank's layer time (forward + backward) is the planner's time model (``planning.by_time``): its
+compute (linear per token, the kernel's pairs, keys and tasks) plus its exposed communication, the
+fraction ``1 - hidden_comm_fraction`` of ``2 x (sent + received) / bytes_per_s`` (the backward moves
+as many bytes as the forward) plus ``collective_s`` when anything crosses ranks. The step takes as
+long as its slowest rank. ``hidden_comm_fraction`` is an input, the same for every method; it is
+what the overlap mode hides, and distca plans with it. Layouts and bytes live in
 ``distca_hf.planning.baselines``; bytes assume bf16 and the model given by ``--hidden``, ``--heads``,
-``--kv-heads`` (default: Llama-3-8B); times come from a FLOP model of an H100 by default or
-``distca-hf profile``'s JSON. K/V received is in tokens per layer (the memory a method adds on a rank
+``--kv-heads`` (default: Llama-3-8B); times come from the planner's built-in CUDA model (an H100
+measured, carried to that shape) or ``distca-hf profile``'s JSON (``--time-model``). K/V received is in tokens per layer (the memory a method adds on a rank
 besides its own tokens).
 """
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -43,10 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..planning import (LLAMA3_8B_H100, DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, colocated_plan,
+from ..config import SETTINGS
+from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_degree, ulysses_degree_ok, ulysses_loads,
                                   wlb_steps)
+from ..planning.cost import H100_MEASURED, default_time_model, key_start
 from ..planning.transfers import rank_bytes
 
 __all__ = ["METHODS", "LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received", "distca_plan",
@@ -99,25 +101,34 @@ def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
 
 def distca_plan(pieces: DocumentPieces, config: PlannerConfig, time_model: TimeModel,
                 hidden_comm_fraction: float) -> Plan:
-    """distca's plan of one batch: the one place the simulator asks the planner (it plans with
-    ``config``; the time model and hidden fraction are what a time-based planner weighs)."""
-    return plan_tasks(pieces, config)
+    """distca's plan of one batch: the one place the simulator asks the planner. It plans with
+    ``config`` under the simulator's own time model and hidden fraction (what ``tolerance="auto"``
+    weighs), so the plan and its timing use one model."""
+    return plan_tasks(pieces, dataclasses.replace(config, time_model=time_model,
+                                                  exposed_comm=1.0 - hidden_comm_fraction))
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, transfers=None) -> RankLoads:
     """Per-rank work of ``plan`` on ``pieces``: every rank's own tokens through the linear layers,
-    the pairs and tasks it serves, the bytes it sends and receives."""
+    the pairs, keys and tasks it serves, the bytes it sends and receives."""
     sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
-    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
-                     np.bincount(plan.server, minlength=pieces.num_ranks), sent, received)
+    n = pieces.num_ranks
+    keys = np.bincount(plan.server, weights=plan.q_end - key_start(plan.q_start, plan.window), minlength=n)
+    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64), keys,
+                     np.bincount(plan.server, minlength=n), sent, received)
 
 
 def rank_step_seconds(loads: RankLoads, time_model: TimeModel, hidden_comm_fraction: float):
     """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
-    backward (module docstring); the step is ``max(compute + exposed)``."""
-    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks)
-    wire = 2.0 * np.maximum(loads.sent, loads.received) / time_model.bytes_per_s  # forward + backward
-    return compute, (1.0 - hidden_comm_fraction) * wire
+    backward; the step is ``max(compute + exposed)``. The planner's model (``planning.by_time``):
+    compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction not
+    hidden of ``2 x (sent + received) / bytes_per_s`` (the backward moves as many bytes as the
+    forward) plus ``collective_s`` when anything crosses ranks."""
+    tm = time_model
+    compute = tm.rank_seconds(loads.tokens, loads.pairs, loads.tasks) + tm.task_key_s * loads.keys
+    moves = loads.sent.sum() + loads.received.sum() > 0
+    wire = 2.0 * (loads.sent + loads.received) / tm.bytes_per_s
+    return compute, (1.0 - hidden_comm_fraction) * wire + (tm.collective_s if moves else 0.0)
 
 
 def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
@@ -127,7 +138,7 @@ def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
 
 
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
-             config: PlannerConfig | None = None, time_model: TimeModel = LLAMA3_8B_H100, keep_first: bool = False,
+             config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED, keep_first: bool = False,
              *, hidden_comm_fraction: float = 0.0, heads: int = 32, kv_heads: int = 8,
              wlb_threshold: int | None = None):
     """Run the comparison; returns the contract's JSON object (and the first batch's details as
@@ -136,7 +147,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document."""
-    config = config or PlannerConfig()
+    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -167,6 +178,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
                        "attn_s_per_pair": time_model.attn_s_per_pair, "task_s": time_model.task_s,
                        "bytes_per_s": time_model.bytes_per_s},
         "hidden_comm_fraction": hidden_comm_fraction,
+        "planner": {"tolerance": config.tolerance, "block": config.block},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
                       "exposed_comm_s": mean("colo_comm")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
@@ -277,8 +289,10 @@ def _plot(path, lengths, args, config, time_model, result, options: dict):
     mean = first["local"].mean()
     xs = np.arange(args.ranks)
     left.bar(xs, first["local"] / mean, width=1.0, alpha=0.55, label="colocated (before)", color="#fc8d62")
-    left.bar(xs, first["served"] / mean, width=0.5, alpha=0.9, label="distca (after)", color="#66c2a5")
-    left.axhline(1 + config.tolerance, color="gray", ls="--", lw=0.8, label=f"1 + tolerance ({config.tolerance})")
+    left.bar(xs, first["served"] / mean, width=0.5, alpha=0.9, label=f"distca (after, tolerance {config.tolerance})",
+             color="#66c2a5")
+    if config.tolerance != "auto":  # a fixed tolerance is a bound on the after bars
+        left.axhline(1 + config.tolerance, color="gray", ls="--", lw=0.8, label=f"1 + tolerance ({config.tolerance})")
     left.set_xlabel("rank")
     left.set_ylabel("attention pairs / mean")
     shard = d["smallest_shard_tokens"]
@@ -311,6 +325,8 @@ def _plot(path, lengths, args, config, time_model, result, options: dict):
 
 def _label(method: str, result: dict) -> str:
     degree = result.get(method, {}).get("degree") if method in ("per_doc_cp", "ulysses") else None
+    if degree == 1:  # no group: data parallel, documents cut where ranks end
+        return LABELS[method] + " (degree 1: data parallel)"
     return LABELS[method] + (f" (degree {degree})" if degree else "")
 
 
@@ -338,6 +354,7 @@ def format_table(result: dict) -> str:
     rows += [
         ("time model", f"{tm['source']}; {tm['bytes_per_s'] / 1e9:g} GB/s per rank, "
                        f"{100 * result['hidden_comm_fraction']:.0f}% of communication hidden"),
+        ("distca planner", f"tolerance {result['planner']['tolerance']}, block {result['planner']['block']}"),
         ("attention imbalance, colocated", f"{result['colocated']['attn_imbalance']:.3f}"),
         (f"attention imbalance, WLB-LLM packing (queue above {result['wlb']['threshold_tokens']} tokens)",
          f"{result['wlb']['attn_imbalance']:.3f}"),
@@ -373,9 +390,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=4096, help="model hidden size (bytes; default Llama-3-8B)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--tolerance", type=float, default=PlannerConfig.tolerance)
+    parser.add_argument("--tolerance", type=SETTINGS["tolerance"].metadata["parse"], default=SETTINGS["tolerance"].default,
+                        help="planner tolerance (max/mean - 1 of attention), or 'auto' to plan by time "
+                             "(default: %(default)s)")
     parser.add_argument("--block", type=int, default=128, help="shard block in tokens (GPU kernels like 128)")
-    parser.add_argument("--time-model", metavar="FILE.json", help="constants from `distca-hf profile`")
+    parser.add_argument("--time-model", metavar="FILE.json", help="constants from `distca-hf profile` (default: the "
+                        "planner's built-in CUDA model, an H100 measured, carried to --hidden/--heads/--kv-heads)")
     parser.add_argument("--bytes-per-s", type=float, help="network bandwidth per rank (default: the time model's)")
     parser.add_argument("--hidden-comm-fraction", type=float, default=0.0,
                         help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
@@ -402,8 +422,8 @@ def run_cli(args, parser) -> int:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes)
-        time_model = TimeModel.load(args.time_model) if args.time_model else TimeModel.from_flops(
-            args.hidden, int(math.ceil(args.hidden * 3.5 / 256) * 256), args.heads, args.kv_heads)
+        # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
+        time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
