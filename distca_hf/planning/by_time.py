@@ -49,7 +49,7 @@ def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> n
     transfers = kv_transfers(plan, pieces)
     sent, received = rank_bytes(plan, pieces, config.token_bytes, transfers)
     moves = plan.moved_queries() > 0 or transfers.source.size > 0
-    comm = config.exposed_comm * 2.0 * (sent + received) / tm.bytes_per_s + (tm.collective_s if moves else 0.0)
+    comm = tm.comm_seconds(sent, received, config.exposed_comm, moves)
     return tm.linear_s_per_token * tokens + kernel + comm
 
 

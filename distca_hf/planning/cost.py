@@ -159,9 +159,19 @@ class TimeModel:
         if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
 
-    def rank_seconds(self, tokens, pairs, tasks=0):
-        """Per-rank layer time; works on scalars and numpy arrays alike."""
-        return self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_s * tasks
+    def rank_seconds(self, tokens, pairs, tasks=0, keys=0):
+        """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks
+        totalling ``pairs`` pairs, ``keys`` K/V tokens and ``tasks`` tasks (the sum of their
+        ``task_seconds``); works on scalars and numpy arrays alike."""
+        return (self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_key_s * keys
+                + self.task_s * tasks)
+
+    def comm_seconds(self, sent, received, exposed_comm: float = 1.0, moves: bool = True):
+        """Exposed communication time of a layer, forward + backward, for a rank that sends ``sent``
+        and receives ``received`` bytes in its forward (the backward moves as many again): the
+        fraction ``exposed_comm`` the overlap does not hide of ``2 (sent + received) / bytes_per_s``,
+        plus ``collective_s`` when anything crosses ranks (``moves``)."""
+        return exposed_comm * 2.0 * (sent + received) / self.bytes_per_s + (self.collective_s if moves else 0.0)
 
     def task_seconds(self, pairs, keys):
         """Kernel seconds of CA-tasks of ``pairs`` pairs over ``keys`` K/V tokens (scalars or arrays,

@@ -124,11 +124,9 @@ def rank_step_seconds(loads: RankLoads, time_model: TimeModel, hidden_comm_fract
     compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction not
     hidden of ``2 x (sent + received) / bytes_per_s`` (the backward moves as many bytes as the
     forward) plus ``collective_s`` when anything crosses ranks."""
-    tm = time_model
-    compute = tm.rank_seconds(loads.tokens, loads.pairs, loads.tasks) + tm.task_key_s * loads.keys
-    moves = loads.sent.sum() + loads.received.sum() > 0
-    wire = 2.0 * (loads.sent + loads.received) / tm.bytes_per_s
-    return compute, (1.0 - hidden_comm_fraction) * wire + (tm.collective_s if moves else 0.0)
+    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys)
+    moves = bool(loads.sent.sum() + loads.received.sum() > 0)
+    return compute, time_model.comm_seconds(loads.sent, loads.received, 1.0 - hidden_comm_fraction, moves)
 
 
 def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
