@@ -28,7 +28,7 @@ ALLOWED = {
     "kernels": BASE,
     "runtime": {"planning", "kernels"} | BASE,
     "hf": {"runtime", "planning", "kernels"} | BASE,
-    "patches": {"hf", "runtime", "planning"} | BASE,
+    "patches": {"hf", "runtime", "planning", "kernels"} | BASE,
     "training": {"hf", "runtime", "planning"} | BASE,
     "tools": {"training", "hf", "runtime", "planning", "kernels"} | BASE,
 }
