@@ -99,14 +99,18 @@ def default_lengths() -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", help="JSON list of document lengths (default: Python help topics)")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--tokens-per-rank", type=int, default=8192)
-    parser.add_argument("--tolerance", type=float, default=0.02)
-    parser.add_argument("--block", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="plan.png")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--lengths", help="A JSON list of document lengths in tokens. Left out: the lengths of "
+                                          "Python's help topics under the demo's tokenizer.")
+    parser.add_argument("--ranks", type=int, default=4, help="Ranks (attention servers) to plan for.")
+    parser.add_argument("--tokens-per-rank", "--tokens_per_rank", type=int, default=8192,
+                        help="Each rank's token budget; the ranks share one global batch of documents.")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="The planner's allowed max/mean - 1 of attention load over the servers.")
+    parser.add_argument("--block", type=int, default=1, help="Shard granularity in tokens.")
+    parser.add_argument("--seed", type=int, default=0, help="Seeds the order the documents are packed in.")
+    parser.add_argument("--out", default="plan.png", help="Where to write the figure (PNG).")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.tokens_per_rank < 2 or args.block < 1:
         parser.error("--ranks, --block must be >= 1 and --tokens-per-rank >= 2")

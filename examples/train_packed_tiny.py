@@ -3,13 +3,13 @@
 Offline by design: the documents are the Python help topics shipped with the standard library
 (``pydoc_data.topics``), the tokenizer is a byte-level BPE trained on them on the spot, and the model
 is built from a config with random weights. Documents of very different lengths are packed into
-micro-batches of ``--tokens`` tokens with ``position_ids`` that restart at each document; documents
+micro-batches of ``--tokens_per_batch`` tokens with ``position_ids`` that restart at each document; documents
 longer than a micro-batch are cut into chunks, and the cut is reported, never silent.
 
 Before training, the script checks that the packed forward equals each document run alone with
 eager attention, then prints the loss per step.
 
-    python examples/train_packed_tiny.py [--steps 12] [--tokens 2048]
+    python examples/train_packed_tiny.py [--max_steps 12] [--tokens_per_batch 2048]
 """
 
 from __future__ import annotations
@@ -73,14 +73,19 @@ def check_exact(model, batch) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per packed micro-batch")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # The HF scripts' flag names (dashes, and the names of 0.1, work too).
+    parser.add_argument("--max_steps", "--max-steps", "--steps", dest="steps", type=int, default=12,
+                        help="Optimizer steps to train.")
+    parser.add_argument("--tokens_per_batch", "--tokens-per-batch", "--tokens", dest="tokens", type=int, default=2048,
+                        help="Tokens per packed micro-batch; longer documents are cut into chunks.")
+    parser.add_argument("--learning_rate", "--learning-rate", "--lr", dest="lr", type=float, default=3e-3,
+                        help="AdamW's learning rate.")
+    parser.add_argument("--seed", type=int, default=0, help="Seeds the weights and the order of the documents.")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens < 2:
-        parser.error("--steps must be >= 1 and --tokens >= 2")
+        parser.error(f"--max_steps must be >= 1 and --tokens_per_batch >= 2, got {args.steps} and {args.tokens}")
 
     torch.manual_seed(args.seed)
     texts = [topics[k] for k in sorted(topics)]
