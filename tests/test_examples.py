@@ -61,6 +61,7 @@ def test_every_distca_setting_is_a_flag_with_the_tables_help():
         bad.plugin()
 
 
+@pytest.mark.distributed  # spawns an interpreter
 def test_help_shows_defaults_and_whole_sentences():
     result = subprocess.run([sys.executable, "examples/finetune_long_context.py", "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)

@@ -89,3 +89,29 @@ def test_from_pretrained_and_set_attn_implementation(tmp_path):
     assert model.config._attn_implementation == "distca"
     torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, ours)
     assert distca_hf.__version__
+
+
+@pytest.mark.distributed  # spawns interpreters
+def test_import_is_cheap_and_registers_when_transformers_loads():
+    """``import distca_hf`` imports neither torch nor transformers; "distca" is registered (and the
+    Llama stack wrapped, Bloom refused) once transformers imports its modules, whichever comes first."""
+    script = """
+import sys
+import distca_hf
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig, LlamaModel
+model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), attn_implementation="distca")
+print(model.config._attn_implementation, getattr(LlamaModel.forward, "_distca_pingpong", False))
+try:
+    AutoModelForCausalLM.from_config(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2),
+                                     attn_implementation="distca")
+except distca_hf.UnsupportedAttentionError:
+    print("bloom refused")
+"""
+    for first in ("", "import transformers.modeling_utils, transformers.models.llama.modeling_llama\n"):
+        result = subprocess.run([sys.executable, "-c", first + script], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = result.stdout.split("\n")
+        assert lines[0] == ("[]" if not first else "['torch', 'transformers']")
+        assert lines[1:3] == ["distca True", "bloom refused"]
