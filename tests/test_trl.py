@@ -62,10 +62,10 @@ def _model(attn: str, vocab: int):
     return tiny_model("llama", attn=attn, vocab_size=vocab, max_position_embeddings=1024, use_cache=False)
 
 
-def _common_arguments(output_dir: str) -> dict:
+def _common_arguments(output_dir: str, bf16: bool = False) -> dict:
     return dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, learning_rate=0.5,
                 optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to="none", seed=0, data_seed=0,
-                save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True, bf16=False)
+                save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True, bf16=bf16)
 
 
 def _losses(trainer) -> list[float]:
@@ -78,12 +78,14 @@ def _documents_per_row(trainer) -> int:
     return int(batch["cu_seq_lens_q"].numel()) - 1
 
 
-def sft_run(attn: str, output_dir: str) -> dict:
-    """``SFTTrainer`` with ``packing=True`` (``bfd``, so padding-free) on the tiny Llama."""
+def sft_run(attn: str, output_dir: str, bf16: bool = False) -> dict:
+    """``SFTTrainer`` with ``packing=True`` (``bfd``, so padding-free) on the tiny Llama; ``bf16``:
+    TRL's default mixed precision (autocast; on CPU it needs ``use_cpu=True``)."""
     from trl import SFTConfig, SFTTrainer
 
     tokenizer = _tokenizer(_texts())
-    config = SFTConfig(**_common_arguments(output_dir), packing=True, packing_strategy="bfd", max_length=MAX_LENGTH)
+    config = SFTConfig(**_common_arguments(output_dir, bf16), packing=True, packing_strategy="bfd",
+                       max_length=MAX_LENGTH)
     trainer = SFTTrainer(model=_model(attn, len(tokenizer)), args=config, train_dataset=_documents(tokenizer),
                          processing_class=tokenizer)
     assert trainer.padding_free  # bfd packing turns padding-free on
@@ -122,6 +124,14 @@ def test_sft_trainer_with_bfd_packing_on_one_process(tmp_path):
     distca = sft_run("distca", str(tmp_path / "distca"))
     eager = sft_run("eager", str(tmp_path / "eager"))
     _assert_same_losses(distca, eager)
+
+
+def test_sft_trainers_default_bf16_runs_and_stays_near_fp32(tmp_path):
+    """SFTConfig's default ``bf16=True`` (autocast): the run works and its losses stay within bf16's
+    precision of the fp32 reference."""
+    mixed = sft_run("distca", str(tmp_path / "bf16"), bf16=True)
+    eager = sft_run("eager", str(tmp_path / "eager"))
+    torch.testing.assert_close(torch.tensor(mixed["losses"]), torch.tensor(eager["losses"]), rtol=2e-2, atol=0)
 
 
 def _two_rank_worker(rank, world, out_dir):
