@@ -2,7 +2,8 @@
 
     distca-hf env            versions, device and usable kernel backends (paste it into bug reports)
     distca-hf kernel-bench   exact CPU attention paths side by side (see kernel_bench.py)
-    distca-hf simulate       cluster-scale balance, bytes and speedup of CAD (see simulate.py)
+    distca-hf simulate       distca against colocated, WLB-LLM, per-document CP and Ulysses on N ranks,
+                             one time model with communication (see simulate.py)
     distca-hf profile        measure the time model's constants on this device (see profiling.py)
     distca-hf bench          multi-process step time, colocated against distca (see bench.py)
     distca-hf launch         accelerate launch with a distca: section in the config (see launch.py)
@@ -89,7 +90,8 @@ def _print_env(args) -> int:
 SUBCOMMANDS = {
     "kernel-bench": ("distca_hf.tools.kernel_bench", "time the attention kernels: CPU paths side by side, or CA-task "
                      "efficiency on CUDA"),
-    "simulate": ("distca_hf.tools.simulate", "what CAD gains on N ranks: balance, bytes, plan time, speedup"),
+    "simulate": ("distca_hf.tools.simulate", "what CAD gains on N ranks against the best baseline "
+                 "(colocated, WLB-LLM, per-document CP, Ulysses), communication included"),
     "profile": ("distca_hf.tools.profiling", "measure time-model constants on this device"),
     "bench": ("distca_hf.tools.bench", "multi-process step time: colocated against distca"),
     "launch": ("distca_hf.tools.launch", "accelerate launch with a config file that has a distca: section"),

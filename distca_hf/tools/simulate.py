@@ -38,6 +38,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -296,7 +297,7 @@ def _plot(path, lengths, args, config, time_model, result, options: dict):
     shard = d["smallest_shard_tokens"]
     left.set_title(f"Per-rank attention, first batch ({args.ranks} ranks x {args.tokens_per_rank} tokens)\n"
                    f"distca: {d['tasks_per_server']['max']:.0f} tasks on the busiest server, smallest moved shard "
-                   f"{'-' if shard is None else shard} tokens (block {config.block})", fontsize=9)
+                   f"{'-' if shard is None else shard} tokens (block {config.block})", fontsize=8.5)
     left.legend(fontsize=8)
 
     contexts = sorted({max(1, args.tokens_per_rank // 4), max(1, args.tokens_per_rank // 2), args.tokens_per_rank,
@@ -309,15 +310,17 @@ def _plot(path, lengths, args, config, time_model, result, options: dict):
     for m, ys in lines.items():
         if any(y is None for y in ys):
             continue
-        right.plot(contexts, np.array(ys) * 1e3, marker="o", label=_label(m, result))
+        right.plot(contexts, np.array(ys) * 1e3, marker="o", label=LABELS[m])  # CP/Ulysses degrees vary with T
     right.set_xscale("log", base=2)
     right.set_xlabel("tokens per rank")
     right.set_ylabel("layer time, fwd+bwd (ms)")
-    right.set_title(f"Layer time vs context, slowest rank, with exposed communication\n(time model: "
-                    f"{time_model.source}; {100 * result['hidden_comm_fraction']:.0f}% of communication hidden)",
-                    fontsize=9)
+    right.set_title("Layer time vs tokens per rank (slowest rank, communication included)", fontsize=9)
     right.legend(fontsize=8)
-    fig.tight_layout()
+    fig.text(0.5, 0.01, textwrap.fill(f"time model: {time_model.source}; {time_model.bytes_per_s / 1e9:g} GB/s per "
+                                      f"rank, {100 * result['hidden_comm_fraction']:.0f}% of communication hidden; "
+                                      "CP and Ulysses at the smallest degree that holds the longest document", 150),
+             ha="center", va="bottom", fontsize=7.5, color="#444444")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
 
