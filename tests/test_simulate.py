@@ -518,3 +518,14 @@ def test_simulated_colocated_and_distca_steps_equal_an_independent_recount(seed,
         distca.append(step(plan_tasks(pieces, config), pieces))
     assert result["colocated"]["step_time_s"] == pytest.approx(np.mean(colocated))
     assert result["distca"]["step_time_s"] == pytest.approx(np.mean(distca))
+
+
+def test_ulysses_unavailable_when_no_degree_deepspeed_accepts_holds_the_longest_document():
+    # a 400-token document needs 8 ranks of 64 tokens; with 4 heads DeepSpeed accepts at most 4
+    result = simulate(np.array([400, 10]), ranks=8, tokens_per_rank=64, batches=2, seed=0, heads=4, kv_heads=2)
+    assert result["ulysses"]["step_time_s"] is None and result["ulysses"]["degree"] is None
+    assert "4 heads" in result["ulysses"]["unavailable"]
+    assert result["per_doc_cp"]["degree"] == 8 and result["best_baseline"] != "ulysses"
+    assert "n/a" in format_table(result)
+    with_heads = simulate(np.array([400, 10]), ranks=8, tokens_per_rank=64, batches=2, seed=0, heads=8, kv_heads=2)
+    assert with_heads["ulysses"]["degree"] == 8  # 8 heads split over 8 ranks, 2 K/V heads repeated 4 times
