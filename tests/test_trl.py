@@ -7,8 +7,8 @@ with ``attn_implementation="eager"``: with no KV cache (``use_cache=False``, as 
 transformers builds the block-diagonal causal mask from the packed ``position_ids``
 (``masking_utils.find_packed_sequence_indices``), so every document attends only to itself, computed
 densely in fp32 by code that shares nothing with distca's. The logged losses must agree step by step, on one
-process and on two (where distca moves attention between the ranks: ``plan_stats()`` says the plan
-was dispatched). Tiny random-weight models, text from ``pydoc_data.topics``, nothing downloaded.
+process and on two, where distca balances the attention of the ranks' rows (``plan_stats()`` after
+every step: within the 2% tolerance of the mean, from worse). Tiny random-weight models, text from ``pydoc_data.topics``, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _texts() -> list[str]:
     from pydoc_data.topics import topics
 
     names = sorted(topics)
-    return [topics[name][:1500] for name in names[::3][:24]]
+    return [topics[name][:2000] for name in names[::3][:24]]
 
 
 def _tokenizer(texts):
@@ -47,11 +47,18 @@ def _tokenizer(texts):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
 
 
+# Document lengths in tokens, 3 to 190 (below MAX_LENGTH, so nothing is truncated): rows of very
+# different attention cost, which distca balances across ranks.
+LENGTHS = [5, 190, 12, 33, 150, 7, 64, 120, 9, 180, 20, 45, 100, 3, 170, 28, 80, 140, 15, 60, 110, 6, 185, 40]
+
+
 def _documents(tokenizer):
-    """A ``datasets.Dataset`` of token ids (an ``input_ids`` column), the documents 9 to 600 tokens."""
+    """A ``datasets.Dataset`` of token ids (an ``input_ids`` column): the texts' first ``LENGTHS``
+    tokens."""
     import datasets
 
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in _texts()]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:n] for t, n in zip(_texts(), LENGTHS)]
+    assert [len(d) for d in ids] == LENGTHS
     return datasets.Dataset.from_dict({"input_ids": ids})
 
 
@@ -78,6 +85,36 @@ def _documents_per_row(trainer) -> int:
     return int(batch["cu_seq_lens_q"].numel()) - 1
 
 
+class _PlanRecorder:
+    """A ``TrainerCallback`` (built lazily: transformers loads in the workers) recording each step's
+    plan: per-rank attention pairs colocated and as served."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class PlanRecorder(TrainerCallback):
+            def __init__(self):
+                self.plans = []
+
+            def on_step_end(self, args, state, control, **kwargs):
+                import distca_hf
+
+                stats = distca_hf.plan_stats()
+                self.plans.append({key: stats[key] for key in ("dispatched", "attn_pairs_local", "attn_pairs_served")})
+
+        return PlanRecorder()
+
+
+def _train(trainer, attn: str) -> dict:
+    recorder = _PlanRecorder() if attn == "distca" else None
+    if recorder is not None:
+        trainer.add_callback(recorder)
+    documents_per_row = _documents_per_row(trainer)
+    trainer.train()
+    return {"losses": _losses(trainer), "documents_per_row": documents_per_row,
+            "plans": recorder.plans if recorder is not None else None}
+
+
 def sft_run(attn: str, output_dir: str, bf16: bool = False) -> dict:
     """``SFTTrainer`` with ``packing=True`` (``bfd``, so padding-free) on the tiny Llama; ``bf16``:
     TRL's default mixed precision (autocast; on CPU it needs ``use_cpu=True``)."""
@@ -89,9 +126,7 @@ def sft_run(attn: str, output_dir: str, bf16: bool = False) -> dict:
     trainer = SFTTrainer(model=_model(attn, len(tokenizer)), args=config, train_dataset=_documents(tokenizer),
                          processing_class=tokenizer)
     assert trainer.padding_free  # bfd packing turns padding-free on
-    documents_per_row = _documents_per_row(trainer)
-    trainer.train()
-    return {"losses": _losses(trainer), "documents_per_row": documents_per_row}
+    return _train(trainer, attn)
 
 
 def flattening_run(attn: str, output_dir: str) -> dict:
@@ -99,20 +134,10 @@ def flattening_run(attn: str, output_dir: str) -> dict:
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     tokenizer = _tokenizer(_texts())
-    documents = _documents(tokenizer).map(lambda d: {"input_ids": d["input_ids"][:MAX_LENGTH]})
     trainer = Trainer(model=_model(attn, len(tokenizer)), args=TrainingArguments(**_common_arguments(output_dir)),
-                      train_dataset=documents,
+                      train_dataset=_documents(tokenizer),
                       data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))
-    documents_per_row = _documents_per_row(trainer)
-    trainer.train()
-    return {"losses": _losses(trainer), "documents_per_row": documents_per_row}
-
-
-def _last_plan() -> dict:
-    import distca_hf
-
-    stats = distca_hf.plan_stats()
-    return {key: stats[key] for key in ("dispatched", "attn_pairs_local", "attn_pairs_served")}
+    return _train(trainer, attn)
 
 
 def _assert_same_losses(distca: dict, eager: dict) -> None:
@@ -135,12 +160,11 @@ def test_sft_trainers_default_bf16_runs_and_stays_near_fp32(tmp_path):
 
 
 def _two_rank_worker(rank, world, out_dir):
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # A fixed tolerance: these tiny steps are balanced whatever a time model would say they cost.
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DISTCA_TOLERANCE="0.02")
     results = {}
     for name, run in (("sft", sft_run), ("flattening", flattening_run)):
-        results[name] = {"distca": run("distca", os.path.join(out_dir, name, "distca"))}
-        results[name]["plan"] = _last_plan()
-        results[name]["eager"] = run("eager", os.path.join(out_dir, name, "eager"))
+        results[name] = {attn: run(attn, os.path.join(out_dir, name, attn)) for attn in ("distca", "eager")}
     return results
 
 
@@ -153,8 +177,11 @@ def test_sft_trainer_and_plain_trainer_on_two_processes(tmp_path):
         runs = [r["value"][name] for r in results]
         for run in runs:
             _assert_same_losses(run["distca"], run["eager"])
-            plan = run["plan"]
-            assert plan["dispatched"], f"{name}: distca did not dispatch on two ranks"
-            assert sum(plan["attn_pairs_served"]) == sum(plan["attn_pairs_local"])  # every pair computed once
-            assert max(plan["attn_pairs_served"]) <= max(plan["attn_pairs_local"])
+        plans = runs[0]["distca"]["plans"]
+        assert plans == runs[1]["distca"]["plans"] and len(plans) == STEPS  # every rank makes the same plan
+        for plan in plans:
+            local, served = plan["attn_pairs_local"], plan["attn_pairs_served"]
+            assert plan["dispatched"] and sum(served) == sum(local)  # every query-key pair computed once
+            assert max(served) <= 1.02 * sum(served) / len(served) + 1  # within the tolerance of the mean ...
+        assert any(max(p["attn_pairs_local"]) > 1.1 * sum(p["attn_pairs_local"]) / 2 for p in plans)  # ... from worse
         assert runs[0]["distca"]["losses"] == runs[1]["distca"]["losses"]  # the Trainer logs the global loss
