@@ -88,7 +88,8 @@ def run(data: Path, batches: int):
             )
     grid = "\n".join([
         f"Time model: {model['source']}, {model['bytes_per_s'] / 1e9:g} GB/s per rank; layer = one layer forward + "
-        f"backward on the slowest rank, ms (of it: exposed communication). Baselines: {', '.join(LABELS[m] for m in SHORT)} "
+        f"backward on the slowest rank, ms (of it: exposed communication). Baselines: "
+        f"{', '.join(LABELS[m] for m in SHORT)} "
         "(degree in brackets).",
         "",
         "| sample | ranks x tokens/rank | distca vs best baseline, no comm hidden | same, "

@@ -120,8 +120,9 @@ def _group_documents(docs: np.ndarray, groups: int, group_tokens: int):
 def cp_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, token_bytes: TokenBytes) -> RankLoads:
     """Per-document CP of ``degree`` ranks per group (module docstring). Rank ``g degree + i`` holds
     chunks ``i`` and ``2 degree - 1 - i`` of every document of group ``g``, computes them against
-    their prefixes (one kernel task per chunk, or one for both when they touch), and all-gathers the group's K/V: it receives the K/V of every token of its group
-    it does not hold and sends its own to the ``degree - 1`` others."""
+    their prefixes (one kernel task per chunk, or one for both when they touch), and all-gathers
+    the group's K/V: it receives the K/V of every token of its group it does not hold and sends its
+    own to the ``degree - 1`` others."""
     if ranks % degree:
         raise ValueError(f"CP degree {degree} must divide ranks ({ranks})")
     group, length = _group_documents(docs, ranks // degree, degree * tokens_per_rank)
@@ -135,7 +136,8 @@ def cp_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, to
     pairs = per_rank(causal_pairs(head_start, head_end) + causal_pairs(tail_start, tail_end)).astype(np.float64)
     # a rank's two chunks run as one task when they touch (the middle rank; every rank at degree 1)
     joined = (head_end == tail_start) & (head_end > head_start) & (tail_end > tail_start)
-    keys = per_rank(np.where((head_end > head_start) & ~joined, head_end, 0) + np.where(tail_end > tail_start, tail_end, 0))
+    keys = per_rank(np.where((head_end > head_start) & ~joined, head_end, 0)
+                    + np.where(tail_end > tail_start, tail_end, 0))
     tasks = per_rank((head_end > head_start).astype(np.int64) + (tail_end > tail_start) - joined).astype(np.int64)
     group_tokens = np.bincount(group, weights=length, minlength=ranks // degree).astype(np.int64)
     received = (np.repeat(group_tokens, degree) - tokens) * token_bytes.kv

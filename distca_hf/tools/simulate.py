@@ -27,8 +27,8 @@ long as its slowest rank. ``hidden_comm_fraction`` is an input, the same for eve
 what the overlap mode hides, and distca plans with it. Layouts and bytes live in
 ``distca_hf.planning.baselines``; bytes assume bf16 and the model given by ``--hidden``, ``--heads``,
 ``--kv-heads`` (default: Llama-3-8B); times come from the planner's built-in CUDA model (an H100
-measured, carried to that shape) or ``distca-hf profile``'s JSON (``--time-model``). K/V received is in tokens per layer (the memory a method adds on a rank
-besides its own tokens).
+measured, carried to that shape) or ``distca-hf profile``'s JSON (``--time-model``). K/V received
+is in tokens per layer (the memory a method adds on a rank besides its own tokens).
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     wlb_tokens = sum(int(pieces.tokens().sum()) for pieces, _ in wlb_packed)
     acc = {k: [m[k] for m in measured] for k in measured[0] if not k.startswith("_")}
     mean = lambda k: float(np.mean(acc[k]))
-    step = {"colocated": mean("colo_t"), "wlb": sum(w["t"] for w in wlb) * ranks * tokens_per_rank / max(wlb_tokens, 1), "per_doc_cp": mean("cp_t"),
+    step = {"colocated": mean("colo_t"), "wlb": sum(w["t"] for w in wlb) * ranks * tokens_per_rank / max(wlb_tokens, 1),
+            "per_doc_cp": mean("cp_t"),
             "ulysses": mean("sp_t") if sp_degree else None, "distca": mean("dca_t")}
     baselines = {k: v for k, v in step.items() if k != "distca" and v is not None}
     best = min(baselines, key=baselines.get)
@@ -365,7 +366,8 @@ def format_table(result: dict) -> str:
          f"{d['tasks_per_server']['max']:.1f} / {d['tasks_per_server']['mean']:.1f}, "
          f"{'-' if d['smallest_shard_tokens'] is None else d['smallest_shard_tokens']} tokens"),
         ("bytes per layer, distca", f"{d['comm_bytes_per_layer'] / 1e9:.3f} GB"),
-        (f"bytes per layer, {_label('per_doc_cp', result)}", f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
+        (f"bytes per layer, {_label('per_doc_cp', result)}",
+         f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
     ]
     if result["ulysses"]["step_time_s"] is not None:
         rows.append((f"bytes per layer, {_label('ulysses', result)}",
@@ -391,7 +393,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=4096, help="model hidden size (bytes; default Llama-3-8B)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--tolerance", type=SETTINGS["tolerance"].metadata["parse"], default=SETTINGS["tolerance"].default,
+    tolerance = SETTINGS["tolerance"]
+    parser.add_argument("--tolerance", type=tolerance.metadata["parse"], default=tolerance.default,
                         help="planner tolerance (max/mean - 1 of attention), or 'auto' to plan by time "
                              "(default: %(default)s)")
     parser.add_argument("--block", type=int, default=128, help="shard block in tokens (GPU kernels like 128)")
