@@ -235,11 +235,28 @@ per rank (400 Gb/s InfiniBand). Measure your own with ``distca-hf profile`` (``D
 CPU_GLOO_SHAPE = {"hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 2, "head_dim": 32}
 
 CPU_GLOO_MEASURED = TimeModel(
-    linear_s_per_token=330e-6, attn_s_per_pair=141e-9, task_s=0.64e-3, bytes_per_s=1.0e9,
+    linear_s_per_token=115e-6, attn_s_per_pair=78e-9, task_s=0.36e-3, bytes_per_s=100e6,
     source="built-in CPU default: measured on 2 CPU processes over gloo (fp32, one thread each, torch_cpu kernel)",
-    task_key_s=2.7e-6, collective_s=5e-3)
-"""The built-in CPU model, at ``CPU_GLOO_SHAPE`` (``distca-hf bench``'s model): measured on the
-2-core machine this package is developed on, two processes, one torch thread each. FILLED IN BELOW."""
+    task_key_s=1.5e-6, collective_s=2e-3)
+"""The built-in CPU model, at ``CPU_GLOO_SHAPE`` (``distca-hf bench``'s model), measured on the
+2-core machine this package is developed on: two processes, one torch thread each, fp32.
+
+- ``linear_s_per_token`` (115 us) and ``attn_s_per_pair`` (78 ns): from ``distca-hf bench``'s
+  colocated step and its ideal on a quiet machine (README: 13.82 s and 8.95 s for 4 layers; the
+  skewed batch's ranks hold 33.6M and 1.05M pairs of 8192 tokens): ``L + 33.6M a = 3.46 s`` and
+  ``L + 17.3M a = 2.24 s`` per layer. ``distca-hf profile`` measures the same terms on one process.
+- ``task_s`` (0.36 ms) and ``task_key_s`` (1.5 us per key): a least-squares fit of the
+  ``torch_cpu`` kernel (forward + backward) over fused batches of 1 to 64 tasks, 64 to 4096 queries
+  against 64 to 4096 keys each, scaled to the quiet machine's pair rate.
+- ``collective_s`` (2 ms): a gloo ``all_to_all_single`` between the two processes takes about 0.3 ms
+  whatever its size; a layer runs four (inputs, outputs, their gradients) plus the dispatch's fixed work.
+- ``bytes_per_s`` (100 MB/s, bytes a rank sends plus receives): gloo moves about 1 GB/s on
+  loopback, but a dispatched layer also packs, unpacks and scatters what it moves; the skewed step's
+  distca step above its ideal (9.72 s against 8.95 s for 4 layers, 8.8 MB forward per layer, as many
+  again in the backward) is about 0.19 s per layer, which this rate accounts for.
+
+Other 2-core machines, or these processes beside other jobs, differ: measure with ``distca-hf
+profile`` and set ``DISTCA_TIME_MODEL``."""
 
 
 def default_time_model(device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:
