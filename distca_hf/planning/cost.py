@@ -237,7 +237,7 @@ CPU_GLOO_SHAPE = {"hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 2,
 CPU_GLOO_MEASURED = TimeModel(
     linear_s_per_token=115e-6, attn_s_per_pair=78e-9, task_s=0.36e-3, bytes_per_s=100e6,
     source="built-in CPU default: measured on 2 CPU processes over gloo (fp32, one thread each, torch_cpu kernel)",
-    task_key_s=1.5e-6, collective_s=2e-3)
+    task_key_s=1.5e-6, collective_s=25e-3)
 """The built-in CPU model, at ``CPU_GLOO_SHAPE`` (``distca-hf bench``'s model), measured on the
 2-core machine this package is developed on: two processes, one torch thread each, fp32.
 
@@ -248,12 +248,14 @@ CPU_GLOO_MEASURED = TimeModel(
 - ``task_s`` (0.36 ms) and ``task_key_s`` (1.5 us per key): a least-squares fit of the
   ``torch_cpu`` kernel (forward + backward) over fused batches of 1 to 64 tasks, 64 to 4096 queries
   against 64 to 4096 keys each, scaled to the quiet machine's pair rate.
-- ``collective_s`` (2 ms): a gloo ``all_to_all_single`` between the two processes takes about 0.3 ms
-  whatever its size; a layer runs four (inputs, outputs, their gradients) plus the dispatch's fixed work.
-- ``bytes_per_s`` (100 MB/s, bytes a rank sends plus receives): gloo moves about 1 GB/s on
-  loopback, but a dispatched layer also packs, unpacks and scatters what it moves; the skewed step's
-  distca step above its ideal (9.72 s against 8.95 s for 4 layers, 8.8 MB forward per layer, as many
-  again in the backward) is about 0.19 s per layer, which this rate accounts for.
+- ``collective_s`` (25 ms) and ``bytes_per_s`` (100 MB/s, bytes a rank sends plus receives): what a
+  dispatched layer costs beyond its balanced kernels, fitted to two measurements: the bench model's
+  skewed step (distca 9.72 s against its ideal 8.95 s for 4 layers: 0.19 s per layer moving 8.8 MB
+  forward and as many back) and the demo's model (hidden 64, 2 heads, 1 K/V head) on the bench's
+  ``mixed`` rounds (about 50 ms per layer above colocated moving 1.3 MB). A gloo
+  ``all_to_all_single`` alone takes about 0.3 ms and moves about 1 GB/s on loopback; the rest is the
+  dispatch's own work (packing, scattering, Python) and the two processes meeting at each of a
+  layer's four all-to-alls on a 2-core machine.
 
 Other 2-core machines, or these processes beside other jobs, differ: measure with ``distca-hf
 profile`` and set ``DISTCA_TIME_MODEL``."""
