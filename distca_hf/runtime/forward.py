@@ -23,8 +23,8 @@ import torch.distributed as dist
 from ..config import DistCAConfig, block_for_device, current_config
 from ..errors import UnsupportedAttentionError
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
-                        TokenBytes, colocated_plan, find_documents, fuse_tasks, plan_tasks, resolve_time_model,
-                        stitch_rank_documents, whole_document_tasks)
+                        TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers, plan_tasks,
+                        resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
@@ -117,7 +117,11 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
-                                   kv_window=kv_window, dtype_bytes=query.element_size())
+                                   kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
+    if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
+        stats = plan_stats_of(number, [planned])
+        return ForwardContext(number, call_key, inputs, ranks.longest_document, stats,
+                              local=fuse_tasks(whole_document_tasks(docs), docs).to(query.device))
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
@@ -198,11 +202,16 @@ below the overlap fractions ``distca-hf bench --overlap`` measures)."""
 
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
-               kv_window: int | None = None, dtype_bytes: int | None = None) -> tuple[Dispatch, BatchPlan]:
+               kv_window: int | None = None, dtype_bytes: int | None = None,
+               local_when_colocated: bool = False) -> tuple[Dispatch | None, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
     ``context_for_call``; ``dtype_bytes``: bytes of an attention element (default: 2 on CUDA, 4
-    elsewhere), to carry the built-in time model to the model's widths."""
+    elsewhere), to carry the built-in time model to the model's widths. ``local_when_colocated``: when
+    the plan moves no query and no K/V (``tolerance="auto"`` on a step it cannot speed up), return no
+    dispatch and a ``BatchPlan`` without plan: the caller computes this rank's documents itself (no
+    dispatch to build, no per-layer exchange), as ``mode="colocated"`` does; ``docs`` must then hold a
+    real token."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -218,6 +227,9 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
         plan = plan_tasks(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[overlap]))
+    if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
+            and kv_transfers(plan, pieces).tokens() == 0):
+        return None, BatchPlan(pieces)
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=block, group=group, timeout_s=config.timeout_s,

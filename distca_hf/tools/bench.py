@@ -311,8 +311,9 @@ def _gather_results(runs: dict, methods, rank: int, world: int, args) -> dict:
         done = runs[("distca", backward_mode, overlap)]
         stats = done[-1][2]
         sent = [None] * world
-        dist.all_gather_object(sent, (sum(stats["rank_bytes_sent_this_step"].values()),
-                                      stats["rank_saved_for_backward_bytes"],
+        # a step whose plan moved nothing ran locally: no byte counters ("auto" on a balanced step)
+        dist.all_gather_object(sent, (sum(stats.get("rank_bytes_sent_this_step", {}).values()),
+                                      stats.get("rank_saved_for_backward_bytes", 0),
                                       [r[3] for r in done]))  # each step's timeline events
         key = f"distca_{backward_mode}" if overlap == overlaps[0] else f"distca_{backward_mode}_{overlap}"
         results[key] = {
