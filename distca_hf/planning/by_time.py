@@ -72,7 +72,7 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
         linear = tm.linear_s_per_token * np.bincount(pieces.rank, weights=pieces.end - pieces.start,
                                                      minlength=pieces.num_ranks)
         # any plan that moves work: its busiest server computes at least the mean attention
-        bound = max(linear.max(initial=0.0), linear[list(servers)].min(initial=0.0)
+        bound = max(linear.max(initial=0.0), linear[list(servers)].min()
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
         if bound >= best_s:
             return best
