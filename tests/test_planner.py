@@ -376,3 +376,25 @@ def test_auto_prefers_fewer_fatter_shards_when_tasks_cost():
     cheap_plan, dear_plan = plan_tasks(pieces, cheap), plan_tasks(pieces, dear)
     assert step_seconds(dear_plan, pieces, dear) <= step_seconds(cheap_plan, pieces, dear)
     assert dear_plan.num_tasks <= cheap_plan.num_tasks
+
+
+def test_built_in_time_models_follow_the_device_and_the_model_widths():
+    """At the shape they were measured at, the built-in models are the measurements; attention per
+    pair (and per task key) scales with heads x head_dim, as attention FLOPs do; communication and
+    per-task constants do not depend on the shape."""
+    from distca_hf.planning.cost import CPU_GLOO_MEASURED, H100_MEASURED, default_time_model
+
+    h100 = default_time_model("cuda", TokenBytes.for_model(4096, 32, 8, 2), 2)
+    assert h100.linear_s_per_token == pytest.approx(2.15e-6) and h100.attn_s_per_pair == pytest.approx(0.170e-9)
+    assert h100.task_key_s == pytest.approx(H100_MEASURED.task_key_s)
+    cpu = default_time_model("cpu", TokenBytes.for_model(256, 8, 2, 4), 4)
+    assert cpu.attn_s_per_pair == pytest.approx(CPU_GLOO_MEASURED.attn_s_per_pair)
+    narrow = default_time_model("cpu", TokenBytes.for_model(64, 2, 1, 4), 4)  # the demo's model: 1/4 the width
+    assert narrow.attn_s_per_pair == pytest.approx(cpu.attn_s_per_pair / 4)
+    assert narrow.task_key_s == pytest.approx(cpu.task_key_s / 4)
+    assert narrow.linear_s_per_token < cpu.linear_s_per_token
+    for name in ("task_s", "bytes_per_s", "collective_s"):
+        assert getattr(narrow, name) == getattr(CPU_GLOO_MEASURED, name)
+    # a 128-query shard against 64k keys runs at 53% of the pair rate on the H100 (issue 12)
+    pairs = 128 * 65536
+    assert h100.attn_s_per_pair * pairs / h100.task_seconds(pairs, 65536) == pytest.approx(0.53, abs=0.01)

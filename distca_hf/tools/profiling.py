@@ -9,6 +9,9 @@ tasks independently; a least-squares fit of ``time = attn_s_per_pair * pairs + t
 task_s * tasks + c`` (``task_key_s`` where ``TimeModel`` has it). On CUDA the defaults time up to
 16k tokens (2k on CPU), so that launch overheads do not hide the slopes. The JSON it writes is what
 ``distca-hf simulate --time-model`` (and the planner's callers) load with ``TimeModel.load``.
+Communication is not measured here (one process): ``bytes_per_s`` and ``collective_s``, which
+``tolerance="auto"`` weighs against the balance, come from the device kind's built-in model
+(``planning.default_time_model``); edit them in the JSON if your interconnect differs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 
 from ..kernels import select_backend, varlen_causal_attention
-from ..planning import TimeModel, causal_pairs
+from ..planning import TimeModel, TokenBytes, causal_pairs, default_time_model
 from .kernel_bench import median_seconds
 
 __all__ = ["profile", "main"]
@@ -90,10 +93,14 @@ def profile(hidden=512, intermediate=1408, heads=8, kv_heads=2, dtype=torch.floa
     backend = select_backend(device, dtype).NAME
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
     extra = {"task_key_s": max(float(per_key), 0.0)} if keys_fitted else {}
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    builtin = default_time_model(device.type, TokenBytes.for_model(hidden, heads, kv_heads, dtype_bytes), dtype_bytes)
     return TimeModel(
         linear_s_per_token=max(float(slope), 0.0),
         attn_s_per_pair=max(float(per_pair), 0.0),
         task_s=max(float(per_task), 0.0),
+        bytes_per_s=builtin.bytes_per_s,
+        collective_s=builtin.collective_s,
         source=f"distca-hf profile on {where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
                f"kernel {backend}",
         **extra,
