@@ -302,3 +302,4 @@ def test_summary_reports_per_step_ratios_and_targets():
     balanced = bench.summarize({**results, "distca_saved": run([3.1, 2.1, 6.2])}, args, "balanced")
     assert balanced["target"]["met"] is False and "MISSED" in bench.format_table(balanced)
     assert "target" not in bench.summarize(results, args, "mixed")
+    assert "target" not in bench.summarize(results, Namespace(**vars(args), quick=True), "skewed")

@@ -587,8 +587,9 @@ def _median_overlap(steps: list[dict]) -> dict:
 
 
 TARGETS = {"skewed": 1.4, "balanced": 0.98}
-"""Median per-step speedup over colocated each workload must reach (issue 13): skewed >= 1.4x;
-balanced >= 0.98x, i.e. never slower beyond noise."""
+"""Median per-step speedup over colocated each workload must reach (issue 13) at the default sizes:
+skewed >= 1.4x; balanced >= 0.98x, i.e. never slower beyond noise (``--quick`` reports none: its
+steps are mostly linear layers)."""
 
 
 def summarize(results: dict, args, workload: str = "skewed") -> dict:
@@ -624,7 +625,7 @@ def summarize(results: dict, args, workload: str = "skewed") -> dict:
         "steps": {"colocated_step_s": results["colocated"]["step_s"], "distca_step_s": results[first]["step_s"],
                   "plans": plans},
     }
-    if workload in TARGETS:
+    if workload in TARGETS and not getattr(args, "quick", False):  # the targets are for the full sizes
         met = summary["per_step_speedup"]["colocated"]["median"] >= TARGETS[workload]
         summary["target"] = {"median_speedup_at_least": TARGETS[workload], "met": met}
     summary["overlap"] = {}
