@@ -285,6 +285,12 @@ def compare(distca, colocated, tolerance: float) -> bool:
     print(f"training time of steps {first}..{len(pairs)}: colocated {colocated_time:.1f} s, "
           f"distca {distca_time:.1f} s")
     print(f"speedup: {colocated_time / distca_time:.2f}x", flush=True)
+    # Each step against its colocated twin (the same tokens): how uneven the gain is, and how many
+    # steps distca lost (a step where "auto" keeps the colocated plan differs only by noise).
+    ratios = sorted(b["step_time_s"] / a["step_time_s"] for a, b in timed)
+    slower = sum(r < 0.97 for r in ratios)
+    print(f"per-step speedup: min {ratios[0]:.2f}x, median {statistics.median(ratios):.2f}x, max {ratios[-1]:.2f}x; "
+          f"{slower} of {len(ratios)} steps more than 3% slower than colocated", flush=True)
     return worst <= tolerance
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import time
 import traceback
 from pathlib import Path
 
 from distca_hf.runtime.comm import free_port
+
+PEER_WAIT_S = 30.0  # how long rank 0 keeps the rendezvous store up for peers still running
 
 
 def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo"):
@@ -28,6 +31,13 @@ def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo"):
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
                   "traceback": traceback.format_exc()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        # Rank 0 hosts the rendezvous store: leaving while a peer still creates a process group
+        # (a server group of other ranks) resets that peer's connection. Wait for the others' results,
+        # but not for a peer that died on purpose.
+        deadline = time.monotonic() + PEER_WAIT_S
+        while time.monotonic() < deadline and not all(Path(out_dir, f"rank{r}.json").exists() for r in range(world)):
+            time.sleep(0.05)
     os._exit(0)  # skip process-group teardown: a peer may be dead on purpose
 
 
