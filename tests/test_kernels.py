@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf import CATask, PackedDocuments, fuse_tasks, split_document, varlen_causal_attention, whole_document_tasks
+from kernel_refs import cu_seqlens, random_qkv, reference_attention, weighted_grads
 from distca_hf.kernels import available_backends, select_backend, varlen_attention_backward, varlen_attention_forward
 
 CPU_BACKENDS = ["torch_cpu", "math"]
@@ -24,60 +24,28 @@ def stacked(request, monkeypatch):
     return request.param
 
 
-def _independent_attention(q, k, v, cu_q, cu_k, scale):
-    """Per task: SDPA with an explicit bottom-right boolean mask and K/V repeated per head."""
-    groups = q.shape[1] // k.shape[1]
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        lq, lk = qe - qs, ke - ks
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
-        kt = k[ks:ke].repeat_interleave(groups, dim=1)
-        vt = v[ks:ke].repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), kt.transpose(0, 1), vt.transpose(0, 1),
-                                           attn_mask=mask, scale=scale)
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs)
-
-
-def _random_qkv(total_q, total_k, heads, kv_heads, dim, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda n, h: torch.randn(n, h, dim, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    return make(total_q, heads), make(total_k, kv_heads), make(total_k, kv_heads)
-
-
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def _grads(out, inputs, seed=99):
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
-    return torch.autograd.grad((out * weight).sum(), inputs)
-
-
 TASK_SHAPES = [(3, 3), (2, 7), (5, 9), (2, 7), (1, 1), (4, 4), (1, 12), (6, 6)]  # (lq, lk), repeats included
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_kernel_matches_independent_attention(backend, heads, kv_heads, stacked):
-    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
-    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), heads, kv_heads, 16, torch.float64)
+    cu_q, cu_k = cu_seqlens([s[0] for s in TASK_SHAPES]), cu_seqlens([s[1] for s in TASK_SHAPES])
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), heads, kv_heads, 16, torch.float64)
     scale = 0.3
     out = varlen_causal_attention(q, k, v, cu_q, cu_k, 6, 12, scale, backend)
-    ref = _independent_attention(q, k, v, cu_q, cu_k, scale)
+    ref = reference_attention(q, k, v, cu_q, cu_k, scale)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+    for got, want in zip(weighted_grads(out, (q, k, v)), weighted_grads(ref, (q, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_kernel_low_precision(dtype, tol):
-    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
-    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 16, dtype)
+    cu_q, cu_k = cu_seqlens([s[0] for s in TASK_SHAPES]), cu_seqlens([s[1] for s in TASK_SHAPES])
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 16, dtype)
     out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, 6, 12, None, "torch_cpu")
-    ref = _independent_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 16**-0.5)
+    ref = reference_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 16**-0.5)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (4, q.shape[0])
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     dout = torch.randn_like(out)
@@ -89,15 +57,15 @@ def test_cpu_kernel_low_precision(dtype, tol):
 
 
 def test_kernel_rejects_a_task_with_more_queries_than_keys():
-    q, k, v = _random_qkv(5, 3, 2, 2, 8, torch.float32)
+    q, k, v = random_qkv(5, 3, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="lk >= lq"):
-        varlen_causal_attention(q, k, v, _cu([5]), _cu([3]), 5, 3, None, "torch_cpu")
+        varlen_causal_attention(q, k, v, cu_seqlens([5]), cu_seqlens([3]), 5, 3, None, "torch_cpu")
 
 
 def test_kernel_rejects_cu_seqlens_that_do_not_cover_the_rows():
-    q, k, v = _random_qkv(6, 6, 2, 2, 8, torch.float32)
+    q, k, v = random_qkv(6, 6, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="cu_seqlens end at"):
-        varlen_causal_attention(q, k, v, _cu([5]), _cu([5]), 5, 5, None, "torch_cpu")
+        varlen_causal_attention(q, k, v, cu_seqlens([5]), cu_seqlens([5]), 5, 5, None, "torch_cpu")
 
 
 def test_auto_backend_on_cpu_is_the_fused_kernel():
@@ -145,11 +113,11 @@ def _check_cut_equals_uncut(lengths, data, backend):
         tasks += split_document(d, 0, n, cuts)
     tasks = data.draw(st.permutations(tasks))  # a server receives tasks in any order
     total = sum(lengths)
-    q, k, v = _random_qkv(total, total, 4, 2, 8, torch.float64, seed=len(tasks))
+    q, k, v = random_qkv(total, total, 4, 2, 8, torch.float64, seed=len(tasks))
     cut = _run_tasks(tasks, docs, q, k, v, backend)
     whole = _run_tasks(whole_document_tasks(docs), docs, q, k, v, backend)
     torch.testing.assert_close(cut, whole, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_grads(cut, (q, k, v)), _grads(whole, (q, k, v))):
+    for got, want in zip(weighted_grads(cut, (q, k, v)), weighted_grads(whole, (q, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
     # and the cut tasks cost exactly the pairs of the documents
     assert sum(t.pairs for t in tasks) == sum(n * (n + 1) // 2 for n in lengths)
@@ -172,12 +140,12 @@ def test_math_backend_in_query_chunks(monkeypatch):
     from distca_hf.kernels import math as math_backend
 
     monkeypatch.setattr(math_backend, "SCORE_ELEMENTS", 64)
-    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
-    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8, torch.float64)
+    cu_q, cu_k = cu_seqlens([s[0] for s in TASK_SHAPES]), cu_seqlens([s[1] for s in TASK_SHAPES])
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8, torch.float64)
     out = varlen_causal_attention(q, k, v, cu_q, cu_k, 6, 12, None, "math")
-    ref = _independent_attention(q, k, v, cu_q, cu_k, 8**-0.5)
+    ref = reference_attention(q, k, v, cu_q, cu_k, 8**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+    for got, want in zip(weighted_grads(out, (q, k, v)), weighted_grads(ref, (q, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
@@ -237,10 +205,10 @@ def test_flash_attn_backend_glue(monkeypatch, legacy, head_dim):
 
     fake = _FakeFlashAttn(legacy)
     monkeypatch.setattr(flash_attn, "_interface", lambda: fake)
-    cu_q, cu_k = _cu([s[0] for s in TASK_SHAPES]), _cu([s[1] for s in TASK_SHAPES])
-    q, k, v = _random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, head_dim, torch.float64)
+    cu_q, cu_k = cu_seqlens([s[0] for s in TASK_SHAPES]), cu_seqlens([s[1] for s in TASK_SHAPES])
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, head_dim, torch.float64)
     out, lse = flash_attn.forward(q, k, v, cu_q, cu_k, 6, 12, 0.25)
-    ref = _independent_attention(q, k, v, cu_q, cu_k, 0.25)
+    ref = reference_attention(q, k, v, cu_q, cu_k, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     dout = torch.randn_like(out)
     grads = flash_attn.backward(dout, q, k, v, out, lse, cu_q, cu_k, 6, 12, 0.25)

@@ -2,7 +2,7 @@
 local layers) and logit softcapping (Gemma 2).
 
 HF's ``sliding_window = w``: the query at document position ``p`` sees the keys ``[p - w + 1, p]``.
-Kernels are checked against SDPA with an explicit band mask per task; CA-tasks whose K/V are cut
+Kernels are checked against explicit scores with a band mask per task (kernel_refs); CA-tasks whose K/V are cut
 to the window (``[max(0, a - w + 1), b)`` for queries ``[a, b)``) against the uncut document; pair
 counts and K/V bytes against brute-force counts.
 """
@@ -14,45 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernel_refs import cu_seqlens, random_qkv, reference_attention, weighted_grads
 from distca_hf.kernels import varlen_attention_forward, varlen_causal_attention
 from distca_hf.planning import causal_pairs, key_start, start_with_pairs
 
 CPU_BACKENDS = ["torch_cpu", "math"]
-
-
-def _band_reference(q, k, v, cu_q, cu_k, scale, window, softcap=None):
-    """Per task: explicit scores, capped as HF's eager Gemma 2 does (``softcap * tanh(s / softcap)``),
-    a boolean band mask (bottom-right causal, ``window`` keys back) and K/V repeated per head."""
-    groups = q.shape[1] // k.shape[1]
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        lq, lk = qe - qs, ke - ks
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
-        if window is not None:
-            mask &= torch.ones(lq, lk, dtype=torch.bool).triu(diagonal=lk - lq - window + 1)
-        kt, vt = (t[ks:ke].repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k, v))
-        scores = q[qs:qe].transpose(0, 1) @ kt.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        o = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vt
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs)
-
-
-def _qkv(total_q, total_k, heads, kv_heads, dim, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda n, h: torch.randn(n, h, dim, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    return make(total_q, heads), make(total_k, kv_heads), make(total_k, kv_heads)
-
-
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def _weighted_grads(out, inputs, seed=7):
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return torch.autograd.grad((out * weight.to(out.dtype)).sum(), inputs)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -67,12 +33,12 @@ def test_windowed_kernel_matches_band_mask(backend, shapes, window, heads, monke
     monkeypatch.setattr(torch_cpu, "WINDOW_ROWS", 3)
     lq = [s[0] for s in shapes]
     lk = [s[0] + s[1] for s in shapes]
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    q, k, v = _qkv(int(cu_q[-1]), int(cu_k[-1]), heads[0], heads[1], 8)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), heads[0], heads[1], 8)
     out = varlen_causal_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.4, backend, window=window)
-    ref = _band_reference(q, k, v, cu_q, cu_k, 0.4, window)
+    ref = reference_attention(q, k, v, cu_q, cu_k, 0.4, window)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_weighted_grads(out, (q, k, v)), _weighted_grads(ref, (q, k, v))):
+    for got, want in zip(weighted_grads(out, (q, k, v)), weighted_grads(ref, (q, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
@@ -82,33 +48,33 @@ def test_softcapped_kernel_matches_reference(backend, window):
     """Softcapping (with and without a window): forward and gradients against explicit capped scores.
     torch_cpu cannot cap, so the call runs on math (with a one-time warning)."""
     shapes = [(6, 6), (3, 11), (1, 1), (9, 14)]
-    cu_q, cu_k = _cu([a for a, _ in shapes]), _cu([b for _, b in shapes])
-    q, k, v = _qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8)
+    cu_q, cu_k = cu_seqlens([a for a, _ in shapes]), cu_seqlens([b for _, b in shapes])
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8)
     q_big = (q * 6).detach().requires_grad_()  # large scores, so the cap bends them
     out = varlen_causal_attention(q_big, k, v, cu_q, cu_k, 9, 14, 0.5, window=window, softcap=2.5,
                                   backend=None if backend == "torch_cpu" else backend)
-    ref = _band_reference(q_big, k, v, cu_q, cu_k, 0.5, window, softcap=2.5)
-    uncapped = _band_reference(q_big, k, v, cu_q, cu_k, 0.5, window)
+    ref = reference_attention(q_big, k, v, cu_q, cu_k, 0.5, window, softcap=2.5)
+    uncapped = reference_attention(q_big, k, v, cu_q, cu_k, 0.5, window)
     assert (ref - uncapped).abs().max() > 1e-2  # the cap matters in this case
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_weighted_grads(out, (q_big, k, v)), _weighted_grads(ref, (q_big, k, v))):
+    for got, want in zip(weighted_grads(out, (q_big, k, v)), weighted_grads(ref, (q_big, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
 def test_softcap_on_a_backend_that_cannot_apply_it_is_refused_when_asked_for_by_name():
-    q, k, v = _qkv(4, 4, 2, 2, 8)
+    q, k, v = random_qkv(4, 4, 2, 2, 8)
     with pytest.raises(ValueError, match="'torch_cpu' cannot apply softcap"):
-        varlen_causal_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, backend="torch_cpu", softcap=3.0)
+        varlen_causal_attention(q, k, v, cu_seqlens([4]), cu_seqlens([4]), 4, 4, backend="torch_cpu", softcap=3.0)
     with pytest.raises(ValueError, match="softcap must be None or a finite number >= 0"):
-        varlen_causal_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, softcap=-1.0)
+        varlen_causal_attention(q, k, v, cu_seqlens([4]), cu_seqlens([4]), 4, 4, softcap=-1.0)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_windowed_cpu_kernel_low_precision(dtype, tol):
-    cu_q, cu_k = _cu([40, 7, 30]), _cu([40, 50, 30])
-    q, k, v = _qkv(77, 120, 4, 2, 16, dtype)
+    cu_q, cu_k = cu_seqlens([40, 7, 30]), cu_seqlens([40, 50, 30])
+    q, k, v = random_qkv(77, 120, 4, 2, 16, dtype)
     out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, 40, 50, None, "torch_cpu", window=9)
-    ref = _band_reference(q.double(), k.double(), v.double(), cu_q, cu_k, 16**-0.5, 9)
+    ref = reference_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 16**-0.5, 9)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     assert lse.dtype == torch.float32 and lse.shape == (4, 77)
 
@@ -120,24 +86,24 @@ def test_window_trimmed_tasks_compose(backend, length, window, cuts):
     """A document cut into CA-tasks ``[a, b)`` whose keys are only ``[key_start(a, w), b)`` gives the
     whole document's windowed attention, values and gradients."""
     bounds = sorted({0, length, *(c for c in cuts if c < length)})
-    q, k, v = _qkv(length, length, 4, 2, 8)
-    whole = varlen_causal_attention(q, k, v, _cu([length]), _cu([length]), length, length, 0.5, backend,
+    q, k, v = random_qkv(length, length, 4, 2, 8)
+    whole = varlen_causal_attention(q, k, v, cu_seqlens([length]), cu_seqlens([length]), length, length, 0.5, backend,
                                     window=window)
     starts, ends = bounds[:-1], bounds[1:]
     k_rows = torch.cat([torch.arange(key_start(a, window), b) for a, b in zip(starts, ends)])
-    cu_k = _cu([b - key_start(a, window) for a, b in zip(starts, ends)])
-    cut = varlen_causal_attention(q, k[k_rows], v[k_rows], _cu([b - a for a, b in zip(starts, ends)]), cu_k,
+    cu_k = cu_seqlens([b - key_start(a, window) for a, b in zip(starts, ends)])
+    cut = varlen_causal_attention(q, k[k_rows], v[k_rows], cu_seqlens([b - a for a, b in zip(starts, ends)]), cu_k,
                                   length, length, 0.5, backend, window=window)
     torch.testing.assert_close(cut, whole, atol=1e-12, rtol=1e-10)
-    for got, want in zip(_weighted_grads(cut, (q, k, v)), _weighted_grads(whole, (q, k, v))):
+    for got, want in zip(weighted_grads(cut, (q, k, v)), weighted_grads(whole, (q, k, v))):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "8"])
 def test_bad_window_is_refused(window):
-    q, k, v = _qkv(4, 4, 2, 2, 8)
+    q, k, v = random_qkv(4, 4, 2, 2, 8)
     with pytest.raises(ValueError, match="window must be None or a positive number of keys"):
-        varlen_causal_attention(q, k, v, _cu([4]), _cu([4]), 4, 4, window=window)
+        varlen_causal_attention(q, k, v, cu_seqlens([4]), cu_seqlens([4]), 4, 4, window=window)
 
 
 @settings(max_examples=200, deadline=None)

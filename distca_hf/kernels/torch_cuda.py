@@ -43,19 +43,13 @@ import torch
 from ..state import warn_once
 from . import math as _math
 from . import torch_cuda_efficient as _efficient
+from .varlen_layout import aten_op as _op
+from .varlen_layout import cuda_capability as _capability
 from .varlen_layout import pad_head_dim, packed_lse, padded_lse
 
 NAME = "torch_cuda"
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _op(name: str):
-    """``torch.ops.aten.<name>`` or ``None`` when this torch does not have it."""
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,11 +74,6 @@ def lse_is_packed() -> bool:
     except Exception:  # no meta kernel: the layout of every CUDA build that has one
         return True
     return lse.dim() == 2
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:

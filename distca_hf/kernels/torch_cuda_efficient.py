@@ -23,30 +23,18 @@ What the op needs, and what this module does about it:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..state import warn_once
 from . import math as _math
+from .varlen_layout import aten_op as _op
+from .varlen_layout import cuda_capability as _capability
 from .varlen_layout import packed_lse, pad_head_dim, padded_lse
 
 NAME = "torch_cuda_efficient"
 CAUSAL_FROM_BOTTOM_RIGHT = 2  # sdp::CustomMaskType::CausalFromBottomRight
 LSE_ALIGN = 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _op(name: str):
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def serves(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""Layout conversions between distca's varlen convention and what PyTorch's CUDA kernels take.
+"""What the torch-native CUDA backends share: layout conversions between distca's varlen
+convention and what PyTorch's CUDA kernels take, and how they find those kernels.
 
 distca's kernels exchange the log-sum-exp packed like the queries: ``[heads, total_q]`` fp32 (see
 ``kernels/__init__.py``). PyTorch's memory-efficient kernel (and its flash kernel on ROCm, and torch
@@ -6,15 +7,31 @@ builds whose vendored flash-attn predates the "unpadded" varlen lse) keep it per
 ``[tasks, heads, width]`` with task ``i``'s query ``j`` at ``[i, :, j]`` (``width >= max_seqlen_q``;
 the efficient kernel rounds it up to a multiple of 32), the rest unused. Flash kernels also want a
 head dim that is a multiple of 8.
-These functions are pure tensor code, exact, and run on any device.
+The layout functions are pure tensor code, exact, and run on any device.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pad_head_dim", "task_coordinates", "packed_lse", "padded_lse"]
+__all__ = ["aten_op", "cuda_capability", "pad_head_dim", "task_coordinates", "packed_lse", "padded_lse"]
+
+
+def aten_op(name: str):
+    """``torch.ops.aten.<name>``, or ``None`` when this torch does not have it."""
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_capability(index: int) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of CUDA device ``index`` (asked once per device)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def pad_head_dim(*tensors: torch.Tensor, multiple: int = 8) -> tuple[torch.Tensor, ...]:
