@@ -140,7 +140,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
     return plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads, first_position,
-                         kv_window=widest_window(config))
+                         kv_window=widest_window(config), dtype_bytes=inputs_embeds.element_size())
 
 
 def _run_layer(layer, plan, rope, h_a, h_b):

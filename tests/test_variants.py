@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kernel_refs import cu_seqlens, random_qkv, reference_attention, weighted_grads
 from distca_hf.kernels import varlen_attention_forward, varlen_causal_attention
-from distca_hf.planning import causal_pairs, key_start, start_with_pairs
+from distca_hf.planning import causal_pairs, document_pairs, key_start, start_with_pairs
 
 CPU_BACKENDS = ["torch_cpu", "math"]
 
@@ -104,6 +104,16 @@ def test_bad_window_is_refused(window):
     q, k, v = random_qkv(4, 4, 2, 2, 8)
     with pytest.raises(ValueError, match="window must be None or a positive number of keys"):
         varlen_causal_attention(q, k, v, cu_seqlens([4]), cu_seqlens([4]), 4, 4, window=window)
+
+
+def test_windowed_pairs_of_arrays_beside_ints():
+    """An int start with array ends (``document_pairs`` of an array) and tensors count like ints."""
+    import numpy as np
+
+    ends = np.array([5, 10, 100])
+    assert document_pairs(ends, 8).tolist() == [document_pairs(int(n), 8) for n in ends] == [15, 52, 772]
+    assert causal_pairs(3, ends, 4).tolist() == [causal_pairs(3, int(n), 4) for n in ends]
+    assert causal_pairs(torch.tensor([0, 2]), torch.tensor([5, 9]), 3).tolist() == [12, 21]
 
 
 @settings(max_examples=200, deadline=None)

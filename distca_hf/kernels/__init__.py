@@ -150,7 +150,10 @@ class AttentionVariant:
 
 
 def _kernel_for(q, backend, variant: AttentionVariant) -> ModuleType:
-    """The backend that runs this call: softcapping needs one that supports it (``math`` otherwise)."""
+    """The backend that runs this call: softcapping needs one that supports it. A backend named in the
+    call's ``backend`` argument that cannot cap raises; one chosen by the ``kernel`` setting (or
+    ``auto``) hands capped calls to ``math`` with a one-time warning, so a job-wide setting never
+    breaks a softcapped model."""
     kernel = select_backend(q.device, q.dtype, backend)
     if variant.softcap and not getattr(kernel, "SUPPORTS_SOFTCAP", False):
         if backend is not None:

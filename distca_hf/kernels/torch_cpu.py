@@ -153,7 +153,10 @@ def _merge(o1, lse1, o2, lse2):
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
              window=None):
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.empty_like(q)
+    # windowed chunks overlap in keys: their dK/dV partials are summed in fp32 (fp64 for fp64)
+    acc = _lse_dtype(q.dtype) if window is not None else k.dtype
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
     for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
         if window is not None and window < lk:
             (q0, k0), = starts
@@ -178,4 +181,4 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             _scatter(dk, dk2, prefix_starts, lk - lq)
             _scatter(dv, dv2, prefix_starts, lk - lq)
         _scatter(dq, dqb, q_starts, lq)
-    return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

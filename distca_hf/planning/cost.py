@@ -30,9 +30,12 @@ def causal_pairs(q_start, q_end, window=None):
     if window is None:
         return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2
     # queries before position `window` see t + 1 keys; from there on, `window` keys each
-    head_end = np.minimum(q_end, window) if not isinstance(q_end, int) else min(q_end, window)
-    head_start = np.minimum(q_start, head_end) if not isinstance(q_start, int) else min(q_start, head_end)
-    tail_start = np.maximum(q_start, head_end) if not isinstance(q_start, int) else max(q_start, head_end)
+    if isinstance(q_start, int) and isinstance(q_end, int):
+        head_end = min(q_end, window)
+        head_start, tail_start = min(q_start, head_end), max(q_start, head_end)
+    else:  # numpy arrays or tensors, alone or beside an int (np.minimum / np.maximum broadcast)
+        head_end = np.minimum(q_end, window)
+        head_start, tail_start = np.minimum(q_start, head_end), np.maximum(q_start, head_end)
     return causal_pairs(head_start, head_end) + window * (q_end - tail_start)
 
 

@@ -77,20 +77,27 @@ class BatchPlan:
         plan: the CA-task assignment, or ``None`` when each rank computes its own documents.
         kv_received: ``[ranks]`` K/V tokens each server receives per layer (all the dispatch's waves).
         waves: exchanges per layer and direction.
+        window: the sliding window pairs are counted under (the plan's, when there is one).
     """
 
     pieces: DocumentPieces
     plan: Plan | None = None
     kv_received: np.ndarray | None = None
     waves: int = 0
+    window: int | None = None
+
+    @property
+    def pair_window(self) -> int | None:
+        return self.plan.window if self.plan is not None else self.window
 
 
 def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: TokenBytes | None = None,
                   num_heads: int = 0, backward: str | None = None, overlap: str | None = None) -> PlanStats:
     """The one builder of ``PlanStats``: per-rank lists and totals summed over ``batches`` (one
     micro-batch, or ping-pong's two nano-batches, each also reported alone)."""
-    local = sum(b.pieces.local_pairs(b.plan.window if b.plan is not None else None) for b in batches)
-    served = sum(b.plan.server_pairs() if b.plan is not None else b.pieces.local_pairs() for b in batches)
+    local = sum(b.pieces.local_pairs(b.pair_window) for b in batches)
+    served = sum(b.plan.server_pairs() if b.plan is not None else b.pieces.local_pairs(b.pair_window)
+                 for b in batches)
     planned = [b for b in batches if b.plan is not None]
     moved = sum(b.plan.moved_queries() for b in planned)
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)

@@ -203,7 +203,8 @@ below the overlap fractions ``distca-hf bench --overlap`` measures)."""
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
                kv_window: int | None = None, dtype_bytes: int | None = None,
-               local_when_colocated: bool = False) -> tuple[Dispatch | None, BatchPlan]:
+               local_when_colocated: bool = False, planning_overlap: str | None = None
+               ) -> tuple[Dispatch | None, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
     ``context_for_call``; ``dtype_bytes``: bytes of an attention element (default: 2 on CUDA, 4
@@ -211,7 +212,8 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     the plan moves no query and no K/V (``tolerance="auto"`` on a step it cannot speed up), return no
     dispatch and a ``BatchPlan`` without plan: the caller computes this rank's documents itself (no
     dispatch to build, no per-layer exchange), as ``mode="colocated"`` does; ``docs`` must then hold a
-    real token."""
+    real token. ``planning_overlap``: the overlap whose exposure ``"auto"`` plans with, when it is not
+    the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves)."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -226,10 +228,10 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         dtype_bytes = dtype_bytes or (2 if device.type == "cuda" else 4)
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
         plan = plan_tasks(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
-                                                time_model=time_model, exposed_comm=EXPOSED_COMM[overlap]))
+                                                time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap]))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
-        return None, BatchPlan(pieces)
+        return None, BatchPlan(pieces, window=plan.window)
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=block, group=group, timeout_s=config.timeout_s,

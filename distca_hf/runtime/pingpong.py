@@ -75,14 +75,16 @@ class PingPongPlan:
 
 
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
-                  num_heads: int, first_position: int = 0, *, kv_window: int | None = None) -> PingPongPlan:
+                  num_heads: int, first_position: int = 0, *, kv_window: int | None = None,
+                  dtype_bytes: int | None = None) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
     (a collective: each rank sends its first position and document lengths, as the attention
     function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
     rank stops). Every rank then splits every rank's documents alike (``assign_nano_batches``: with
     ``span_ranks``, a row's last document that continues on the next rank stays whole in A). Opens
     the forward whose ``distca_hf.plan_stats()`` sums both nano-batches. ``kv_window``: the widest
-    sliding window of the model's layers (see ``runtime.forward.context_for_call``)."""
+    sliding window of the model's layers (see ``runtime.forward.context_for_call``); ``dtype_bytes``:
+    bytes of an attention element (see ``plan_batch``)."""
     config = current_config()
     number = next_forward_number()
     if error is None:
@@ -103,8 +105,10 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     dispatches, planned = [], []
     for name, nano_docs, world_docs in (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
                                         ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1))):
+        # each nano-batch's dispatch runs without waves; the other nano-batch's compute hides its
+        # communication, which "auto" counts as ping-pong's exposure
         dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters,
-                                     kv_window=kv_window)
+                                     kv_window=kv_window, dtype_bytes=dtype_bytes, planning_overlap="pingpong")
         for w in dispatch.waves:
             w.name = "nano-batch " + name
         dispatches.append(dispatch)

@@ -49,8 +49,10 @@ def _sentence(text: str) -> str:
 def _flag_help(name: str, setting) -> str:
     variable = setting.metadata["env"]
     unset = f"{variable}, else " if variable else ""
+    # a None default means something per setting (block: by device; time_model: built-in), said in its help
+    default = "the setting's own None (see above)" if setting.default is None else repr(setting.default)
     return (f"{_sentence(setting.metadata['help'])} Left out (None): {unset}the distca: section of "
-            f"--distca_config, else {setting.default!r}.")
+            f"--distca_config, else {default}.")
 
 
 def _setting_field(name: str, setting):

@@ -55,6 +55,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer
 
 from ..config import SETTINGS, configure
+from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
 from .accelerator import hf_model_of, prepare_training_arguments, require_distca_model
@@ -265,7 +266,9 @@ class DistCATrainer(Trainer):
     def _record_plan(self, inputs) -> None:
         """Attention balance of the micro-batch just run, and the tokens of all ranks."""
         lengths, first_positions = _local_documents(inputs)
-        colocated_pairs = causal_pairs(first_positions, first_positions + lengths).sum()
+        # counted as the plan counts them: under the model's window when every layer slides
+        window = widest_window(getattr(self.model, "config", None))
+        colocated_pairs = causal_pairs(first_positions, first_positions + lengths, window).sum()
         mine = torch.tensor([int(lengths.sum()), int(colocated_pairs)], dtype=torch.int64, device=self.args.device)
         everyone = self.accelerator.gather(mine).view(-1, 2).cpu()
         try:
