@@ -14,6 +14,7 @@ invalid value is an error naming the variable.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -64,7 +65,19 @@ def block_for_device(block, device_type: str) -> int:
 
 
 def _time_model_file_problem(path) -> str | None:
-    """What is wrong with a time-model file, before ``TimeModel.load`` reads it in full."""
+    """What is wrong with a time-model file, before ``TimeModel.load`` reads it in full. Settings are
+    checked whenever they are resolved (every kernel call asks for the ``kernel`` setting), so the file
+    is read again only when it changed."""
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        return f"must be a readable `distca-hf profile` JSON file, got {str(path)!r} ({e.strerror or e})"
+    return _time_model_contents_problem(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _time_model_contents_problem(path: str, mtime_ns: int, size: int) -> str | None:
+    """``_time_model_file_problem`` of the file as it is at ``(mtime_ns, size)``."""
     try:
         data = json.loads(open(path).read())
     except OSError as e:

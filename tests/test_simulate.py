@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, causal_pairs, colocated_plan,
                                 comm_bytes, kv_transfers, plan_tasks)
 from distca_hf.planning.baselines import RankLoads
-from distca_hf.tools.simulate import (draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, rank_step_seconds,
-                                      simulate)
+from distca_hf.planning.by_time import loads_seconds
+from distca_hf.tools.simulate import draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, simulate
 
 CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "ulysses", "time_model",
@@ -282,33 +282,42 @@ def test_step_time_is_the_slowest_rank_with_its_exposed_communication():
                       tasks=np.array([1, 1]), sent=np.array([0, 1000]), received=np.array([500, 0]))
     model = TimeModel(linear_s_per_token=1.0, attn_s_per_pair=0.1, task_s=0.5, bytes_per_s=1000.0,
                       task_key_s=0.05, collective_s=0.25)
-    compute, exposed = rank_step_seconds(loads, model, hidden_comm_fraction=0.5)
+    compute, exposed = loads_seconds(loads, model, exposed_comm=0.5)
     # compute: 10 tokens + one task; 100 pairs + 20 keys + one task
     assert compute.tolist() == pytest.approx([10 + 0.5, 10 + 1 + 0.5])
     # wire, forward + backward: 2 x (sent + received) / 1000 = 1 and 2; half hidden; + the collectives' 0.25
     assert exposed.tolist() == pytest.approx([0.5 + 0.25, 1.0 + 0.25])
     quiet = dataclasses.replace(loads, sent=np.zeros(2), received=np.zeros(2))
-    assert rank_step_seconds(quiet, model, hidden_comm_fraction=0.0)[1].tolist() == [0.0, 0.0]  # nothing moves
+    assert loads_seconds(quiet, model, exposed_comm=1.0)[1].tolist() == [0.0, 0.0]  # nothing moves
 
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 1000), ranks=st.integers(1, 5), tokens=st.integers(16, 300),
-       hidden=st.sampled_from([0.0, 0.3, 1.0]))
-def test_simulator_times_plans_as_the_planner_predicts_them(seed, ranks, tokens, hidden):
-    """One time model: the simulator's per-rank seconds of a plan equal the planner's prediction
-    (``planning.by_time.rank_seconds``) under ``exposed_comm = 1 - hidden``."""
-    from distca_hf.planning.by_time import rank_seconds
-    from distca_hf.tools.simulate import plan_loads
+       window=st.sampled_from([None, 5, 64]))
+def test_plan_loads_count_what_the_plan_does(seed, ranks, tokens, window):
+    """``planning.plan_loads`` (what the planner's and the simulator's times are made of) against
+    counts made task by task: own query tokens, pairs, K/V keys and tasks per server, and bytes that
+    add up to ``comm_bytes`` on both the sending and the receiving side."""
+    from distca_hf.planning import plan_loads
 
-    model = TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-8, task_s=1e-6, bytes_per_s=1e7,
-                      task_key_s=1e-7, collective_s=1e-4)
-    config = PlannerConfig(tolerance=0.02, block=4, token_bytes=TokenBytes(8, 4, 8), time_model=model,
-                           exposed_comm=1.0 - hidden)
+    token_bytes = TokenBytes(8, 4, 8)
+    config = PlannerConfig(tolerance=0.02, block=4, token_bytes=token_bytes, window=window)
     pieces = pack_pieces(draw_batch(np.array([1, 7, 40, 333, 2000]), ranks * tokens, np.random.default_rng(seed)),
                          ranks, tokens)
-    for plan in (colocated_plan(pieces), plan_tasks(pieces, config)):
-        compute, exposed = rank_step_seconds(plan_loads(plan, pieces, config.token_bytes), model, hidden)
-        np.testing.assert_allclose(compute + exposed, rank_seconds(plan, pieces, config), rtol=1e-12)
+    for plan in (colocated_plan(pieces, window=window), plan_tasks(pieces, config)):
+        loads = plan_loads(plan, pieces, token_bytes)
+        tokens_of, pairs, keys, tasks = (np.zeros(ranks) for _ in range(4))
+        for r, a, b in zip(pieces.rank, pieces.start, pieces.end):
+            tokens_of[r] += b - a
+        for server, a, b in zip(plan.server, plan.q_start, plan.q_end):
+            seen = [t + 1 if window is None else min(t + 1, window) for t in range(int(a), int(b))]
+            pairs[server] += sum(seen)
+            keys[server] += b - (0 if window is None else max(0, int(a) - window + 1))
+            tasks[server] += 1
+        assert loads.tokens.tolist() == tokens_of.tolist() and loads.pairs.tolist() == pairs.tolist()
+        assert loads.keys.tolist() == keys.tolist() and loads.tasks.tolist() == tasks.tolist()
+        total = comm_bytes(plan, pieces, token_bytes).total
+        assert loads.sent.sum() == total and loads.received.sum() == total
 
 
 def test_rank_bytes_hand_checked():

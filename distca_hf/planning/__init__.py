@@ -25,13 +25,13 @@ from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
-from .by_time import AUTO_TOLERANCES, plan_by_time, rank_seconds, step_seconds
+from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
 
 __all__ = [
     "AUTO_TOLERANCES", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
-    "rank_seconds", "step_seconds", "rank_documents", "split_document", "split_nano_batches",
+    "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
 ]

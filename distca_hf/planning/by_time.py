@@ -27,30 +27,47 @@ import dataclasses
 
 import numpy as np
 
-from .cost import causal_pairs, key_start
+from .baselines import RankLoads
+from .cost import TimeModel, TokenBytes, causal_pairs
 from .pieces import DocumentPieces
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
-from .transfers import kv_transfers, rank_bytes
+from .transfers import KVTransfers, rank_bytes
 
-__all__ = ["AUTO_TOLERANCES", "plan_by_time", "rank_seconds", "step_seconds"]
+__all__ = ["AUTO_TOLERANCES", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` tries, tightest first; the first is the planner's default."""
+
+
+def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
+               transfers: KVTransfers | None = None) -> RankLoads:
+    """Per-rank work of ``plan`` on ``pieces``: every rank's own query tokens through the linear
+    layers, the pairs, keys and tasks it serves, the bytes it sends and receives in a layer's forward."""
+    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
+    n = pieces.num_ranks
+    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
+                     np.bincount(plan.server, weights=plan.keys(), minlength=n),
+                     np.bincount(plan.server, minlength=n), sent, received)
+
+
+def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float):
+    """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
+    backward, of any method's ``loads`` (the planner's and the simulator's one time formula):
+    compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction
+    ``exposed_comm`` of ``2 x (sent + received) / bytes_per_s`` plus ``collective_s`` when anything
+    crosses ranks. The step is the slowest rank's ``compute + exposed``."""
+    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys)
+    moves = bool(loads.sent.sum() + loads.received.sum() > 0)
+    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves)
 
 
 def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> np.ndarray:
     """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
     ``plan`` (see the module docstring); ``config`` gives the time model, token bytes and
     ``exposed_comm``."""
-    tm, n = config.time_model, plan.num_ranks
-    tokens = np.bincount(pieces.rank, weights=pieces.end - pieces.start, minlength=n)
-    keys = plan.q_end - key_start(plan.q_start, plan.window)
-    kernel = np.bincount(plan.server, weights=tm.task_seconds(plan.pairs(), keys), minlength=n)
-    transfers = kv_transfers(plan, pieces)
-    sent, received = rank_bytes(plan, pieces, config.token_bytes, transfers)
-    moves = plan.moved_queries() > 0 or transfers.source.size > 0
-    comm = tm.comm_seconds(sent, received, config.exposed_comm, moves)
-    return tm.linear_s_per_token * tokens + kernel + comm
+    compute, exposed = loads_seconds(plan_loads(plan, pieces, config.token_bytes), config.time_model,
+                                     config.exposed_comm)
+    return compute + exposed
 
 
 def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> float:

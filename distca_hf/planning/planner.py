@@ -130,6 +130,10 @@ class Plan:
     def pairs(self) -> np.ndarray:
         return causal_pairs(self.q_start, self.q_end, self.window)
 
+    def keys(self) -> np.ndarray:
+        """``[num_tasks]`` K/V tokens each task's kernel pass covers: ``q_end - key_start(q_start, window)``."""
+        return self.q_end - key_start(self.q_start, self.window)
+
     def server_pairs(self) -> np.ndarray:
         """``[num_ranks]`` pairs each rank computes as a server under the plan."""
         return np.bincount(self.server, weights=self.pairs(), minlength=self.num_ranks).astype(np.int64)

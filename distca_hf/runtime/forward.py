@@ -119,9 +119,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
                                    kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
     if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
-        stats = plan_stats_of(number, [planned])
-        return ForwardContext(number, call_key, inputs, ranks.longest_document, stats,
-                              local=fuse_tasks(whole_document_tasks(docs), docs).to(query.device))
+        return _local_context(number, call_key, inputs, docs, query.device, ranks.longest_document, planned)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
                           overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
@@ -183,13 +181,17 @@ class CallInputs:
         return int(positions[int(docs.q_starts[0])])
 
 
-def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device, longest: int) -> ForwardContext:
-    """This rank computes its own documents (one process, colocated mode, or decoding)."""
+def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device, longest: int,
+                   planned: BatchPlan | None = None) -> ForwardContext:
+    """This rank computes its own documents (one process, colocated mode, decoding, or a plan that
+    moves nothing: ``planned``, every rank's batch as planned, for the stats)."""
     if docs.num_docs == 0:
         raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
-    pieces = DocumentPieces(np.zeros(docs.num_docs, dtype=np.int64), np.arange(docs.num_docs), docs.past,
-                            docs.lengths, 1, kv_start=np.zeros(docs.num_docs, dtype=np.int64))
-    stats = plan_stats_of(number, [BatchPlan(pieces)])
+    if planned is None:
+        pieces = DocumentPieces(np.zeros(docs.num_docs, dtype=np.int64), np.arange(docs.num_docs), docs.past,
+                                docs.lengths, 1, kv_start=np.zeros(docs.num_docs, dtype=np.int64))
+        planned = BatchPlan(pieces)
+    stats = plan_stats_of(number, [planned])
     return ForwardContext(number, call_key, inputs, longest, stats,
                           local=fuse_tasks(whole_document_tasks(docs), docs).to(device))
 

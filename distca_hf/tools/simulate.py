@@ -49,11 +49,11 @@ from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenByt
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_degree, ulysses_degree_ok, ulysses_loads,
                                   wlb_steps)
-from ..planning.cost import H100_MEASURED, default_time_model, key_start
-from ..planning.transfers import rank_bytes
+from ..planning.by_time import loads_seconds, plan_loads
+from ..planning.cost import H100_MEASURED, default_time_model
 
 __all__ = ["METHODS", "LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received", "distca_plan",
-           "plan_loads", "rank_step_seconds", "simulate", "format_table", "main"]
+           "simulate", "format_table", "main"]
 
 METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
 LABELS = {"colocated": "colocated packing", "wlb": "WLB-LLM packing", "per_doc_cp": "per-document CP",
@@ -109,29 +109,8 @@ def distca_plan(pieces: DocumentPieces, config: PlannerConfig, time_model: TimeM
                                                   exposed_comm=1.0 - hidden_comm_fraction))
 
 
-def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, transfers=None) -> RankLoads:
-    """Per-rank work of ``plan`` on ``pieces``: every rank's own tokens through the linear layers,
-    the pairs, keys and tasks it serves, the bytes it sends and receives."""
-    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
-    n = pieces.num_ranks
-    keys = np.bincount(plan.server, weights=plan.q_end - key_start(plan.q_start, plan.window), minlength=n)
-    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64), keys,
-                     np.bincount(plan.server, minlength=n), sent, received)
-
-
-def rank_step_seconds(loads: RankLoads, time_model: TimeModel, hidden_comm_fraction: float):
-    """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
-    backward; the step is ``max(compute + exposed)``. The planner's model (``planning.by_time``):
-    compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction not
-    hidden of ``2 x (sent + received) / bytes_per_s`` (the backward moves as many bytes as the
-    forward) plus ``collective_s`` when anything crosses ranks."""
-    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys)
-    moves = bool(loads.sent.sum() + loads.received.sum() > 0)
-    return compute, time_model.comm_seconds(loads.sent, loads.received, 1.0 - hidden_comm_fraction, moves)
-
-
 def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
-    compute, exposed = rank_step_seconds(loads, time_model, hidden)
+    compute, exposed = loads_seconds(loads, time_model, 1.0 - hidden)
     return {"t": float((compute + exposed).max()), "comm": float(exposed.max()), "imb": imbalance(loads.pairs),
             "bytes": float(loads.received.sum())}
 
