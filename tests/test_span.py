@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_harness import run_ranks
+from streams import draw_slices, keys_on_server
 from distca_hf.planning import PlannerConfig, kv_transfers, plan_tasks, rank_documents, stitch_rank_documents
 from workers import exact_runs, span_refusal_worker, span_worker
 
@@ -65,17 +66,7 @@ def test_stitched_pieces_and_key_only_pieces_plan_exactly(doc_lengths, world, da
     """Pure: a global stream cut into ``world`` slices is stitched into pieces (continuations keep
     their document); pieces made key-only carry K/V but no work; the plan covers every query once
     and each server gets every task's whole K/V prefix from its own pieces and the transfers."""
-    total = sum(doc_lengths)
-    world = min(world, total)  # every rank holds a row of at least one token
-    cuts = sorted(data.draw(st.lists(st.integers(1, total - 1), min_size=world - 1, max_size=world - 1, unique=True))
-                  if world > 1 else [])
-    bounds = [0, *cuts, total]
-    starts = np.cumsum([0, *doc_lengths[:-1]])
-    per_rank, firsts = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        docs = [(max(lo, s), min(hi, s + n), s) for s, n in zip(starts, doc_lengths) if max(lo, s) < min(hi, s + n)]
-        per_rank.append(np.array([b - a for a, b, _ in docs], dtype=np.int64))
-        firsts.append(docs[0][0] - docs[0][2] if docs else 0)
+    per_rank, firsts = draw_slices(data, doc_lengths, world)
     rows = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], firsts, span_ranks=True)
     pieces = rows.pieces
     assert rows.longest_document == max(doc_lengths)
@@ -95,11 +86,4 @@ def test_stitched_pieces_and_key_only_pieces_plan_exactly(doc_lengths, world, da
     assert {d: sorted(v) for d, v in covered.items()} == {d: sorted(v) for d, v in wanted.items() if v}
     transfers = kv_transfers(plan, pieces)
     for server, d, b in zip(plan.server, plan.doc, plan.q_end):
-        have = set()
-        for r, pd, ks, e in zip(pieces.rank, pieces.doc, pieces.kv_start, pieces.end):
-            if pd == d and r == server:
-                have.update(range(int(ks), int(e)))
-        for v, td, ts, te in zip(transfers.server, transfers.doc, transfers.start, transfers.end):
-            if v == server and td == d:
-                have.update(range(int(ts), int(te)))
-        assert set(range(int(b))) <= have
+        assert set(range(int(b))) <= keys_on_server(pieces, transfers, server, d)

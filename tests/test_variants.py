@@ -138,32 +138,16 @@ def test_windowed_transfers_bring_every_key_a_task_sees(doc_lengths, world, wind
     pieces and what it receives, the keys ``[key_start(a, w), b)`` of each task it runs, and the
     transfers are a subset of the unwindowed ones."""
     from distca_hf.planning import PlannerConfig, kv_transfers, plan_tasks, stitch_rank_documents
+    from streams import draw_slices, keys_on_server
 
-    total = sum(doc_lengths)
-    world = min(world, total)
-    cuts = sorted(data.draw(st.lists(st.integers(1, total - 1), min_size=world - 1, max_size=world - 1, unique=True))
-                  if world > 1 else [])
-    bounds = [0, *cuts, total]
-    starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
-    per_rank, firsts = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        docs = [(max(lo, s), min(hi, s + n), s) for s, n in zip(starts, doc_lengths) if max(lo, s) < min(hi, s + n)]
-        per_rank.append(torch.tensor([b - a for a, b, _ in docs]).numpy())
-        firsts.append(docs[0][0] - docs[0][2])
+    per_rank, firsts = draw_slices(data, doc_lengths, world)
     pieces = stitch_rank_documents(per_rank, [0 * x for x in per_rank], firsts, span_ranks=True).pieces
     plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1, window=window))
     unwindowed = type(plan)(plan.source, plan.server, plan.doc, plan.q_start, plan.q_end, plan.num_ranks,
                             plan.servers)
     windowed, whole = kv_transfers(plan, pieces), kv_transfers(unwindowed, pieces)
     for server, d, a, b in zip(plan.server, plan.doc, plan.q_start, plan.q_end):
-        have = set()
-        for r, pd, ks, e in zip(pieces.rank, pieces.doc, pieces.kv_start, pieces.end):
-            if pd == d and r == server:
-                have.update(range(int(ks), int(e)))
-        for v, td, ts, te in zip(windowed.server, windowed.doc, windowed.start, windowed.end):
-            if v == server and td == d:
-                have.update(range(int(ts), int(te)))
-        assert set(range(key_start(int(a), window), int(b))) <= have
+        assert set(range(key_start(int(a), window), int(b))) <= keys_on_server(pieces, windowed, server, d)
     as_set = lambda t: {(int(s), int(v), int(d), x) for s, v, d, a, b in zip(t.source, t.server, t.doc, t.start, t.end)
                         for x in range(int(a), int(b))}
     assert as_set(windowed) <= as_set(whole)
