@@ -6,6 +6,7 @@
                    group's ranks when documents span ranks), the sampler that keeps them together,
                    the collator
     loading        files, folders, Hub names -> token-id documents
+    offline_corpus the demo's offline documents (Python's help topics) and the BPE trained on them
     launch_checks  launched vs running processes, the CPU launch traps
     accelerator    DistCAAccelerator and the model checks every entry point runs
     trainer        DistCATrainer and its step table
