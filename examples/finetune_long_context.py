@@ -46,6 +46,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from distca_hf.training.offline_corpus import offline_tokenizer, pydoc_topics
+
 # Only what --help needs is imported here; torch, transformers' models and the trainer load in main().
 
 
@@ -136,25 +138,8 @@ def parse_args(argv=None):
 
 
 # -- the offline defaults ---------------------------------------------------------------------------
-
-
-def pydoc_topics() -> list[str]:
-    from pydoc_data.topics import topics
-
-    return [topics[k] for k in sorted(topics)]
-
-
-def offline_tokenizer(texts: list[str]):
-    """A byte-level BPE trained on ``texts`` (deterministic: every rank trains the same one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+# pydoc_topics() and offline_tokenizer(texts) live in distca_hf.training.offline_corpus (imported above):
+# `distca-hf bench --workload demo` packs the same documents.
 
 
 def tiny_llama(tokenizer, max_positions: int, seed: int):
