@@ -146,3 +146,45 @@ def test_without_the_table_the_trainers_own_progress_bar_stays(tmp_path):
     trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=[[1, 2, 3]],
                             packing=PackingConfig(tokens_per_rank=8), distca_plugin=DistCAPlugin())
     assert any(type(c) is ProgressCallback for c in trainer.callback_handler.callbacks)
+
+
+class _Table:  # what compare() reads of a StepTableCallback
+    def __init__(self, times, losses=None, after=None):
+        losses = losses or [1.0] * len(times)
+        after = after or [1.02] * len(times)
+        self.rows = [{"step": i + 1, "loss": l, "before": 1.5, "after": a, "step_time_s": t}
+                     for i, (t, l, a) in enumerate(zip(times, losses, after))]
+
+
+def test_timing_repeats_time_every_step_by_its_fastest_run(capsys):
+    distca = [_Table([9.0, 1.0, 3.0, 2.0]), _Table([9.0, 2.0, 2.0, 2.2])]
+    colocated = [_Table([9.0, 2.0, 3.0, 2.0]), _Table([9.0, 1.5, 4.0, 2.0])]
+    assert [r["step_time_s"] for r in example.fastest_steps(distca)] == [9.0, 1.0, 2.0, 2.0]
+    assert example.repeat_noise(distca) == pytest.approx([0.0, 1.0, 0.5, 0.1])
+    assert example.repeat_noise(distca[:1]) == []
+    assert example.compare(distca, colocated, 1e-3)
+    out = capsys.readouterr().out
+    # steps 2..4: colocated 1.5 + 3.0 + 2.0 against distca 1.0 + 2.0 + 2.0
+    assert "colocated 6.5 s, distca 5.0 s" in out and "speedup: 1.30x" in out
+    assert "fastest of 2 runs per mode" in out and "up to 100%" in out
+    assert "0 of 3 steps more than 3% slower" in out
+
+
+def test_compare_counts_slower_steps_and_those_that_kept_the_colocated_plan(capsys):
+    # step 3 kept the colocated plan (imbalance unchanged: 1.5 -> 1.5), step 4 moved work and lost
+    distca = [_Table([1.0, 1.0, 2.2, 2.3], after=[1.02, 1.02, 1.5, 1.02])]
+    colocated = [_Table([1.0, 1.2, 2.0, 2.0], losses=[1.0, 1.0, 1.0, 1.01])]
+    assert not example.compare(distca, colocated, 1e-3)  # a loss 0.01 apart fails the check
+    out = capsys.readouterr().out
+    assert "2 of 3 steps more than 3% slower than colocated (1 of them kept the colocated plan" in out
+    assert "fastest of" not in out  # one run per mode: no repeats to speak of
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compare_colocated", "--timing_repeats", "0"], "--timing_repeats must be at least 1"),
+    (["--timing_repeats", "2"], "add --compare_colocated"),
+])
+def test_timing_repeats_are_checked(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        example.parse_args(["--output_dir", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
