@@ -4,9 +4,13 @@ DeepSpeed's Ulysses (ALST) on the same data, and the command's JSON."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dist_harness import run_ranks
 from distca_hf.planning.cost import document_pairs
@@ -248,7 +252,7 @@ def test_sample_workload_reads_a_json_list(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--workload", "uniform"], "--workload takes skewed, balanced, mixed, long or sample:FILE.json"),
+    (["--workload", "uniform"], "--workload takes skewed, balanced, mixed, long, demo or sample:FILE.json"),
     (["--workload", "skewed,long"], "--workload long runs alone"),
     (["--workload", "mixed,mixed"], "names a workload twice"),
     (["--workload", "sample:/no/such.json"], "cannot read"),
@@ -303,3 +307,213 @@ def test_summary_reports_per_step_ratios_and_targets():
     assert balanced["target"]["met"] is False and "MISSED" in bench.format_table(balanced)
     assert "target" not in bench.summarize(results, args, "mixed")
     assert "target" not in bench.summarize(results, Namespace(**vars(args), quick=True), "skewed")
+
+
+# -- --workload demo: make demo's own global batches ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_documents():
+    """``bench.demo_document_lengths()`` once per module (it trains the tokenizer: seconds)."""
+    return bench.demo_document_lengths()
+
+
+def test_demo_documents_are_the_ones_the_demo_trains(demo_documents):
+    """The bench's lengths against the example's own ``load_data`` (its default arguments: the pydoc
+    topics, its offline tokenizer, 8 documents held out for evaluation)."""
+    import sys
+    from pathlib import Path
+
+    from pydoc_data.topics import topics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import finetune_long_context as example
+
+    tokenizer, documents, held_out, _ = example.load_data(example.ModelArguments(), example.DataArguments(),
+                                                          example.PackingArguments(), 0)
+    lengths, pad_token_id = demo_documents
+    assert lengths == [len(d["input_ids"]) for d in documents]
+    assert len(lengths) == len(topics) - example.DataArguments().eval_documents == len(topics) - len(held_out)
+    assert pad_token_id == tokenizer.pad_token_id
+
+
+def test_offline_tokenizer_without_tokenizers_names_the_package(monkeypatch, capsys):
+    from distca_hf.tools.cli import main
+    from distca_hf.training.offline_corpus import offline_tokenizer
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` raises ImportError
+    with pytest.raises(ImportError, match="'tokenizers' package"):
+        offline_tokenizer(["some text"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "demo"])
+    assert "--workload demo: the offline tokenizer" in capsys.readouterr().err
+
+
+def _expected_rows(lengths, world, tokens, pad_token_id):
+    """The trainer's packing, straight from ``pack_rows``: global batch ``g``'s rows."""
+    from distca_hf.training.packing import PackingConfig, pack_rows
+
+    rows, report = pack_rows(lengths, PackingConfig(tokens_per_rank=tokens, seed=0, pad_token_id=pad_token_id),
+                             group_size=world)
+    assert len(rows) == report.global_batches * world
+    return [rows[g * world:(g + 1) * world] for g in range(report.global_batches)]
+
+
+def _check_demo_batches(lengths, world, tokens, pad_token_id=3, vocab=50):
+    dataset = bench.demo_dataset(lengths, world=world, tokens=tokens, pad_token_id=pad_token_id, vocab=vocab)
+    documents = dataset.documents  # the random token ids standing in for the text
+    assert [len(d) for d in documents] == list(lengths) and all(0 <= t < vocab for d in documents for t in d)
+    expected = _expected_rows(lengths, world, tokens, pad_token_id)
+    assert len(dataset) == len(expected) * world
+    for g, rows in enumerate(expected):
+        label_tokens = 0
+        for rank, row in enumerate(rows):
+            inputs = bench.demo_inputs(dataset, g, rank)
+            label_tokens += int(inputs["shift_labels"].ne(-100).sum())
+            if not row.pieces:  # a filler slot: one padding token, no label
+                assert inputs["input_ids"].tolist() == [[pad_token_id]]
+                continue
+            ids = [t for p in row.pieces for t in documents[p.document][p.start:p.end]]
+            assert inputs["input_ids"].tolist() == [ids]
+            # the first piece starts at the row's first_position, every other at 0
+            starts = [row.first_position] + [0] * (len(row.pieces) - 1)
+            positions = [s + i for s, p in zip(starts, row.pieces) for i in range(p.end - p.start)]
+            assert inputs["position_ids"].tolist() == [positions]
+            # first_position: the tokens of its document (its chunk, when longer than a global batch)
+            # that earlier ranks hold, i.e. the previous rank's row ends where this one continues
+            first = row.pieces[0]
+            assert row.first_position == first.start % (world * tokens)
+            if row.first_position:
+                previous = rows[rank - 1].pieces[-1]
+                assert rank > 0 and (previous.document, previous.end) == (first.document, first.start)
+        for rank in range(world):  # the loss is normalised by the whole global batch's label tokens
+            assert bench.demo_inputs(dataset, g, rank)["num_items_in_batch"] == label_tokens
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=30), world=st.integers(2, 4),
+       tokens=st.integers(2, 64))
+def test_demo_batches_are_the_trainers_packing(lengths, world, tokens):
+    _check_demo_batches(lengths, world, tokens)
+
+
+def test_demo_batches_of_the_demos_documents(demo_documents):
+    lengths, pad_token_id = demo_documents
+    _check_demo_batches(lengths, 2, 8192, pad_token_id, vocab=1024)
+
+
+def test_per_batch_minimum_takes_each_batchs_fastest_round():
+    # two rounds of three batches, round after round
+    assert bench.per_batch_minimum([3.0, 1.0, 5.0, 2.0, 4.0, 6.0], 3) == [2.0, 1.0, 5.0]
+
+
+def _demo_args(**changes):
+    from argparse import Namespace
+
+    args = dict(backward="saved", world=2, device="cpu", tokens=8192, tolerance="auto", steps=2, warmup=1,
+                global_batches=None, demo_global_batches=3, demo_packing="3 global batches", **bench.DEMO_MODEL)
+    return Namespace(**{**args, **changes})
+
+
+def _demo_results(colocated, distca):
+    """What the ranks gather for 2 rounds of 3 batches (round after round)."""
+    plans = [{"before": 1.5, "after": 1.0, "bytes_per_layer": 10, "moved_query_fraction": 0.1}] * len(distca)
+    overlap = {"overlap_fraction": 0.0, "forward": {"overlap_fraction": 0.0}, "backward": {"overlap_fraction": 0.0},
+               "comm_s": 0.0, "exposed_s": 0.0}
+    return {"colocated": {"step_s": colocated}, "ideal_step_s": [0.5] * len(colocated),
+            "distca_saved": {"step_s": distca, "stats": {}, "overlap": "none", "plans": plans,
+                             "bytes_sent_per_step": 1, "saved_for_backward_bytes_max_rank": 1,
+                             "overlap_per_step": [overlap] * len(distca)}}
+
+
+def test_demo_summary_times_each_batch_by_its_fastest_round():
+    # batch minimums: colocated [2, 1, 4], distca [1, 1.02, 2]: ratios 2, 0.98, 2
+    results = _demo_results([2.0, 1.0, 5.0, 3.0, 1.1, 4.0], [1.5, 1.02, 2.0, 1.0, 1.2, 2.5])
+    s = bench.summarize_demo(results, _demo_args())
+    assert s["steps"]["colocated_step_s"] == [2.0, 1.0, 4.0] and s["steps"]["distca_step_s"] == [1.0, 1.02, 2.0]
+    assert s["whole_run_speedup"] == pytest.approx(7.0 / 4.02) == s["speedup"]
+    assert s["colocated_step_s"] == pytest.approx(7.0 / 3) and s["distca_step_s"] == pytest.approx(4.02 / 3)
+    assert s["per_step_speedup"]["colocated"] == pytest.approx({"min": 1 / 1.02, "median": 2.0, "max": 2.0})
+    assert s["batches_more_than_3pct_slower"] == 0 and len(s["steps"]["plans"]) == 3
+    assert s["target"] == {**bench.DEMO_TARGET, "whole_run_met": True, "per_step_met": True, "met": True}
+    table = bench.format_table(s)
+    assert "1.74x  (target >= 1.25x, met)" in table and "0 of 3" in table
+    assert "(target: every batch >= 0.97x, met)" in table
+    # one batch 10% slower: the per-step target is missed, the whole run's still met
+    slower = bench.summarize_demo(_demo_results([2.0, 1.0, 5.0, 3.0, 1.1, 4.0], [1.5, 1.1, 2.0, 1.0, 1.2, 2.5]),
+                                  _demo_args())
+    assert slower["batches_more_than_3pct_slower"] == 1
+    assert slower["target"]["per_step_met"] is False and slower["target"]["met"] is False
+    assert "MISSED" in bench.format_table(slower) and "0.91x *" in bench.format_table(slower)
+    # the targets are for the demo's sizes only
+    for changes in ({"tokens": 2048}, {"hidden": 256}, {"global_batches": 3}, {"quick": True}, {"world": 4}):
+        assert "target" not in bench.summarize_demo(results, _demo_args(**changes)), changes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "demo,skewed"], "--workload demo runs alone"),
+    (["--global-batches", "2"], "--global-batches is for --workload demo"),
+    (["--workload", "demo", "--global-batches", "0"], "--global-batches must be between 1 and 12"),
+    (["--workload", "demo", "--tokens", "4096", "--global-batches", "999"],
+     "--global-batches must be between 1 and 24"),
+])
+def test_demo_arguments_are_checked(monkeypatch, capsys, argv, message):
+    from distca_hf.tools.cli import main
+
+    # 12 x 2 x 8192 tokens of documents (stands in for the demo's: no tokenizer to train)
+    monkeypatch.setattr(bench, "demo_document_lengths", lambda: ([8192] * 24, 0))
+    with pytest.raises(SystemExit):
+        main(["bench", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_demo_takes_the_demos_model_unless_given(monkeypatch):
+    seen = {}
+
+    def fake_worker(rank, world, args, port, path):  # stands in for the processes: records the sizes
+        seen.update(vars(args))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench, "_worker", fake_worker)
+    monkeypatch.setattr("torch.multiprocessing.start_processes", lambda fn, args, **kw: fn(0, *args))
+    monkeypatch.setattr(bench, "demo_document_lengths", lambda: ([100] * 10, 0))
+    for argv, expected in [([], dict(bench.DEMO_MODEL, steps=3, warmup=1, tokens=8192, demo_global_batches=1)),
+                           (["--hidden", "128", "--layers", "3", "--steps", "2", "--tokens", "100"],
+                            dict(bench.DEMO_MODEL, hidden=128, layers=3, steps=2, tokens=100, demo_global_batches=5))]:
+        seen.clear()
+        with pytest.raises(SystemExit):
+            bench.main(["--workload", "demo", *argv])
+        assert {k: seen[k] for k in expected} == expected, argv
+    seen.clear()
+    with pytest.raises(SystemExit):
+        bench.main([])  # other workloads keep the bench model
+    assert {k: seen[k] for k in bench.MODEL_DEFAULTS} == bench.MODEL_DEFAULTS
+
+
+@pytest.mark.distributed
+def test_bench_demo_cli_json():
+    """`distca-hf bench --workload demo --json` on two real processes, tiny sizes (two of the demo's
+    global batches of 2 x 256 tokens): per batch both methods' fastest round, ratios that add up."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "distca-hf"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
+    result = subprocess.run([*cmd, "bench", "--workload", "demo", "--tokens", "256", "--global-batches", "2",
+                             "--steps", "2", "--warmup", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("colocated_step_s", "distca_step_s", "speedup", "attn_imbalance_before", "attn_imbalance_after",
+                "whole_run_speedup"):
+        assert isinstance(out[key], float) and out[key] > 0
+    steps = out["steps"]
+    assert out["workload"] == "demo" and out["global_batches"] == 2 and out["rounds"] == 2
+    assert len(steps["colocated_step_s"]) == len(steps["distca_step_s"]) == len(steps["speedup"]) == 2
+    assert out["whole_run_speedup"] == pytest.approx(sum(steps["colocated_step_s"]) / sum(steps["distca_step_s"]))
+    assert out["batches_more_than_3pct_slower"] == sum(r < 0.97 for r in steps["speedup"])
+    ratios = out["per_step_speedup"]["colocated"]
+    assert ratios["min"] == pytest.approx(min(steps["speedup"]))
+    assert ratios["max"] == pytest.approx(max(steps["speedup"]))
+    assert "target" not in out  # not the demo's sizes
+    assert "2 x 256 tokens" in out["packing"]

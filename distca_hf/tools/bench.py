@@ -10,6 +10,7 @@ Every rank builds the same small Llama-like model and its own packed batch of ``
 - ``mixed``: every round a new batch drawn from a length sample (the demo's documents: the Python
   help topics at about 3 characters a token, 67 to 20k tokens) packed rank after rank;
 - ``sample:FILE.json``: the same with the lengths (a JSON list of token counts) in FILE;
+- ``demo``: below;
 - ``long``: below.
 
 A comma list (``--workload skewed,balanced,mixed``) runs several, one after the other in the same
@@ -48,6 +49,25 @@ bytes allocated during one forward + backward and alive at once, and those still
 forward ends (kept for backward), from ``TensorMemory``, max over ranks; also the per-step speedup
 of distca over each baseline (min / median / max over steps).
 
+``--workload demo`` (``demo_document_lengths``, ``demo_dataset``): the global batches ``make demo``
+trains, exactly: its documents (the pydoc topics tokenized by its offline byte-level BPE, the first
+8 held out for evaluation, ``training.offline_corpus``) packed as ``DistCATrainer`` packs them
+(``PackedDataset(..., span_ranks=True)``, ``PackingConfig(tokens_per_rank=--tokens, seed=0)``: global
+batches of ``world x --tokens`` tokens whose documents span ranks; a rank's row that continues a
+document starts at its ``position_ids`` p > 0) and collated by ``PackedCollator``; random token ids
+stand in for the text (the step time does not depend on them). The loss is the demo's: transformers'
+causal-LM loss over ``labels`` / ``shift_labels``, normalised by the global batch's label tokens.
+Every method runs with ``span_ranks=True`` (colocated too: its continuing pieces still receive their
+document's K/V prefix). The model is the demo's (hidden 64, intermediate 128, 2 layers, 2 heads, 1
+K/V head) unless those flags are given. A *round* runs every global batch once, in packing order,
+every method in turns on each batch; ``--warmup`` rounds (default 1) come first, then ``--steps``
+measured rounds (default 3; ``--global-batches N`` keeps the first N batches). Each batch (one
+step of the demo) is timed per method by its fastest measured round (a shared machine's noise only
+ever adds time); the table and the JSON give per batch the colocated and distca times and their
+ratio, the per-step ratios (min / median / max over batches), the batches more than 3% slower than
+colocated, and the whole-run speedup (sum of colocated times / sum of distca times) against the
+demo's targets (whole run >= 1.25x, no batch below 0.97x; reported for the demo's own sizes only).
+
 CPU: ``distca-hf bench`` (gloo, one thread per process). GPUs: ``distca-hf bench --world N`` on a
 machine with N GPUs (NCCL, bf16, flash-attn when installed), or under ``torchrun --nproc-per-node N
 -m distca_hf bench``.
@@ -68,8 +88,11 @@ from ..planning.cost import imbalance
 __all__ = ["main"]
 
 
-WORKLOADS = ("skewed", "balanced", "mixed", "long")
+WORKLOADS = ("skewed", "balanced", "mixed", "long", "demo")
 """``--workload`` names (besides ``sample:FILE.json``)."""
+
+ALONE = {"long": "its methods differ", "demo": "its model and settings differ"}
+"""Workloads that run alone, and why."""
 
 BALANCED_SHIFT = 0.12
 """``balanced``: odd ranks hold documents of ``(1/2 + 0.12)`` and ``(1/2 - 0.12)`` of their tokens,
@@ -95,9 +118,9 @@ def balanced_batch(rank: int, tokens: int) -> list[int]:
 def demo_lengths() -> list[int]:
     """The demo's documents as token counts: the Python help topics (``pydoc_data.topics``) at 3
     characters a token, about what the demo's byte-level BPE gives."""
-    from pydoc_data.topics import topics
+    from ..training.offline_corpus import pydoc_topics
 
-    return [max(1, len(text) // 3) for _, text in sorted(topics.items())]
+    return [max(1, len(text) // 3) for text in pydoc_topics()]
 
 
 def sample_lengths(workload: str) -> list[int]:
@@ -144,6 +167,113 @@ def workload_batches(workload: str, world: int, tokens: int, short_docs: int, ro
     return [drawn_batches(lengths, world, tokens, seed) for seed in range(rounds)]
 
 
+# --- --workload demo: make demo's own global batches ---
+
+
+DEMO_EVAL_DOCUMENTS = 8
+"""Documents the demo holds out for evaluation (its ``--eval_documents`` default): the first ones."""
+
+DEMO_MODEL = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 2, "kv_heads": 1}
+"""The demo's tiny Llama (``examples/finetune_long_context.py``, ``tiny_llama``): ``--workload demo``'s
+model unless these flags are given."""
+
+DEMO_ROUNDS = 3
+"""``--workload demo``: measured rounds unless ``--steps`` is given (each runs every global batch)."""
+
+DEMO_TARGET = {"whole_run_speedup_at_least": 1.25, "per_step_speedup_at_least": 0.97}
+"""The demo's targets: the whole run >= 1.25x colocated and no step (global batch) more than 3%
+slower than its colocated twin."""
+
+DEMO_TOKENS_PER_RANK = 8192
+"""The demo's ``--tokens_per_rank`` (and this command's default ``--tokens``)."""
+
+
+def demo_document_lengths(*, eval_documents: int = DEMO_EVAL_DOCUMENTS) -> tuple[list[int], int]:
+    """``(token counts of the documents the demo trains on, its padding token id)``: the pydoc topics
+    tokenized by the demo's offline BPE with an end-of-sequence token each (``load_documents``),
+    without the first ``min(eval_documents, documents // 4)`` (held out for evaluation, as the demo's
+    ``load_data`` does). Trains the tokenizer: a few seconds.
+
+    Raises:
+        ImportError: ``tokenizers`` (or ``datasets``) is missing, named in the message.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("the demo's documents need the 'datasets' package: pip install datasets") from None
+
+    from ..training.loading import load_documents
+    from ..training.offline_corpus import offline_tokenizer, pydoc_topics
+
+    texts = pydoc_topics()
+    tokenizer = offline_tokenizer(texts)
+    datasets.disable_progress_bars()
+    documents = load_documents(datasets.Dataset.from_dict({"text": texts}), tokenizer)
+    held_out = min(eval_documents, len(documents) // 4)
+    lengths = [len(ids) for ids in documents["input_ids"][held_out:]]
+    return lengths, tokenizer.pad_token_id or 0
+
+
+def demo_packing_config(tokens: int, pad_token_id: int):
+    """The ``PackingConfig`` the demo's trainer packs with (``--seed 0``: a shuffled document order)."""
+    from ..training.packing import PackingConfig
+
+    return PackingConfig(tokens_per_rank=tokens, seed=0, pad_token_id=pad_token_id)
+
+
+def demo_dataset(lengths: list[int], *, world: int, tokens: int, pad_token_id: int, vocab: int):
+    """The demo's packed rows of documents of ``lengths`` tokens for ``world`` ranks of ``tokens``
+    each, as its trainer builds them: a ``PackedDataset`` with ``span_ranks=True``, item
+    ``g * world + r`` rank ``r``'s row of global batch ``g``. Random token ids below ``vocab``
+    (seeded, the same on every rank) stand in for the text."""
+    import torch
+
+    from ..training.packing import PackedDataset
+
+    g = torch.Generator().manual_seed(0)
+    documents = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    return PackedDataset(documents, demo_packing_config(tokens, pad_token_id), world_size=world, span_ranks=True)
+
+
+def demo_inputs(dataset, batch: int, rank: int) -> dict:
+    """Rank ``rank``'s model inputs for global batch ``batch`` of ``demo_dataset`` (``[1, N]``
+    tensors from ``PackedCollator``: ``input_ids``, ``position_ids``, ``labels``, ``shift_labels``,
+    ``cu_seq_lens_q/k``, ``max_length_q/k``) and ``num_items_in_batch``: the label tokens of the
+    whole global batch, as the trainer normalises the loss."""
+    from ..training.packing import PackedCollator
+
+    world = dataset.world_size
+    inputs = PackedCollator()([dataset[batch * world + rank]])
+    inputs["num_items_in_batch"] = sum(row.label_tokens for row in dataset.rows[batch * world:(batch + 1) * world])
+    return inputs
+
+
+def demo_run_matches(args) -> bool:
+    """Whether a ``--workload demo`` run has the demo's sizes (its targets apply only then)."""
+    return (not getattr(args, "quick", False) and args.world == 2 and args.tokens == DEMO_TOKENS_PER_RANK
+            and args.global_batches is None and all(getattr(args, k) == v for k, v in DEMO_MODEL.items()))
+
+
+def _demo_step(model, rank: int, world: int, args, device):
+    """``(step(i), rounds)``: ``step(i)`` runs global batch ``i % batches`` of the demo (forward +
+    backward of the causal-LM loss); ``rounds`` is ``args`` with ``warmup`` and ``steps`` counted
+    in batches (``_run_in_turns`` then runs every batch of a round, every method in turns on it)."""
+    dataset = demo_dataset(args.demo_lengths, world=world, tokens=args.tokens, pad_token_id=args.demo_pad_token_id,
+                           vocab=args.vocab)
+    batches = args.demo_global_batches
+    inputs = []
+    for batch in range(batches):
+        one = demo_inputs(dataset, batch, rank)
+        inputs.append({k: v.to(device) if hasattr(v, "to") else v for k, v in one.items()})
+
+    def step(i: int):
+        model.zero_grad(set_to_none=True)
+        model(**inputs[i % batches]).loss.backward()
+
+    rounds = argparse.Namespace(**{**vars(args), "warmup": args.warmup * batches, "steps": args.steps * batches})
+    return step, rounds
+
+
 def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     """One rank of the benchmark: set up, run every method in turns, gather, write (rank 0)."""
     import torch.distributed as dist
@@ -154,15 +284,22 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     if args.workload == "long":
         results = _long_worker(rank, world, args, device)
     else:
-        model = _model(args, device, args.tokens)
+        # the demo's rows continue documents: positions reach world x tokens
+        model = _model(args, device, world * args.tokens if args.workload == "demo" else args.tokens)
         kernel_seconds = _time_kernels(device)
         methods = _methods(args)
         timeline.enable()
         results = {}
         for workload in args.workload.split(","):
-            step = _training_step(model, rank, world, args, device, workload)
-            runs = _run_in_turns(step, methods, args, kernel_seconds, device)
-            results[workload] = _gather_results(runs, methods, rank, world, args)
+            if workload == "demo":
+                import distca_hf
+
+                distca_hf.configure(span_ranks=True)  # every method, as the demo's trainer does
+                step, rounds = _demo_step(model, rank, world, args, device)
+            else:
+                step, rounds = _training_step(model, rank, world, args, device, workload), args
+            runs = _run_in_turns(step, methods, rounds, kernel_seconds, device)
+            results[workload] = _gather_results(runs, methods, rank, world, rounds)
     if rank == 0 and result_path:
         with open(result_path, "w") as f:
             json.dump(results, f)
@@ -592,12 +729,13 @@ skewed >= 1.4x; balanced >= 0.98x, i.e. never slower beyond noise (``--quick`` r
 steps are mostly linear layers)."""
 
 
-def summarize(results: dict, args, workload: str = "skewed") -> dict:
+def summarize(results: dict, args, workload: str = "skewed", *, center=statistics.median) -> dict:
     """One workload's JSON: the contract's keys, the per-step speedup of every distca setting over
     colocated (min / median / max over rounds), each round's plan, and the target when it has one.
     ``attn_imbalance_before`` / ``_after`` are means over rounds (every round's plan is the same
-    batch for ``skewed`` and ``balanced``)."""
-    median, mean = statistics.median, statistics.fmean
+    batch for ``skewed`` and ``balanced``). ``center`` turns a method's step times into its step
+    (``*_step_s``; the median, or for ``demo`` the mean: its steps are different batches)."""
+    median, mean = center, statistics.fmean
     colocated = median(results["colocated"]["step_s"])
     ideal = median(results["ideal_step_s"])
     first = "distca_" + ("saved" if args.backward in ("saved", "both") else "resend")
@@ -649,6 +787,42 @@ def summarize(results: dict, args, workload: str = "skewed") -> dict:
                 "bytes_sent_per_step_all_ranks": r["bytes_sent_per_step"],
                 "saved_for_backward_bytes_max_rank": r["saved_for_backward_bytes_max_rank"],
             }
+    return summary
+
+
+def per_batch_minimum(step_s: list[float], batches: int) -> list[float]:
+    """Each batch's fastest round: ``step_s`` holds the rounds one after the other, ``batches`` steps
+    each (``len(step_s)`` a multiple of ``batches``)."""
+    rounds = len(step_s) // batches
+    return [min(step_s[r * batches + b] for r in range(rounds)) for b in range(batches)]
+
+
+def summarize_demo(results: dict, args) -> dict:
+    """The ``--workload demo`` JSON: ``summarize``'s keys over the batches, each batch (a step of the
+    demo) timed per method by its fastest round, so that ``colocated_step_s`` / ``distca_step_s`` are
+    the mean step over the batches and ``speedup`` the whole run's (also ``whole_run_speedup``);
+    ``per_step_speedup`` is over the batches, ``steps`` lists them (times, ratios, plans of the first
+    measured round: every round plans the same batch alike), ``batches_more_than_3pct_slower`` counts
+    the batches below 0.97x, and ``target`` (the demo's sizes only) says whether the run meets
+    ``DEMO_TARGET``."""
+    batches = args.demo_global_batches
+    fastest = {"colocated": {"step_s": per_batch_minimum(results["colocated"]["step_s"], batches)},
+               "ideal_step_s": per_batch_minimum(results["ideal_step_s"], batches)}
+    for key, r in results.items():
+        if key.startswith("distca_"):
+            fastest[key] = {**r, "step_s": per_batch_minimum(r["step_s"], batches), "plans": r["plans"][:batches],
+                            "overlap_per_step": r["overlap_per_step"][:batches]}
+    summary = summarize(fastest, args, "demo", center=statistics.fmean)
+    steps = summary["steps"]
+    steps["speedup"] = [c / d for c, d in zip(steps["colocated_step_s"], steps["distca_step_s"])]
+    least = DEMO_TARGET["per_step_speedup_at_least"]
+    summary.update(rounds=args.steps, warmup_rounds=args.warmup, global_batches=batches,
+                   packing=args.demo_packing, whole_run_speedup=summary["speedup"],
+                   batches_more_than_3pct_slower=sum(r < least for r in steps["speedup"]))
+    if demo_run_matches(args):
+        whole = summary["whole_run_speedup"] >= DEMO_TARGET["whole_run_speedup_at_least"]
+        every = summary["per_step_speedup"]["colocated"]["min"] >= least
+        summary["target"] = {**DEMO_TARGET, "whole_run_met": whole, "per_step_met": every, "met": whole and every}
     return summary
 
 
@@ -718,20 +892,43 @@ def _ratios(r: dict) -> str:
     return f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}x"
 
 
+def _met(flag: bool) -> str:
+    return "met" if flag else "MISSED"
+
+
 def format_table(s: dict) -> str:
     ratio = s["per_step_speedup"]["colocated"]
     target = s.get("target")
+    demo = s["workload"] == "demo"
+    step = "mean over batches, each its fastest round" if demo else "median"
+    if demo:
+        whole = "" if target is None else (f"  (target >= {target['whole_run_speedup_at_least']}x, "
+                                           f"{_met(target['whole_run_met'])})")
+        per_step = "" if target is None else (f"  (target: every batch >= {target['per_step_speedup_at_least']}x, "
+                                              f"{_met(target['per_step_met'])})")
+    else:
+        whole = ""
+        per_step = "" if target is None else (f"  (target: median >= {target['median_speedup_at_least']}x, "
+                                              f"{_met(target['met'])})")
     rows = [
         ("workload / world / device", f"{s['workload']} / {s['world']} x {s['device']}, {s['tokens_per_rank']} tokens "
                                       f"per rank, tolerance {s['tolerance']}"),
+    ]
+    if demo:
+        rows += [("packing", s["packing"]),
+                 ("rounds", f"{s['rounds']} measured after {s['warmup_rounds']} warm-up, each every one of "
+                            f"{s['global_batches']} global batches in order, the methods in turns on each")]
+    rows += [
         ("attention imbalance before -> after", f"{s['attn_imbalance_before']:.2f} -> {s['attn_imbalance_after']:.3f}"
                                                 f"  ({s['moved_query_fraction']:.1%} of queries moved)"),
-        ("colocated step (median)", f"{s['colocated_step_s']:.3f} s"),
-        ("distca step (median)", f"{s['distca_step_s']:.3f} s"),
-        ("speedup", f"{s['speedup']:.2f}x"),
-        ("per-step speedup min / median / max", _ratios(ratio) + (
-            "" if target is None else f"  (target: median >= {target['median_speedup_at_least']}x, "
-                                      f"{'met' if target['met'] else 'MISSED'})")),
+        (f"colocated step ({step})", f"{s['colocated_step_s']:.3f} s"),
+        (f"distca step ({step})", f"{s['distca_step_s']:.3f} s"),
+        ("speedup" + (" (whole run: sum colocated / sum distca)" if demo else ""), f"{s['speedup']:.2f}x" + whole),
+        ("per-step speedup min / median / max", _ratios(ratio) + per_step),
+    ]
+    if demo:
+        rows.append(("batches more than 3% slower", f"{s['batches_more_than_3pct_slower']} of {s['global_batches']}"))
+    rows += [
         ("ideal step (balanced, free comm)", f"{s['ideal_step_s']:.3f} s  ({s['ideal_speedup']:.2f}x)"),
         ("distca / ideal", f"{s['distca_over_ideal']:.3f}"),
         ("bytes per layer forward (all ranks)", f"{s['bytes_sent_per_layer_forward'] / 1e6:.2f} MB"),
@@ -748,12 +945,34 @@ def format_table(s: dict) -> str:
                          f"{b['bytes_sent_per_step_all_ranks'] / 1e6:.1f} MB / "
                          f"{b['saved_for_backward_bytes_max_rank'] / 1e6:.1f} MB"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if demo:
+        lines += ["", _format_batches(s)]
+    return "\n".join(lines)
+
+
+def _format_batches(s: dict) -> str:
+    """The demo's batches one per line: each method's fastest round, their ratio, the plan."""
+    steps = s["steps"]
+    header = ("batch", "colocated (fastest)", "distca (fastest)", "speedup", "attn imbalance before -> after",
+              "queries moved")
+    rows = [header] + [
+        (str(b + 1), f"{c:.3f} s", f"{d:.3f} s", f"{r:.2f}x" + (" *" if r < DEMO_TARGET["per_step_speedup_at_least"]
+                                                               else ""),
+         f"{p['before']:.2f} -> {p['after']:.3f}", f"{p['moved_query_fraction']:.1%}")
+        for b, (c, d, r, p) in enumerate(zip(steps["colocated_step_s"], steps["distca_step_s"], steps["speedup"],
+                                             steps["plans"]))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines + [f"(*: more than 3% slower than colocated; times are each batch's fastest of "
+                               f"{s['rounds']} rounds)"])
 
 
 QUICK = {"tokens": 2048, "steps": 3, "warmup": 1, "layers": 2}
 """What ``--quick`` changes (unless given): a check in about a minute on 2 CPU processes."""
 DEFAULTS = {"tokens": 8192, "steps": 5, "warmup": 1, "layers": 4}
+MODEL_DEFAULTS = {"hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 2}
+"""The bench model's shape (with ``DEFAULTS``' layers) unless given; ``--workload demo``: ``DEMO_MODEL``."""
 
 
 def _tolerance(text: str):
@@ -772,13 +991,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192; --quick 2048)")
     parser.add_argument("--short-docs", type=int, default=None, help="documents on the odd (short) ranks of skewed "
                         "(default: tokens / 256); --workload long: short documents are tokens / short-docs tokens long")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=688)
-    parser.add_argument("--layers", type=int, default=None, help="default 4; --quick 2")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=None, help="default 256; --workload demo: 64")
+    parser.add_argument("--intermediate", type=int, default=None, help="default 688; --workload demo: 128")
+    parser.add_argument("--layers", type=int, default=None, help="default 4; --quick and --workload demo: 2")
+    parser.add_argument("--heads", type=int, default=None, help="default 8; --workload demo: 2")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default 2; --workload demo: 1")
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5; --quick 3)")
+    parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5; --quick and "
+                        "--workload demo: 3, a demo round running every global batch once)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds before measuring (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes for a check in about a minute: {QUICK} unless given")
@@ -801,7 +1021,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "attention within a few percent; mixed: each round a batch drawn from the demo's document "
                         "lengths; sample:FILE.json: drawn from a JSON list of lengths; several separated by commas run "
                         "one after the other; long (alone): one document over every rank beside short ones, against "
-                        "per-document CP, Ulysses and colocated-where-possible")
+                        "per-document CP, Ulysses and colocated-where-possible; demo (alone): make demo's own global "
+                        "batches (its documents and packing, documents spanning ranks, its model), each batch timed by "
+                        "its fastest round, the whole run's speedup and the batches more than 3%% slower")
+    parser.add_argument("--global-batches", type=int, default=None,
+                        help="--workload demo: run only the first N of the demo's global batches (default: all)")
     parser.add_argument("--long-tokens", type=int, default=None,
                         help="--workload long: the long document's tokens (default: world x tokens - tokens / 2)")
     parser.add_argument("--no-ulysses", action="store_true", help="--workload long: leave DeepSpeed Ulysses out")
@@ -820,8 +1044,9 @@ def _check_workloads(args, parser) -> None:
         elif name not in WORKLOADS:
             parser.error(f"--workload takes {', '.join(WORKLOADS)} or sample:FILE.json (several separated by commas), "
                          f"got {name!r}")
-    if "long" in names and len(names) > 1:
-        parser.error("--workload long runs alone (its methods differ)")
+    for name, why in ALONE.items():
+        if name in names and len(names) > 1:
+            parser.error(f"--workload {name} runs alone ({why})")
     if len(set(names)) != len(names):
         parser.error(f"--workload names a workload twice: {args.workload!r}")
 
@@ -845,6 +1070,30 @@ def _check_long(args, parser) -> None:
         args.ulysses_skipped = ulysses_unavailable(args.world, args.heads, args.kv_heads)
 
 
+def _check_demo(args, parser) -> None:
+    """``--workload demo``: the demo's documents (tokenized here, once: the ranks get the lengths),
+    their packing for ``--world`` ranks of ``--tokens``, and ``--global-batches``."""
+    if args.workload != "demo":
+        if args.global_batches is not None:
+            parser.error("--global-batches is for --workload demo")
+        return
+    try:
+        args.demo_lengths, args.demo_pad_token_id = demo_document_lengths()
+    except ImportError as e:
+        parser.error(f"--workload demo: {e}")
+    from ..training.packing import pack_rows
+
+    _, report = pack_rows(args.demo_lengths, demo_packing_config(args.tokens, args.demo_pad_token_id),
+                          group_size=args.world)
+    args.demo_packing = str(report)
+    args.demo_global_batches = report.global_batches
+    if args.global_batches is not None:
+        if not 1 <= args.global_batches <= report.global_batches:
+            parser.error(f"--global-batches must be between 1 and {report.global_batches} (the demo's global batches "
+                         f"of {args.world} x {args.tokens} tokens), got {args.global_batches}")
+        args.demo_global_batches = args.global_batches
+
+
 def run_cli(args, parser) -> int:
     import tempfile
 
@@ -856,6 +1105,13 @@ def run_cli(args, parser) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.workload == "demo":  # the demo's model and rounds, unless given
+        for name, value in {**DEMO_MODEL, "steps": DEMO_ROUNDS}.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    for name, value in MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, QUICK[name] if args.quick else value)
@@ -864,7 +1120,8 @@ def run_cli(args, parser) -> int:
     _check_workloads(args, parser)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads"):
+    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
+                 "kv_heads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.world < 2 and "WORLD_SIZE" not in os.environ:
@@ -880,6 +1137,7 @@ def run_cli(args, parser) -> int:
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
         args.world = int(os.environ["WORLD_SIZE"])
     _check_long(args, parser)
+    _check_demo(args, parser)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
@@ -899,7 +1157,8 @@ def run_cli(args, parser) -> int:
         summary = summarize_long(results, args)
         print(json.dumps(summary) if args.json else format_long_table(summary))
         return 0
-    summaries = {name: summarize(r, args, name) for name, r in results.items()}
+    summaries = {name: summarize_demo(r, args) if name == "demo" else summarize(r, args, name)
+                 for name, r in results.items()}
     if len(summaries) == 1:  # the contract's flat object
         summary = next(iter(summaries.values()))
         print(json.dumps(summary) if args.json else format_table(summary))
