@@ -48,7 +48,7 @@ from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
 
-__all__ = ["profile", "main", "CommPlans", "communication_plans", "CommFit", "fit_comm_terms", "comm_backend",
+__all__ = ["profile", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans", "communication_plans", "CommFit", "fit_comm_terms", "comm_backend",
            "world_warning", "CommMeasurement", "measure_communication"]
 
 
@@ -201,11 +201,11 @@ def communication_plans(world: int, tokens: int) -> CommPlans:
     for _, tiny, heads, tails in moves:
         rows = []  # (source, server, doc, q_start, q_end)
         for r in range(world):
-            shifted = lambda j: (r + 1 + j % (world - 1)) % world
-            rows.append((r, shifted(0) if tiny else r, r * n, 0, COMM_TINY_TOKENS))
+            away = (r + 1 + np.arange(n) % (world - 1)) % world  # where document j's moved tasks go
+            rows.append((r, away[0] if tiny else r, r * n, 0, COMM_TINY_TOKENS))
             for j in range(1, n):
-                rows.append((r, shifted(j) if j <= heads else r, r * n + j, 0, half))
-                rows.append((r, shifted(j) if j <= tails else r, r * n + j, half, length))
+                rows.append((r, away[j] if j <= heads else r, r * n + j, 0, half))
+                rows.append((r, away[j] if j <= tails else r, r * n + j, half, length))
         source, server, doc, q_start, q_end = np.asarray(rows, dtype=np.int64).T
         order = np.lexsort((q_start, doc, source, server))  # the planner's order: by server, then source
         plans.append(Plan(source[order], server[order], doc[order], q_start[order], q_end[order], world,
