@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -48,8 +47,8 @@ from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
 
-__all__ = ["profile", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans", "communication_plans", "CommFit", "fit_comm_terms", "comm_backend",
-           "world_warning", "CommMeasurement", "measure_communication"]
+__all__ = ["profile", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans", "communication_plans", "CommFit",
+           "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement", "measure_communication"]
 
 
 class _LinearPart(torch.nn.Module):
@@ -187,7 +186,8 @@ def communication_plans(world: int, tokens: int) -> CommPlans:
         raise ValueError(f"communication plans need at least 2 ranks, got {world}")
     length = tokens // COMM_DOCUMENTS
     if length < 2:
-        raise ValueError(f"tokens per rank must be at least {2 * COMM_DOCUMENTS} (two tokens per document), got {tokens}")
+        raise ValueError(f"tokens per rank must be at least {2 * COMM_DOCUMENTS} (two tokens per document), "
+                         f"got {tokens}")
     lengths = np.array([COMM_TINY_TOKENS] + [length] * COMM_DOCUMENTS, dtype=np.int64)
     n, half = lengths.size, length // 2
     rank = np.repeat(np.arange(world), n)
