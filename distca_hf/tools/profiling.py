@@ -450,7 +450,8 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=None,
                         help="also measure bytes_per_s and collective_s on this many processes (>= 2; gloo on CPU, "
                         "NCCL on as many GPUs): one attention layer through the dispatch under plans moving different "
-                        "amounts; default: not measured, the built-in model's")
+                        "amounts, median of 3 x --repeats rounds (at least 5); default: not measured, the built-in "
+                        "model's")
     args = parser.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
