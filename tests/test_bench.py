@@ -518,3 +518,17 @@ def test_bench_demo_cli_json():
     assert ratios["max"] == pytest.approx(max(steps["speedup"]))
     assert "target" not in out  # not the demo's sizes
     assert "2 x 256 tokens" in out["packing"]
+
+
+@pytest.mark.parametrize("per_round, rounds", [(1, 4), (12, 2), (3, 4), (5, 2)])
+def test_turns_alternate_so_each_method_runs_first_on_every_batch_equally_often(per_round, rounds):
+    from distca_hf.tools.bench import turn_order
+
+    methods = ["colocated", "distca none", "distca wave"]
+    first = {}
+    for step in range(per_round * rounds):
+        order = turn_order(methods, step, per_round)
+        assert sorted(order) == sorted(methods)  # every method, once
+        first.setdefault(step % per_round, []).append(order[0])
+    for batch, leaders in first.items():
+        assert leaders.count("colocated") == leaders.count("distca wave") == rounds // 2, (batch, leaders)

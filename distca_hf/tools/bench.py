@@ -271,7 +271,8 @@ def _demo_step(model, rank: int, world: int, args, device):
         model.zero_grad(set_to_none=True)
         model(**inputs[i % batches]).loss.backward()
 
-    rounds = argparse.Namespace(**{**vars(args), "warmup": args.warmup * batches, "steps": args.steps * batches})
+    rounds = argparse.Namespace(**{**vars(args), "warmup": args.warmup * batches, "steps": args.steps * batches,
+                                   "batches_per_round": batches})
     return step, rounds
 
 
@@ -394,8 +395,10 @@ def _methods(args) -> list[tuple[str, str, str]]:
 
 
 def _run_in_turns(step, methods, args, kernel_seconds, device) -> dict:
-    """Every method runs once per round, in the same order, so a machine whose speed drifts (another
-    job, thermal limits) affects all of them alike: the ratios are measured side by side. Returns
+    """Every method runs once per step, in turns, so a machine whose speed drifts (another job,
+    thermal limits) affects all of them alike: the ratios are measured side by side. The turns
+    alternate direction (``turn_order``): the method that runs a new batch first pays for growing the
+    allocator's buffers and warming the caches, and the next one finds them ready. Returns
     per method a list of ``(step seconds, (this rank's seconds, its kernel seconds), plan_stats,
     timeline events)``."""
     import torch.distributed as dist
@@ -424,10 +427,20 @@ def _run_in_turns(step, methods, args, kernel_seconds, device) -> dict:
         for i in range(args.warmup):
             step(i)
     runs = {method: [] for method in methods}
+    per_round = getattr(args, "batches_per_round", 1)
     for i in range(args.warmup, args.warmup + args.steps):
-        for method in methods:
+        for method in turn_order(methods, i - args.warmup, per_round):
             runs[method].append(timed_step(i, *method))
     return runs
+
+
+def turn_order(methods: list, step: int, per_round: int = 1) -> list:
+    """The order the methods take their turns at measured ``step`` (0-based) of rounds of
+    ``per_round`` batches: reversed on every other batch of a round and, for each batch, on every
+    other round, so each method runs first on every batch equally often (over an even number of
+    rounds; for one batch a round, on every other step)."""
+    batch, round_ = step % per_round, step // per_round
+    return list(reversed(methods)) if (batch + round_) % 2 else list(methods)
 
 
 def _gather_results(runs: dict, methods, rank: int, world: int, args) -> dict:
