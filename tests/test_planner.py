@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
                                 colocated_plan, comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks, rank_seconds,
                                 step_seconds)
+from distca_hf.planning.by_time import CARVING_ORDER
+from distca_hf.planning.planner import tolerance_plans
+from distca_hf.planning.transfers import RunningBytes, rank_bytes
 from distca_hf.runtime.context import BatchPlan, plan_stats_of
 from distca_hf.tools.simulate import cut_to, draw_batch, pack_pieces
 
@@ -27,6 +30,22 @@ def packed_batches(draw):
     docs_np = cut_to(np.asarray(docs, dtype=np.int64), filled_ranks * budget)  # like the simulator
     pieces = pack_pieces(docs_np, filled_ranks, budget)
     return DocumentPieces(pieces.rank, pieces.doc, pieces.start, pieces.end, ranks)
+
+
+@st.composite
+def batches_with_key_only_prefixes(draw):
+    """``packed_batches`` where a piece that continues a document may also hold, as keys only, the
+    last tokens of the piece before it (as ping-pong's second nano-batch does): those queries then
+    belong to no piece."""
+    pieces = draw(packed_batches())
+    start, end, kv_start = pieces.start.copy(), pieces.end.copy(), pieces.kv_start.copy()
+    for i in range(1, pieces.num_pieces):
+        if pieces.doc[i] == pieces.doc[i - 1] and end[i - 1] - kv_start[i - 1] > 1 and draw(st.booleans()):
+            keys_only = draw(st.integers(1, int(end[i - 1] - kv_start[i - 1]) - 1))
+            end[i - 1] -= keys_only
+            kv_start[i] -= keys_only
+            start[i - 1] = min(start[i - 1], end[i - 1])
+    return DocumentPieces(pieces.rank, pieces.doc, start, end, pieces.num_ranks, kv_start=kv_start)
 
 
 configs = st.builds(
@@ -325,6 +344,103 @@ def test_auto_plan_is_never_predicted_slower_than_colocated_or_the_fixed_plan(pi
     assert seconds <= step_seconds(fixed, pieces, auto) * (1 + 1e-12)
     again = plan_tasks(pieces, auto)
     assert all(np.array_equal(getattr(plan, n), getattr(again, n)) for n in ("source", "server", "q_start", "q_end"))
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("source", "server", "doc", "q_start", "q_end"))
+
+
+@settings(max_examples=120, deadline=None)
+@given(pieces=packed_batches(), config=windowed_configs, model=time_models, exposed=st.sampled_from([0.0, 0.5, 1.0]),
+       data=st.data())
+def test_auto_plan_is_the_fastest_candidate(pieces, config, model, exposed, data):
+    """Giving up carvings on the way never changes the choice: the plan is the candidate (colocated
+    when every holder serves, then each tolerance of AUTO_TOLERANCES, each carved in full by
+    plan_tasks) with the smallest predicted step, the earliest of them on ties."""
+    pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))) \
+        if data.draw(st.booleans()) else None
+    auto = PlannerConfig("auto", config.block, pool, config.token_bytes, window=config.window, time_model=model,
+                         exposed_comm=exposed)
+    candidates = [plan_tasks(pieces, PlannerConfig(t, config.block, pool, config.token_bytes, window=config.window))
+                  for t in AUTO_TOLERANCES]
+    servers = pool if pool is not None else tuple(range(pieces.num_ranks))
+    if np.isin(pieces.rank[pieces.end > pieces.start], servers).all():
+        candidates.insert(0, colocated_plan(pieces, servers, window=config.window))
+    seconds = [step_seconds(c, pieces, auto) for c in candidates]
+    fastest = candidates[int(np.argmin(seconds))]  # argmin: the first of equal minima
+    assert _same_plan(plan_tasks(pieces, auto), fastest)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=packed_batches(), config=windowed_configs,
+       tolerances=st.lists(st.sampled_from([0.0, 0.01, 0.05, 0.3]), min_size=1, max_size=4))
+def test_tolerance_plans_are_plan_tasks_at_each_tolerance(pieces, config, tolerances):
+    plans = list(tolerance_plans(pieces, config, tolerances))
+    assert len(plans) == len(tolerances)
+    for tolerance, plan in zip(tolerances, plans):
+        alone = plan_tasks(pieces, PlannerConfig(tolerance, config.block, config.servers, config.token_bytes,
+                                                 window=config.window))
+        assert _same_plan(plan, alone)
+
+
+@settings(max_examples=120, deadline=None)
+@given(pieces=packed_batches(), config=windowed_configs, data=st.data())
+def test_carving_progress_is_a_lower_bound_on_the_finished_plan(pieces, config, data):
+    """What a carving shows on the way holds for the plan it finishes: every rank serves at least
+    ``served_at_least`` pairs, and every task moved so far is one of its tasks."""
+    pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))) \
+        if data.draw(st.booleans()) else None
+    config = PlannerConfig(config.tolerance, config.block, pool, config.token_bytes, window=config.window)
+    seen = []
+
+    def watch(progress):
+        assert progress.tolerance == config.tolerance
+        at_least = progress.served_at_least()
+        assert at_least.tolist() == [progress.served_at_least(r) for r in range(pieces.num_ranks)]
+        seen.append((at_least, list(progress.moved)))
+        return False
+
+    plan = next(tolerance_plans(pieces, config, (config.tolerance,), give_up=watch))
+    assert _same_plan(plan, plan_tasks(pieces, config))
+    served = plan.server_pairs()
+    tasks = set(zip(*(getattr(plan, n).tolist() for n in ("source", "server", "doc", "q_start", "q_end"))))
+    moved = [task for _, batch in seen for task in batch]
+    assert len(set(moved)) == len(moved) and set(moved) <= tasks
+    assert all(source != server for source, server, *_ in moved)
+    assert {t for t in tasks if t[0] != t[1]} == set(moved), "every moved task is shown once"
+    for at_least, _ in seen:
+        assert (served >= at_least).all()
+    # a carving given up at its first question yields None, and the next tolerance is still planned
+    gave_up = list(tolerance_plans(pieces, config, (config.tolerance, 0.3), give_up=lambda progress: True))
+    assert (gave_up[0] is None) == bool(seen)
+    assert gave_up[1] is None or _same_plan(gave_up[1], plan_tasks(pieces, PlannerConfig(
+        0.3, config.block, pool, config.token_bytes, window=config.window)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.one_of(packed_batches(), batches_with_key_only_prefixes()), config=windowed_configs,
+       data=st.data())
+def test_running_bytes_are_rank_bytes_of_the_tasks_added(pieces, config, data):
+    """Tasks added in any order and in any batches give rank_bytes of those tasks, local ones
+    (K/V of a document spanning ranks) and moved ones alike."""
+    plan = plan_tasks(pieces, config)
+    tasks = list(zip(*(getattr(plan, n).tolist() for n in ("source", "server", "doc", "q_start", "q_end"))))
+    order = data.draw(st.permutations(range(len(tasks))))
+    cut = data.draw(st.integers(0, len(tasks)))
+    running = RunningBytes(pieces, config.token_bytes, config.window)
+    for part in (order[:cut], order[cut:]):
+        before = list(zip(running.sent, running.received))
+        changed = running.add([tasks[i] for i in part])
+        after = list(zip(running.sent, running.received))
+        assert {r for r in range(pieces.num_ranks) if after[r] != before[r]} <= changed
+    sent, received = rank_bytes(plan, pieces, config.token_bytes)
+    assert running.sent == sent.tolist() and running.received == received.tolist()
+    running.clear()
+    running.add([tasks[i] for i in order[:cut]])
+    first = np.zeros(plan.num_tasks, dtype=bool)
+    first[list(order[:cut])] = True
+    sent, received = rank_bytes(plan.subset(first), pieces, config.token_bytes)
+    assert running.sent == sent.tolist() and running.received == received.tolist()
 
 
 @settings(max_examples=40, deadline=None)

@@ -13,30 +13,47 @@ O back, K/V from its holder); the backward moves as many again (``saved`` mode: 
 dK/dV back), hence the 2. ``exposed_comm`` is the fraction the overlap mode does not hide.
 
 The candidates are the colocated plan (when every rank holding work serves) and the fixed-tolerance
-plans of ``AUTO_TOLERANCES``, tightest first; looser ones are tried only while each beats the one
-before (the predicted time falls as bytes drop and rises as imbalance grows). The first candidate
-is the planner's fixed default (0.02), so the chosen plan is never predicted slower than the
-fixed-tolerance plan nor than colocated. A lower bound on every plan that moves anything (the
-mean attention time of the servers plus ``collective_s``) skips the carving altogether when it
-cannot beat colocated: nearly balanced steps cost one colocated plan.
+plans of ``AUTO_TOLERANCES``, each exactly ``plan_tasks``' at that tolerance; the chosen one is the
+candidate with the smallest predicted step (ties: colocated, then the tightest tolerance), so it is
+never predicted slower than colocated nor than the fixed-tolerance plan (0.02), under the same model.
+
+Plan time. A lower bound on every plan that moves anything (the mean attention time of the servers
+plus ``collective_s``) skips the carving altogether when it cannot beat colocated: nearly balanced
+steps cost one colocated plan. Otherwise the tolerances are carved (``planner.tolerance_plans``,
+sharing what does not depend on the tolerance) in ``CARVING_ORDER``, loosest first, and a carving
+is given up as soon as a sound lower bound on its finished plan's predicted step reaches the best
+candidate's so far (it could at best tie, and would lose the tie): every rank's linear time, plus
+the pairs it is sure to serve (``CarvingProgress.served_at_least``: a server ends with at least
+the smaller of what it serves now and the cap, less one block of pairs), plus the
+exposed communication of the bytes that the tasks moved so far already cost it (exact, kept task by
+task by ``transfers.RunningBytes``; a task once moved stays, and the finished plan only adds bytes).
+Giving up therefore never changes the choice; it only saves the rest of a losing carving, which is
+most of it when one candidate is clearly faster (the loosest on prolong-like batches, whose long
+documents' K/V dominate). Candidates within a few percent of each other (wlbllm-like batches) are
+all carved: the bound stays a few percent below the finished step (the kernel's per-key and
+per-task time, a block of pairs, the K/V of what stays local) until the carving ends.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
 from .baselines import RankLoads
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .pieces import DocumentPieces
-from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
-from .transfers import KVTransfers, rank_bytes
+from .planner import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
+from .transfers import KVTransfers, RunningBytes, rank_bytes
 
-__all__ = ["AUTO_TOLERANCES", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
+__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
-"""Fixed tolerances ``"auto"`` tries, tightest first; the first is the planner's default."""
+"""Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
+the planner's default."""
+
+CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1])
+"""The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
+loosest first (the cheapest carving, and the winner when K/V bytes dominate), then the planner's
+default (never skipped unless proven slower), then the ones between."""
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
@@ -76,28 +93,48 @@ def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> f
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
-    """The candidate plan with the smallest predicted ``step_seconds`` (ties: the one moving less)."""
+    """The candidate plan with the smallest predicted ``step_seconds``; ties go to the earlier of
+    colocated, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
     servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
-    holders = np.unique(pieces.rank[pieces.end > pieces.start])
-    if not np.isin(holders, servers).all():  # ranks outside the pool must give their work away
-        best, best_s = None, np.inf
-    else:
+    tm = config.time_model
+    tokens = pieces.tokens()
+    is_server = np.zeros(pieces.num_ranks, dtype=bool)
+    is_server[list(servers)] = True
+    best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
+    if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
         best = colocated_plan(pieces, servers, window=config.window)
-        best_s = step_seconds(best, pieces, config)
-        tm = config.time_model
+        best_key = (step_seconds(best, pieces, config), 0)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
-        linear = tm.linear_s_per_token * np.bincount(pieces.rank, weights=pieces.end - pieces.start,
-                                                     minlength=pieces.num_ranks)
+        linear = tm.linear_s_per_token * tokens
         # any plan that moves work: its busiest server computes at least the mean attention
-        bound = max(linear.max(initial=0.0), linear[list(servers)].min()
+        bound = max(linear.max(initial=0.0), linear[is_server].min()
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
-        if bound >= best_s:
+        if bound >= best_key[0]:
             return best
-    for i, tolerance in enumerate(AUTO_TOLERANCES):
-        plan = plan_tasks(pieces, dataclasses.replace(config, tolerance=tolerance))
-        seconds = step_seconds(plan, pieces, config)
-        if seconds < best_s:
-            best, best_s = plan, seconds
-        elif i > 0:
-            break  # looser than a plan already worse: stop
+    tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=1)}
+    running = RunningBytes(pieces, config.token_bytes, config.window)
+    token_counts = tokens.tolist()
+
+    def give_up(progress: CarvingProgress) -> bool:
+        """Whether the carving's finished plan is sure to lose to ``best``: some rank's time is at
+        least its linear layers, the pairs it is sure to serve and the exposed communication of the
+        bytes that the tasks moved so far already cost it."""
+        place = tie_order[progress.tolerance]
+        if not progress.moved:  # before the first donor: no bytes yet
+            running.clear()
+            lower = tm.rank_seconds(tokens, progress.served_at_least())
+            return (float(lower.max(initial=0.0)), place) > best_key
+        for rank in running.add(progress.moved):  # only these ranks' bounds grew
+            lower = tm.rank_seconds(token_counts[rank], progress.served_at_least(rank)) + tm.comm_seconds(
+                running.sent[rank], running.received[rank], config.exposed_comm)
+            if (lower, place) > best_key:
+                return True
+        return False
+
+    for tolerance, plan in zip(CARVING_ORDER, tolerance_plans(pieces, config, CARVING_ORDER, give_up=give_up)):
+        if plan is None:  # given up: sure to be predicted slower than the best so far
+            continue
+        key = (step_seconds(plan, pieces, config), tie_order[tolerance])
+        if key < best_key:
+            best, best_key = plan, key
     return best

@@ -18,7 +18,7 @@ from .pieces import DocumentPieces
 from .planner import Plan
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes"]
+__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes", "RunningBytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,25 +37,37 @@ class KVTransfers:
 
 
 def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
-    """The K/V ranges every server must receive to run its tasks of ``plan`` (cut to ``plan.window``)."""
+    """The K/V ranges every server must receive to run its tasks of ``plan`` (cut to ``plan.window``),
+    grouped by server, then document, then the holding pieces in their order in ``pieces``."""
     window = plan.window
-    # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
-    key = plan.server * (int(plan.doc.max(initial=0)) + 1) + plan.doc
-    order = np.lexsort((-plan.q_end, key))
-    first = np.ones(order.size, dtype=bool)
-    first[1:] = key[order][1:] != key[order][:-1]
-    need_server, need_doc, need_end = plan.server[order][first], plan.doc[order][first], plan.q_end[order][first]
-    need_start = (np.minimum.reduceat(key_start(plan.q_start[order], window), np.flatnonzero(first))
-                  if order.size else np.zeros(0, dtype=np.int64))
+    # A task of a document held as one piece, computed where that piece lives, needs no K/V from
+    # anyone: drop those first (nearly every task of a packed batch), so what is sorted stays small.
+    pieces_of = np.bincount(pieces.doc, minlength=int(plan.doc.max(initial=-1)) + 1)
+    holder = np.zeros(pieces_of.size, dtype=np.int64)
+    holder[pieces.doc] = pieces.rank  # the holder of every document held as one piece
+    keep = (pieces_of[plan.doc] != 1) | (holder[plan.doc] != plan.server)
+    server, doc, q_start, q_end = plan.server[keep], plan.doc[keep], plan.q_start[keep], plan.q_end[keep]
 
-    # Join each need with every piece of its document (pieces grouped by document).
-    by_doc = np.argsort(pieces.doc, kind="stable")
-    piece_docs = pieces.doc[by_doc]
+    # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
+    key = server * pieces_of.size + doc
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    first = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1]))) if key.size else np.zeros(0, np.int64)
+    need_server, need_doc = server[order][first], doc[order][first]
+    need_end = np.maximum.reduceat(q_end[order], first) if key.size else np.zeros(0, np.int64)
+    need_start = np.minimum.reduceat(key_start(q_start[order], window), first) if key.size else need_end
+
+    # Join each need with every piece of its document (pieces grouped by document, as they come
+    # when already in document order, which packing gives).
+    sorted_docs = pieces.doc.size < 2 or bool((pieces.doc[1:] >= pieces.doc[:-1]).all())
+    by_doc = None if sorted_docs else np.argsort(pieces.doc, kind="stable")
+    piece_docs = pieces.doc if by_doc is None else pieces.doc[by_doc]
     lo = np.searchsorted(piece_docs, need_doc, side="left")
-    hi = np.searchsorted(piece_docs, need_doc, side="right")
-    counts = hi - lo
+    counts = np.searchsorted(piece_docs, need_doc, side="right") - lo
     need_idx = np.repeat(np.arange(need_doc.size), counts)
-    piece_idx = by_doc[concat_ranges(lo, counts)]
+    piece_idx = concat_ranges(lo, counts)
+    if by_doc is not None:
+        piece_idx = by_doc[piece_idx]
 
     source = pieces.rank[piece_idx]
     server = need_server[need_idx]
@@ -112,3 +124,60 @@ def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     received = per_rank(server, queries * token_bytes.q) + per_rank(source, queries * token_bytes.o) \
         + per_rank(transfers.server, kv)
     return sent, received
+
+
+class RunningBytes:
+    """``rank_bytes`` of a set of tasks that only grows, kept up to date task by task (plain Python:
+    a few tasks at a time, where rebuilding the arrays would cost more than the tasks).
+
+    The same rule as ``kv_transfers``: a server needs, per document, the keys ``[min key_start,
+    max q_end)`` of its tasks of it, sent once by every other rank holding some of them; queries
+    out and outputs back for a task away from its source. ``sent`` and ``received`` (lists
+    ``[num_ranks]`` of int bytes) equal ``rank_bytes`` of the tasks added since ``clear``."""
+
+    def __init__(self, pieces: DocumentPieces, token_bytes: TokenBytes, window: int | None = None):
+        self.num_ranks, self.token_bytes, self.window = pieces.num_ranks, token_bytes, window
+        # The documents held as several pieces (those that span ranks: a few per rank) and their
+        # holders; any other document's one piece holds all of its K/V, on the rank of its queries.
+        several = np.bincount(pieces.doc)[pieces.doc] > 1 if pieces.num_pieces else np.zeros(0, dtype=bool)
+        self.holders: dict[int, list[tuple[int, int, int]]] = {}
+        for doc, rank, kv_start, end in zip(pieces.doc[several].tolist(), pieces.rank[several].tolist(),
+                                            pieces.kv_start[several].tolist(), pieces.end[several].tolist()):
+            self.holders.setdefault(doc, []).append((rank, kv_start, end))
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every task added."""
+        self.sent, self.received = [0] * self.num_ranks, [0] * self.num_ranks
+        self.needs: dict[tuple[int, int], tuple[int, int]] = {}  # (server, doc) -> keys [start, end) it needs
+
+    def add(self, tasks) -> set[int]:
+        """Add ``(source, server, doc, q_start, q_end)`` tasks; returns the ranks whose bytes changed."""
+        tb, sent, received, needs = self.token_bytes, self.sent, self.received, self.needs
+        changed = set()
+        for source, server, doc, q_start, q_end in tasks:
+            if source != server:
+                queries = q_end - q_start
+                sent[source] += queries * tb.q
+                received[server] += queries * tb.q
+                sent[server] += queries * tb.o
+                received[source] += queries * tb.o
+                changed.update((source, server))
+            first = key_start(q_start, self.window)
+            old = needs.get((server, doc))
+            new = (first, q_end) if old is None else (min(old[0], first), max(old[1], q_end))
+            if new == old:
+                continue
+            needs[(server, doc)] = new
+            # a document held as one piece: all of its keys, on the rank of its queries
+            for rank, kv_start, end in self.holders.get(doc, ((source, 0, new[1]),)):
+                if rank == server:
+                    continue
+                more = max(min(new[1], end) - max(new[0], kv_start), 0)
+                if old is not None:
+                    more -= max(min(old[1], end) - max(old[0], kv_start), 0)
+                if more:
+                    sent[rank] += more * tb.kv
+                    received[server] += more * tb.kv
+                    changed.update((rank, server))
+        return changed

@@ -1,0 +1,88 @@
+"""Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02, side by side in one process.
+
+Batches are drawn and packed the way ``distca-hf simulate`` does (``draw_batch``, ``pack_pieces``)
+from the shared length samples; every batch is planned with both configs, alternating, ``--repeats``
+times, and the table gives the median wall time of each (ms), their ratio, and how often ``auto``
+chose each candidate. Planner: ``PlannerConfig(block=128)``, the built-in H100 time model, nothing
+hidden (the simulator's defaults). Timings depend on the machine and on what else runs on it.
+
+    python examples/plan_time.py [--data ../shared/data] [--batches 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, colocated_plan, plan_tasks
+from distca_hf.tools.simulate import draw_batch, load_lengths, pack_pieces
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(64, 65536, 5.0), (512, 131072, 100.0)]  # (ranks, tokens per rank, plan-time budget in ms)
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("source", "server", "doc", "q_start", "q_end"))
+
+
+def _chosen(plan, pieces, config: PlannerConfig) -> str:
+    """Which candidate ``auto``'s plan is (a label for the table)."""
+    if _same(plan, colocated_plan(pieces, config.servers, window=config.window)):
+        return "colocated"
+    for tolerance in AUTO_TOLERANCES:
+        if _same(plan, plan_tasks(pieces, dataclasses.replace(config, tolerance=tolerance))):
+            return f"{tolerance:g}"
+    return "other"
+
+
+def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats: int, seed: int = 1):
+    """``(auto ms, fixed ms, chosen)``: medians over every batch and repeat, and a count of the
+    candidates ``auto`` chose."""
+    rng = np.random.default_rng(seed)
+    auto = PlannerConfig(tolerance="auto", block=128)
+    fixed = dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0])
+    times = {"auto": [], "fixed": []}
+    chosen = Counter()
+    for _ in range(batches):
+        pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
+        for i in range(repeats):
+            # alternate which goes first, so neither always meets a warm (or a cold) cache
+            for name, config in (("auto", auto), ("fixed", fixed)) if i % 2 == 0 else (("fixed", fixed), ("auto", auto)):
+                start = time.perf_counter()
+                plan = plan_tasks(pieces, config)
+                times[name].append((time.perf_counter() - start) * 1e3)
+                if name == "auto" and i == 0:
+                    chosen[_chosen(plan, pieces, auto)] += 1
+    return statistics.median(times["auto"]), statistics.median(times["fixed"]), chosen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="times each batch is planned with each config")
+    args = parser.parse_args(argv)
+    if not (args.data / "doc_lengths_prolong.json").exists():
+        parser.error(f"--data: {args.data} has no doc_lengths_*.json (the shared length samples)")
+    print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | budget ms "
+          "| auto chose |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for name in ("prolong", "wlbllm"):
+        lengths = load_lengths(args.data / f"doc_lengths_{name}.json")
+        for ranks, tokens, budget in SHAPES:
+            auto_ms, fixed_ms, chosen = measure(lengths, ranks, tokens, args.batches, args.repeats)
+            picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
+            print(f"| {name} | {ranks} x {tokens // 1024}k | {auto_ms:.1f} | {fixed_ms:.1f} | {auto_ms / fixed_ms:.2f} "
+                  f"| {budget:g} | {picks} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
