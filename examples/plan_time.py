@@ -4,7 +4,8 @@ Batches are drawn and packed the way ``distca-hf simulate`` does (``draw_batch``
 from the shared length samples; every batch is planned with both configs, alternating, ``--repeats``
 times, and the table gives the median wall time of each (ms), their ratio, and how often ``auto``
 chose each candidate. Planner: ``PlannerConfig(block=128)``, the built-in H100 time model, nothing
-hidden (the simulator's defaults). Timings depend on the machine and on what else runs on it.
+hidden (the simulator's defaults). Timings depend on the machine and on what else runs on it; the
+interpreter's objects are frozen out of the garbage collector first (``gc.freeze``).
 
     python examples/plan_time.py [--data ../shared/data] [--batches 8] [--repeats 3]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -71,6 +73,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not (args.data / "doc_lengths_prolong.json").exists():
         parser.error(f"--data: {args.data} has no doc_lengths_*.json (the shared length samples)")
+    # The simulator's module imports torch: a full collection of those objects (tens of ms) would
+    # land in whichever plan happens to trigger it. Freeze them so plan times are the planner's own.
+    gc.collect()
+    gc.freeze()
     print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | budget ms "
           "| auto chose |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")

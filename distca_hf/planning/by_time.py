@@ -112,6 +112,7 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
         if bound >= best_key[0]:
             return best
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=1)}
+    finished = []  # the carvings finished so far
     running = RunningBytes(pieces, config.token_bytes, config.window)
     token_counts = tokens.tolist()
 
@@ -124,9 +125,13 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
             running.clear()
             lower = tm.rank_seconds(tokens, progress.served_at_least())
             return (float(lower.max(initial=0.0)), place) > best_key
+        if not finished:  # the first carving: colocated is rarely close enough to be worth the bookkeeping
+            return False
+        sent, received, exposed, served_at_least = running.sent, running.received, config.exposed_comm, \
+            progress.served_at_least
         for rank in running.add(progress.moved):  # only these ranks' bounds grew
-            lower = tm.rank_seconds(token_counts[rank], progress.served_at_least(rank)) + tm.comm_seconds(
-                running.sent[rank], running.received[rank], config.exposed_comm)
+            lower = tm.rank_seconds(token_counts[rank], served_at_least(rank)) + tm.comm_seconds(
+                sent[rank], received[rank], exposed)
             if (lower, place) > best_key:
                 return True
         return False
@@ -134,6 +139,7 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     for tolerance, plan in zip(CARVING_ORDER, tolerance_plans(pieces, config, CARVING_ORDER, give_up=give_up)):
         if plan is None:  # given up: sure to be predicted slower than the best so far
             continue
+        finished.append(tolerance)
         key = (step_seconds(plan, pieces, config), tie_order[tolerance])
         if key < best_key:
             best, best_key = plan, key

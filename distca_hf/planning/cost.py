@@ -25,7 +25,8 @@ def causal_pairs(q_start, q_end, window=None):
     ``t + 1`` keys, or ``min(t + 1, window)`` under a sliding window (HF's ``sliding_window``: the
     keys ``[t - window + 1, t]``). Exact on Python ints; elementwise on int64 numpy arrays (lists are
     converted) and integer tensors."""
-    if isinstance(q_start, (list, tuple)) or isinstance(q_end, (list, tuple)):
+    if type(q_start) is not int and isinstance(q_start, (list, tuple)) or (  # ints first: the planner's hot path
+            type(q_end) is not int and isinstance(q_end, (list, tuple))):
         q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     if window is None:
         return (q_end * (q_end + 1) - q_start * (q_start + 1)) // 2

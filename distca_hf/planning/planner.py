@@ -173,16 +173,17 @@ class CarvingProgress:
     def __init__(self, shedder: "_Shedder", tolerance: float):
         self._shedder, self.tolerance = shedder, tolerance
         self.moved: list[tuple[int, int, int, int, int]] = []
-        self._granule = shedder.carver.block_pairs(shedder.layout.longest)
+        # one block of pairs, and one pair more for start_with_pairs' float rounding at a cut
+        self._granule = shedder.carver.block_pairs(shedder.layout.longest) + 1
 
     def served_at_least(self, rank: int | None = None):
         """Pairs ``rank`` serves in the finished plan, at least (``[num_ranks]`` float64 for every
         rank when ``rank`` is None): ``min(served now, cap) - granule`` on a server, never below 0;
         0 outside the server pool. A server's load falls only when it sheds (at most once as a donor
         in the first pass, once more in the second if over the cap), and a shed of ``need`` pairs
-        moves at most ``need`` plus one block of pairs (``granule``: ``block`` queries of the
-        longest document or of the window; ``_Carver.move``), so it never ends more than a granule
-        below the cap."""
+        moves at most ``need`` plus one block of pairs (``block`` queries of the longest document or
+        of the window; ``_Carver.move``), so it never ends more than that ``granule`` (and a pair
+        for rounding) below the cap."""
         shedder = self._shedder
         if rank is None:
             at_least = np.minimum(np.asarray(shedder.served), shedder.cap) - self._granule
@@ -522,17 +523,19 @@ class _Carver:
 
     def move(self, intervals, need: float, budget: float, donor: int, receiver: int, out: _TaskList) -> float:
         """Move about ``need`` pairs, never more than ``budget``, from ``intervals`` (kept sorted by
-        end, latest first) to ``receiver``; returns the pairs moved."""
+        end, latest first) to ``receiver``; returns the pairs moved (at most ``need`` plus one block
+        of pairs, ``block_pairs``, and never more than ``budget``)."""
         moved = 0.0
+        window, slack, add = self.window, self.slack, out.rows.append  # the planner's hottest loop
         while intervals and moved < need:
             want, allowed = need - moved, budget - moved
-            if moved and allowed <= self.slack:
+            if moved and allowed <= slack:
                 break  # the receiver is as good as full: the next one has more room
             i = self.next_interval(intervals, want, allowed)
             d, lo, hi = intervals[i]
-            whole = causal_pairs(lo, hi, self.window)
+            whole = causal_pairs(lo, hi, window)
             if whole <= allowed and whole <= want + self.block_pairs(hi):
-                out.add(donor, receiver, d, lo, hi)
+                add((donor, receiver, d, lo, hi))
                 intervals.pop(i)
                 moved += whole
                 continue
@@ -540,8 +543,8 @@ class _Carver:
             if shard is None:
                 break
             a, b = shard
-            out.add(donor, receiver, d, a, b)
-            moved += causal_pairs(a, b, self.window)
+            add((donor, receiver, d, a, b))
+            moved += causal_pairs(a, b, window)
             if b < hi:
                 intervals[i] = [d, b, hi]  # same end: the order by end is kept
             else:
@@ -549,7 +552,6 @@ class _Carver:
             if a > lo:
                 bisect.insort(intervals, [d, lo, a], key=_neg_end)
         return moved
-
 
     def _aligned_up(self, lo: int, x: float, hi: int) -> int:
         """Smallest cut point >= x: lo + k * block, or hi."""

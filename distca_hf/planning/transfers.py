@@ -153,31 +153,40 @@ class RunningBytes:
 
     def add(self, tasks) -> set[int]:
         """Add ``(source, server, doc, q_start, q_end)`` tasks; returns the ranks whose bytes changed."""
-        tb, sent, received, needs = self.token_bytes, self.sent, self.received, self.needs
+        q, o, kv = self.token_bytes.q, self.token_bytes.o, self.token_bytes.kv
+        sent, received, needs, window = self.sent, self.received, self.needs, self.window
         changed = set()
         for source, server, doc, q_start, q_end in tasks:
             if source != server:
                 queries = q_end - q_start
-                sent[source] += queries * tb.q
-                received[server] += queries * tb.q
-                sent[server] += queries * tb.o
-                received[source] += queries * tb.o
-                changed.update((source, server))
-            first = key_start(q_start, self.window)
+                sent[source] += queries * q
+                received[server] += queries * q
+                sent[server] += queries * o
+                received[source] += queries * o
+                changed.add(source)
+                changed.add(server)
+            first = key_start(q_start, window)
             old = needs.get((server, doc))
             new = (first, q_end) if old is None else (min(old[0], first), max(old[1], q_end))
             if new == old:
                 continue
             needs[(server, doc)] = new
-            # a document held as one piece: all of its keys, on the rank of its queries
-            for rank, kv_start, end in self.holders.get(doc, ((source, 0, new[1]),)):
+            holders = self.holders.get(doc)
+            if holders is None:  # a document held as one piece: all of its keys, on the rank of its queries
+                if source != server:
+                    more = (new[1] - new[0]) - (0 if old is None else old[1] - old[0])
+                    sent[source] += more * kv
+                    received[server] += more * kv
+                continue
+            for rank, kv_start, end in holders:
                 if rank == server:
                     continue
                 more = max(min(new[1], end) - max(new[0], kv_start), 0)
                 if old is not None:
                     more -= max(min(old[1], end) - max(old[0], kv_start), 0)
                 if more:
-                    sent[rank] += more * tb.kv
-                    received[server] += more * tb.kv
-                    changed.update((rank, server))
+                    sent[rank] += more * kv
+                    received[server] += more * kv
+                    changed.add(rank)
+                    changed.add(server)
         return changed
