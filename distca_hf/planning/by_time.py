@@ -27,6 +27,8 @@ the pairs it is sure to serve (``CarvingProgress.served_at_least``: a server end
 the smaller of what it serves now and the cap, less one block of pairs), plus the
 exposed communication of the bytes that the tasks moved so far already cost it (exact, kept task by
 task by ``transfers.RunningBytes``; a task once moved stays, and the finished plan only adds bytes).
+The first carving is only checked before its first donor (against colocated, which a carving that
+got past the ``bound`` above rarely loses to): watching it would cost more than it saves.
 Giving up therefore never changes the choice; it only saves the rest of a losing carving, which is
 most of it when one candidate is clearly faster (the loosest on prolong-like batches, whose long
 documents' K/V dominate). Candidates within a few percent of each other (wlbllm-like batches) are
