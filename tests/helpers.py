@@ -76,3 +76,21 @@ def assert_grads_close(actual: dict, expected: dict, atol=1e-5, rtol=1e-4):
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def cli_in_process(*args):
+    """Run ``distca-hf ARGS`` in this process (a console-script start costs seconds); returns a
+    ``subprocess.CompletedProcess`` with the exit code and the captured stdout and stderr."""
+    import contextlib
+    import io
+    import subprocess
+
+    from distca_hf.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

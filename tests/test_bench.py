@@ -266,7 +266,8 @@ def test_bench_arguments_are_checked(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_quick_fills_only_what_is_not_given(monkeypatch):
+def _record_worker_arguments(monkeypatch) -> dict:
+    """A dict that receives the arguments the bench hands its processes (none are started)."""
     seen = {}
 
     def fake_worker(rank, world, args, port, path):  # stands in for the processes: records the sizes
@@ -275,6 +276,11 @@ def test_quick_fills_only_what_is_not_given(monkeypatch):
 
     monkeypatch.setattr(bench, "_worker", fake_worker)
     monkeypatch.setattr("torch.multiprocessing.start_processes", lambda fn, args, **kw: fn(0, *args))
+    return seen
+
+
+def test_quick_fills_only_what_is_not_given(monkeypatch):
+    seen = _record_worker_arguments(monkeypatch)
     for argv, expected in [(["--quick"], dict(bench.QUICK, short_docs=8, tolerance="auto")),
                            (["--quick", "--tokens", "4096", "--tolerance", "0.02"],
                             dict(bench.QUICK, tokens=4096, short_docs=16, tolerance=0.02)),
@@ -469,14 +475,7 @@ def test_demo_arguments_are_checked(monkeypatch, capsys, argv, message):
 
 
 def test_demo_takes_the_demos_model_unless_given(monkeypatch):
-    seen = {}
-
-    def fake_worker(rank, world, args, port, path):  # stands in for the processes: records the sizes
-        seen.update(vars(args))
-        raise SystemExit(0)
-
-    monkeypatch.setattr(bench, "_worker", fake_worker)
-    monkeypatch.setattr("torch.multiprocessing.start_processes", lambda fn, args, **kw: fn(0, *args))
+    seen = _record_worker_arguments(monkeypatch)
     monkeypatch.setattr(bench, "demo_document_lengths", lambda: ([100] * 10, 0))
     for argv, expected in [([], dict(bench.DEMO_MODEL, steps=3, warmup=1, tokens=8192, demo_global_batches=1)),
                            (["--hidden", "128", "--layers", "3", "--steps", "2", "--tokens", "100"],

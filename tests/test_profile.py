@@ -3,30 +3,25 @@ argument checks, and one real run on two gloo processes."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from distca_hf.planning import TimeModel, TokenBytes, default_time_model, kv_transfers
-from distca_hf.tools.profiling import (COMM_TINY_TOKENS, comm_backend, communication_plans, fit_comm_terms, main,
+from distca_hf.tools.profiling import (COMM_TINY_TOKENS, comm_backend, communication_plans, fit_comm_terms,
                                        world_warning)
 
 
 def _profile_cli(*args):
     """``(returncode, stdout, stderr)`` of ``distca-hf profile ARGS`` run in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+    from helpers import cli_in_process
+
+    result = cli_in_process("profile", *args)
+    return result.returncode, result.stdout, result.stderr
 
 
 def _least_squares_line(x, t):
@@ -42,6 +37,8 @@ def _least_squares_line(x, t):
        layer_bytes=st.lists(st.integers(0, 10**10), min_size=2, max_size=8, unique=True))
 def test_fit_recovers_known_constants(collective_s, bytes_per_s, layer_bytes):
     extra = [collective_s + 2.0 * b / bytes_per_s for b in layer_bytes]
+    # the slope is recoverable to 1e-6 only when the bytes' share of the times is well above float precision
+    assume(2.0 * (max(layer_bytes) - min(layer_bytes)) / bytes_per_s >= 1e-6 * max(extra))
     fit = fit_comm_terms(layer_bytes, extra, fallback_bytes_per_s=1.0)
     assert fit.warnings == ()
     assert math.isclose(fit.bytes_per_s, bytes_per_s, rel_tol=1e-6)

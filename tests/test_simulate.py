@@ -35,20 +35,9 @@ def _console_script(*args):
 
 
 def _cli(*args):
-    """Run the CLI in this process (a console-script start costs seconds); returns a
-    CompletedProcess-like (returncode, stdout, stderr)."""
-    import contextlib
-    import io
+    from helpers import cli_in_process
 
-    from distca_hf.tools.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return cli_in_process(*args)
 
 
 @pytest.fixture
