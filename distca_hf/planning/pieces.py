@@ -97,6 +97,17 @@ class DocumentPieces:
         pairs = causal_pairs(self.start, self.end, window)
         return np.bincount(self.rank, weights=pairs, minlength=self.num_ranks).astype(np.int64)
 
+    def spanning_holders(self) -> dict[int, list[tuple[int, int, int]]]:
+        """``{doc: [(rank, kv_start, end), ...]}`` of the documents held as several pieces (those that
+        span ranks), their pieces in the order they come here; any other document's one piece holds
+        all of its K/V. Only these few pieces (about two per rank in packed batches) reach Python."""
+        several = np.bincount(self.doc)[self.doc] > 1 if self.num_pieces else np.zeros(0, dtype=bool)
+        holders: dict[int, list[tuple[int, int, int]]] = {}
+        for doc, rank, kv_start, end in zip(self.doc[several].tolist(), self.rank[several].tolist(),
+                                            self.kv_start[several].tolist(), self.end[several].tolist()):
+            holders.setdefault(doc, []).append((rank, kv_start, end))
+        return holders
+
     def tokens(self) -> np.ndarray:
         return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)
 

@@ -429,32 +429,22 @@ class _Shedder:
 
 
 class _PrefixHolders:
-    """Who holds which K/V tokens of the documents held as several pieces (those that span ranks);
-    any other document has no holder but its donor. Only these few pieces (about two per rank in
-    packed batches) reach Python, as one list of ``(rank, kv_start, end)`` rows grouped by document."""
+    """Who holds which K/V tokens of the documents that span ranks (``DocumentPieces.spanning_holders``);
+    any other document has no holder but its donor."""
 
     def __init__(self, pieces: DocumentPieces, window=None):
         self.window = window
-        several = np.flatnonzero(np.bincount(pieces.doc)[pieces.doc] > 1) if pieces.num_pieces else np.zeros(0, int)
-        several = several[np.argsort(pieces.doc[several], kind="stable")]
-        docs = pieces.doc[several]
-        first = np.flatnonzero(np.concatenate(([True], docs[1:] != docs[:-1]))) if docs.size else docs
-        bounds = np.append(first, docs.size).tolist()
-        self.rows = list(zip(pieces.rank[several].tolist(), pieces.kv_start[several].tolist(),
-                             pieces.end[several].tolist()))
-        self.groups = dict(zip(docs[first].tolist(), zip(bounds[:-1], bounds[1:])))
+        self.holders = pieces.spanning_holders()
 
     def held_before(self, doc: int, position: int, donor: int) -> dict[int, int]:
         """``{rank: K/V tokens}`` that ranks other than ``donor`` hold of ``doc`` in pieces ending at
         or before ``position`` (empty for a document on one rank); under a sliding window only those
         from ``key_start(position)`` on, the most a shard starting at ``position`` or later needs."""
-        group = self.groups.get(doc)
         held: dict[int, int] = {}
-        if group is not None:
-            first = key_start(position, self.window)
-            for rank, kv_start, end in self.rows[group[0] : group[1]]:
-                if end <= position and rank != donor and end > max(kv_start, first):
-                    held[rank] = held.get(rank, 0) + end - max(kv_start, first)
+        first = key_start(position, self.window)
+        for rank, kv_start, end in self.holders.get(doc, ()):
+            if end <= position and rank != donor and end > max(kv_start, first):
+                held[rank] = held.get(rank, 0) + end - max(kv_start, first)
         return held
 
 
@@ -470,7 +460,8 @@ def colocated_plan(pieces: DocumentPieces, servers=None, *, window=None) -> Plan
 
 
 class _TaskList:
-    """Accumulates tasks: numpy blocks for the untouched pieces, Python rows for carved ones."""
+    """Accumulates tasks: numpy blocks for the untouched pieces, Python ``(source, server, doc,
+    start, end)`` rows (``rows``, appended to directly) for carved ones."""
 
     def __init__(self):
         self.blocks: list[tuple[np.ndarray, ...]] = []
@@ -479,21 +470,15 @@ class _TaskList:
     def extend_local(self, rank, doc, start, end):
         self.blocks.append((rank, rank, doc, start, end))
 
-    def add(self, source, server, doc, start, end):
-        self.rows.append((source, server, doc, start, end))
-
-    def to_plan(self, num_ranks, servers, window=None, *, ordered: bool = True) -> Plan:
-        """The tasks as a ``Plan``, sorted by server, source, document and start (``ordered``) or as
-        they came."""
+    def to_plan(self, num_ranks, servers, window=None) -> Plan:
+        """The tasks as a ``Plan``, sorted by server, source, document and start."""
         cols = [np.concatenate([b[i] for b in self.blocks]) if self.blocks else np.zeros(0, np.int64) for i in range(5)]
         if self.rows:
             extra = np.asarray(self.rows, dtype=np.int64).T
             cols = [np.concatenate((c, x)) for c, x in zip(cols, extra)]
-        if ordered:
-            source, server, doc, q_start, q_end = cols
-            order = _lexsort_ints((q_start, doc, source, server))
-            cols = [c[order] for c in cols]
-        return Plan(*cols, num_ranks, servers, window)
+        source, server, doc, q_start, q_end = cols
+        order = _lexsort_ints((q_start, doc, source, server))
+        return Plan(*(c[order] for c in cols), num_ranks, servers, window)
 
 
 class _Carver:

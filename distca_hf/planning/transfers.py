@@ -137,13 +137,8 @@ class RunningBytes:
 
     def __init__(self, pieces: DocumentPieces, token_bytes: TokenBytes, window: int | None = None):
         self.num_ranks, self.token_bytes, self.window = pieces.num_ranks, token_bytes, window
-        # The documents held as several pieces (those that span ranks: a few per rank) and their
-        # holders; any other document's one piece holds all of its K/V, on the rank of its queries.
-        several = np.bincount(pieces.doc)[pieces.doc] > 1 if pieces.num_pieces else np.zeros(0, dtype=bool)
-        self.holders: dict[int, list[tuple[int, int, int]]] = {}
-        for doc, rank, kv_start, end in zip(pieces.doc[several].tolist(), pieces.rank[several].tolist(),
-                                            pieces.kv_start[several].tolist(), pieces.end[several].tolist()):
-            self.holders.setdefault(doc, []).append((rank, kv_start, end))
+        # any other document's one piece holds all of its K/V, on the rank of its queries
+        self.holders = pieces.spanning_holders()
         self.clear()
 
     def clear(self) -> None:
