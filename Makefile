@@ -7,17 +7,22 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 EXTRAS ?= test,deepspeed
 PYTEST_ARGS ?=
+# The versions we tested (pip constraints); LOCK= (empty) installs the newest releases allowed by
+# setup.cfg instead, as `make test-latest` does.
+LOCK   ?= constraints.txt
+# Extra pip flags for the package install (test-latest: upgrade what an older run installed).
+PIP_INSTALL_FLAGS ?=
 
 BIN   := $(VENV)/bin
 comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
-STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)))))
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)-$(or $(LOCK),latest)))))
 
-.PHONY: setup test test-fast gpu-check demo demo-single kernel-bench bench-sim env clean-venv
+.PHONY: setup test test-fast test-latest lock gpu-check demo demo-single kernel-bench bench-sim env clean-venv
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg pyproject.toml Makefile $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
@@ -26,12 +31,26 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	# flash-attn compiles against the installed torch, so it must see it (no build isolation).
 	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet $(PIP_INSTALL_FLAGS) $(if $(LOCK),-c $(LOCK)) -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole suite against the newest releases that setup.cfg allows (transformers, accelerate, TRL,
+# DeepSpeed, ...; torch stays $(TORCH)), in its own virtual env: how we learn of a breaking release
+# before users do. Not run by CI, which installs the lock. If it passes, `make lock` records them.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	rm -f $(LATEST_VENV)/.installed-*
+	$(MAKE) test VENV=$(LATEST_VENV) LOCK= PIP_INSTALL_FLAGS="--upgrade --upgrade-strategy eager"
+
+# Rewrite constraints.txt from the env `make test-latest` built (review the diff, then commit it).
+lock:
+	test -x $(LATEST_VENV)/bin/python || { echo "make lock: run make test-latest first"; exit 1; }
+	{ sed -n '/^#/p' constraints.txt; $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # The fast tier: no spawned processes (tests marked `distributed` are left out).
 test-fast: $(STAMP)

@@ -6,7 +6,7 @@ specific lives here: which families are tested end to end, and (with ping-pong) 
 decoder layer splits into stages so two nano-batches can overlap.
 """
 
-from .llama_family import DECODER_STACK_MODULES, LLAMA_FAMILY_MODEL_TYPES, install, is_llama_family
+from .llama_family import CACHE_ARGUMENTS, DECODER_STACK_MODULES, cache_argument, LLAMA_FAMILY_MODEL_TYPES, install, is_llama_family
 
 # model_type -> what the tests check for it (tests/test_models.py runs every one of these).
 TESTED_MODEL_TYPES = {
@@ -16,4 +16,4 @@ TESTED_MODEL_TYPES = {
     "qwen3": "exact (q/k norms); generation",
 }
 
-__all__ = ["DECODER_STACK_MODULES", "LLAMA_FAMILY_MODEL_TYPES", "TESTED_MODEL_TYPES", "install", "is_llama_family"]
+__all__ = ["CACHE_ARGUMENTS", "DECODER_STACK_MODULES", "cache_argument", "LLAMA_FAMILY_MODEL_TYPES", "TESTED_MODEL_TYPES", "install", "is_llama_family"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 
 import torch
@@ -27,9 +28,19 @@ from distca_hf.runtime import timeline
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
                    for t, n in zip(LLAMA_FAMILY_MODEL_TYPES, ("Llama", "Mistral", "Qwen2", "Qwen3"))}
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+"""The KV cache's argument names on a decoder stack's ``forward``: transformers 5.24 renamed
+``past_key_values`` to ``cache`` (the old name is accepted, with a FutureWarning, until 5.40)."""
 DECODER_STACK_MODULES = tuple(module_name for module_name, _ in _DECODER_STACKS.values())
 """The transformers modules whose decoder stacks ``install`` wraps (``import distca_hf`` wraps each
 when transformers imports it)."""
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes its KV cache in the installed transformers:
+    ``"cache"`` (5.24 and later) or ``"past_key_values"`` (before)."""
+    forward = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
 
 
 def is_llama_family(config) -> bool:
@@ -71,7 +82,7 @@ def sliding_window(attn):
     return getattr(attn.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
 
 
-def runs_pingpong(model, past_key_values, kwargs) -> bool:
+def runs_pingpong(model, cache, kwargs) -> bool:
     """Whether this forward of a decoder stack takes the ping-pong path (see the module docstring)."""
     from distca_hf.config import current_config
     from distca_hf.hf import ATTN_IMPLEMENTATION
@@ -83,7 +94,7 @@ def runs_pingpong(model, past_key_values, kwargs) -> bool:
     if config.overlap != "pingpong" or config.mode != "distca" or distributed_group_size(config) == 1:
         return False
     wants = lambda name: kwargs.get(name) or (kwargs.get(name) is None and getattr(model.config, name, False))
-    return past_key_values is None and not wants("output_hidden_states") and not wants("output_attentions")
+    return cache is None and not wants("output_hidden_states") and not wants("output_attentions")
 
 
 def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
@@ -118,7 +129,7 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
             h_a, h_b = run(h_a, h_b)
     out = flat.new_zeros(flat.shape).index_copy(0, plan.rows_a, h_a[0]).index_copy(0, plan.rows_b, h_b[0])
     out = model.norm(out.view(batch, seq, hidden_size))
-    return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=None)
+    return BaseModelOutputWithPast(last_hidden_state=out)
 
 
 def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
@@ -191,13 +202,23 @@ def install(*, modules: tuple[str, ...] = DECODER_STACK_MODULES) -> list[str]:
 
 
 def _with_pingpong(hf_forward):
+    """Wrap a decoder stack's ``forward``: the ping-pong path when ``runs_pingpong`` says so, else HF's
+    own forward called with exactly the arguments it was given (so nothing is added that transformers
+    would warn about, such as ``past_key_values`` beside the ``cache`` of transformers >= 5.24)."""
+    parameters = [name for name in inspect.signature(hf_forward).parameters if name != "self"]
+    positional = [name for name in parameters if name not in ("args", "kwargs")]
+
     @functools.wraps(hf_forward)
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
-        if runs_pingpong(self, past_key_values, kwargs):
-            return pingpong_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, **kwargs)
-        return hf_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    def forward(self, *args, **kwargs):
+        named = {**dict(zip(positional, args)), **kwargs}
+        cache = next((named[name] for name in CACHE_ARGUMENTS if named.get(name) is not None), None)
+        if runs_pingpong(self, cache, named):
+            inputs = {name: named.pop(name, None) for name in
+                      ("input_ids", "attention_mask", "position_ids", "inputs_embeds")}
+            for name in (*CACHE_ARGUMENTS, "use_cache"):
+                named.pop(name, None)
+            return pingpong_forward(self, **inputs, **named)
+        return hf_forward(self, *args, **kwargs)
 
     forward._distca_pingpong = True
     return forward

@@ -204,3 +204,22 @@ def test_bf16_matches_per_document_eager_within_kernel_tolerance(family):
         alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs]).float()
     assert ours.dtype == alone.dtype
     torch.testing.assert_close(ours, alone, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "distca"])
+def test_no_warning_from_a_forward_after_import(family, attn):
+    """``import distca_hf`` wraps the Llama-family decoder stacks; a forward through them (training,
+    with a cache, generation) must warn about nothing, whatever attention the model chose
+    (transformers 5.24 warned on every forward when the wrapper passed ``past_key_values`` beside
+    its new ``cache``)."""
+    import warnings
+
+    model = tiny_model(family, attn=attn)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids).logits.sum().backward()
+        model.eval()
+        model(input_ids=ids, use_cache=True)
+        model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)

@@ -136,10 +136,12 @@ def test_cu_seq_lens_document_crossing_rows():
 def test_static_cache():
     from transformers import StaticCache
 
+    from distca_hf.patches import cache_argument
+
     model = tiny_model("llama").eval()
     cache = StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(UnsupportedAttentionError, match="static"):
-        model(input_ids=torch.arange(6).unsqueeze(0), past_key_values=cache)
+        model(input_ids=torch.arange(6).unsqueeze(0), **{cache_argument(model): cache})
 
 
 def test_models_that_ignore_the_attention_interface_are_refused_at_load():
