@@ -109,6 +109,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
 
     class RecordingTrainer(DistCATrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
+            self.parameter_types.update(type(p).__name__ for p in model.parameters())  # DTensor: sharded (FSDP2)
             cu = inputs["cu_seq_lens_q"].tolist()
             ids = inputs["input_ids"][0].tolist()
             self.recorded.append([self.state.global_step, [ids[a:b] for a, b in zip(cu, cu[1:])],
@@ -128,7 +129,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         max_grad_norm=0.0, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 500,
         activation_checkpointing=case.get("checkpointing", False), deepspeed=deepspeed,
-        eval_strategy="no", dataloader_pin_memory=False,
+        eval_strategy="no", dataloader_pin_memory=False, **case.get("arguments", {}),
     )
     train_dataset = _documents(LENGTHS, 0)
     if case.get("streaming"):
@@ -143,6 +144,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         packing=PackingConfig(tokens_per_rank=BUDGET, seed=0), distca_plugin=plugin,
     )
     trainer.recorded = []
+    trainer.parameter_types = set()
     trainer.train(resume_from_checkpoint=case.get("resume_from"))
     result = {
         "world": trainer.args.world_size,
@@ -156,6 +158,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         "recorded": trainer.recorded,
         "micro_batches_per_epoch": None if case.get("streaming") else len(trainer.get_train_dataloader()),
         "use_cache": trainer.model.config.use_cache,
+        "parameter_types": sorted(trainer.parameter_types),
     }
     if case.get("evaluate"):
         result["eval"] = trainer.evaluate()
@@ -165,8 +168,9 @@ def _train(case: dict, out_dir: str, rank: int = 0):
 
         with ds.zero.GatheredParameters(parameters):
             state = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    else:
-        state = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    else:  # FSDP2's DTensor shards gathered whole
+        state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                 for n, p in trainer.model.named_parameters()}
     if rank == 0:
         torch.save(state, os.path.join(out_dir, f"{case.get('run', 'run')}-params.pt"))
     return result

@@ -29,7 +29,7 @@ from ..state import STATE, warn_once
 from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch, build_dispatch
-from .processes import warn_if_launched_alone
+from .processes import warn_if_fsdp_dropped, warn_if_launched_alone
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
@@ -97,6 +97,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
             warn_if_launched_alone()
         docs = call.documents()
         return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
+    warn_if_fsdp_dropped(module)
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     path = PATH_KV_CACHE if key.shape[2] != query.shape[2] else PATH_PLAIN

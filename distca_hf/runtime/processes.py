@@ -4,7 +4,8 @@
 ``distributed_type: MULTI_CPU``) starts ONE process whatever it says. ``launched_world_size`` reads
 what the launch asked for (``WORLD_SIZE``, or the parent ``accelerate launch`` command line and its
 config file), so ``DistCATrainer`` / ``DistCAAccelerator`` can stop (``training.launch_checks``) and
-the attention function can warn a plain ``Trainer``'s user (``warn_if_launched_alone``).
+the attention function can warn a plain ``Trainer``'s user (``warn_if_launched_alone``), as it does
+when the job's FSDP request was dropped on CPU processes (``warn_if_fsdp_dropped``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from ..state import STATE, warn_once
 
-__all__ = ["FIX", "launched_world_size", "parent_command", "find_flag", "warn_if_launched_alone"]
+__all__ = ["FIX", "launched_world_size", "parent_command", "find_flag", "warn_if_launched_alone",
+           "warn_if_fsdp_dropped"]
 
 FIX = ("To start N CPU processes use `accelerate launch --config_file recipes/cpu-2proc.yaml SCRIPT` (a "
        "multi-process config, distributed_type: MULTI_GPU, num_processes: N; distca_hf switches the processes to "
@@ -71,6 +73,32 @@ def warn_if_launched_alone() -> None:
         warn_once("launched-alone", f"distca: the launch asked for {asked} processes ({source}) but this process runs "
                   f"alone (torch.distributed is not initialised), so nothing is balanced across ranks. {FIX}",
                   stacklevel=5)
+
+
+def warn_if_fsdp_dropped(module) -> None:
+    """Warn (once per process) when the job asked for FSDP but ``module`` (an attention layer) holds
+    whole parameters: Accelerate drops an FSDP request on CPU processes and wraps the model in DDP,
+    which a plain ``Trainer`` does not say (``DistCATrainer`` / ``DistCAAccelerator`` shard instead)."""
+    if "fsdp-checked" in STATE.warned:
+        return
+    STATE.warned.add("fsdp-checked")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    parameter = next(module.parameters(), None)
+    if parameter is None or type(parameter).__name__ == "DTensor":
+        return  # sharded (FSDP2), or nothing to shard here
+    import sys
+
+    accelerate_state = sys.modules.get("accelerate.state")  # FSDP1 on GPUs keeps plain parameters (views)
+    if accelerate_state is not None and str(accelerate_state.AcceleratorState._shared_state.get(
+            "distributed_type", "")).endswith("FSDP"):
+        return
+    warn_once("fsdp-dropped", "distca: this job asked for FSDP (ACCELERATE_USE_FSDP=true: distributed_type: FSDP in "
+              "the accelerate config, an Accelerator given a FullyShardedDataParallelPlugin, or TrainingArguments("
+              "fsdp=...)) but the model's parameters are not sharded: on CPU processes Accelerate drops FSDP and "
+              "trains with DDP, every rank holding the whole model. Call distca_hf.apply_cpu_fsdp(trainer) after "
+              "creating the Trainer and before trainer.train() (DistCATrainer and DistCAAccelerator do it themselves), "
+              "with fsdp_version: 2 (FSDP1 cannot shard on CPU).", stacklevel=5)
 
 
 def parent_command() -> tuple[list[str] | None, str | None]:

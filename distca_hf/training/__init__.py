@@ -26,7 +26,7 @@ _LAZY = {
     **dict.fromkeys(("ParallelTopology", "group_ranks"), "topology"),
     "DistCAArguments": "arguments",
     "DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
-    "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator",
+    "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator", "apply_cpu_fsdp": "accelerator",
     "prepare_cpu_launch": "launch_checks",
 }
 

@@ -5,8 +5,10 @@
 (``launch_checks``); after it exists, checks that as many processes run as the launch asked for, builds
 the attention-server groups and applies the distca settings (``DistCAPlugin.attach``). Its
 ``prepare`` refuses models whose attention distca cannot dispatch and turns the KV cache off.
-It composes with DDP and DeepSpeed ZeRO 1, 2 and 3 like a plain ``Accelerator``: CAD changes only
-where core attention runs, not how parameters, gradients or optimizer states are held.
+It composes with DDP, DeepSpeed ZeRO 1, 2 and 3 and FSDP2 like a plain ``Accelerator``: CAD changes
+only where core attention runs, not how parameters, gradients or optimizer states are held. On CPU
+processes, where Accelerate drops an FSDP request and runs DDP, it shards anyway (``apply_cpu_fsdp``,
+which a plain ``Trainer``'s user calls on the trainer).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
 from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
-from .launch_checks import check_world_size, launched_world_size, prepare_cpu_launch, uses_deepspeed
+from .launch_checks import (check_world_size, has_gpu, launched_world_size, prepare_cpu_launch, uses_deepspeed,
+                            uses_fsdp)
 from .plugin import DistCAPlugin
 
-__all__ = ["DistCAAccelerator", "hf_model_of", "prepare_training_arguments", "require_distca_model"]
+__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "prepare_training_arguments", "require_distca_model"]
 
 
 def require_distca_model(model) -> None:
@@ -98,6 +101,7 @@ class DistCAAccelerator(Accelerator):
         _forget_miscounted_state()
         super().__init__(*args, **kwargs)
         check_world_size(self.num_processes)
+        apply_cpu_fsdp(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
         self.distca = self.distca_plugin.attach()
 
     def prepare(self, *args, device_placement=None):
@@ -111,6 +115,66 @@ class DistCAAccelerator(Accelerator):
         require_distca_model(model)
         _disable_kv_cache(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+
+def apply_cpu_fsdp(target, *, fsdp_plugin=None) -> bool:
+    """Shard the model as the job's FSDP request says on CPU processes, where Accelerate runs DDP instead.
+
+    Accelerate (1.x) turns an FSDP request (``distributed_type: FSDP`` in an ``accelerate launch`` config,
+    ``Accelerator(fsdp_plugin=...)``, ``TrainingArguments(fsdp=...)``) into FSDP only on GPU-like devices: CPU
+    processes (``MULTI_CPU``, gloo) drop it without a word and wrap the model in DDP. torch's ``fully_shard`` runs
+    on gloo, so this puts the request back into the Accelerate state; ``prepare(model, optimizer)`` then shards
+    the model with Accelerate's own FSDP2 path (DTensor parameters, reduce-scattered gradients, sharded optimizer
+    states), as on GPUs. ``DistCAAccelerator`` and ``DistCATrainer`` call it themselves; with a plain ``Trainer``
+    (or TRL's ``SFTTrainer``) call it on the trainer before ``train()``.
+
+    Args:
+        target: an ``accelerate.Accelerator``, or a ``transformers.Trainer`` (its accelerator, and the Trainer's
+            own FSDP switch ``is_fsdp_enabled``).
+        fsdp_plugin: the ``FullyShardedDataParallelPlugin`` given in code to the ``Accelerator``, if any. Default:
+            the Trainer's ``TrainingArguments(fsdp=..., fsdp_config=...)``, else the ``FSDP_*`` variables that
+            ``accelerate launch`` sets from the config's ``fsdp_config``.
+
+    Returns:
+        Whether FSDP was put back: ``False`` when nothing was dropped (no FSDP request, GPUs, one process).
+
+    Raises:
+        ValueError: ``fsdp_version: 1`` on CPU processes (torch's FSDP1 wrapper refuses Accelerate's CPU device),
+            or FSDP's and the Trainer's activation checkpointing both on.
+        RuntimeError: the model was already prepared (wrapped in DDP): call this first.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    trainer = target if hasattr(target, "accelerator") and hasattr(target, "args") else None
+    accelerator = trainer.accelerator if trainer is not None else target
+    state = accelerator.state
+    training_args = trainer.args if trainer is not None else None
+    if state.distributed_type != DistributedType.MULTI_CPU or not uses_fsdp(training_args) or has_gpu():
+        return False
+    if fsdp_plugin is None:
+        plugin_args = getattr(training_args, "fsdp_plugin_args", None)
+        fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args else FullyShardedDataParallelPlugin()
+    if fsdp_plugin.fsdp_version != 2:
+        raise ValueError(
+            f"FSDP fsdp_version: {fsdp_plugin.fsdp_version} cannot shard on CPU processes: torch's FSDP1 wrapper "
+            "refuses Accelerate's CPU device (and Accelerate would silently run DDP instead). Use FSDP2: "
+            "fsdp_version: 2 under fsdp_config: in the accelerate config (recipes/fsdp2.yaml), "
+            "FullyShardedDataParallelPlugin(fsdp_version=2), or TrainingArguments(fsdp_config={'version': 2})")
+    if accelerator._models:
+        raise RuntimeError("apply_cpu_fsdp must run before the model is prepared (it is already wrapped in "
+                           f"{type(accelerator._models[0]).__name__}); call it right after creating the trainer")
+    if state.mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state.mixed_precision)  # as AcceleratorState does for FSDP on GPUs
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = fsdp_plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState keeps them equal
+    if trainer is not None:
+        if fsdp_plugin.activation_checkpointing and trainer.args.activation_checkpointing:
+            raise ValueError(  # the Trainer's own check, which it skipped while FSDP was dropped
+                "fsdp_config's activation_checkpointing (FSDP's own) and TrainingArguments(activation_checkpointing="
+                "True) cannot both be on; keep FSDP's")
+        trainer.is_fsdp_enabled = True
+    return True
 
 
 def _forget_miscounted_state() -> None:

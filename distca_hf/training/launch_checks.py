@@ -8,6 +8,9 @@ Two facts about Accelerate (1.x) on machines without a GPU, handled here so user
 - With DeepSpeed, the CPU processes must create their process group with the ``gloo`` backend
   (``InitProcessGroupKwargs(backend="gloo")`` or ``TrainingArguments(ddp_backend="gloo")``), or
   Accelerate again counts one process; ``ACCELERATE_USE_CPU`` would switch DeepSpeed off instead.
+- With FSDP (``uses_fsdp``), the CPU processes (``MULTI_CPU``) drop the request without a word and
+  wrap the model in DDP: Accelerate turns on FSDP only for GPU-like devices.
+  ``accelerator.apply_cpu_fsdp`` puts it back (torch's ``fully_shard`` runs on gloo).
 
 And one that cannot be repaired from inside the process: ``accelerate launch --cpu
 --num_processes 2`` (or a config with ``use_cpu: true`` / ``distributed_type: MULTI_CPU``) starts
@@ -24,7 +27,7 @@ from ..errors import LaunchError
 from ..runtime.processes import FIX, find_flag, launched_world_size
 
 __all__ = ["LaunchError", "launched_world_size", "prepare_cpu_launch", "check_world_size", "uses_deepspeed",
-           "has_gpu", "find_flag"]
+           "uses_fsdp", "has_gpu", "find_flag"]
 
 def has_gpu() -> bool:
     import torch
@@ -38,6 +41,15 @@ def uses_deepspeed(training_args=None) -> bool:
     if training_args is not None and getattr(training_args, "deepspeed", None):
         return True
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def uses_fsdp(training_args=None) -> bool:
+    """FSDP is requested by the launcher (``accelerate launch`` with ``distributed_type: FSDP``, or an
+    ``Accelerator`` given a ``FullyShardedDataParallelPlugin``: both set ``ACCELERATE_USE_FSDP``) or by
+    ``TrainingArguments(fsdp=...)``."""
+    if training_args is not None and getattr(training_args, "fsdp", None):
+        return True
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def prepare_cpu_launch(deepspeed: bool | None = None) -> dict:

@@ -41,7 +41,8 @@ travel (the baseline of ``examples/finetune_long_context.py --compare-colocated`
 
 Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
 and resume (mid-epoch too: global batches are shuffled whole, by ``GlobalBatchSampler``, from the
-seed and the epoch alone), evaluation, DDP and DeepSpeed ZeRO 1/2/3 are the Trainer's own.
+seed and the epoch alone), evaluation, DDP, DeepSpeed ZeRO 1/2/3 and FSDP2 are the Trainer's own
+(FSDP2 on CPU processes too, where Accelerate alone would run DDP: ``accelerator.apply_cpu_fsdp``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from ..config import SETTINGS, configure
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
-from .accelerator import hf_model_of, prepare_training_arguments, require_distca_model
+from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .packing import GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
 from .plugin import DistCAPlugin
@@ -156,6 +157,10 @@ class DistCATrainer(Trainer):
                 self.remove_callback(callback)
 
     # -- set-up helpers ---------------------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        apply_cpu_fsdp(self)  # on CPU processes Accelerate drops an FSDP request: shard as asked
 
     def _choose_span_ranks(self, *, group_size: int) -> bool:
         """``span_ranks`` as the user set it (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:``
