@@ -5,11 +5,12 @@ Accelerate (1.x) drops an FSDP request on CPU processes and trains with DDP with
 it back, so ``fully_shard`` runs on gloo. Each run asserts that the parameters are DTensors while
 training (they are not without the fix), and that the losses of every step and the final
 parameters equal ``test_trainer.reference_run``: the same documents, each run alone with eager
-attention, one process, SGD (fp32). ``DistCATrainer`` runs under the environment that
-``accelerate launch --config_file recipes/fsdp2.yaml --num_processes 2`` gives its processes
-(Accelerate's own launcher code computes it), documents spanning both ranks; the plain
-``Trainer`` (``DataCollatorWithFlattening``) runs with ``TrainingArguments(fsdp=...)``, and is first
-seen to warn while its request is still dropped.
+attention, one process, SGD (fp32). ``DistCATrainer`` (documents spanning both ranks) and
+``DistCAAccelerator`` in a plain loop run under the environment that ``accelerate launch
+--config_file recipes/fsdp2.yaml --num_processes 2`` gives its processes (Accelerate's own launcher
+code computes it); the plain ``Trainer`` (``DataCollatorWithFlattening``) and TRL's ``SFTTrainer``
+(bfd packing) run with ``TrainingArguments(fsdp=...)`` / ``SFTConfig(fsdp=...)``, and are first seen
+to warn while their request is still dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from dist_harness import run_ranks
 from distca_hf.runtime.comm import free_port
-from test_trainer import LENGTHS, LR, _assert_matches_reference, _check_ranks, _documents, _train_worker, reference_run
+from test_trainer import (LENGTHS, LR, _accelerator_worker, _assert_matches_reference, _check_ranks, _documents,
+                          _train_worker, reference_run)
 
 REPO = Path(__file__).resolve().parent.parent
 DROPPED = "asked for FSDP"  # in the warning of a forward whose FSDP request was dropped
@@ -63,10 +65,24 @@ def test_distca_trainer_on_the_fsdp2_recipe_shards_and_matches_single_process(tm
     _assert_matches_reference(values, str(tmp_path))
 
 
+@pytest.mark.distributed
+def test_distca_accelerator_loop_on_the_fsdp2_recipe_shards_and_matches_single_process(tmp_path):
+    """``DistCAAccelerator`` in a plain loop (``prepare(model, optimizer, loader)``), three steps."""
+    values = _check_ranks(run_ranks(_accelerator_worker, 2, tmp_path, None, env=recipe_environment()))
+    assert all(v["world"] == 2 and v["parameter_types"] == ["DTensor"] for v in values)
+    losses, params, _ = reference_run([values[0]["steps"][k] + values[1]["steps"][k] for k in range(3)], LR)
+    for value in values:
+        torch.testing.assert_close(torch.tensor(value["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        for name, trained in value["params"].items():
+            torch.testing.assert_close(torch.tensor(trained), params[name], rtol=1e-4, atol=1e-5)
+
+
 # -- the plain Trainer ------------------------------------------------------------------------------
 
 
-def _plain_trainer_worker(rank, world, out_dir):
+def _hf_trainer_worker(rank, world, out_dir, kind):
+    """``kind``: ``"trainer"`` (the plain Trainer, ``DataCollatorWithFlattening``, ``TrainingArguments(fsdp=...)``)
+    or ``"sft"`` (TRL's ``SFTTrainer``, bfd packing: padding-free rows, ``SFTConfig(fsdp=...)``)."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import datasets
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -75,7 +91,19 @@ def _plain_trainer_worker(rank, world, out_dir):
     from distca_hf.state import STATE
     from helpers import tiny_model
 
-    class RecordingTrainer(Trainer):
+    if kind == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        from test_trl import _texts, _tokenizer
+
+        base, arguments_class = SFTTrainer, SFTConfig
+        extra_arguments = dict(packing=True, packing_strategy="bfd", max_length=128, bf16=False)
+        extra_trainer = dict(processing_class=_tokenizer(_texts()))  # ids of the documents below are < 96
+    else:
+        base, arguments_class = Trainer, TrainingArguments
+        extra_arguments, extra_trainer = {}, {}
+
+    class RecordingTrainer(base):
         def training_step(self, model, inputs, num_items_in_batch=None):
             self.parameter_types.update(type(p).__name__ for p in model.parameters())
             cu = inputs["cu_seq_lens_q"].tolist()
@@ -83,14 +111,15 @@ def _plain_trainer_worker(rank, world, out_dir):
             self.recorded.append([self.state.global_step, [ids[a:b] for a, b in zip(cu, cu[1:])]])
             return super().training_step(model, inputs, num_items_in_batch)
 
-    args = TrainingArguments(
+    args = arguments_class(
         output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, learning_rate=LR, optim="sgd",
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[],
         disable_tqdm=True, seed=0, data_seed=0, save_strategy="no", dataloader_pin_memory=False, use_cpu=True,
-        fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
+        fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}, **extra_arguments)
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-    trainer = RecordingTrainer(model=tiny_model("llama"), args=args, data_collator=collator,
-                               train_dataset=datasets.Dataset.from_dict({"input_ids": _documents(LENGTHS, 0)}))
+    trainer = RecordingTrainer(model=tiny_model("llama"), args=args,
+                               train_dataset=datasets.Dataset.from_dict({"input_ids": _documents(LENGTHS, 0)}),
+                               **(extra_trainer if kind == "sft" else {"data_collator": collator}))
     trainer.recorded, trainer.parameter_types = [], set()
     # Before apply_cpu_fsdp: Accelerate has dropped the request, and distca's first forward says so.
     with warnings.catch_warnings(record=True) as dropped, torch.no_grad():
@@ -111,8 +140,11 @@ def _plain_trainer_worker(rank, world, out_dir):
 
 
 @pytest.mark.distributed
-def test_plain_trainer_with_fsdp_arguments_shards_after_apply_cpu_fsdp(tmp_path):
-    values = _check_ranks(run_ranks(_plain_trainer_worker, 2, tmp_path, str(tmp_path)))
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_hf_trainers_with_fsdp_arguments_shard_after_apply_cpu_fsdp(tmp_path, kind):
+    if kind == "sft":
+        pytest.importorskip("trl", reason="TRL is in the test extra: pip install 'distca-hf[test]'")
+    values = _check_ranks(run_ranks(_hf_trainer_worker, 2, tmp_path, str(tmp_path), kind))
     for value in values:
         assert value["warned_before"] and "distca_hf.apply_cpu_fsdp(trainer)" in value["warned_before"][0]
         assert not value["warned_after"]
@@ -120,7 +152,7 @@ def test_plain_trainer_with_fsdp_arguments_shards_after_apply_cpu_fsdp(tmp_path)
     # each optimizer step trains both ranks' rows: the global batch of the single-process reference
     steps = [[d for value in values for step, documents in value["recorded"] if step == k for d in documents]
              for k in range(2)]
-    assert all(len(documents) == 4 for documents in steps)
+    assert all(len(documents) >= 4 for documents in steps)  # (bfd packs several documents per row)
     losses, params, _ = reference_run(steps, LR)
     for value in values:
         torch.testing.assert_close(torch.tensor(value["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)

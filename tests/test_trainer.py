@@ -525,9 +525,11 @@ def _accelerator_worker(rank, world, zero_stage):
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
     unwrapped = accelerator.unwrap_model(model)
+    whole = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in unwrapped.named_parameters()}  # FSDP2
     return {"world": accelerator.num_processes, "steps": steps, "losses": losses,
+            "parameter_types": sorted({type(p).__name__ for p in unwrapped.parameters()}),
             "server_ranks": list(accelerator.distca.server_ranks), "backward": accelerator.distca.config.backward,
-            "params": {n: p.detach().tolist() for n, p in unwrapped.named_parameters() if n.endswith("norm.weight")}}
+            "params": {n: p.detach().tolist() for n, p in whole.items() if n.endswith("norm.weight")}}
 
 
 @pytest.mark.distributed
