@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import distca_hf  # noqa: F401  (registers "distca")
 
@@ -31,6 +31,17 @@ def tiny_config(family: str, **overrides):
         return Qwen2Config(**common)
     if family == "qwen3":
         return Qwen3Config(**{"head_dim": 8, **common})
+    if family in ("deepseek_v3", "deepseek_v2"):
+        # multi-head latent attention: q/k head dim 16 + 8 (rope) = 24, v head dim 12; a dense and an MoE layer
+        mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=12, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                   n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1)
+        return AutoConfig.for_model(family, **{**common, **mla, **overrides})
+    if family == "llama4":
+        # chunked layers (chunk 5, shorter than most test documents) and one full NoPE layer; one MoE layer
+        llama4 = dict(head_dim=8, attention_chunk_size=5, intermediate_size_mlp=64, num_hidden_layers=4,
+                      num_local_experts=2, num_experts_per_tok=1, moe_layers=[1])
+        return AutoConfig.for_model("llama4_text", **{**common, **llama4, **overrides})
     raise ValueError(family)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 
 
-def reference_attention(q, k, v, cu_q, cu_k, scale, window=None, softcap=None):
+def reference_attention(q, k, v, cu_q, cu_k, scale, window=None, softcap=None, chunk=None):
     """Per task: explicit scores, capped as HF's eager Gemma 2 does (``softcap * tanh(s / softcap)``),
-    a boolean mask (bottom-right causal, ``window`` keys back when given) and K/V repeated per head.
-    q ``[total_q, heads, dim]``, k/v ``[total_k, kv_heads, dim]`` -> ``[total_q, heads, dim]``."""
+    a boolean mask (bottom-right causal, ``window`` keys back when given, only keys of the query's own
+    ``chunk`` when given: key column // chunk == query column // chunk, as HF's chunked_overlay) and
+    K/V repeated per head. q ``[total_q, heads, dim]``, k ``[total_k, kv_heads, dim]``, v ``[total_k,
+    kv_heads, value_dim]`` -> ``[total_q, heads, value_dim]``."""
     groups = q.shape[1] // k.shape[1]
     outs = []
     for i in range(len(cu_q) - 1):
@@ -18,6 +20,9 @@ def reference_attention(q, k, v, cu_q, cu_k, scale, window=None, softcap=None):
         mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
         if window is not None:
             mask &= torch.ones(lq, lk, dtype=torch.bool).triu(diagonal=lk - lq - window + 1)
+        if chunk is not None:
+            columns = torch.arange(lk - lq, lk)[:, None] // chunk
+            mask &= columns == torch.arange(lk)[None, :] // chunk
         kt, vt = (t[ks:ke].repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k, v))
         scores = q[qs:qe].transpose(0, 1) @ kt.transpose(1, 2) * scale
         if softcap:
@@ -27,11 +32,12 @@ def reference_attention(q, k, v, cu_q, cu_k, scale, window=None, softcap=None):
     return torch.cat(outs)
 
 
-def random_qkv(total_q, total_k, heads, kv_heads, dim, dtype=torch.float64, seed=0):
-    """q ``[total_q, heads, dim]``, k and v ``[total_k, kv_heads, dim]``, leaves that need grad."""
+def random_qkv(total_q, total_k, heads, kv_heads, dim, dtype=torch.float64, seed=0, value_dim=None):
+    """q ``[total_q, heads, dim]``, k ``[total_k, kv_heads, dim]`` and v ``[total_k, kv_heads,
+    value_dim or dim]``, leaves that need grad."""
     g = torch.Generator().manual_seed(seed)
-    make = lambda n, h: torch.randn(n, h, dim, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    return make(total_q, heads), make(total_k, kv_heads), make(total_k, kv_heads)
+    make = lambda n, h, d=dim: torch.randn(n, h, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return make(total_q, heads), make(total_k, kv_heads), make(total_k, kv_heads, value_dim or dim)
 
 
 def cu_seqlens(lengths):

@@ -70,7 +70,7 @@ def test_patches_ship_in_the_wheel(tmp_path):
 def test_patches_importable_from_the_package():
     from distca_hf.patches import TESTED_MODEL_TYPES, is_llama_family
 
-    assert set(TESTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(TESTED_MODEL_TYPES)
     assert is_llama_family(tiny_config("qwen3")) and not is_llama_family(object())
 
 

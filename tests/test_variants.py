@@ -99,6 +99,47 @@ def test_window_trimmed_tasks_compose(backend, length, window, cuts):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 20)), min_size=1, max_size=4),
+       chunk=st.one_of(st.none(), st.integers(1, 9)), window=st.one_of(st.none(), st.integers(1, 12)),
+       value_dim=st.sampled_from([8, 5, 12]))
+def test_chunks_and_value_head_dims_match_explicit_scores(backend, shapes, chunk, window, value_dim):
+    """Llama 4's chunked attention (a query at key column p sees keys [p // chunk * chunk, p]) and a
+    value head dim other than q/k's (DeepSeek's MLA; fused kernels get it zero-padded), alone and
+    together with a window, tasks with and without prefixes and without queries: forward and
+    gradients against explicit scores with HF's chunk mask."""
+    lq = [s[0] for s in shapes]
+    lk = [s[0] + s[1] for s in shapes]
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q, k, v = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 8, value_dim=value_dim)
+    out = varlen_causal_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.4, backend, window=window, chunk=chunk)
+    ref = reference_attention(q, k, v, cu_q, cu_k, 0.4, window, chunk=chunk)
+    assert out.shape == (q.shape[0], 4, value_dim)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    for got, want in zip(weighted_grads(out, (q, k, v)), weighted_grads(ref, (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_chunks_change_the_answer_and_cut_tasks_at_chunk_boundaries():
+    """The chunk mask matters (a reference without it differs) and ``chunk_tasks`` cuts a task with
+    queries at key columns [3, 11) under chunk 4 into [3, 4) [4, 8) [8, 11) with keys from each
+    chunk's start."""
+    from distca_hf.kernels import chunk_tasks
+
+    cu_q, cu_k = cu_seqlens([8, 2]), cu_seqlens([11, 2])
+    q, k, v = random_qkv(10, 13, 4, 2, 8)
+    chunked = varlen_causal_attention(q, k, v, cu_q, cu_k, 8, 11, 0.4, "math", chunk=4)
+    assert (chunked - reference_attention(q, k, v, cu_q, cu_k, 0.4)).abs().max() > 1e-3
+    cut = chunk_tasks(cu_q, cu_k, 4)
+    assert cut.cu_seqlens_q.tolist() == [0, 1, 5, 8, 10]
+    assert cut.cu_seqlens_k.tolist() == [0, 4, 8, 11, 13]
+    assert cut.key_rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert chunk_tasks(cu_q, cu_k, 11) is None  # no key past the first chunk: nothing to cut
+    with pytest.raises(ValueError, match="chunk must be None or a positive number of tokens"):
+        varlen_causal_attention(q, k, v, cu_q, cu_k, 8, 11, chunk=0)
+
+
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "8"])
 def test_bad_window_is_refused(window):
     q, k, v = random_qkv(4, 4, 2, 2, 8)

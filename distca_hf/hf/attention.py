@@ -1,11 +1,15 @@
 """The ``"distca"`` attention function (``AttentionInterface``) and the refusals it applies.
 
-HF calls it in every attention layer, after RoPE, with ``query [batch, heads, seq, head_dim]`` and
-``key/value [batch, kv_heads, kv_len, head_dim]``; it returns ``[batch, seq, heads, head_dim]``.
+HF calls it in every attention layer, after RoPE, with ``query [batch, heads, seq, head_dim]``,
+``key [batch, kv_heads, kv_len, head_dim]`` and ``value [batch, kv_heads, kv_len, value_head_dim]``
+(DeepSeek's multi-head latent attention: another head dim than q/k); it returns ``[batch, seq,
+heads, value_head_dim]``.
 
-Document boundaries are found from the call's own arguments (``planning.find_documents``), so the
-result does not depend on ``use_cache`` (with a cache, transformers skips its own packed-sequence
-detection). Boundaries, plan and index tables are made once per forward (``runtime.forward``) and
+Document boundaries are found from the call's own arguments (``planning.find_documents``), or,
+when the family's layers drop them (Llama 4), from those its model's forward was given
+(``model_inputs``), so the result does not depend on ``use_cache`` (with a cache, transformers
+skips its own packed-sequence detection). Llama 4's chunked layers (``attention_chunk``) run as
+the ``chunk`` variant of the kernels. Boundaries, plan and index tables are made once per forward (``runtime.forward``) and
 reused by every layer; under ``torch.distributed`` the CA-tasks run where the plan puts them
 (``runtime.wave_schedule``).
 """
@@ -17,9 +21,10 @@ import torch
 from ..errors import UnsupportedAttentionError
 from ..kernels import AttentionVariant, varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
+from .model_inputs import document_arguments
 
-__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "widest_window",
-           "refuse_unsupported", "to_compute_dtype"]
+__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward",
+           "widest_window", "refuse_unsupported", "to_compute_dtype"]
 
 ATTN_IMPLEMENTATION = "distca"
 
@@ -89,6 +94,69 @@ def widest_window(config) -> int | None:
     return int(window)
 
 
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size (tokens) of ``module``'s chunked attention, or ``None``: Llama 4's layers whose
+    ``config.layer_types[layer_idx]`` is ``"chunked_attention"`` let a query at document position
+    ``p`` see only keys ``[p // C * C, p]``, ``C = config.attention_chunk_size`` (HF's
+    ``create_chunked_causal_mask``)."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if not layer_types or layer_idx is None or layer_idx >= len(layer_types):
+        return None
+    if layer_types[layer_idx] != "chunked_attention":
+        return None
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} layer {layer_idx} is a 'chunked_attention' layer but config.attention_chunk_size "
+            f"is {chunk!r}; set it to the chunk size in tokens")
+    return int(chunk)
+
+
+def _refuse_chunks_under_a_dropping_cache(module, query_len: int, kv_len: int, chunk: int | None) -> None:
+    """HF's cache keeps only the last ``chunk - 1`` keys of a chunked layer: a task's first key is then
+    no longer its document's position 0, which chunk boundaries are counted from."""
+    if chunk is not None and kv_len - query_len >= chunk - 1:
+        raise UnsupportedAttentionError(
+            f"distca: {type(module).__name__} layer {module.layer_idx} runs chunked attention (attention_chunk_size="
+            f"{chunk}) with a KV cache of {kv_len - query_len} past keys; once a sequence reaches chunk - 1 = "
+            f"{chunk - 1} cached tokens the cache drops older keys and chunk boundaries cannot be placed. Generate with "
+            "attn_implementation='sdpa' or 'eager' (training and cache-free forwards are exact)")
+
+
+def _rows_are_single_documents(batch_size: int, query_len: int, kv_len: int, attention_mask, position_ids,
+                               cu_seq_lens_q) -> bool:
+    """Whether every row holds one unpadded document from its first token (row position = position in
+    the document)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        return False
+    if cu_seq_lens_q is not None and cu_seq_lens_q.numel() != batch_size + 1:
+        return False
+    if position_ids is not None:
+        expected = torch.arange(kv_len - query_len, kv_len, device=position_ids.device)
+        return bool((position_ids == expected).all())
+    return True
+
+
+def _refuse_row_position_scaling(module, query_len: int, kv_len: int, single_documents) -> None:
+    """Llama 4 scales its NoPE layers' queries by ``log1p(floor((p + 1) / floor_scale))`` with ``p`` the
+    position in the row, before attention is called: once a row reaches ``floor_scale`` tokens, packed
+    documents (and padded rows, and pieces of a document spanning ranks) get other numbers than each
+    document alone, so those are refused; rows that each hold one whole document are exact."""
+    floor_scale = getattr(module, "floor_scale", None)
+    if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+            and floor_scale and kv_len >= floor_scale):
+        return
+    if not single_documents():
+        raise UnsupportedAttentionError(
+            f"distca: {type(module).__name__} layer {module.layer_idx} uses attention temperature tuning, which scales "
+            f"queries by their position in the row, not in their document, from floor_scale={floor_scale} tokens on; "
+            f"packed or padded rows of {kv_len} tokens would give their documents other numbers than each document "
+            f"alone. Pack rows of at most {floor_scale - 1} tokens, give each row one document, or set "
+            "config.attn_temperature_tuning=False")
+
+
 def distca_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -99,23 +167,27 @@ def distca_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention function. query ``[B, H, S, D]``, key/value ``[B, H_kv, S_kv, D]`` ->
-    ``([B, S, H, D], None)``; attention weights are never materialised."""
+    """HF attention function. query ``[B, H, S, D]``, key ``[B, H_kv, S_kv, D]``, value ``[B, H_kv,
+    S_kv, D_v]`` -> ``([B, S, H, D_v], None)``; attention weights are never materialised."""
     refuse_unsupported(module, dropout, kwargs)
     query, key, value = to_compute_dtype(query, key, value)
     batch_size, num_heads, query_len, head_dim = query.shape
-    kv_len, num_kv_heads = key.shape[2], key.shape[1]
-    context = context_for_call(module, query, key, attention_mask, kwargs.get("position_ids"),
-                               kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"),
+    kv_len, num_kv_heads, value_dim = key.shape[2], key.shape[1], value.shape[-1]
+    chunk = attention_chunk(module)
+    _refuse_chunks_under_a_dropping_cache(module, query_len, kv_len, chunk)
+    position_ids, cu_seq_lens_q, cu_seq_lens_k = document_arguments(module, query, kwargs)
+    _refuse_row_position_scaling(module, query_len, kv_len, lambda: _rows_are_single_documents(
+        batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q))
+    context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                kv_window=widest_window(getattr(module, "config", None)))
-    variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"))
+    variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"), chunk)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
-    v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
+    v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, value_dim)
     if context.dispatch is not None:
         scale = head_dim**-0.5 if scaling is None else float(scaling)
         out = dispatched_attention(q, k, v, context.dispatch, scale, variant=variant)
-        return out.view(batch_size, query_len, num_heads, head_dim), None
+        return out.view(batch_size, query_len, num_heads, value_dim), None
     batch = context.local
     if batch.q_index is not None:
         q = q.index_select(0, batch.q_index)
@@ -123,9 +195,9 @@ def distca_attention_forward(
         v = v.index_select(0, batch.k_index)
     out = varlen_causal_attention(
         q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, scaling,
-        window=variant.window, softcap=variant.softcap,
+        window=variant.window, softcap=variant.softcap, chunk=variant.chunk,
     )
     if batch.q_index is not None:
         # Padding queries get zeros, as HF's flash-attention path gives them.
-        out = out.new_zeros(batch_size * query_len, num_heads, head_dim).index_copy(0, batch.q_index, out)
-    return out.view(batch_size, query_len, num_heads, head_dim), None
+        out = out.new_zeros(batch_size * query_len, num_heads, value_dim).index_copy(0, batch.q_index, out)
+    return out.view(batch_size, query_len, num_heads, value_dim), None

@@ -6,7 +6,8 @@ with ``"distca"`` they would run their own dense attention, and packed documents
 each other without a word. ``register()`` wraps ``PreTrainedModel.get_correct_attn_implementation``
 (which transformers calls whenever an implementation is chosen: ``from_pretrained``,
 ``from_config``, ``set_attn_implementation``, sub-models included) so that choosing ``"distca"``
-for such a model raises at once.
+for such a model raises at once, and has every model that chooses it record the document arguments
+of its forwards (``model_inputs``: for families whose layers drop ``position_ids``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from ..errors import UnsupportedAttentionError
+from .model_inputs import watch_model_inputs
 
 __all__ = ["uses_attention_interface", "refuse_models_that_ignore_the_interface"]
 
@@ -42,6 +44,8 @@ def refuse_models_that_ignore_the_interface(implementation: str) -> None:
     @functools.wraps(choose)
     def get_correct_attn_implementation(self, requested_attention=None, *args, **kwargs):
         chosen = choose(self, requested_attention, *args, **kwargs)
+        if chosen == implementation and uses_attention_interface(type(self)):
+            watch_model_inputs(self, implementation)  # families whose layers drop position_ids (Llama 4)
         if chosen == implementation and not uses_attention_interface(type(self)):
             name = type(self).__name__
             raise UnsupportedAttentionError(

@@ -2,9 +2,10 @@
 
 Shapes (flash-attn's varlen convention):
     q:   ``[total_q, num_heads, head_dim]``
-    k,v: ``[total_k, num_kv_heads, head_dim]`` (grouped-query: ``num_heads % num_kv_heads == 0``)
+    k:   ``[total_k, num_kv_heads, head_dim]`` (grouped-query: ``num_heads % num_kv_heads == 0``)
+    v:   ``[total_k, num_kv_heads, value_head_dim]`` (usually ``value_head_dim == head_dim``)
     cu_seqlens_q, cu_seqlens_k: ``[num_tasks + 1]`` int32, cumulative rows per task
-    out: ``[total_q, num_heads, head_dim]``; lse: ``[num_heads, total_q]`` fp32 (natural log)
+    out: ``[total_q, num_heads, value_head_dim]``; lse: ``[num_heads, total_q]`` fp32 (natural log)
 
 Task ``i`` has queries ``q[cu_q[i]:cu_q[i+1]]`` and keys ``k[cu_k[i]:cu_k[i+1]]`` with
 ``lk >= lq``; the causal mask is aligned bottom-right: query ``j`` sees keys ``0 .. j + lk - lq``.
@@ -14,7 +15,18 @@ window counts back from the query's own position, so a task whose keys are a suf
 document's prefix (``[max(0, a - window + 1), b)`` for queries ``[a, b)``) is exact. With
 ``softcap`` (Gemma 2's attention logit softcapping) the scaled scores become ``softcap *
 tanh(scores / softcap)`` before the softmax; backends that cannot apply it (``SUPPORTS_SOFTCAP``
-false) hand such calls to ``math``, with a one-time warning. ``AttentionVariant`` carries both.
+false) hand such calls to ``math``, with a one-time warning. With ``chunk`` (Llama 4's
+``attention_chunk_size``, on its ``"chunked_attention"`` layers) the query at key column ``p`` sees
+only the keys ``[p // chunk * chunk, p]``: chunks count from a task's first key, so every task must
+carry its document's keys from position 0 (whole prefixes, as CA-tasks do without a window cut).
+A chunk is a document of its own, so chunked calls run here as plain causal sub-tasks, one per
+(task, chunk) (``chunk_tasks``), on any backend. ``AttentionVariant`` carries all three.
+
+Value head dim: ``v`` may have another head dim than ``q``/``k`` (DeepSeek's multi-head latent
+attention: 192 for q/k, 128 for v); ``out`` then has v's. Backends that take only one head dim
+(``SUPPORTS_VALUE_HEAD_DIM`` false: every fused kernel) get the narrower side zero-padded to the
+wider here, which is exact (zero columns add nothing to a score, and give zero output columns,
+which are cut off); ``math`` takes both as they are.
 
 Backends, in the order ``auto`` tries them: ``flash_attn`` (CUDA, fp16/bf16, when flash-attn is
 installed), ``torch_cuda`` (PyTorch's own flash varlen ops: CUDA, fp16/bf16, compute capability
@@ -28,6 +40,7 @@ one.
 
 from __future__ import annotations
 
+import itertools
 import math as _pymath
 from dataclasses import dataclass
 from types import ModuleType
@@ -45,6 +58,7 @@ from . import torch_cuda_efficient as _torch_cuda_efficient
 __all__ = [
     "AttentionVariant",
     "BACKENDS",
+    "chunk_tasks",
     "available_backends",
     "unavailable_reasons",
     "select_backend",
@@ -113,8 +127,9 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
         raise ValueError(
             f"q, k, v must be [tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match each other and q's head_dim")
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same rows and heads, and k q's "
+                         f"head_dim ({q.shape[2]}); v may have its own head_dim")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
@@ -134,18 +149,24 @@ class AttentionVariant:
     Attributes:
         window: keys a query sees, its own included (HF's ``sliding_window``); ``None``: all before it.
         softcap: attention logit softcapping (HF's ``softcap``, Gemma 2); ``None`` or 0: none.
+        chunk: chunked attention (Llama 4's ``attention_chunk_size``, in tokens): a query at document
+            position ``p`` sees keys ``[p // chunk * chunk, p]``; ``None``: no chunks.
     """
 
     window: int | None = None
     softcap: float | None = None
+    chunk: int | None = None
 
     def __post_init__(self):
-        window, softcap = self.window, self.softcap
+        window, softcap, chunk = self.window, self.softcap, self.chunk
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be None or a positive number of keys (HF's sliding_window), got {window!r}")
         if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                     or not _pymath.isfinite(softcap) or softcap < 0):
             raise ValueError(f"softcap must be None or a finite number >= 0 (HF's softcap), got {softcap!r}")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be None or a positive number of tokens (HF's attention_chunk_size), "
+                             f"got {chunk!r}")
         object.__setattr__(self, "softcap", float(softcap) if softcap else None)
 
 
@@ -169,34 +190,110 @@ def _variant_keywords(variant: AttentionVariant) -> dict:
     return {"window": variant.window, **({"softcap": variant.softcap} if variant.softcap else {})}
 
 
+@dataclass(frozen=True)
+class ChunkedTasks:
+    """A fused batch's tasks cut at chunk boundaries (``chunk_tasks``): plain causal sub-tasks over
+    the same query rows, in the same order, and the key rows ``key_rows`` (``[total_k']``, long) they
+    take from the batch's ``k``/``v``."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    key_rows: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def chunk_tasks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, chunk: int) -> ChunkedTasks | None:
+    """Chunked attention as plain causal attention: task ``i`` (queries at key columns ``[lk - lq,
+    lk)``, key column = document position) becomes one sub-task per chunk ``c`` its queries reach,
+    with queries ``[max(lk - lq, c * chunk), min(lk, (c + 1) * chunk))`` and keys ``[c * chunk,
+    min(lk, (c + 1) * chunk))``: bottom-right causal inside the chunk is exactly the chunked mask.
+    ``None`` when no task has a key past the first chunk (nothing to cut)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0) <= chunk:
+        return None
+    q_lengths, k_lengths, key_starts = [], [], []
+    for i in range(len(cu_q) - 1):
+        lq, lk, k0 = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_k[i]
+        for c in range((lk - lq) // chunk, (lk - 1) // chunk + 1) if lq else ():
+            first, end = c * chunk, min(lk, (c + 1) * chunk)
+            q_lengths.append(end - max(lk - lq, first))
+            k_lengths.append(end - first)
+            key_starts.append(k0 + first)
+    device = cu_seqlens_q.device
+    cumulative = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    key_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(key_starts, k_lengths)]) if k_lengths else \
+        torch.zeros(0, dtype=torch.long)
+    return ChunkedTasks(cumulative(q_lengths), cumulative(k_lengths), key_rows.to(device),
+                        max(q_lengths, default=0), max(k_lengths, default=0))
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _run_forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, variant):
+    """One backend's forward, with v's head dim padded to q's (or q/k's to v's) where the backend
+    takes only one head dim; returns ``out`` with v's head dim."""
+    value_dim = v.shape[-1]
+    if value_dim != q.shape[-1] and not getattr(kernel, "SUPPORTS_VALUE_HEAD_DIM", False):
+        width = max(value_dim, q.shape[-1])
+        out, lse = kernel.forward(_pad_last(q, width), _pad_last(k, width), _pad_last(v, width), cu_q, cu_k, max_q,
+                                  max_k, scale, **_variant_keywords(variant))
+        return out[..., :value_dim].contiguous(), lse
+    return kernel.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, **_variant_keywords(variant))
+
+
+def _run_backward(kernel, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant):
+    """One backend's backward, padded as ``_run_forward`` (zero columns of out and dO add nothing to
+    the softmax gradient's row sums); returns gradients shaped like q, k, v."""
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim != head_dim and not getattr(kernel, "SUPPORTS_VALUE_HEAD_DIM", False):
+        width = max(value_dim, head_dim)
+        dq, dk, dv = kernel.backward(*(_pad_last(t, width) for t in (dout, q, k, v, out)), lse, cu_q, cu_k, max_q,
+                                     max_k, scale, **_variant_keywords(variant))
+        return dq[..., :head_dim].contiguous(), dk[..., :head_dim].contiguous(), dv[..., :value_dim].contiguous()
+    return kernel.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, **_variant_keywords(variant))
+
+
 def varlen_attention_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
-    softcap=None
+    softcap=None, chunk=None
 ):
     """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    variant = AttentionVariant(window, softcap)
+    variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
-        return kernel.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                              **_variant_keywords(variant))
+        if cut is None:
+            return _run_forward(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                scale, variant)
+        return _run_forward(kernel, q, k.index_select(0, cut.key_rows), v.index_select(0, cut.key_rows),
+                            cut.cu_seqlens_q, cut.cu_seqlens_k, cut.max_seqlen_q, cut.max_seqlen_k, scale, variant)
 
 
 def varlen_attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None,
-    *, window=None, softcap=None
+    *, window=None, softcap=None, chunk=None
 ):
     """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
     (gradients of grouped K/V heads summed over their query heads)."""
-    variant = AttentionVariant(window, softcap)
+    variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
-        return kernel.backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-            **_variant_keywords(variant),
-        )
+        if cut is None:
+            return _run_backward(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                 int(max_seqlen_k), scale, variant)
+        dq, dk_cut, dv_cut = _run_backward(kernel, dout, q, k.index_select(0, cut.key_rows),
+                                           v.index_select(0, cut.key_rows), out, lse, cut.cu_seqlens_q,
+                                           cut.cu_seqlens_k, cut.max_seqlen_q, cut.max_seqlen_k, scale, variant)
+        dk = torch.zeros_like(k).index_add_(0, cut.key_rows, dk_cut)
+        dv = torch.zeros_like(v).index_add_(0, cut.key_rows, dv_cut)
+        return dq, dk, dv
 
 
 class _VarlenCausalAttention(torch.autograd.Function):
@@ -205,7 +302,7 @@ class _VarlenCausalAttention(torch.autograd.Function):
                 variant: AttentionVariant):
         out, lse = varlen_attention_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend,
-            window=variant.window, softcap=variant.softcap
+            window=variant.window, softcap=variant.softcap, chunk=variant.chunk
         )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, backend, variant)
@@ -216,20 +313,21 @@ class _VarlenCausalAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale, backend, variant = ctx.args
         dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, backend,
-                                               window=variant.window, softcap=variant.softcap)
+                                               window=variant.window, softcap=variant.softcap, chunk=variant.chunk)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def varlen_causal_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
-    softcap=None
+    softcap=None, chunk=None
 ) -> torch.Tensor:
     """Differentiable bottom-right causal attention over a fused batch of CA-tasks, optionally under
-    a sliding ``window`` (keys per query) and logit ``softcap`` (see the module docstring).
+    a sliding ``window`` (keys per query), logit ``softcap`` and attention ``chunk`` (see the module
+    docstring).
 
-    Returns ``out [total_q, num_heads, head_dim]``; see the module docstring for the layout.
+    Returns ``out [total_q, num_heads, value_head_dim]``; see the module docstring for the layout.
     """
     return _VarlenCausalAttention.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, backend,
-        AttentionVariant(window, softcap)
+        AttentionVariant(window, softcap, chunk)
     )

@@ -13,6 +13,7 @@ import torch
 
 NAME = "math"
 SUPPORTS_SOFTCAP = True
+SUPPORTS_VALUE_HEAD_DIM = True  # v may have its own head dim (DeepSeek's MLA): out takes it
 SCORE_ELEMENTS = 1 << 26  # 256 MiB of fp32 scores per chunk
 
 
@@ -68,29 +69,29 @@ def _probabilities(q, k, scale, column: int, window: int | None, softcap: float 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
             softcap=None):
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    num_heads, num_kv_heads, head_dim, value_dim = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], num_heads, value_dim)
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
     for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
         qt = q[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
         probs, chunk_lse, _ = _probabilities(qt, k[ks].to(acc), softmax_scale, column, window, softcap)
-        out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, head_dim).to(q.dtype)
+        out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, value_dim).to(q.dtype)
         lse[:, qs] = chunk_lse.reshape(num_heads, -1)
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
              window=None, softcap=None):
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
-        grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
+        grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, t.shape[2])
         qt, do, ot = grouped(q), grouped(dout), grouped(out)
         kt, vt = k[ks].to(acc), v[ks].to(acc)
         probs, _, slope = _probabilities(qt, kt, softmax_scale, column, window, softcap)
@@ -99,7 +100,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         ds = probs * (dp - delta) * softmax_scale
         if slope is not None:
             ds = ds * slope
-        dq[qs] = torch.einsum("hgqk,khd->qhgd", ds, kt).reshape(-1, num_heads, head_dim).to(q.dtype)
+        dq[qs] = torch.einsum("hgqk,khd->qhgd", ds, kt).reshape(-1, num_heads, q.shape[2]).to(q.dtype)
         dk[ks] += torch.einsum("hgqk,qhgd->khd", ds, qt)
         dv[ks] += torch.einsum("hgqk,qhgd->khd", probs, do)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

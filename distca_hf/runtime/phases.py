@@ -6,8 +6,9 @@ kernel call) -> ``launch_outputs`` (server: outputs back) -> ``place_outputs`` (
 ``launch_grad_inputs`` (source: dO, or in ``resend`` mode q, k, v, out, dO and log-sum-exp) ->
 ``serve_backward`` -> ``launch_grad_outputs`` (server: dQ/dK/dV back) -> ``place_grads`` (source).
 
-Shapes: local q ``[tokens, heads, head_dim]``, k/v ``[tokens, kv_heads, head_dim]``; padding tokens
-belong to no task and get zero output.
+Shapes: local q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``, v ``[tokens,
+kv_heads, value_head_dim]`` (DeepSeek's MLA: another head dim than q/k), out ``[tokens, heads,
+value_head_dim]``; padding tokens belong to no task and get zero output.
 """
 
 from __future__ import annotations
@@ -74,15 +75,16 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
         q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
     fq = q_pool.index_select(0, served.q_index)
     fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
-    heads = q.shape[1]
+    heads, value_dim = q.shape[1], v.shape[-1]
     if w.num_tasks:
         with timeline.span(f"attention kernel ({w.name})"):
             f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
                                                     served.max_seqlen_q, served.max_seqlen_k, scale,
-                                                    window=variant.window, softcap=variant.softcap)
+                                                    window=variant.window, softcap=variant.softcap,
+                                                    chunk=variant.chunk)
     else:
-        f_out, f_lse = fq.new_empty(0, *q.shape[1:]), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
-    out_pool = q_pool.new_zeros(q_pool.shape).index_copy(0, served.q_index, f_out)
+        f_out, f_lse = fq.new_empty(0, heads, value_dim), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
+    out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy(0, served.q_index, f_out)
     lse_pool = None
     if want_lse:
         lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
@@ -115,17 +117,17 @@ def launch_grad_inputs(w: Wave, dout, resend: tuple | None) -> list[Pending]:
     """Backward, source side: send dO of moved queries (``resend``: also q, k, v, out, and the fp32
     log-sum-exp in a second exchange, from the tuple ``(q, k, v, out, lse)`` of local rows)."""
     rows = lambda t: split_rows(t.index_select(0, w.send_q_rows), w.send_q_counts)
-    qshape = tuple(dout.shape[1:])
+    oshape = tuple(dout.shape[1:])  # dO and out: the value head dim
     if resend is None:
-        return [start_exchange(w, [[x] for x in rows(dout)], [w.recv_q_counts], [qshape],
+        return [start_exchange(w, [[x] for x in rows(dout)], [w.recv_q_counts], [oshape],
                                 "distca backward: sending dO to servers", "backward_inputs")]
     q, k, v, out, lse = resend
     krows = lambda t: split_rows(t.index_select(0, w.send_kv_rows), w.send_kv_counts)
-    kshape = tuple(k.shape[1:])
+    qshape, kshape, vshape = tuple(q.shape[1:]), tuple(k.shape[1:]), tuple(v.shape[1:])
     sends = [list(p) for p in zip(rows(q), krows(k), krows(v), rows(out), rows(dout))]
     return [
         start_exchange(w, sends, [w.recv_q_counts, w.recv_kv_counts, w.recv_kv_counts, w.recv_q_counts,
-                                   w.recv_q_counts], [qshape, kshape, kshape, qshape, qshape],
+                                   w.recv_q_counts], [qshape, kshape, vshape, oshape, oshape],
                         "distca backward: resending q/k/v/out/dO", "backward_inputs"),
         start_exchange(w, [[x] for x in rows(lse)], [w.recv_q_counts], [(lse.shape[1],)],
                         "distca backward: resending log-sum-exp", "backward_lse"),
@@ -142,7 +144,6 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
     ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
     a local wave. Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
     served = w.served
-    qshape = tuple(dout.shape[1:])
     if w.backward_mode == "saved":
         fq, k_pool, v_pool, f_out, f_lse = saved
         f_do = (torch.cat([dout, received[0]]) if received else dout).index_select(0, served.q_index)
@@ -157,13 +158,14 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
         f_out, f_do = out.index_select(0, served.q_index), dout.index_select(0, served.q_index)
         f_lse = lse.index_select(0, served.q_index).t().contiguous()
         pool_rows = q.shape[0]
+    qshape = tuple(fq.shape[1:])
     fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
     if w.num_tasks:
         with timeline.span(f"attention kernel backward ({w.name})"):
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
                                                       served.cu_seqlens_k, served.max_seqlen_q,
                                                       served.max_seqlen_k, scale, window=variant.window,
-                                                      softcap=variant.softcap)
+                                                      softcap=variant.softcap, chunk=variant.chunk)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
     dq_pool = fq.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)

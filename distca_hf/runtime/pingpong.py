@@ -150,7 +150,7 @@ class _Flight:
         self.resend = self.wave.backward_mode == "resend"
         self.inputs = self.outputs = self.grad_inputs = self.grads = None
         self.lse_local = None
-        self.shapes = self.dtype = self.device = None  # of q and k, set by the forward
+        self.shapes = self.dtype = self.device = None  # of q, k and v, set by the forward
 
 
 class _Launch(torch.autograd.Function):
@@ -158,7 +158,7 @@ class _Launch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, flight: _Flight):
-        flight.shapes = (q.shape, k.shape)
+        flight.shapes = (q.shape, k.shape, v.shape)
         flight.inputs = launch_inputs(flight.wave, q, k, v)
         ctx.flight = flight
         return q.new_empty(0)
@@ -166,10 +166,10 @@ class _Launch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         flight = ctx.flight
-        q_shape, k_shape = flight.shapes
+        q_shape, k_shape, v_shape = flight.shapes
         dq = torch.zeros(q_shape, dtype=flight.dtype, device=flight.device)
         dk = torch.zeros(k_shape, dtype=flight.dtype, device=flight.device)
-        dv = torch.zeros_like(dk)
+        dv = torch.zeros(v_shape, dtype=flight.dtype, device=flight.device)
         place_grads(flight.wave, flight.grads, dq, dk, dv)
         flight.grads = None
         return dq, dk, dv, None

@@ -28,7 +28,7 @@ class _WaveSchedule(torch.autograd.Function):
         waves = dispatch.waves
         resend = waves[0].backward_mode == "resend"
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
-        out = q.new_zeros(q.shape)
+        out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if resend else None
         returning, kept = [], []
         for i, w in enumerate(waves):
@@ -43,7 +43,7 @@ class _WaveSchedule(torch.autograd.Function):
                 kept.append((served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
         for w, pending in returning:
             place_outputs(w, pending, out, lse)
-        ctx.dispatch, ctx.scale, ctx.variant = dispatch, scale, variant
+        ctx.dispatch, ctx.scale, ctx.variant, ctx.q_shape = dispatch, scale, variant, q.shape
         flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
         ctx.save_for_backward(*flat)
         if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
@@ -62,9 +62,9 @@ class _WaveSchedule(torch.autograd.Function):
         order = list(reversed(range(len(waves))))
         in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None)
                      for i in order if not waves[i].local_only}
-        dq = dout.new_zeros(dout.shape)
+        dq = dout.new_zeros(ctx.q_shape)
         dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
-        dv = torch.zeros_like(dk)
+        dv = saved[2].new_zeros(waves[0].num_local_kv, *saved[2].shape[1:])  # saved[2]: v or a V pool
         returning = []
         for i in order:
             w = waves[i]
@@ -83,6 +83,7 @@ class _WaveSchedule(torch.autograd.Function):
 def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float, *,
                          variant: AttentionVariant = AttentionVariant()) -> torch.Tensor:
     """Causal attention of the rank's documents (under the layer's sliding window and softcap,
-    ``variant``), computed where the plan says. q ``[tokens, heads, head_dim]``, k/v ``[tokens,
-    kv_heads, head_dim]`` -> ``[tokens, heads, head_dim]``."""
+    ``variant``), computed where the plan says. q ``[tokens, heads, head_dim]``, k ``[tokens,
+    kv_heads, head_dim]``, v ``[tokens, kv_heads, value_head_dim]`` -> ``[tokens, heads,
+    value_head_dim]``."""
     return _WaveSchedule.apply(q, k, v, dispatch, scale, variant)
