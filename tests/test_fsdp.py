@@ -10,7 +10,7 @@ attention, one process, SGD (fp32). ``DistCATrainer`` (documents spanning both r
 --config_file recipes/fsdp2.yaml --num_processes 2`` gives its processes (Accelerate's own launcher
 code computes it); the plain ``Trainer`` (``DataCollatorWithFlattening``) and TRL's ``SFTTrainer``
 (bfd packing) run with ``TrainingArguments(fsdp=...)`` / ``SFTConfig(fsdp=...)``, and are first seen
-to warn while their request is still dropped.
+to warn while their request is still dropped. A sharded checkpoint resumes to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from dist_harness import run_ranks
 from distca_hf.runtime.comm import free_port
 from test_trainer import (LENGTHS, LR, _accelerator_worker, _assert_matches_reference, _check_ranks, _documents,
-                          _train_worker, reference_run)
+                          _resume, _train_worker, reference_run)
 
 REPO = Path(__file__).resolve().parent.parent
 DROPPED = "asked for FSDP"  # in the warning of a forward whose FSDP request was dropped
@@ -63,6 +63,26 @@ def test_distca_trainer_on_the_fsdp2_recipe_shards_and_matches_single_process(tm
     assert all(v["parameter_types"] == ["DTensor"] for v in values)  # sharded: every parameter a DTensor shard
     assert any(p > 0 for v in values for _, _, p, _, _ in v["recorded"])  # a document went on across ranks
     _assert_matches_reference(values, str(tmp_path))
+
+
+def _resume_worker(rank, world, out_dir):
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    return _resume(out_dir, rank, {}, max_steps=4, save_steps=2)
+
+
+@pytest.mark.distributed
+def test_fsdp2_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+    """A sharded checkpoint (model, AdamW states, schedule) saved at step 2 and resumed: steps 3 and 4
+    give the losses and weights of the run that went on."""
+    full, resumed = zip(*_check_ranks(run_ranks(_resume_worker, 2, tmp_path, str(tmp_path),
+                                                env=recipe_environment())))
+    for whole, again in zip(full, resumed):
+        assert whole["parameter_types"] == again["parameter_types"] == ["DTensor"]
+        assert [r[0] for r in again["recorded"]] == [2, 3] and again["recorded"] == whole["recorded"][2:]
+        torch.testing.assert_close(torch.tensor(again["losses"]), torch.tensor(whole["losses"]), rtol=1e-6, atol=1e-7)
+    first, second = torch.load(tmp_path / "full-params.pt"), torch.load(tmp_path / "resumed-params.pt")
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.distributed
