@@ -324,3 +324,24 @@ def test_llama4_gradient_checkpointing_and_cu_seq_lens():
     cu = torch.tensor([0, 13, 14, 21, 33], dtype=torch.int32)
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                                     max_length_q=13, max_length_k=13), True)
+
+
+@pytest.mark.distributed
+def test_llama4_and_deepseek_v3_on_two_ranks(tmp_path):
+    """2 gloo ranks, documents spanning both (span_ranks), overlap none and wave, both backward modes,
+    colocated and evaluation: Llama 4 (chunked layers, documents from the model's forward) and
+    DeepSeek-V3 (value head dim 12 beside q/k's 24, through the all-to-alls both ways) exact against
+    each whole document alone; the bytes plan_stats reports are the bytes sent."""
+    from dist_harness import run_ranks
+    from workers import check_forward_bytes, exact_runs, span_workers
+
+    cases = [("llama4", [9, 30, 4, 1, 16], [36, 24], ("none", "wave"), {}),
+             ("deepseek_v3", [30, 50, 7, 1, 12], [60, 40], ("none", "wave"), {})]
+    results = run_ranks(span_workers, 2, tmp_path, cases, env={"DISTCA_TOLERANCE": "0.02"})
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+    for family, layers in (("llama4", 4), ("deepseek_v3", 2)):
+        per_family = [{"ok": True, "value": r["value"][family]} for r in results]
+        for rank, runs in exact_runs(per_family, 5):
+            assert all(run["stats"]["dispatched"] for run in runs[:4]), (family, rank)
+        check_forward_bytes(per_family, layers=layers)

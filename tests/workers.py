@@ -175,3 +175,15 @@ def exact_runs(results, runs_per_rank: int):
             assert run["grad_excess"] < 1e-5, (rank, run)
         checked.append((rank, runs))
     return checked
+
+
+def span_workers(rank, world, cases):
+    """``span_worker`` for several ``(family, doc_lengths, slice_lengths, overlaps, model_overrides)``
+    cases in one set of processes (a spawn costs seconds); returns ``{family: reports}``."""
+    import distca_hf
+
+    reports = {}
+    for family, doc_lengths, slice_lengths, overlaps, overrides in cases:
+        reports[family] = span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps, overrides, (False,))
+        distca_hf.configure(span_ranks=False, overlap="none", backward="saved")
+    return reports

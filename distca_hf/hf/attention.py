@@ -179,7 +179,7 @@ def distca_attention_forward(
     _refuse_row_position_scaling(module, query_len, kv_len, lambda: _rows_are_single_documents(
         batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q))
     context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
-                               kv_window=widest_window(getattr(module, "config", None)))
+                               kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim)
     variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"), chunk)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)

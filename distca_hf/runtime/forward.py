@@ -64,11 +64,13 @@ def _starts_forward(module) -> bool:
 
 
 def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
-                     cu_seq_lens_k, *, kv_window: int | None = None) -> ForwardContext:
+                     cu_seq_lens_k, *, kv_window: int | None = None,
+                     value_head_dim: int | None = None) -> ForwardContext:
     """The context of the forward this attention call belongs to (made now if the call opens one).
     query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``;
     ``kv_window``: the widest sliding window of the model's layers (``None`` when a layer attends to
-    whole prefixes), which a dispatch's CA-tasks cut their K/V to."""
+    whole prefixes), which a dispatch's CA-tasks cut their K/V to; ``value_head_dim``: the values'
+    head dim when it is not ``head_dim`` (DeepSeek's MLA), for the bytes a plan moves."""
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     # The mask identifies the documents only when nothing else does (it is a new view per layer type).
@@ -84,10 +86,12 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
         return current
 
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    return begin_forward(_open_forward(module, query, key, call, call_key, identifying, kv_window))
+    return begin_forward(_open_forward(module, query, key, call, call_key, identifying, kv_window,
+                                       value_head_dim or head_dim))
 
 
-def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_window: int | None) -> ForwardContext:
+def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_window: int | None,
+                  value_head_dim: int) -> ForwardContext:
     """Find the documents, agree with the other ranks of the server group (a collective when there
     are any) and plan."""
     config = current_config()
@@ -115,7 +119,9 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)
     _, num_heads, _, head_dim = query.shape
-    token_bytes = TokenBytes.for_model(num_heads * head_dim, num_heads, key.shape[1], query.element_size(), head_dim)
+    element = query.element_size()  # q and k carry head_dim per head, v and the output value_head_dim
+    token_bytes = TokenBytes(q=num_heads * head_dim * element, kv=key.shape[1] * (head_dim + value_head_dim) * element,
+                             o=num_heads * value_head_dim * element)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
                                    kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
