@@ -30,8 +30,6 @@ class DistCAState:
         forwards_started: forwards numbered so far (a forward's number is its ``plan_stats()["step"]``).
         last_layer_idx: layer index of the last attention call; an index that does not grow marks
             the start of a new forward.
-        model_inputs: the document arguments (``position_ids``, ``cu_seq_lens_q/k``) of the model
-            forwards in progress, innermost last (``hf.model_inputs``).
         warned: keys of the one-time warnings already given.
         timeline_on: whether ``runtime.timeline`` records.
         timeline_events: what it recorded (``runtime.timeline.Event``).
@@ -43,7 +41,6 @@ class DistCAState:
     forward: object = None
     forwards_started: int = 0
     last_layer_idx: int | None = None
-    model_inputs: list = field(default_factory=list)
     warned: set = field(default_factory=set)
     timeline_on: bool = False
     timeline_events: list = field(default_factory=list)

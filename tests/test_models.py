@@ -313,13 +313,21 @@ def tiny_model_of(model_type: str):
 
 
 def test_llama4_gradient_checkpointing_and_cu_seq_lens():
-    """Gradient checkpointing recomputes Llama 4's layers after the model's forward: they must find
-    the same documents (the layer's own record), and cu_seq_lens alone describe documents too."""
+    """Gradient checkpointing recomputes Llama 4's layers after the model's forward, here after another
+    forward of other documents: they must find their own documents again (from the arguments their
+    decoder layer is called with); cu_seq_lens alone describe documents too."""
     model = tiny_model_of("llama4_text")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     docs = _documents([13, 1, 7, 12], seed=13)
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
     pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
-    _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=pos), False)
+    logits = model(input_ids=torch.cat(docs).unsqueeze(0), position_ids=pos).logits[0]
+    other = torch.cat([torch.arange(3), torch.arange(30)]).unsqueeze(0)  # another packing in between
+    model(input_ids=torch.randint(0, VOCAB, (1, 33)), position_ids=other)
+    (logits * torch.cat(weights)).sum().backward()
+    torch.testing.assert_close(logits, torch.cat(ref_logits), atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
     model.activation_checkpointing_disable()
     cu = torch.tensor([0, 13, 14, 21, 33], dtype=torch.int32)
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
