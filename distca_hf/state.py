@@ -30,6 +30,8 @@ class DistCAState:
         forwards_started: forwards numbered so far (a forward's number is its ``plan_stats()["step"]``).
         last_layer_idx: layer index of the last attention call; an index that does not grow marks
             the start of a new forward.
+        calls_without_documents: attention calls so far that got no document argument at all (own
+            or their model's); ``hf.model_inputs`` refuses a packed model forward during which it grew.
         warned: keys of the one-time warnings already given.
         timeline_on: whether ``runtime.timeline`` records.
         timeline_events: what it recorded (``runtime.timeline.Event``).
@@ -41,6 +43,7 @@ class DistCAState:
     forward: object = None
     forwards_started: int = 0
     last_layer_idx: int | None = None
+    calls_without_documents: int = 0
     warned: set = field(default_factory=set)
     timeline_on: bool = False
     timeline_events: list = field(default_factory=list)

@@ -183,3 +183,78 @@ def test_a_process_launched_alone_warns(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(input_ids=torch.randint(0, VOCAB, (1, 8)))  # once per process
+
+
+def test_a_family_whose_layers_pass_on_no_documents_is_refused(monkeypatch):
+    """The guard: a model given packed documents whose attention calls get neither position_ids,
+    cu_seq_lens nor the model's keyword arguments (here Llama's attention made to pass nothing on)
+    raises naming the model, instead of returning rows whose documents attended to each other."""
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_model("llama")
+    ids, pos = _packed([4, 6])
+    forward = modeling_llama.LlamaAttention.forward
+
+    def passes_nothing_on(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        return forward(self, hidden_states, position_embeddings, attention_mask, cache)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", passes_nothing_on)
+    with pytest.raises(UnsupportedAttentionError,
+                       match="LlamaModel was given packed documents .* 2 of its attention calls got neither"):
+        model(input_ids=ids, position_ids=pos)
+    model(input_ids=ids)  # one document per row: nothing to keep apart
+    model(input_ids=ids, position_ids=torch.arange(10)[None])
+
+
+def test_model_position_ids_that_do_not_fit_the_call():
+    from distca_hf.hf.model_inputs import MODEL_DOCUMENTS, document_arguments
+
+    attention = torch.nn.Linear(1, 1)
+    query = torch.zeros(1, 4, 10, 8)
+    mrope = torch.cat([torch.arange(4), torch.arange(6)]).expand(3, 1, 10)  # [3, batch, seq], packed
+    with pytest.raises(UnsupportedAttentionError, match=r"packed position_ids given to the model \(shape \(3, 1, 10\)\)"):
+        document_arguments(attention, query, {MODEL_DOCUMENTS: (mrope, None, None)})
+    plain = torch.arange(10).expand(3, 1, 10)
+    assert document_arguments(attention, query, {MODEL_DOCUMENTS: (plain, None, None)}) == (None, None, None)
+
+
+def _llama4(**overrides):
+    from helpers import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama4", **overrides), attn_implementation="distca",
+                                            dtype=torch.float32).eval()
+
+
+def test_llama4_chunked_layers_under_a_cache_that_dropped_keys():
+    """HF's cache keeps a chunked layer's last chunk - 1 keys: decoding while it holds fewer is exact
+    (chunk 5: a 2-token prompt and one step), from chunk - 1 cached tokens on it raises."""
+    from transformers import DynamicCache
+
+    model = _llama4()
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :2], use_cache=True, cache=cache)
+        step = model(input_ids=ids[:, 2:3], use_cache=True, cache=cache).logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(step, model(input_ids=ids[:, :3]).logits[:, 2:], atol=1e-5, rtol=1e-4)
+        model.set_attn_implementation("distca")
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :5], use_cache=True, cache=cache)
+        with pytest.raises(UnsupportedAttentionError, match=r"chunked attention \(attention_chunk_size=5\) with a KV "
+                                                            r"cache of 4 past keys"):
+            model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
+
+
+def test_llama4_temperature_tuning_on_packed_rows_past_floor_scale():
+    """Llama 4 scales its NoPE layers' queries by their row position from floor_scale on: packed rows
+    that long are refused (naming the setting); one document per row is exact."""
+    model = _llama4(floor_scale=8)
+    ids, pos = _packed([5, 7])
+    with pytest.raises(UnsupportedAttentionError, match="temperature tuning.*floor_scale=8"):
+        model(input_ids=ids, position_ids=pos)
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(ours, model(input_ids=ids).logits, atol=1e-5, rtol=1e-4)

@@ -19,6 +19,12 @@ their ``**kwargs``), so it also reaches the recomputation of gradient checkpoint
 layer's ``forward`` again with the keyword arguments it got. ``document_arguments`` gives an
 attention call that got none of its own these. A model forward that takes no ``**kwargs`` gets
 nothing added.
+
+The guard: a model forward given packed documents (``position_ids`` that fall back, or
+``cu_seq_lens``) during which some distca attention call got no document argument at all (a family
+whose layers pass on neither ``position_ids`` nor their ``**kwargs``) raises
+``UnsupportedAttentionError`` naming the model when it returns, instead of returning rows whose
+documents attended to each other.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import inspect
 import torch
 
 from ..errors import UnsupportedAttentionError
+from ..state import STATE
 
 __all__ = ["DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "document_arguments", "watch_model_inputs"]
 
@@ -38,29 +45,54 @@ MODEL_DOCUMENTS = "distca_model_documents"
 """The keyword argument that carries a model forward's document arguments down to its attention."""
 
 
+def _packed(found: dict) -> bool:
+    """Whether a model call's document arguments describe more than one document in some row."""
+    positions, cu_q, cu_k = (found[name] for name in DOCUMENT_ARGUMENTS)
+    if cu_q is not None or cu_k is not None:
+        return True
+    return torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) <= 0).any())
+
+
 def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
     """Before each forward of ``model`` while it uses ``implementation``, add ``MODEL_DOCUMENTS`` to
-    its keyword arguments when it was given any document argument (idempotent per model; a nested
-    model given its own overrides its outer model's)."""
+    its keyword arguments when it was given any document argument (a nested model given its own
+    overrides its outer model's), and after it apply the guard (see the module docstring); idempotent
+    per model."""
     if getattr(model, "_distca_watches_inputs", False):
         return
     signature = inspect.signature(type(model).forward).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values()):
-        return
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
     parameters = [p for p in signature if p != "self"]
+    open_calls = []  # per forward in progress: (calls without documents before it, packed)
 
-    def add_documents(module, args, kwargs):
+    def before(module, args, kwargs):
         if getattr(module.config, "_attn_implementation", None) != implementation:
+            open_calls.append(None)
             return None
         found = {name: kwargs.get(name) for name in DOCUMENT_ARGUMENTS}
         for name, value in zip(parameters, args):  # passed positionally
             if name in found and found[name] is None:
                 found[name] = value
-        if all(t is None for t in found.values()):
+        open_calls.append((STATE.calls_without_documents, _packed(found)))
+        if not takes_kwargs or all(t is None for t in found.values()):
             return None
         return args, {**kwargs, MODEL_DOCUMENTS: tuple(found[name] for name in DOCUMENT_ARGUMENTS)}
 
-    model.register_forward_pre_hook(add_documents, with_kwargs=True)
+    def after(module, args, kwargs, output=None):
+        opened = open_calls.pop() if open_calls else None
+        if opened is None or output is None:  # not distca, or the forward raised
+            return
+        before_count, packed = opened
+        if packed and STATE.calls_without_documents > before_count:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} was given packed documents (position_ids that restart, or cu_seq_lens), but "
+                f"{STATE.calls_without_documents - before_count} of its attention calls got neither position_ids, "
+                "cu_seq_lens nor the model's keyword arguments, so distca could not keep the documents apart; this "
+                "model family's layers do not pass them on. Use another attn_implementation for it, or give each "
+                "row one document")
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
     model._distca_watches_inputs = True
 
 
@@ -72,7 +104,10 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     rather than merging its documents."""
     own = tuple(kwargs.get(name) for name in DOCUMENT_ARGUMENTS)
     given = kwargs.get(MODEL_DOCUMENTS)
-    if any(t is not None for t in own) or given is None:
+    if any(t is not None for t in own):
+        return own
+    if given is None:
+        STATE.calls_without_documents += 1
         return own
     positions, cu_seq_lens_q, cu_seq_lens_k = given
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
