@@ -258,3 +258,88 @@ def test_llama4_temperature_tuning_on_packed_rows_past_floor_scale():
         ours = model(input_ids=ids).logits
         model.set_attn_implementation("eager")
         torch.testing.assert_close(ours, model(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
+
+
+# ---- the README's "Supported models and features" section is generated from the code that refuses ----
+
+def test_readme_support_section_is_generated_from_the_tables():
+    """README.md between the supported-models markers is exactly ``support_markdown()`` (FEATURES,
+    REFUSALS, patches.TESTED_MODEL_TYPES). To change it, edit distca_hf/hf/support.py or
+    TESTED_MODEL_TYPES and paste ``support_markdown()`` between the markers."""
+    from pathlib import Path
+
+    from distca_hf.hf.support import support_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("<!-- supported-models:start")
+    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- supported-models:end -->")]
+    assert body == support_markdown()
+
+
+def _trigger_refusal(what: str):
+    """Run the smallest input that the refusal ``what`` (a REFUSALS row) is about."""
+    from transformers import BloomConfig, DynamicCache, StaticCache
+    from transformers.models.llama import modeling_llama
+
+    from distca_hf.patches import cache_argument
+
+    ids, pos = _packed([4, 6])
+    if what.startswith("models that compute attention in their own code"):
+        AutoModelForCausalLM.from_config(BloomConfig(n_layer=1, hidden_size=32, n_head=4, vocab_size=VOCAB),
+                                         attn_implementation="distca")
+    elif what.startswith("a family whose layers pass on no document argument"):
+        forward = modeling_llama.LlamaAttention.forward
+        modeling_llama.LlamaAttention.forward = (
+            lambda self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kw:
+            forward(self, hidden_states, position_embeddings, attention_mask, cache))
+        try:
+            tiny_model("llama")(input_ids=ids, position_ids=pos)
+        finally:
+            modeling_llama.LlamaAttention.forward = forward
+    elif what.startswith("attention sinks"):
+        config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                              num_experts_per_tok=1, layer_types=["full_attention"])
+        AutoModelForCausalLM.from_config(config, attn_implementation="distca")(input_ids=ids)
+    elif what.startswith("attention dropout"):
+        tiny_model("llama", attention_dropout=0.1).train()(input_ids=ids, position_ids=pos)
+    elif what.startswith("non-causal"):
+        model = tiny_model("llama")
+        model.model.layers[0].self_attn.is_causal = False
+        model(input_ids=ids)
+    elif what.startswith("custom 4D masks"):
+        tiny_model("llama")(input_ids=ids, attention_mask=torch.zeros(1, 1, 10, 10))
+    elif what.startswith("static (pre-allocated) KV caches"):
+        model = tiny_model("llama").eval()
+        model(input_ids=ids, **{cache_argument(model): StaticCache(config=model.config, max_cache_len=16)})
+    elif what.startswith("a `cu_seq_lens` document crossing rows"):
+        cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+        tiny_model("llama")(input_ids=torch.arange(12).view(2, 6), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    elif what.startswith("chunked layers decoding"):
+        model = _llama4()
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :5], use_cache=True, cache=cache)
+            model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
+    elif what.startswith("Llama 4 attention temperature tuning"):
+        _llama4(floor_scale=8)(input_ids=ids, position_ids=pos)
+    else:
+        raise AssertionError(f"no trigger for the refusal {what!r}: add one here")
+
+
+def test_every_refusal_in_the_table_is_raised_by_the_code_it_names():
+    """Each REFUSALS row: its phrase is in the source of the module it names, and its smallest input
+    raises an error (the one distca raises for it) whose message holds that phrase."""
+    import importlib
+    import inspect
+
+    from distca_hf.hf.support import REFUSALS
+
+    for refusal in REFUSALS:
+        assert refusal.says in inspect.getsource(importlib.import_module(refusal.raised_in)), refusal.what
+        try:
+            _trigger_refusal(refusal.what)
+        except (UnsupportedAttentionError, DocumentBoundaryError) as e:
+            assert refusal.says in str(e), (refusal.what, str(e))
+        else:
+            raise AssertionError(f"nothing raised for the refusal {refusal.what!r}")

@@ -1,0 +1,135 @@
+"""What distca supports and what it refuses, in one place: the README's "Supported models and
+features" section is ``support_markdown()`` (``tests/test_refusals.py`` checks that they are equal).
+
+- the tested model types come from ``distca_hf.patches.TESTED_MODEL_TYPES``, which
+  ``tests/test_models.py`` runs (each one exact against eager attention per document);
+- ``FEATURES`` are what works, and how exactly;
+- ``REFUSALS`` are what raises: each names the module whose code raises it and a phrase of its
+  error message; ``tests/test_refusals.py`` checks that the phrase is in that module's source and
+  triggers every refusal, so a row cannot outlive its refusal nor a refusal hide from this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Feature", "Refusal", "FEATURES", "REFUSALS", "support_markdown"]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A row of the table: ``what`` (model, input or feature) and its ``status``."""
+
+    what: str
+    status: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Something distca refuses with an error, rather than compute it wrong.
+
+    Attributes:
+        what: the model, input or feature refused.
+        why: why it cannot be computed exactly (the README's text).
+        raised_in: the module whose code raises the error.
+        says: a phrase of the error message (in ``raised_in``'s source and in the raised message).
+    """
+
+    what: str
+    why: str
+    raised_in: str
+    says: str
+
+
+FEATURES = (
+    Feature("model types in the table below", "tested: exact logits and parameter gradients against each document run "
+            "alone with eager attention (fp32), packed `position_ids`; Llama, Mistral, Qwen2, Qwen3 also for "
+            "`cu_seq_lens` kwargs, `DataCollatorWithFlattening`, left/right padding, plain rows, gradient "
+            "checkpointing, greedy generation equal to eager"),
+    Feature("other decoders using the attention interface", "expected to work (same code path), not tested here; a "
+            "family whose layers pass on neither `position_ids`, `cu_seq_lens` nor their keyword arguments is refused "
+            "(below) rather than merging packed documents"),
+    Feature("families whose layers drop `position_ids` (Llama 4)", "exact: the model's forward hands its "
+            "`position_ids` / `cu_seq_lens` to every attention call as one more keyword argument "
+            "(`distca_model_documents`), which gradient checkpointing's recomputation gets too"),
+    Feature("grouped-query attention", "native: K/V keep `num_key_value_heads` heads, never repeated in memory"),
+    Feature("fp32, bf16, fp16", "all. On CUDA without any extra install: fp16/bf16 run PyTorch's own flash varlen kernel "
+            "(`torch_cuda`, compute capability 8.0+), fp32 PyTorch's memory-efficient varlen kernel "
+            "(`torch_cuda_efficient`, exact fp32); flash-attn is used first when installed; fp64 on CUDA falls back to "
+            "the slow `math` backend with a warning. The CUDA paths are unit-tested on CPU against fakes of the ops and "
+            "have GPU tests (`make gpu-check`) that have **not yet run** (no GPU was lent to this work)"),
+    Feature("head dims", "any: padded to a multiple of 8 for the flash kernels (exact); past 256 (flash's limit) "
+            "`torch_cuda` runs on `torch_cuda_efficient`, with a one-time warning"),
+    Feature("value head dim other than query/key's (DeepSeek-V2/V3 multi-head latent attention)", "exact on 1 and "
+            "2 processes (local, and the dispatch's all-to-alls forward and backward, both backward modes): `math` "
+            "takes it as it is, the fused kernels get the narrower side zero-padded to the wider (exact); plan bytes "
+            "count each width"),
+    Feature("mixed precision (autocast, `Trainer(bf16=True)`)", "q, k, v are brought to one compute dtype as HF's own "
+            "paths compute: the autocast dtype when autocast is on for their device, else the dtype of `value` (a "
+            "float32 rotary embedding can promote q and k); tested with `Trainer(bf16=True, use_cpu=True)` on 1 and 2 "
+            "processes"),
+    Feature("sliding window (Mistral, Qwen2 with windows, Gemma 2/3 local layers)", "exact on every backend, windows "
+            "shorter than a shard and documents spanning ranks included (tested against eager per document on CPU, "
+            "1 to 3 processes, every overlap and backward mode). A task with queries `[a, b)` needs only the keys "
+            "`[max(0, a - w + 1), b)`: when every layer slides (Mistral) the planner counts windowed pairs and the "
+            "dispatch moves only those keys; when some layer is full (Gemma, Qwen2's `max_window_layers`) whole "
+            "prefixes travel and each layer applies its window in the kernel"),
+    Feature("chunked attention (Llama 4's `attention_chunk_size`)", "exact on every backend and path: a chunk is a "
+            "document of its own, so each CA-task is cut at chunk boundaries into plain causal sub-tasks (a query at "
+            "document position `p` sees keys `[p // C * C, p]`); tested with chunks shorter than documents on 1 and 2 "
+            "processes"),
+    Feature("attention logit softcapping (Gemma 2)", "exact (tested: Gemma 2 with softcap and sliding/full layers "
+            "against eager per document). `flash_attn` and `math` cap the scores; the fused CPU and torch-native CUDA "
+            "kernels cannot, so capped layers run on `math` (slower; a one-time warning says so)"),
+    Feature("`cu_seq_lens` with batch > 1", "allowed when every row starts a document; a document crossing rows is "
+            "refused (below)"),
+    Feature("`output_attentions`", "attention weights are never materialised; returns `None` like `sdpa`"),
+    Feature("documents longer than a rank", "with `span_ranks=True` (see Multi-rank use): pieces on several ranks, "
+            "exact"),
+)
+
+REFUSALS = (
+    Refusal("models that compute attention in their own code (Bloom, Falcon, ...)", "transformers would accept the "
+            "name and ignore it, letting packed documents attend to each other; refused when `\"distca\"` is chosen "
+            "(`from_pretrained`, `from_config`, `set_attn_implementation`)",
+            "distca_hf.hf.model_check", "computes attention in its own code"),
+    Refusal("a family whose layers pass on no document argument", "its attention calls could not keep packed "
+            "documents apart; refused when the model's forward returns, naming the model",
+            "distca_hf.hf.model_inputs", "could not keep the documents apart"),
+    Refusal("attention sinks (gpt-oss)", "the sink logit changes the softmax denominator of every shard",
+            "distca_hf.hf.attention", "does not support attention sinks"),
+    Refusal("attention dropout > 0 in training", "the dropout mask could not be reproduced across shards and "
+            "servers; fine at evaluation", "distca_hf.hf.attention", "does not support attention dropout"),
+    Refusal("non-causal attention (encoders, `is_causal=False`)", "CA-tasks are defined by the causal prefix",
+            "distca_hf.hf.attention", "computes causal attention only"),
+    Refusal("custom 4D masks, block masks", "pass `position_ids`, `cu_seq_lens` or a 2D padding mask",
+            "distca_hf.planning.documents", "custom 4D"),
+    Refusal("static (pre-allocated) KV caches", "unfilled slots cannot be told from keys; the default dynamic cache "
+            "works", "distca_hf.hf.mask", "does not support static (pre-allocated) KV caches"),
+    Refusal("a `cu_seq_lens` document crossing rows (batch > 1)", "a CA-task's keys must be one row's tokens",
+            "distca_hf.planning.documents", "crosses from row"),
+    Refusal("chunked layers decoding with a cache that dropped keys", "HF's cache keeps a chunked layer's last "
+            "`chunk - 1` keys, so chunk boundaries can no longer be placed; decoding before that, training and "
+            "cache-free forwards are exact", "distca_hf.hf.attention", "runs chunked attention"),
+    Refusal("Llama 4 attention temperature tuning on packed or padded rows of `floor_scale` tokens or more",
+            "it scales NoPE layers' queries by their position in the row, not in their document, before attention; "
+            "rows holding one document each are exact", "distca_hf.hf.attention", "uses attention temperature tuning"),
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def support_markdown() -> str:
+    """The README's "Supported models and features" tables, from ``FEATURES``, ``REFUSALS`` and
+    ``distca_hf.patches.TESTED_MODEL_TYPES`` (markdown, ending in a newline)."""
+    from distca_hf.patches import TESTED_MODEL_TYPES
+
+    lines = ["| | status |", "| --- | --- |"]
+    lines += [f"| {_cell(f.what)} | {_cell(f.status)} |" for f in FEATURES]
+    lines += [f"| {_cell(r.what)} | **refused**: {_cell(r.why)} |" for r in REFUSALS]
+    lines += ["", "Tested model types (`model_type`, what the tests check):", "", "| model type | tested |",
+              "| --- | --- |"]
+    lines += [f"| `{name}` | {_cell(checked)} |" for name, checked in TESTED_MODEL_TYPES.items()]
+    return "\n".join(lines) + "\n"
