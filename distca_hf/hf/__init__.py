@@ -1,5 +1,7 @@
-"""HF glue: the ``"distca"`` attention and mask functions, their registration with transformers, and
-the refusal of models that would ignore them (``model_check``).
+"""HF glue: the ``"distca"`` attention and mask functions, their registration with transformers, the
+refusal of models that would ignore them (``model_check``), the document arguments a model's
+forward hands its attention calls (``model_inputs``: families whose layers drop ``position_ids``),
+and the table of what is supported and refused (``support``, the README's section).
 
 ``import distca_hf`` arranges for ``register()`` to run as soon as transformers has imported the
 interfaces (``distca_hf._after_import``); then ``attn_implementation="distca"`` works in
@@ -7,12 +9,12 @@ interfaces (``distca_hf._after_import``); then ``attn_implementation="distca"`` 
 dispatches through transformers' attention interface.
 """
 
-from .attention import (ATTN_IMPLEMENTATION, UnsupportedAttentionError, distca_attention_forward, widest_window,
-                        refuse_unsupported, to_compute_dtype)
+from .attention import (ATTN_IMPLEMENTATION, UnsupportedAttentionError, attention_chunk, distca_attention_forward,
+                        widest_window, refuse_unsupported, to_compute_dtype)
 from .mask import distca_mask
 from .model_check import refuse_models_that_ignore_the_interface, uses_attention_interface
 
-__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "distca_attention_forward", "distca_mask",
+__all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward", "distca_mask",
            "widest_window", "refuse_unsupported", "register", "register_attention", "register_mask",
            "to_compute_dtype", "uses_attention_interface"]
 

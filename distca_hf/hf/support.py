@@ -1,8 +1,8 @@
 """What distca supports and what it refuses, in one place: the README's "Supported models and
 features" section is ``support_markdown()`` (``tests/test_refusals.py`` checks that they are equal).
 
-- the tested model types come from ``distca_hf.patches.TESTED_MODEL_TYPES``, which
-  ``tests/test_models.py`` runs (each one exact against eager attention per document);
+- ``TESTED_MODEL_TYPES`` (also ``distca_hf.patches.TESTED_MODEL_TYPES``) are the model types
+  ``tests/test_models.py`` runs, each one exact against eager attention per document;
 - ``FEATURES`` are what works, and how exactly;
 - ``REFUSALS`` are what raises: each names the module whose code raises it and a phrase of its
   error message; ``tests/test_refusals.py`` checks that the phrase is in that module's source and
@@ -13,7 +13,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Feature", "Refusal", "FEATURES", "REFUSALS", "support_markdown"]
+__all__ = ["Feature", "Refusal", "FEATURES", "REFUSALS", "TESTED_MODEL_TYPES", "support_markdown"]
+
+# model_type -> what the tests check for it (tests/test_models.py runs every one of these; also
+# distca_hf.patches.TESTED_MODEL_TYPES).
+TESTED_MODEL_TYPES = {
+    "llama": "exact logits and gradients; packed, padded, plain rows; generation",
+    "mistral": "exact, sliding windows shorter than documents included (tests/test_variants.py)",
+    "qwen2": "exact; full and sliding-window layers mixed (tests/test_variants.py)",
+    "qwen3": "exact (q/k norms); generation",
+    # beyond the Llama family: packed position_ids, exact logits and gradients (tests/test_models.py)
+    "llama4_text": "exact; chunked attention (attention_chunk_size) and NoPE layers; its layers get no position_ids, "
+                   "documents come from the model's forward; gradient checkpointing, cu_seq_lens; 2 processes",
+    "deepseek_v3": "exact; multi-head latent attention (value head dim != query/key head dim), MoE; 2 processes",
+    "deepseek_v2": "exact; multi-head latent attention (value head dim != query/key head dim), MoE",
+    "gemma": "exact (scaled embeddings)",
+    "gemma3_text": "exact; sliding and full layers mixed",
+    "gpt2": "exact (learned absolute positions)",
+    "gpt_neox": "exact (partial rotary, parallel residual)",
+    "olmo2": "exact (q/k norms over all heads)",
+    "granite": "exact (attention and residual multipliers)",
+    "starcoder2": "exact (biases, LayerNorm)",
+    "cohere": "exact (parallel block, logit scale)",
+    "phi3": "exact (fused qkv projection)",
+    "glm": "exact (partial rotary)",
+    "mixtral": "exact (MoE)",
+    "qwen2_moe": "exact (MoE with shared expert)",
+    "exaone4": "exact (sliding and full layers)",
+}
+
 
 
 @dataclass(frozen=True)
@@ -123,9 +151,7 @@ def _cell(text: str) -> str:
 
 def support_markdown() -> str:
     """The README's "Supported models and features" tables, from ``FEATURES``, ``REFUSALS`` and
-    ``distca_hf.patches.TESTED_MODEL_TYPES`` (markdown, ending in a newline)."""
-    from distca_hf.patches import TESTED_MODEL_TYPES
-
+    ``TESTED_MODEL_TYPES`` (markdown, ending in a newline)."""
     lines = ["| | status |", "| --- | --- |"]
     lines += [f"| {_cell(f.what)} | {_cell(f.status)} |" for f in FEATURES]
     lines += [f"| {_cell(r.what)} | **refused**: {_cell(r.why)} |" for r in REFUSALS]
