@@ -86,7 +86,7 @@ import time
 
 from ..planning.cost import imbalance
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 WORKLOADS = ("skewed", "balanced", "mixed", "long", "demo")
@@ -1006,22 +1006,29 @@ def _tolerance(text: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="processes (GPUs on a CUDA machine)")
+    parser.add_argument("--world", type=int, default=2, help="processes, one rank each (GPUs on a CUDA machine; "
+                        "default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192; --quick 2048)")
     parser.add_argument("--short-docs", type=int, default=None, help="documents on the odd (short) ranks of skewed "
                         "(default: tokens / 256); --workload long: short documents are tokens / short-docs tokens long")
-    parser.add_argument("--hidden", type=int, default=None, help="default 256; --workload demo: 64")
-    parser.add_argument("--intermediate", type=int, default=None, help="default 688; --workload demo: 128")
-    parser.add_argument("--layers", type=int, default=None, help="default 4; --quick and --workload demo: 2")
-    parser.add_argument("--heads", type=int, default=None, help="default 8; --workload demo: 2")
-    parser.add_argument("--kv-heads", type=int, default=None, help="default 2; --workload demo: 1")
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=None, help="the model's hidden size, elements per token "
+                        "(default 256; --workload demo: 64)")
+    parser.add_argument("--intermediate", type=int, default=None, help="the MLP's intermediate size, elements per "
+                        "token (default 688; --workload demo: 128)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --quick and --workload "
+                        "demo: 2)")
+    parser.add_argument("--heads", type=int, default=None, help="query heads (default 8; --workload demo: 2)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads, a divisor of --heads (default "
+                        "2; --workload demo: 1)")
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size, token ids (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5; --quick and "
                         "--workload demo: 3, a demo round running every global batch once)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds before measuring (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes for a check in about a minute: {QUICK} unless given")
-    parser.add_argument("--backward", choices=["saved", "resend", "both"], default="saved")
+    parser.add_argument("--backward", choices=["saved", "resend", "both"], default="saved",
+                        help="distca's backward mode (the setting DISTCA_BACKWARD), or both to time each "
+                        "(default: %(default)s)")
     parser.add_argument("--tolerance", type=_tolerance, default="auto",
                         help="distca's tolerance: 'auto' plans by time (the default setting), a number bounds "
                         "max/mean - 1 of attention load")
@@ -1029,11 +1036,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="none|wave|pingpong, or several separated by commas (the first gives distca_step_s)")
     parser.add_argument("--trace", metavar="OUT.json", help="write the last step's Chrome trace (one file per mode "
                         "when several: OUT.<mode>.json)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: CUDA (NCCL, one GPU per process) when there is one, else CPU (gloo) "
+                        "(default: %(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout (s)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds (default: "
+                        "%(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.add_argument("--workload", default="skewed",
                         help="skewed: even ranks one long document, odd ranks many short; balanced: every rank's "
@@ -1187,9 +1197,15 @@ def run_cli(args, parser) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distca-hf bench`` argument parser."""
     parser = argparse.ArgumentParser(prog="distca-hf bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     return run_cli(parser.parse_args(argv), parser)
 
 

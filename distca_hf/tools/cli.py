@@ -98,13 +98,37 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv=None) -> int:
+PASS_THROUGH = ("launch",)
+"""Subcommands without a parser of their own: ``launch`` hands its arguments to ``accelerate launch``
+and prints its module docstring for ``--help``."""
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``(distca-hf's parser, the env subcommand's)``; the other subcommands parse their own arguments."""
     parser = argparse.ArgumentParser(prog="distca-hf", description="Core Attention Disaggregation for HF transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="versions, device and usable kernel backends")
     env.add_argument("--json", action="store_true", help="print as JSON")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    return parser, env
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every argument parser of the command, by name (``distca-hf``, ``env`` and each subcommand with
+    its own, from its module's ``build_parser()``; not ``PASS_THROUGH``). Imports every subcommand."""
+    import importlib
+
+    parser, env = _build_parser()
+    found = {"distca-hf": parser, "env": env}
+    for name, (module, _) in SUBCOMMANDS.items():
+        if name not in PASS_THROUGH:
+            found[name] = importlib.import_module(module).build_parser()
+    return found
+
+
+def main(argv=None) -> int:
+    parser, _ = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in SUBCOMMANDS:
         import importlib

@@ -259,26 +259,36 @@ def format_cuda_table(results) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distca-hf kernel-bench`` argument parser."""
     parser = argparse.ArgumentParser(prog="distca-hf kernel-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when there is one (CA-task efficiency), else cpu (exact CPU paths)")
-    parser.add_argument("--heads", type=int, default=None, help="default: 32 on cuda, 8 on cpu")
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: 8 on cuda, 2 on cpu")
-    parser.add_argument("--head-dim", type=int, default=None, help="default: 128 on cuda, 64 on cpu")
+    parser.add_argument("--heads", type=int, default=None, help="query heads (default: 32 on cuda, 8 on cpu)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads, a divisor of --heads (default: "
+                        "8 on cuda, 2 on cpu)")
+    parser.add_argument("--head-dim", type=int, default=None, help="elements per head (default: 128 on cuda, 64 on "
+                        "cpu)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel and workload after one "
+                        "warm-up; the median is reported (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--workload", action="append", choices=sorted({*WORKLOADS, *CUDA_WORKLOADS}),
-                        help="repeatable; default all of the device's")
+                        help="a workload to time (repeatable; default: all of the device's)")
     parser.add_argument("--candidate", action="append", choices=sorted({*CANDIDATES, "flash_attn", "torch_cuda",
                                                                         "torch_cuda_efficient"}),
-                        help="repeatable; default all of the device's")
-    parser.add_argument("--window", type=int, default=None, help="cuda: a sliding window (HF's sliding_window)")
+                        help="a kernel backend to time (repeatable; default: all of the device's)")
+    parser.add_argument("--window", type=int, default=None, help="cuda: a sliding window in keys per query "
+                        "(HF's sliding_window; default: none)")
     parser.add_argument("--flex", action="store_true", help="cpu: also time compiled flex attention (forward only)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    parser.add_argument("--out", default=None, help="also write the results as JSON to this file (a path)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"

@@ -47,8 +47,8 @@ from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
 
-__all__ = ["profile", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans", "communication_plans", "CommFit",
-           "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement", "measure_communication"]
+__all__ = ["profile", "build_parser", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans",
+           "communication_plans", "CommFit", "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement", "measure_communication"]
 
 
 class _LinearPart(torch.nn.Module):
@@ -434,24 +434,36 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.3g} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distca-hf profile`` argument parser."""
     parser = argparse.ArgumentParser(prog="distca-hf profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="distca_time_model.json", help="where to write the JSON")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--out", default="distca_time_model.json", help="where to write the JSON (a path; default: "
+                        "%(default)s)")
+    parser.add_argument("--hidden", type=int, default=512, help="the timed layer's hidden size, elements per token "
+                        "(default: %(default)s)")
+    parser.add_argument("--intermediate", type=int, default=1408, help="the timed layer's MLP intermediate size, "
+                        "elements per token (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads, a divisor of --heads (default: "
+                        "%(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=None, help="largest token count timed (default: 16384 on "
+    parser.add_argument("--device", default=None, help="a torch device such as cpu, cuda, cuda:1 (default: cuda if "
+                        "available, else cpu)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement after one warm-up; the "
+                        "median is kept (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="largest token count timed, tokens (default: 16384 on "
                         "cuda, 2048 on cpu); with --world, also the tokens per process")
     parser.add_argument("--world", type=int, default=None,
                         help="also measure bytes_per_s and collective_s on this many processes (>= 2; gloo on CPU, "
                         "NCCL on as many GPUs): one attention layer through the dispatch under plans moving different "
                         "amounts, median of 3 x --repeats rounds (at least 5); default: not measured, the built-in "
                         "model's")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")

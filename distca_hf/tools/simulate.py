@@ -53,7 +53,7 @@ from ..planning.by_time import loads_seconds, plan_loads
 from ..planning.cost import H100_MEASURED, default_time_model
 
 __all__ = ["METHODS", "LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received", "distca_plan",
-           "simulate", "format_table", "main"]
+           "simulate", "format_table", "build_parser", "main"]
 
 METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
 LABELS = {"colocated": "colocated packing", "wlb": "WLB-LLM packing", "per_doc_cp": "per-document CP",
@@ -363,32 +363,47 @@ def format_table(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", required=True, help="JSON list of document lengths (tokens)")
-    parser.add_argument("--ranks", type=int, required=True)
-    parser.add_argument("--tokens-per-rank", type=int, required=True)
-    parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", type=int, required=True,
+                        help="ranks (GPUs) each batch is packed onto; every rank is an attention server")
+    parser.add_argument("--tokens-per-rank", type=int, required=True,
+                        help="tokens each rank holds per batch (the packing budget; longer documents span ranks)")
+    parser.add_argument("--batches", type=int, default=8,
+                        help="batches drawn and planned; imbalances are averaged over them (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document draws (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the contract's JSON object on stdout")
     parser.add_argument("--plot", metavar="OUT.png", help="per-rank load before/after and layer time vs context")
-    parser.add_argument("--hidden", type=int, default=4096, help="model hidden size (bytes; default Llama-3-8B)")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=4096,
+                        help="model hidden size in elements per token (not bytes; head dim = hidden / heads); with "
+                             "--heads and --kv-heads it sets the bf16 bytes each token's q, k, v, out move "
+                             "(default: %(default)s, Llama-3-8B)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads (default: %(default)s, Llama-3-8B)")
+    parser.add_argument("--kv-heads", type=int, default=8,
+                        help="key/value heads, a divisor of --heads (default: %(default)s, Llama-3-8B)")
     tolerance = SETTINGS["tolerance"]
     parser.add_argument("--tolerance", type=tolerance.metadata["parse"], default=tolerance.default,
                         help="planner tolerance (max/mean - 1 of attention), or 'auto' to plan by time "
                              "(default: %(default)s)")
-    parser.add_argument("--block", type=int, default=128, help="shard block in tokens (GPU kernels like 128)")
+    parser.add_argument("--block", type=int, default=128, help="shard block in tokens: CA-task cuts are multiples "
+                        "of it (default: %(default)s, the GPU flash kernels' tile)")
     parser.add_argument("--time-model", metavar="FILE.json", help="constants from `distca-hf profile` (default: the "
                         "planner's built-in CUDA model, an H100 measured, carried to --hidden/--heads/--kv-heads)")
-    parser.add_argument("--bytes-per-s", type=float, help="network bandwidth per rank (default: the time model's)")
+    parser.add_argument("--bytes-per-s", type=float, help="network bandwidth per rank in bytes per second "
+                        "(default: the time model's)")
     parser.add_argument("--hidden-comm-fraction", type=float, default=0.0,
                         help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
     parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
                         "(tokens; default tokens-per-rank / 2)")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distca-hf simulate`` argument parser."""
     parser = argparse.ArgumentParser(prog="distca-hf simulate", description=__doc__.splitlines()[0])
     add_arguments(parser)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     return run_cli(parser.parse_args(argv), parser)
 
 
