@@ -296,6 +296,20 @@ def _trigger_refusal(what: str):
             tiny_model("llama")(input_ids=ids, position_ids=pos)
         finally:
             modeling_llama.LlamaAttention.forward = forward
+    elif what.startswith("packed documents in models with Mamba"):
+        from transformers import Lfm2Config
+
+        config = Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, block_ff_dim=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                            layer_types=["conv", "full_attention"])
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+        model(input_ids=ids)  # one document per row: exact, accepted
+        model(input_ids=ids, position_ids=pos)
+    elif what.startswith("sparse attention"):
+        from transformers import AutoConfig
+
+        AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v32", num_hidden_layers=1, hidden_size=32,
+                                                              vocab_size=VOCAB), attn_implementation="distca")
     elif what.startswith("attention sinks"):
         config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
@@ -343,3 +357,37 @@ def test_every_refusal_in_the_table_is_raised_by_the_code_it_names():
             assert refusal.says in str(e), (refusal.what, str(e))
         else:
             raise AssertionError(f"nothing raised for the refusal {refusal.what!r}")
+
+
+def test_sparse_key_indices_given_to_the_attention_call():
+    """DeepSeek-V3.2 hands non-eager attention the key indices each query may see (``indices``):
+    ignoring them would attend to every key, so the call raises."""
+    from distca_hf.hf import distca_attention_forward
+
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 6, 8)
+    with pytest.raises(UnsupportedAttentionError, match="does not support sparse attention"):
+        distca_attention_forward(attention, q, q[:, :2], q[:, :2], None, indices=torch.zeros(1, 6, 2, dtype=torch.int32))
+
+
+def test_linear_attention_families_may_pack_with_cu_seq_lens_only():
+    """Qwen3-Next's linear attention keeps packed documents apart given cu_seq_lens (with
+    flash-linear-attention; transformers raises without it): packed position_ids alone are refused
+    with that hint, cu_seq_lens reach transformers' own check."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"], pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+    ids, pos = _packed([4, 6])
+    with pytest.raises(UnsupportedAttentionError, match=r"Qwen3NextForCausalLM, pass cu_seq_lens_q/cu_seq_lens_k"):
+        model(input_ids=ids, position_ids=pos)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    try:
+        model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    except ValueError as e:  # no flash-linear-attention here: transformers' own refusal, not distca's
+        assert "flash-linear-attention" in str(e)

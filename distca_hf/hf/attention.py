@@ -44,7 +44,8 @@ def to_compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise ``UnsupportedAttentionError`` naming the feature when ``module`` asks for one distca
-    cannot compute exactly (non-causal, dropout, sinks). Sliding windows and softcapping are exact."""
+    cannot compute exactly (non-causal, dropout, sparse key selections, sinks). Sliding windows,
+    softcapping and chunks are exact."""
     name = type(module).__name__
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -59,6 +60,10 @@ def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) ->
             f"distca does not support attention dropout (got dropout={dropout} in {name} while training); "
             f"set config.{_dropout_field(module, dropout)}=0.0"
         )
+    if kwargs.get("indices") is not None:  # DeepSeek-V3.2's top-k indexer: keys picked per query
+        raise UnsupportedAttentionError(
+            f"distca does not support sparse attention ({name} is given the key indices each query attends to); "
+            "use attn_implementation='eager' or 'sdpa'")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise UnsupportedAttentionError(
             f"distca does not support attention sinks ({name} has learned sink logits, e.g. gpt-oss); "

@@ -7,7 +7,8 @@ each other without a word. ``register()`` wraps ``PreTrainedModel.get_correct_at
 (which transformers calls whenever an implementation is chosen: ``from_pretrained``,
 ``from_config``, ``set_attn_implementation``, sub-models included) so that choosing ``"distca"``
 for such a model raises at once, and has every model that chooses it record the document arguments
-of its forwards (``model_inputs``: for families whose layers drop ``position_ids``).
+of its forwards (``model_inputs``: for families whose layers drop ``position_ids``) and whether they
+are given a KV cache (``decoding``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import functools
 
 from ..errors import UnsupportedAttentionError
+from .decoding import watch_decoding
 from .model_inputs import watch_model_inputs
 
-__all__ = ["uses_attention_interface", "refuse_models_that_ignore_the_interface"]
+__all__ = ["SPARSE_ATTENTION_LAYER_TYPES", "uses_attention_interface", "refuse_models_that_ignore_the_interface",
+           "refuse_sparse_attention"]
 
 
 def uses_attention_interface(model_class) -> bool:
@@ -29,6 +32,26 @@ def uses_attention_interface(model_class) -> bool:
         return True
     from_source = getattr(model_class, "_can_set_attn_implementation", None)
     return bool(from_source()) if from_source is not None else False
+
+
+SPARSE_ATTENTION_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                "minimax_m3_sparse")
+"""``config.layer_types`` of attention that attends to a selection of the keys (DeepSeek-V3.2's top-k
+indexer, DeepSeek-V4's compressed attention, ...): distca computes every key of the causal prefix."""
+
+
+def refuse_sparse_attention(model) -> None:
+    """Raise ``UnsupportedAttentionError`` when ``model``'s layers attend to a selection of their keys
+    (``SPARSE_ATTENTION_LAYER_TYPES``): with "distca" they would silently attend to all of them."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = set(getattr(config, "layer_types", None) or []) | set(getattr(text_config, "layer_types", None) or [])
+    sparse = sorted(layer_types & set(SPARSE_ATTENTION_LAYER_TYPES))
+    if sparse:
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} has sparse attention layers ({', '.join(repr(t) for t in sparse)}: each query "
+            "attends to keys a selection picks), which distca does not support: it computes every key of the causal "
+            f"prefix. Use another attn_implementation for {type(model).__name__}")
 
 
 def refuse_models_that_ignore_the_interface(implementation: str) -> None:
@@ -46,6 +69,9 @@ def refuse_models_that_ignore_the_interface(implementation: str) -> None:
         chosen = choose(self, requested_attention, *args, **kwargs)
         if chosen == implementation and uses_attention_interface(type(self)):
             watch_model_inputs(self, implementation)  # families whose layers drop position_ids (Llama 4)
+            watch_decoding(self, implementation)  # a forward given a KV cache computes on its own rank
+        if chosen == implementation:
+            refuse_sparse_attention(self)
         if chosen == implementation and not uses_attention_interface(type(self)):
             name = type(self).__name__
             raise UnsupportedAttentionError(

@@ -24,7 +24,12 @@ The guard: a model forward given packed documents (``position_ids`` that fall ba
 ``cu_seq_lens``) during which some distca attention call got no document argument at all (a family
 whose layers pass on neither ``position_ids`` nor their ``**kwargs``) raises
 ``UnsupportedAttentionError`` naming the model when it returns, instead of returning rows whose
-documents attended to each other.
+documents attended to each other. Models with Mamba, linear-attention or convolution layers
+(``STATEFUL_LAYER_TYPES`` in ``config.layer_types``: Bamba, Jamba, LFM2, Granite hybrids, ...) are
+refused before a packed forward: those layers carry state from one packed document into the next
+(HF's own eager merges them too), which no attention function can undo; families whose
+linear-attention layers take ``cu_seq_lens`` (``CU_SEQ_LENS_STATEFUL_MODEL_TYPES``: Qwen3-Next,
+Qwen3.5, OLMo hybrid) are allowed packed forwards given them.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import torch
 from ..errors import UnsupportedAttentionError
 from ..state import STATE
 
-__all__ = ["DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "document_arguments", "watch_model_inputs"]
+__all__ = ["CU_SEQ_LENS_STATEFUL_MODEL_TYPES", "DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "STATEFUL_LAYER_TYPES",
+           "document_arguments", "watch_model_inputs"]
 
 DOCUMENT_ARGUMENTS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
 """The attention-call arguments that describe documents (after ``cu_seq_lens``, ``position_ids``)."""
@@ -45,12 +51,56 @@ MODEL_DOCUMENTS = "distca_model_documents"
 """The keyword argument that carries a model forward's document arguments down to its attention."""
 
 
-def _packed(found: dict) -> bool:
-    """Whether a model call's document arguments describe more than one document in some row."""
+STATEFUL_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+"""``config.layer_types`` of token mixers that are not attention (Mamba, linear attention, short
+convolutions, and layers combining one with attention: transformers' names): they carry state
+along a row, across the documents packed in it, whatever the attention implementation."""
+
+
+def _packed(found: dict, rows: int | None) -> bool:
+    """Whether a model call's document arguments put more than one document in some row (``rows``:
+    the batch size, when known)."""
     positions, cu_q, cu_k = (found[name] for name in DOCUMENT_ARGUMENTS)
-    if cu_q is not None or cu_k is not None:
-        return True
+    for cu in (cu_q, cu_k):
+        if cu is not None:
+            return rows is None or cu.numel() - 1 > rows
     return torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) <= 0).any())
+
+
+def _rows(args: tuple, kwargs: dict) -> int | None:
+    """The batch size of a model call, from its ``input_ids`` or ``inputs_embeds``."""
+    for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]):
+        if torch.is_tensor(t) and t.dim() >= 2:
+            return t.shape[0]
+    return None
+
+
+CU_SEQ_LENS_STATEFUL_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid")
+"""Families whose linear-attention layers (Gated DeltaNet) keep packed documents apart when given
+``cu_seq_lens_q`` (transformers 5.24 hands them to flash-linear-attention, and raises without it);
+packed forwards of other stateful families are refused whatever they are given."""
+
+
+def _refuse_stateful_layers_across_documents(model: torch.nn.Module, found: dict) -> None:
+    """Mamba, linear-attention and convolution layers run along the whole row: packed documents would
+    reach each other through them, which no attention implementation can undo."""
+    config = model.config
+    stateful = sorted({t for t in getattr(config, "layer_types", None) or [] if t in STATEFUL_LAYER_TYPES})
+    if not stateful:
+        return
+    model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
+    if model_type in CU_SEQ_LENS_STATEFUL_MODEL_TYPES:
+        if found["cu_seq_lens_q"] is not None:
+            return
+        hint = ("pass cu_seq_lens_q/cu_seq_lens_k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)), which "
+                "its linear-attention layers keep documents apart with (flash-linear-attention installed)")
+    else:
+        hint = "give each row one document (pad instead of packing)"
+    raise UnsupportedAttentionError(
+        f"{type(model).__name__} has {'/'.join(repr(t) for t in stateful)} layers (Mamba, linear attention or "
+        "convolutions: not attention), which carry state along a packed row from one document into the next; "
+        "distca keeps documents apart only in attention layers, so packed documents would not equal each document "
+        f"alone. For {type(model).__name__}, {hint}")
 
 
 def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
@@ -73,7 +123,10 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         for name, value in zip(parameters, args):  # passed positionally
             if name in found and found[name] is None:
                 found[name] = value
-        open_calls.append((STATE.calls_without_documents, _packed(found)))
+        packed = _packed(found, _rows(args, kwargs))
+        if packed:
+            _refuse_stateful_layers_across_documents(module, found)
+        open_calls.append((STATE.calls_without_documents, packed))
         if not takes_kwargs or all(t is None for t in found.values()):
             return None
         return args, {**kwargs, MODEL_DOCUMENTS: tuple(found[name] for name in DOCUMENT_ARGUMENTS)}

@@ -124,6 +124,15 @@ REFUSALS = (
     Refusal("a family whose layers pass on no document argument", "its attention calls could not keep packed "
             "documents apart; refused when the model's forward returns, naming the model",
             "distca_hf.hf.model_inputs", "could not keep the documents apart"),
+    Refusal("packed documents in models with Mamba, linear-attention or convolution layers (Bamba, Jamba, LFM2, "
+            "Granite hybrids, Qwen3-Next without `cu_seq_lens`, ...)", "those layers carry state from one packed "
+            "document into the next (HF's own eager merges them too), which no attention function can undo; one "
+            "document per row is fine, and Qwen3-Next, Qwen3.5 and OLMo hybrid may pack given `cu_seq_lens` (their "
+            "linear attention keeps documents apart with flash-linear-attention)", "distca_hf.hf.model_inputs",
+            "carry state along a packed row"),
+    Refusal("sparse attention (DeepSeek-V3.2's indexer, DeepSeek-V4's compressed attention)", "each query attends "
+            "to keys a selection picks, while distca computes every key of the causal prefix; refused when "
+            "`\"distca\"` is chosen", "distca_hf.hf.model_check", "has sparse attention layers"),
     Refusal("attention sinks (gpt-oss)", "the sink logit changes the softmax denominator of every shard",
             "distca_hf.hf.attention", "does not support attention sinks"),
     Refusal("attention dropout > 0 in training", "the dropout mask could not be reproduced across shards and "
