@@ -334,6 +334,27 @@ def test_llama4_gradient_checkpointing_and_cu_seq_lens():
                                     max_length_q=13, max_length_k=13), True)
 
 
+def test_llama4_temperature_tuning_is_per_document():
+    """Llama 4 scales its NoPE layers' queries by their row position from floor_scale on (here 8):
+    packed documents past it, and a left-padded row, equal each document alone, gradients included."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama4", floor_scale=8), attn_implementation="distca",
+                                             dtype=torch.float32).train()
+    docs = _documents([13, 1, 7, 12], seed=14)
+    pos = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=pos), False)
+    padded = torch.cat([torch.zeros(5, dtype=torch.long), docs[3]])[None]
+    mask = (torch.arange(17) >= 5).long()[None]
+    with torch.no_grad():
+        ours = model(input_ids=padded, attention_mask=mask).logits[0, 5:]
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(ours, model(input_ids=docs[3][None]).logits[0], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.distributed
 def test_llama4_and_deepseek_v3_on_two_ranks(tmp_path):
     """2 gloo ranks, documents spanning both (span_ranks), overlap none and wave, both backward modes,

@@ -247,19 +247,6 @@ def test_llama4_chunked_layers_under_a_cache_that_dropped_keys():
             model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
 
 
-def test_llama4_temperature_tuning_on_packed_rows_past_floor_scale():
-    """Llama 4 scales its NoPE layers' queries by their row position from floor_scale on: packed rows
-    that long are refused (naming the setting); one document per row is exact."""
-    model = _llama4(floor_scale=8)
-    ids, pos = _packed([5, 7])
-    with pytest.raises(UnsupportedAttentionError, match="temperature tuning.*floor_scale=8"):
-        model(input_ids=ids, position_ids=pos)
-    with torch.no_grad():
-        ours = model(input_ids=ids).logits
-        model.set_attn_implementation("eager")
-        torch.testing.assert_close(ours, model(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
-
-
 # ---- the README's "Supported models and features" section is generated from the code that refuses ----
 
 def test_readme_support_section_is_generated_from_the_tables():
@@ -335,8 +322,6 @@ def _trigger_refusal(what: str):
         with torch.no_grad():
             model(input_ids=ids[:, :5], use_cache=True, cache=cache)
             model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
-    elif what.startswith("Llama 4 attention temperature tuning"):
-        _llama4(floor_scale=8)(input_ids=ids, position_ids=pos)
     else:
         raise AssertionError(f"no trigger for the refusal {what!r}: add one here")
 

@@ -130,36 +130,46 @@ def _refuse_chunks_under_a_dropping_cache(module, query_len: int, kv_len: int, c
             "attn_implementation='sdpa' or 'eager' (training and cache-free forwards are exact)")
 
 
-def _rows_are_single_documents(batch_size: int, query_len: int, kv_len: int, attention_mask, position_ids,
-                               cu_seq_lens_q) -> bool:
-    """Whether every row holds one unpadded document from its first token (row position = position in
-    the document)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return False
-    if cu_seq_lens_q is not None and cu_seq_lens_q.numel() != batch_size + 1:
-        return False
+def _document_positions(batch_size: int, query_len: int, kv_len: int, attention_mask, position_ids,
+                        cu_seq_lens_q) -> torch.Tensor:
+    """``[batch, seq]`` position of each query in its document (padding: 0), from the same arguments
+    the documents are found from (``planning.find_documents``' order)."""
+    past = kv_len - query_len
+    if cu_seq_lens_q is not None:
+        flat = torch.arange(batch_size * query_len, device=cu_seq_lens_q.device)
+        cu = cu_seq_lens_q.to(torch.long)
+        starts = cu[torch.searchsorted(cu, flat, right=True) - 1]
+        return (flat - starts).view(batch_size, query_len) + past
     if position_ids is not None:
-        expected = torch.arange(kv_len - query_len, kv_len, device=position_ids.device)
-        return bool((position_ids == expected).all())
-    return True
+        return position_ids.expand(batch_size, query_len)
+    if attention_mask is not None:
+        seen = attention_mask[:, -kv_len:].to(torch.long).cumsum(-1) - 1
+        return seen[:, -query_len:].clamp(min=0)
+    return torch.arange(past, kv_len).expand(batch_size, query_len)
 
 
-def _refuse_row_position_scaling(module, query_len: int, kv_len: int, single_documents) -> None:
-    """Llama 4 scales its NoPE layers' queries by ``log1p(floor((p + 1) / floor_scale))`` with ``p`` the
-    position in the row, before attention is called: once a row reaches ``floor_scale`` tokens, packed
-    documents (and padded rows, and pieces of a document spanning ranks) get other numbers than each
-    document alone, so those are refused; rows that each hold one whole document are exact."""
+def _temperature_scale(positions: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
+    """Llama 4's attention temperature tuning of NoPE layers' queries (HF's ``Llama4TextAttention``):
+    ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` at position ``p``."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _per_document_temperature(module, query: torch.Tensor, kv_len: int, documents) -> torch.Tensor:
+    """Llama 4 scales its NoPE layers' queries by their position in the row (``arange(seq) + past``)
+    before calling attention, so a packed document past ``floor_scale`` tokens into its row (or a
+    padded row, or a piece of a document spanning ranks) gets another temperature than alone. Its
+    queries are rescaled here to their position in their document: exact, and differentiable. Other
+    modules, and rows shorter than ``floor_scale`` (every scale 1), pass unchanged. query ``[B, H, S, D]``."""
     floor_scale = getattr(module, "floor_scale", None)
     if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
             and floor_scale and kv_len >= floor_scale):
-        return
-    if not single_documents():
-        raise UnsupportedAttentionError(
-            f"distca: {type(module).__name__} layer {module.layer_idx} uses attention temperature tuning, which scales "
-            f"queries by their position in the row, not in their document, from floor_scale={floor_scale} tokens on; "
-            f"packed or padded rows of {kv_len} tokens would give their documents other numbers than each document "
-            f"alone. Pack rows of at most {floor_scale - 1} tokens, give each row one document, or set "
-            "config.attn_temperature_tuning=False")
+        return query
+    batch_size, _, query_len, _ = query.shape
+    in_row = torch.arange(kv_len - query_len, kv_len, device=query.device).expand(batch_size, query_len)
+    in_document = documents().to(query.device)
+    ratio = (_temperature_scale(in_document, floor_scale, module.attn_scale)
+             / _temperature_scale(in_row, floor_scale, module.attn_scale))
+    return query * ratio[:, None, :, None].to(query.dtype)
 
 
 def distca_attention_forward(
@@ -181,7 +191,7 @@ def distca_attention_forward(
     chunk = attention_chunk(module)
     _refuse_chunks_under_a_dropping_cache(module, query_len, kv_len, chunk)
     position_ids, cu_seq_lens_q, cu_seq_lens_k = document_arguments(module, query, kwargs)
-    _refuse_row_position_scaling(module, query_len, kv_len, lambda: _rows_are_single_documents(
+    query = _per_document_temperature(module, query, kv_len, lambda: _document_positions(
         batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q))
     context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim)

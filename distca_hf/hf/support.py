@@ -106,6 +106,9 @@ FEATURES = (
             "document of its own, so each CA-task is cut at chunk boundaries into plain causal sub-tasks (a query at "
             "document position `p` sees keys `[p // C * C, p]`); tested with chunks shorter than documents on 1 and 2 "
             "processes"),
+    Feature("Llama 4 attention temperature tuning (NoPE layers)", "exact: HF scales the queries by their position "
+            "in the row; from `floor_scale` tokens on, distca rescales them to their position in their document "
+            "(packed, padded and spanning rows)"),
     Feature("attention logit softcapping (Gemma 2)", "exact (tested: Gemma 2 with softcap and sliding/full layers "
             "against eager per document). `flash_attn` and `math` cap the scores; the fused CPU and torch-native CUDA "
             "kernels cannot, so capped layers run on `math` (slower; a one-time warning says so)"),
@@ -148,9 +151,6 @@ REFUSALS = (
     Refusal("chunked layers decoding with a cache that dropped keys", "HF's cache keeps a chunked layer's last "
             "`chunk - 1` keys, so chunk boundaries can no longer be placed; decoding before that, training and "
             "cache-free forwards are exact", "distca_hf.hf.attention", "runs chunked attention"),
-    Refusal("Llama 4 attention temperature tuning on packed or padded rows of `floor_scale` tokens or more",
-            "it scales NoPE layers' queries by their position in the row, not in their document, before attention; "
-            "rows holding one document each are exact", "distca_hf.hf.attention", "uses attention temperature tuning"),
 )
 
 
