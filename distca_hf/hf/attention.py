@@ -8,10 +8,13 @@ heads, value_head_dim]``.
 Document boundaries are found from the call's own arguments (``planning.find_documents``), or,
 when the family's layers drop them (Llama 4), from those its model's forward was given
 (``model_inputs``), so the result does not depend on ``use_cache`` (with a cache, transformers
-skips its own packed-sequence detection). Llama 4's chunked layers (``attention_chunk``) run as
-the ``chunk`` variant of the kernels. Boundaries, plan and index tables are made once per forward (``runtime.forward``) and
-reused by every layer; under ``torch.distributed`` the CA-tasks run where the plan puts them
-(``runtime.wave_schedule``).
+skips its own packed-sequence detection). Boundaries, plan and index tables are made once per
+forward (``runtime.forward``) and reused by every layer; under ``torch.distributed`` the CA-tasks
+run where the plan puts them (``runtime.wave_schedule``).
+
+Llama 4: its chunked layers (``attention_chunk``) run as the kernels' ``chunk`` variant, and the
+queries its NoPE layers scaled by their row position are rescaled to their position in their
+document (``_per_document_temperature``).
 """
 
 from __future__ import annotations
