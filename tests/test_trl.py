@@ -185,3 +185,124 @@ def test_sft_trainer_and_plain_trainer_on_two_processes(tmp_path):
             assert max(served) <= 1.02 * sum(served) / len(served) + 1  # within the tolerance of the mean ...
         assert any(max(p["attn_pairs_local"]) > 1.1 * sum(p["attn_pairs_local"]) / 2 for p in plans)  # ... from worse
         assert runs[0]["distca"]["losses"] == runs[1]["distca"]["losses"]  # the Trainer logs the global loss
+
+
+# -- DistCASFTTrainer: SFTTrainer(packing=True) with documents longer than one rank's row ------------
+
+ROW = 112  # SFTConfig.max_length under DistCASFTTrainer: the tokens of one rank's row
+# LENGTHS above 112 (120, 140, 150, 170, 180, 185, 190) cannot fit one rank's row: on two ranks they
+# train whole, spanning both (global batches of 2 x 112 tokens).
+
+
+def _sft_documents(tokenizer):
+    """``_documents`` with a ``labels`` column as TRL's completion-only loss builds it: the first third
+    of every document is prompt (-100), the rest completion."""
+    documents = _documents(tokenizer)
+    labels = [[-100] * (len(ids) // 3) + ids[len(ids) // 3:] for ids in documents["input_ids"]]
+    return documents.add_column("labels", labels)
+
+
+def distca_sft_run(output_dir: str, max_length: int) -> dict:
+    """``DistCASFTTrainer`` on the tiny Llama (fp32, SGD, no clipping): the logged losses, the rows of
+    the first ``STEPS`` steps on this rank, the trained parameters and what packing did."""
+    import itertools
+
+    from trl import SFTConfig
+
+    from distca_hf.training import DistCASFTTrainer
+
+    tokenizer = _tokenizer(_texts())
+    arguments = {**_common_arguments(output_dir), "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
+                 "max_grad_norm": 0.0}
+    config = SFTConfig(**arguments, packing=True, max_length=max_length)
+    trainer = DistCASFTTrainer(model=_model("distca", len(tokenizer)), args=config,
+                               train_dataset=_sft_documents(tokenizer), processing_class=tokenizer)
+    rows = [{key: batch[key][0].tolist() for key in ("input_ids", "position_ids")}
+            for batch in itertools.islice(trainer.get_train_dataloader(), STEPS)]
+    trainer.train()
+    return {"losses": _losses(trainer), "rows": rows, "span_ranks": trainer.span_ranks,
+            "spanning_documents": trainer.packing_reports["train"].spanning_documents,
+            "parameters": {n: p.detach().tolist() for n, p in trainer.model.named_parameters()}}
+
+
+def _whole_document_reference(steps: list[list[dict]], tokenizer) -> tuple[list[float], dict]:
+    """An independent single-process run: each step's global batch (its ranks' rows in rank order)
+    split into whole documents, every document looked up in the dataset (its tokens must be one whole
+    document), run alone with eager attention; the loss is the mean next-token NLL over the targets
+    the dataset's labels allow, followed by a plain SGD step. Returns the losses and parameters."""
+    documents = _sft_documents(tokenizer)
+    by_tokens = {tuple(ids): labels for ids, labels in zip(documents["input_ids"], documents["labels"])}
+    model = _model("eager", len(tokenizer))
+    losses = []
+    for rows in steps:
+        tokens = [t for row in rows for t in row["input_ids"]]
+        starts = [i for i, p in enumerate(p for row in rows for p in row["position_ids"]) if p == 0]
+        total, count = 0.0, 0
+        for start, end in zip(starts, starts[1:] + [len(tokens)]):
+            ids = tokens[start:end]
+            labels = by_tokens.get(tuple(ids))
+            assert labels is not None, f"tokens {start}..{end} of the global batch are not one whole document"
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1]
+            targets = torch.tensor(labels[1:])
+            nll = torch.nn.functional.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+            total = total + (nll * targets.ne(-100)).sum()
+            count += int(targets.ne(-100).sum())
+        loss = total / count
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter -= 0.5 * parameter.grad  # _common_arguments: SGD, learning rate 0.5, constant
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _assert_equals_reference(run: dict, steps: list[list[dict]]) -> None:
+    from helpers import assert_grads_close
+
+    losses, parameters = _whole_document_reference(steps, _tokenizer(_texts()))
+    assert len(run["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+    assert_grads_close({n: torch.tensor(v) for n, v in run["parameters"].items()}, parameters)
+
+
+def test_distca_sft_trainer_on_one_process_trains_whole_documents(tmp_path):
+    """One process, rows of 2 x ROW tokens: the global batches the two-process test splits over two
+    ranks, here on one, equal the independent whole-document reference."""
+    run = distca_sft_run(str(tmp_path), max_length=2 * ROW)
+    assert not run["span_ranks"] and max(len(r["input_ids"]) for r in run["rows"]) > ROW
+    _assert_equals_reference(run, [[row] for row in run["rows"]])
+
+
+def _spanning_worker(rank, world, out_dir):
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DISTCA_TOLERANCE="0.02")
+    run = distca_sft_run(os.path.join(out_dir, "sft"), max_length=ROW)
+    if rank:
+        run["parameters"] = {n: sum(map(sum, v)) if isinstance(v[0], list) else sum(v)
+                             for n, v in run["parameters"].items()}  # rank 0's are compared whole
+    return run
+
+
+def _spanning_length(rows: list[dict]) -> int:
+    """Tokens of the document that rank 0's row ends and rank 1's row continues (0: none)."""
+    positions = rows[1]["position_ids"]
+    if positions[0] == 0:
+        return 0
+    return positions[0] + (positions.index(0) if 0 in positions else len(positions))
+
+
+@pytest.mark.distributed
+def test_distca_sft_trainer_documents_longer_than_a_rank_span_two_processes(tmp_path):
+    """``DistCASFTTrainer`` on two processes, ``max_length`` = ROW tokens per rank: documents up to
+    2 x ROW train whole, spanning both ranks, with TRL's completion-only labels; per-step losses and
+    the trained parameters equal the single-process eager run over the whole documents."""
+    results = run_ranks(_spanning_worker, 2, tmp_path, str(tmp_path), deadline_s=300)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+    first, second = (r["value"] for r in results)
+    assert first["span_ranks"] and first["spanning_documents"] > 0
+    assert first["losses"] == second["losses"]  # the Trainer logs the global loss
+    steps = [list(rows) for rows in zip(first["rows"], second["rows"])]
+    # a document longer than a rank's row, its pieces on both ranks, is in the steps compared
+    assert any(_spanning_length(rows) > ROW for rows in steps)
+    _assert_equals_reference(first, steps)
