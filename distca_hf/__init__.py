@@ -33,7 +33,7 @@ _LAZY_EXPORTS = {
                  "whole_document_tasks"),
     "runtime": ("plan_stats",),
     "training": ("DistCAPlugin", "PackedCollator", "PackedDataset", "PackingConfig", "ParallelTopology",
-                 "StreamingPackedDataset", "load_documents", "DistCATrainer", "StepTableCallback",
+                 "StreamingPackedDataset", "load_documents", "DistCATrainer", "DistCASFTTrainer", "StepTableCallback",
                  "DistCAAccelerator", "prepare_training_arguments", "apply_cpu_fsdp"),
 }
 _HOME = {name: module for module, names in _LAZY_EXPORTS.items() for name in names}

@@ -11,6 +11,7 @@
     accelerator    DistCAAccelerator and the model checks every entry point runs
     trainer        DistCATrainer and its step table
     arguments      DistCAArguments: the distca settings as command-line flags (``HfArgumentParser``)
+    trl            DistCASFTTrainer: TRL's SFTTrainer packing global batches over the server group
 
 Every name is loaded on first use: the trainer and the accelerator import transformers' and
 accelerate's heavier modules, packing imports torch, and a script's ``--help`` needs none of them.
@@ -25,6 +26,7 @@ _LAZY = {
     **dict.fromkeys(("DistCAGroups", "DistCAPlugin", "read_distca_section"), "plugin"),
     **dict.fromkeys(("ParallelTopology", "group_ranks"), "topology"),
     "DistCAArguments": "arguments",
+    **dict.fromkeys(("DistCASFTTrainer", "SFTPackedCollator", "SFTPackedDataset"), "trl"),
     "DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
     "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator", "apply_cpu_fsdp": "accelerator",
     "prepare_cpu_launch": "launch_checks",
