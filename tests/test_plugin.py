@@ -317,3 +317,91 @@ def test_accelerate_launch_cpu_starting_one_process_fails_loudly(tmp_path):
     assert result.returncode != 0
     assert "NOT STOPPED" not in result.stdout
     assert "LaunchError: the launch asked for 2 processes (accelerate launch --num_processes 2)" in result.stderr
+
+
+# -- the topology said the HF way: accelerate's ParallelismConfig, transformers' tensor parallelism ------------
+
+
+def test_parallelism_config_gives_the_sizes():
+    from accelerate import ParallelismConfig
+
+    plugin = DistCAPlugin.from_parallelism_config(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2),
+                                                  tolerance=0.1)
+    topology = plugin.topology(8)
+    # dp_replicate x dp_shard: both data-parallel for attention; the server groups share a tensor index
+    assert (topology.data_parallel, topology.tensor_parallel) == (4, 2)
+    assert topology.server_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert plugin.resolved().tolerance == 0.1
+    with pytest.raises(ValueError, match="but the world size is 4"):
+        plugin.topology(4)  # the config covers 8 ranks
+    # the same size said twice is fine; accelerate's default config (sizes all 1) says nothing
+    assert DistCAPlugin.from_parallelism_config(ParallelismConfig(dp_shard_size=2, tp_size=2),
+                                                tensor_parallel_size=2).topology(4).tensor_parallel == 2
+    assert DistCAPlugin.from_parallelism_config(ParallelismConfig()).topology(4).data_parallel == 4
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(dp_shard_size=2, cp_size=2), r"cp_size=2: context parallelism .* span_ranks replaces it, exactly and balanced"),
+    (dict(dp_shard_size=2, sp_size=2), r"sp_size=2: sequence parallelism \(DeepSpeed ALST/Ulysses\)"),
+])
+def test_context_and_sequence_parallelism_are_refused_pointing_at_span_ranks(sizes, message):
+    from accelerate import ParallelismConfig
+
+    with pytest.raises(ValueError, match=message) as error:
+        DistCAPlugin.from_parallelism_config(ParallelismConfig(**sizes))
+    assert "DistCAPlugin(span_ranks=True), DISTCA_SPAN_RANKS=1 or span_ranks: true" in str(error.value)
+
+
+def test_sizes_given_two_ways_must_agree_and_the_error_names_both():
+    from accelerate import ParallelismConfig
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"tensor-parallel size is given two ways that disagree: "
+                                         r"DistCAPlugin.tensor_parallel_size = 4, but DistCAPlugin.parallelism_config"
+                                         r".tp_size = 2"):
+        DistCAPlugin.from_parallelism_config(config, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"DistCAPlugin.data_parallel_size = 1, but DistCAPlugin.parallelism_config "
+                                         r"dp_replicate_size x dp_shard_size \(1 x 2\) = 2"):
+        DistCAPlugin.from_parallelism_config(config, data_parallel_size=1)
+    # the Accelerator's config joins a plugin that has none; one of its own must agree with it
+    assert DistCAPlugin().with_parallelism(config).topology(4).tensor_parallel == 2
+    with pytest.raises(ValueError, match=r"DistCAPlugin.tensor_parallel_size = 1, but .*tp_size = 2"):
+        DistCAPlugin(tensor_parallel_size=1).with_parallelism(config)
+    with pytest.raises(ValueError, match=r"parallelism_config.tp_size = 4, but the ParallelismConfig of the "
+                                         r"Accelerator.tp_size = 2"):
+        DistCAPlugin.from_parallelism_config(ParallelismConfig(dp_shard_size=2, tp_size=4)).with_parallelism(config)
+
+
+def test_a_tensor_parallel_model_says_its_size():
+    """transformers 5 keeps the size in ``model._tp_size`` (``tp_size``) and ``config.distributed_config``
+    (``from_pretrained(distributed_config=DistributedConfig(tp_size=..))``); a model not sharded says nothing."""
+    from types import SimpleNamespace
+
+    from transformers.distributed import DistributedConfig
+
+    from distca_hf.training.plugin import model_parallel_sizes
+
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    assert (model_parallel_sizes(model).tensor, model_parallel_sizes(model).data) == (None, None)
+    assert DistCAPlugin().topology(4, model=model).tensor_parallel == 1
+    model._tp_size = 2
+    model.config.distributed_config = DistributedConfig(tp_size=2, fsdp_size=2)
+    model._device_mesh = object()  # sharded at load time: the DistributedConfig's data sizes hold too
+    assert (model_parallel_sizes(model).tensor, model_parallel_sizes(model).data) == (2, 2)
+    assert DistCAPlugin().topology(4, model=model).server_groups() == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match=r"DistCAPlugin.tensor_parallel_size = 4, but the model's tensor-parallel "
+                                         r"size \(LlamaForCausalLM.tp_size\) = 2"):
+        DistCAPlugin(tensor_parallel_size=4).topology(8, model=model)
+    with pytest.raises(ValueError, match=r"data_parallel_size = 4, but the model's DistributedConfig"):
+        DistCAPlugin(data_parallel_size=4).topology(8, model=model)
+    legacy = SimpleNamespace(tp_size=None, config=SimpleNamespace(distributed_config={"tp_size": 4}))
+    assert model_parallel_sizes(legacy).tensor == 4  # a config stored as a dict (from a saved config.json)
+
+
+def test_parallelism_config_is_not_a_yaml_key(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("distca:\n  parallelism_config: {tp_size: 2}\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['parallelism_config'\]"):
+        DistCAPlugin.from_accelerate_config(path)

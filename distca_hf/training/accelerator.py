@@ -23,7 +23,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
 from .launch_checks import (check_world_size, has_gpu, launched_world_size, prepare_cpu_launch, uses_deepspeed,
                             uses_fsdp)
-from .plugin import DistCAPlugin
+from .plugin import DistCAPlugin, model_parallel_sizes
 
 __all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "prepare_training_arguments", "require_distca_model"]
 
@@ -102,6 +102,9 @@ class DistCAAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         check_world_size(self.num_processes)
         apply_cpu_fsdp(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
+        # accelerate's ParallelismConfig (given here, or from `accelerate launch`'s parallelism_config) says the
+        # data- and tensor-parallel sizes; the plugin takes them unless it says otherwise (then: an error)
+        self.distca_plugin = self.distca_plugin.with_parallelism(self.parallelism_config)
         self.distca = self.distca_plugin.attach()
 
     def prepare(self, *args, device_placement=None):
@@ -109,12 +112,25 @@ class DistCAAccelerator(Accelerator):
             if isinstance(obj, torch.nn.Module):
                 require_distca_model(obj)
                 _disable_kv_cache(obj)
+                self._attach_sharded_model(obj)
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model, device_placement: bool | None = None, evaluation_mode: bool = False):
         require_distca_model(model)
         _disable_kv_cache(model)
+        self._attach_sharded_model(model)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def _attach_sharded_model(self, model) -> None:
+        """A model transformers sharded (``DistributedConfig(tp_size=...)``) says its tensor-parallel size: build
+        the server groups again from it (a collective, as ``prepare`` is), or raise naming both sizes."""
+        inner = hf_model_of(model)
+        if getattr(self, "_distca_attached_model", None) is inner:
+            return  # prepare() passes the model to prepare_model() again
+        sizes = model_parallel_sizes(inner)
+        if sizes.tensor is not None or sizes.data is not None:
+            self.distca = self.distca_plugin.attach(model=inner)
+            self._distca_attached_model = inner
 
 
 def apply_cpu_fsdp(target, *, fsdp_plugin=None) -> bool:

@@ -12,6 +12,13 @@ and otherwise the defaults. The setting fields, their checks and help come from 
 (``distca_hf.config``). ``attach()`` builds the attention-server process group and puts the settings
 in force process-wide; ``DistCATrainer`` and ``DistCAAccelerator`` call it for you.
 
+The topology can be said the HF way instead of with the plugin's own sizes: accelerate's
+``ParallelismConfig`` (``DistCAPlugin.from_parallelism_config(pc)``, the ``parallelism_config`` field,
+or automatically the one of the ``Accelerator`` / ``TrainingArguments``) and a model that transformers
+sharded with tensor parallelism (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=..))``:
+``attach(model=...)``, which ``DistCATrainer`` and ``DistCAAccelerator.prepare`` do). Sizes given
+several ways must agree (the error names both).
+
 Note: ``accelerate launch`` (1.x) refuses config files with keys it does not know, so a file
 given to ``accelerate launch --config_file`` cannot carry the ``distca:`` section: launch with
 ``distca-hf launch`` (same arguments; it strips and checks the section and every process reads it
@@ -21,14 +28,16 @@ with ``DistCAPlugin.from_environment()``), or keep the section in a second file
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import SETTINGS, DistCAConfig, apply_file_settings, configure, reset_config, resolve
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
-__all__ = ["DistCAPlugin", "DistCAGroups", "read_distca_section"]
+__all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +101,22 @@ class DistCAPlugin(_SettingFields):
              "ranks sharing a tensor-parallel index) or 'node' (its ranks on one node, keeping attention traffic on "
              "intra-node links)")
     data_parallel_size: int | None = _topology_field(
-        None, check=_positive_int_problem(optional=True), help="None: world size / (pipeline x tensor)")
+        None, check=_positive_int_problem(optional=True),
+        help="ranks that hold different data (accelerate's dp_replicate_size x dp_shard_size: both serve attention "
+             "alike); None: from parallelism_config or the model's DistributedConfig, else world size / "
+             "(pipeline x tensor)")
     pipeline_parallel_size: int = _topology_field(
         1, check=_positive_int_problem(optional=False),
         help="pipeline stages (the groups are modelled; pipeline execution is not implemented)")
-    tensor_parallel_size: int = _topology_field(1, check=_positive_int_problem(optional=False),
-                                              help="tensor-parallel size")
+    tensor_parallel_size: int | None = _topology_field(
+        None, check=_positive_int_problem(optional=True),
+        help="ranks that split each layer's attention heads (transformers' tensor parallelism; CA-tasks are "
+             "exchanged only among ranks holding the same heads); None: accelerate's ParallelismConfig.tp_size or "
+             "the model's tensor-parallel size (attach(model=...)), else 1")
+    parallelism_config: Any = field(default=None, repr=False, metadata={
+        "help": "an accelerate ParallelismConfig (dp_replicate_size x dp_shard_size -> data_parallel_size, tp_size -> "
+                "tensor_parallel_size; cp_size / sp_size > 1 refused: span_ranks replaces them for packed documents); "
+                "DistCAAccelerator and DistCATrainer fill it from the Accelerator / TrainingArguments when unset"})
     file_settings: dict = field(default_factory=dict, repr=False, metadata={
         "help": "settings read from a distca: YAML section (below the environment in precedence); filled by "
                 "from_accelerate_config"})
@@ -111,6 +130,30 @@ class DistCAPlugin(_SettingFields):
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="the distca: section")
         self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
+        self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
+
+    # -- construction from HF's ways of saying the topology ---------------------------------------
+
+    @classmethod
+    def from_parallelism_config(cls, parallelism_config, **overrides) -> "DistCAPlugin":
+        """The plugin of a job laid out by accelerate's ``ParallelismConfig``: ``dp_replicate_size x
+        dp_shard_size`` ranks of data parallelism (replicated or sharded, they serve attention alike) and
+        ``tp_size`` of tensor parallelism; ``cp_size > 1`` / ``sp_size > 1`` are refused (distca's
+        ``span_ranks`` replaces context and sequence parallelism for packed documents). Keyword arguments
+        set the other fields; a topology size given here too must agree with the config."""
+        return cls(parallelism_config=parallelism_config, **overrides)
+
+    def with_parallelism(self, parallelism_config=None, *, source: str = "the Accelerator") -> "DistCAPlugin":
+        """This plugin with ``parallelism_config`` when it has none of its own (what ``DistCAAccelerator``
+        and ``DistCATrainer`` do with the Accelerator's); a config of its own must agree with it."""
+        if parallelism_config is None or parallelism_config is self.parallelism_config:
+            return self
+        if self.parallelism_config is not None:
+            mine = _sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config")
+            theirs = _sizes_of_parallelism_config(parallelism_config, f"the ParallelismConfig of {source}")
+            _check_agree(mine, theirs)
+            return self
+        return dataclasses.replace(self, parallelism_config=parallelism_config)
 
     # -- construction from files ------------------------------------------------------------------
 
@@ -142,16 +185,43 @@ class DistCAPlugin(_SettingFields):
         """The settings this plugin puts in force (code > environment > file > defaults)."""
         return resolve(self.code_settings(), self.file_settings)
 
-    def topology(self, world_size: int, ranks_per_node: int | None = None) -> ParallelTopology:
-        return ParallelTopology(world_size, self.data_parallel_size, self.pipeline_parallel_size,
-                                self.tensor_parallel_size, ranks_per_node)
+    def parallel_sizes(self, model=None) -> "ParallelSizes":
+        """The data- and tensor-parallel sizes this plugin's sources say (``None``: not said), checked to
+        agree: the plugin's own fields, its ``parallelism_config`` and, given a transformers ``model``,
+        the tensor-parallel (and data-parallel) size transformers sharded it with."""
+        said = [_Said(self.data_parallel_size, self.tensor_parallel_size, "DistCAPlugin.data_parallel_size",
+                      "DistCAPlugin.tensor_parallel_size")]
+        if self.parallelism_config is not None:
+            said.append(_sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config"))
+        if model is not None:
+            said.append(model_parallel_sizes(model))
+        for other in said[1:]:
+            _check_agree(said[0], other)
+            said[0] = _Said(_first(said[0].data, other.data), _first(said[0].tensor, other.tensor),
+                            said[0].data_source if said[0].data is not None else other.data_source,
+                            said[0].tensor_source if said[0].tensor is not None else other.tensor_source)
+        return ParallelSizes(said[0].data, said[0].tensor)
+
+    def topology(self, world_size: int, ranks_per_node: int | None = None, *, model=None) -> ParallelTopology:
+        """The job's topology on ``world_size`` ranks (see ``parallel_sizes`` for where the sizes come from)."""
+        sizes = self.parallel_sizes(model)
+        return ParallelTopology(world_size, sizes.data_parallel, self.pipeline_parallel_size,
+                                sizes.tensor_parallel if sizes.tensor_parallel is not None else 1, ranks_per_node)
 
     # -- applying ---------------------------------------------------------------------------------
 
-    def attach(self) -> DistCAGroups:
+    def attach(self, *, model=None) -> DistCAGroups:
         """Build this rank's attention-server group and put the settings in force process-wide
         (``distca_hf.current_config()``). Under ``torch.distributed`` this is a collective (every
-        rank must call it); without it, the world is this one process."""
+        rank must call it); without it, the world is this one process.
+
+        Args:
+            model: the HF model (unwrapped), when transformers sharded it with tensor parallelism
+                (``distributed_config=DistributedConfig(tp_size=...)``): its tensor-parallel size sets
+                ``tensor_parallel_size`` (a different size given elsewhere is an error naming both),
+                and its tensor-parallel groups must be the topology's (tensor index fastest), or every
+                rank raises.
+        """
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
@@ -161,7 +231,9 @@ class DistCAPlugin(_SettingFields):
         ranks_per_node = int(local) if local and local.isdigit() and world % int(local) == 0 else None
         if self.server_group == "node" and ranks_per_node is None:
             ranks_per_node = world  # no launcher information: one node
-        topology = self.topology(world, ranks_per_node)
+        topology = self.topology(world, ranks_per_node, model=model)
+        if distributed and model is not None:
+            _check_model_tensor_groups(model, topology, rank)
         groups = topology.server_groups(self.server_group)
         ranks = topology.group_of(rank, groups)
         config = self.resolved()
@@ -179,6 +251,123 @@ class DistCAPlugin(_SettingFields):
         apply_file_settings(self.file_settings)
         config = configure(**self.code_settings(), group=group)
         return DistCAGroups(topology, rank, tuple(ranks), group, config)
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Parallel sizes a job's sources state (``None``: none of them says).
+
+    Attributes:
+        data_parallel: ranks holding different data (``None``: world / (pipeline x tensor)).
+        tensor_parallel: ranks splitting each layer's heads (``None``: 1).
+    """
+
+    data_parallel: int | None
+    tensor_parallel: int | None
+
+
+@dataclass(frozen=True)
+class _Said:
+    """What one source says about the sizes, and how to name it in an error."""
+
+    data: int | None
+    tensor: int | None
+    data_source: str
+    tensor_source: str
+
+
+def _first(a, b):
+    return a if a is not None else b
+
+
+def _check_agree(a: _Said, b: _Said) -> None:
+    for kind, size_a, size_b, source_a, source_b in (("data", a.data, b.data, a.data_source, b.data_source),
+                                                    ("tensor", a.tensor, b.tensor, a.tensor_source, b.tensor_source)):
+        if size_a is not None and size_b is not None and size_a != size_b:
+            raise ValueError(
+                f"the {kind}-parallel size is given two ways that disagree: {source_a} = {size_a}, but "
+                f"{source_b} = {size_b}. Give it once (leave DistCAPlugin's field at None to take it from "
+                "accelerate's ParallelismConfig or the model) or make them equal")
+
+
+def _sizes_of_parallelism_config(config, name: str) -> _Said:
+    """The sizes an accelerate ``ParallelismConfig`` states; context / sequence parallelism refused."""
+    sizes = {}
+    for attribute in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        value = getattr(config, attribute, 1)
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{attribute} must be an integer >= 1 (an accelerate ParallelismConfig), got "
+                             f"{value!r} from {type(config).__name__}")
+        sizes[attribute] = value
+    for attribute, what in (("cp_size", "context parallelism (ring attention over a sequence cut into pieces)"),
+                            ("sp_size", "sequence parallelism (DeepSpeed ALST/Ulysses)")):
+        if sizes[attribute] > 1:
+            raise ValueError(
+                f"{name} has {attribute}={sizes[attribute]}: {what} is not combined with distca. For packed "
+                "documents distca's span_ranks replaces it, exactly and balanced: the ranks of an attention-server "
+                "group hold consecutive pieces of one token stream, a long document's pieces attend to their whole "
+                "prefix wherever it lives, and the planner balances the attention over the ranks. Set "
+                f"{attribute}=1 (give those ranks to data parallelism: dp_shard_size x {sizes[attribute]}) and turn "
+                "span_ranks on: DistCAPlugin(span_ranks=True), DISTCA_SPAN_RANKS=1 or span_ranks: true in the "
+                "distca: section (DistCATrainer turns it on itself when the server group has more than one rank)")
+    if sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"] == 1:
+        # accelerate's default config: it fills dp_replicate_size with the world size when validated
+        return _Said(None, None, name, name)
+    return _Said(sizes["dp_replicate_size"] * sizes["dp_shard_size"], sizes["tp_size"],
+                 f"{name} dp_replicate_size x dp_shard_size ({sizes['dp_replicate_size']} x {sizes['dp_shard_size']})",
+                 f"{name}.tp_size")
+
+
+def model_parallel_sizes(model) -> _Said:
+    """The tensor- (and data-) parallel sizes transformers sharded ``model`` with (an unwrapped HF model):
+    ``model.tp_size`` (transformers 5: ``_tp_size``, set by ``from_pretrained(distributed_config=...)``),
+    else ``config.distributed_config``; ``None`` where the model was not sharded that way."""
+    name = type(model).__name__
+    distributed_config = getattr(getattr(model, "config", None), "distributed_config", None)
+
+    def read(attribute):
+        if isinstance(distributed_config, dict):
+            return distributed_config.get(attribute)
+        return getattr(distributed_config, attribute, None)
+
+    tensor = getattr(model, "tp_size", None)
+    if not isinstance(tensor, int) or isinstance(tensor, bool):
+        tensor = getattr(model, "_tp_size", None)
+    if not isinstance(tensor, int) or isinstance(tensor, bool):
+        tensor = read("tp_size")
+    data = None
+    if distributed_config is not None and getattr(model, "_device_mesh", None) is not None:
+        # sharded at load time: the mesh is pp x dp_replicate x fsdp x tp and must cover the world
+        replicate, shard = read("dp_replicate_size") or 1, read("fsdp_size") or 1
+        data = replicate * shard
+    tensor = tensor if isinstance(tensor, int) and not isinstance(tensor, bool) else None
+    return _Said(data, tensor,
+                 f"the model's DistributedConfig dp_replicate_size x fsdp_size ({name})",
+                 f"the model's tensor-parallel size ({name}.tp_size)")
+
+
+def _check_model_tensor_groups(model, topology: ParallelTopology, rank: int) -> None:
+    """Every rank raises together when the model's tensor-parallel mesh groups other ranks than the
+    topology (a rank would exchange CA-tasks with ranks holding other heads)."""
+    import torch
+    import torch.distributed as dist
+
+    mesh = getattr(model, "_device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" not in names:
+        return
+    theirs = sorted(int(r) for r in mesh["tp"].mesh.flatten().tolist())
+    mine = topology.group_of(rank, topology.tensor_parallel_groups())
+    wrong = torch.tensor([int(theirs != mine)])
+    dist.all_reduce(wrong, op=dist.ReduceOp.MAX)
+    if wrong.item():
+        raise ValueError(
+            f"the model's tensor-parallel groups are not distca's: on rank {rank} the model's device mesh groups "
+            f"ranks {theirs}, the topology (tensor index fastest, then data, then pipeline) groups {mine}"
+            + ("" if theirs != mine else " (another rank differs)")
+            + ". Build the mesh with tp as its last (fastest) dimension, as transformers' DistributedConfig and "
+              "accelerate's ParallelismConfig do")
 
 
 def _checked_fields():
@@ -218,7 +407,7 @@ def read_distca_section(path: str | os.PathLike) -> dict:
         return {}
     if not isinstance(section, dict):
         raise ValueError(f"{path}: the distca: section must be a mapping of settings, got {section!r}")
-    allowed = {f.name for f in fields(DistCAPlugin)} - {"file_settings"}
+    allowed = {f.name for f in fields(DistCAPlugin)} - {"file_settings", "parallelism_config"}
     unknown = sorted(set(section) - allowed)
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown} in the distca: section; expected some of {sorted(allowed)}")

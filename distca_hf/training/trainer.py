@@ -130,13 +130,22 @@ class DistCATrainer(Trainer):
                 f"{type(self.model).__name__}.forward does not accept loss kwargs (num_items_in_batch), so the loss "
                 "could not be normalised by the global label-token count; pass compute_loss_func="
             )
-        self.distca = self.distca_plugin.attach()
+        # The Trainer's Accelerator holds a ParallelismConfig when TrainingArguments(parallelism_config=...) gives one
+        # or the model is tensor-parallel (transformers makes one from the model): its sizes are the topology's.
+        self.distca_plugin = self.distca_plugin.with_parallelism(
+            getattr(self.accelerator, "parallelism_config", None),
+            source="the Trainer's Accelerator (TrainingArguments.parallelism_config or the model's tensor parallelism)")
+        self.distca = self.distca_plugin.attach(model=hf_model_of(self.model) if self.model is not None else None)
         server_groups = self.distca.topology.server_groups(self.distca_plugin.server_group)
         self.span_ranks = self._choose_span_ranks(group_size=len(server_groups[0]))
         if self.span_ranks:
             self._check_span_setup()
         self._packed_datasets = {}
-        layout = {"world_size": world, "span_ranks": self.span_ranks,
+        # With tensor parallelism Accelerate gives the ranks of a tensor-parallel group the same batches (its
+        # dataloader shards over the data-parallel index): the rows are laid out for the data-parallel ranks.
+        self._ranks_per_batch = _ranks_sharing_batches(self.accelerator, self.distca.topology)
+        data_world, server_groups = _data_layout(self.distca.topology, server_groups, self._ranks_per_batch)
+        layout = {"world_size": data_world, "span_ranks": self.span_ranks,
                   "server_groups": server_groups if self.span_ranks else None}
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
@@ -286,7 +295,7 @@ class DistCATrainer(Trainer):
             before = after = everyone[:, 1].tolist()
         self._window["before"].append(imbalance(before))
         self._window["after"].append(imbalance(after))
-        self._window["tokens"] += int(everyone[:, 0].sum())
+        self._window["tokens"] += int(everyone[:, 0].sum()) // self._ranks_per_batch  # tensor-parallel peers: once
 
     def _reset_window(self) -> None:
         self._window = {"before": [], "after": [], "tokens": 0, "first_step": 0}
@@ -327,13 +336,39 @@ class DistCATrainer(Trainer):
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
-            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu()
+            # tensor-parallel peers evaluated the same rows: count them once
+            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu() / self._ranks_per_batch
         finally:
             self._eval_totals = None
         if totals[1] > 0:
             output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
         output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
         return output
+
+
+def _ranks_sharing_batches(accelerator, topology) -> int:
+    """How many ranks read the same batches: the tensor-parallel size when the Accelerator's device mesh has a
+    ``tp`` dimension (its dataloader then shards over the data-parallel index only), else 1."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None or "tp" not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return 1
+    shared = mesh["tp"].size()
+    if shared != topology.tensor_parallel:
+        raise ValueError(f"the Accelerator's device mesh has tp={shared}, but distca's topology has tensor_parallel="
+                         f"{topology.tensor_parallel}; give the tensor-parallel size once (ParallelismConfig.tp_size)")
+    if topology.pipeline_parallel != 1:
+        raise ValueError("tensor parallelism through Accelerate's device mesh with pipeline_parallel_size > 1 is not "
+                         "supported by DistCATrainer")
+    return shared
+
+
+def _data_layout(topology, server_groups: list[list[int]], ranks_per_batch: int):
+    """``(ranks, server groups)`` the packed rows are laid out for: the ranks themselves, or with batches shared by
+    tensor-parallel peers the data-parallel indices (Accelerate's ``rank // tp``) and the groups in them."""
+    if ranks_per_batch == 1:
+        return topology.world_size, server_groups
+    groups = sorted({tuple(topology.coordinates(rank)[0] for rank in group) for group in server_groups})
+    return topology.data_parallel, [list(group) for group in groups]
 
 
 def _label_tokens(inputs) -> torch.Tensor:
