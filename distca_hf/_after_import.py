@@ -30,6 +30,12 @@ def _register_mask(name: str) -> None:
     register_mask()
 
 
+def _watch_generation(name: str) -> None:
+    from .hf.decoding import watch_generation
+
+    watch_generation()
+
+
 def _wrap_decoder_stack(name: str) -> None:
     from . import patches
 
@@ -43,6 +49,8 @@ def _action(name: str):
         return _register_attention
     if name == "transformers.masking_utils":
         return _register_mask
+    if name == "transformers.generation.utils":
+        return _watch_generation
     if name.startswith("transformers.models.") and name.rpartition(".")[2].startswith("modeling_"):
         return _wrap_decoder_stack
     return None

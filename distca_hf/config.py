@@ -14,6 +14,7 @@ invalid value is an error naming the variable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 from .state import STATE
 
-__all__ = ["DistCAConfig", "SETTINGS", "configure", "current_config", "reset_config", "resolve",
+__all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
            "setting_problem", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS"]
 
 BACKWARD_MODES = ("saved", "resend")
@@ -264,6 +265,25 @@ def configure(**settings) -> DistCAConfig:
     config = resolve(merged, STATE.file_settings)  # validate before storing
     STATE.code_settings = merged
     return config
+
+
+@contextlib.contextmanager
+def configured(**settings):
+    """``configure(**settings)`` for the ``with`` block only; yields the config in force. On exit
+    each of these settings goes back to what code had set before (or to unset), unless the block
+    set it to another value itself (then that stays)."""
+    before = dict(STATE.code_settings)
+    config = configure(**settings)
+    try:
+        yield config
+    finally:
+        for name, value in settings.items():
+            if name not in STATE.code_settings or STATE.code_settings[name] is not value:
+                continue  # changed (or reset) inside the block: the newer choice stays
+            if name in before:
+                STATE.code_settings[name] = before[name]
+            else:
+                del STATE.code_settings[name]
 
 
 def apply_file_settings(settings: dict) -> None:

@@ -32,6 +32,9 @@ class DistCAState:
             the start of a new forward.
         calls_without_documents: attention calls so far that got no document argument at all (own
             or their model's); ``hf.model_inputs`` refuses a packed model forward during which it grew.
+        decoding: what decodes right now (a ``generate()`` call, a model forward given a KV cache),
+            innermost last; forwards opened meanwhile compute on this rank alone
+            (``runtime.forward.decoding``).
         warned: keys of the one-time warnings already given.
         timeline_on: whether ``runtime.timeline`` records.
         timeline_events: what it recorded (``runtime.timeline.Event``).
@@ -44,6 +47,7 @@ class DistCAState:
     forwards_started: int = 0
     last_layer_idx: int | None = None
     calls_without_documents: int = 0
+    decoding: list = field(default_factory=list)
     warned: set = field(default_factory=set)
     timeline_on: bool = False
     timeline_events: list = field(default_factory=list)

@@ -9,9 +9,10 @@ These families share the layer structure that the ping-pong schedule splits into
 ``install()`` (run when transformers imports each family's module, after ``import distca_hf``) wraps the decoder stacks' ``forward`` (``LlamaModel``,
 ``MistralModel``, ``Qwen2Model``, ``Qwen3Model``): when the model uses ``attn_implementation="distca"``,
 ``DISTCA_OVERLAP=pingpong`` (or ``configure(overlap="pingpong")``) is set, the server group has more
-than one rank and no KV cache is passed (training, evaluation), the stack runs the ping-pong schedule
-of ``distca_hf.runtime.pingpong``; otherwise HF's own forward runs unchanged. The ping-pong stack returns no
-KV cache, hidden states or attentions: ask for those and HF's forward runs (with ``overlap="wave"``).
+than one rank and no KV cache is passed nor ``generate()`` runs (training, evaluation), the stack runs
+the ping-pong schedule of ``distca_hf.runtime.pingpong``; otherwise HF's own forward runs unchanged.
+The ping-pong stack returns no KV cache, hidden states or attentions: ask for those and HF's forward
+runs (with ``overlap="wave"``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import sys
 
 import torch
 
+from distca_hf.hf.decoding import CACHE_ARGUMENTS
 from distca_hf.runtime import timeline
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DECODER_STACKS = {t: (f"transformers.models.{t}.modeling_{t}", f"{n}Model")
                    for t, n in zip(LLAMA_FAMILY_MODEL_TYPES, ("Llama", "Mistral", "Qwen2", "Qwen3"))}
-CACHE_ARGUMENTS = ("cache", "past_key_values")
-"""The KV cache's argument names on a decoder stack's ``forward``: transformers 5.24 renamed
-``past_key_values`` to ``cache`` (the old name is accepted, with a FutureWarning, until 5.40)."""
 DECODER_STACK_MODULES = tuple(module_name for module_name, _ in _DECODER_STACKS.values())
 """The transformers modules whose decoder stacks ``install`` wraps (``import distca_hf`` wraps each
 when transformers imports it)."""
@@ -86,7 +85,7 @@ def runs_pingpong(model, cache, kwargs) -> bool:
     """Whether this forward of a decoder stack takes the ping-pong path (see the module docstring)."""
     from distca_hf.config import current_config
     from distca_hf.hf import ATTN_IMPLEMENTATION
-    from distca_hf.runtime.forward import distributed_group_size
+    from distca_hf.runtime.forward import distributed_group_size, is_decoding
 
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return False
@@ -94,7 +93,8 @@ def runs_pingpong(model, cache, kwargs) -> bool:
     if config.overlap != "pingpong" or config.mode != "distca" or distributed_group_size(config) == 1:
         return False
     wants = lambda name: kwargs.get(name) or (kwargs.get(name) is None and getattr(model.config, name, False))
-    return cache is None and not wants("output_hidden_states") and not wants("output_attentions")
+    return (cache is None and not is_decoding() and not wants("output_hidden_states")
+            and not wants("output_attentions"))
 
 
 def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):

@@ -122,6 +122,25 @@ def test_configure_and_environment(monkeypatch):
         distca_hf.reset_config()
 
 
+def test_configured_puts_back_what_code_had_set():
+    """``configured`` (DistCATrainer's span_ranks default while it runs): in force inside the block,
+    the earlier code setting (or none) after it, also after an exception; a value the block set itself
+    stays."""
+    from distca_hf.config import configured
+
+    distca_hf.configure(tolerance=0.05)
+    with configured(span_ranks=True, tolerance=0.2) as config:
+        assert config.span_ranks is True and distca_hf.current_config().tolerance == 0.2
+    assert distca_hf.current_config().span_ranks is False and distca_hf.current_config().tolerance == 0.05
+    with pytest.raises(RuntimeError, match="inside"):
+        with configured(span_ranks=True):
+            raise RuntimeError("inside")
+    assert distca_hf.current_config().span_ranks is False
+    with configured(tolerance=0.2):
+        distca_hf.configure(tolerance=0.3)  # the block's own choice
+    assert distca_hf.current_config().tolerance == 0.3
+
+
 def test_tolerance_auto_and_block_by_device(monkeypatch):
     assert DistCAConfig().tolerance == "auto" and DistCAConfig().block is None
     monkeypatch.setenv("DISTCA_TOLERANCE", "auto")

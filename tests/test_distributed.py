@@ -175,7 +175,7 @@ def _agreement_worker(rank, world):
     distca_hf.configure(tolerance=0.3 if rank == 1 else 0.02)
     report["settings"] = outcome(lambda: mistral(input_ids=torch.arange(6)[None]))
     distca_hf.reset_config()
-    # e. generation on every rank, different prompts: prefill dispatches, decoding runs locally
+    # e. generation on every rank, different prompts and lengths: each rank generates alone
     llama = tiny_model("llama").eval()
     prompt = torch.randint(1, 96, (1, 9 if rank == 0 else 4), generator=g)
     with torch.no_grad():

@@ -110,6 +110,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
     class RecordingTrainer(DistCATrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             self.parameter_types.update(type(p).__name__ for p in model.parameters())  # DTensor: sharded (FSDP2)
+            self.span_ranks_in_force.add(distca_hf.current_config().span_ranks)
             cu = inputs["cu_seq_lens_q"].tolist()
             ids = inputs["input_ids"][0].tolist()
             self.recorded.append([self.state.global_step, [ids[a:b] for a, b in zip(cu, cu[1:])],
@@ -145,11 +146,13 @@ def _train(case: dict, out_dir: str, rank: int = 0):
     )
     trainer.recorded = []
     trainer.parameter_types = set()
+    trainer.span_ranks_in_force = set()
     trainer.train(resume_from_checkpoint=case.get("resume_from"))
     result = {
         "world": trainer.args.world_size,
         "span_ranks": trainer.span_ranks,
-        "span_ranks_in_force": distca_hf.current_config().span_ranks,
+        "span_ranks_in_force": sorted(trainer.span_ranks_in_force),  # during the training steps
+        "span_ranks_after_train": distca_hf.current_config().span_ranks,
         "report": vars(trainer.packing_reports["train"]),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "steps": [h["step"] for h in trainer.state.log_history if "loss" in h],
@@ -332,7 +335,8 @@ def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
     spanning = packing != "per_rank"
     assert all(v["world"] == 2 and v["use_cache"] is False for v in values)
-    assert all(v["span_ranks"] is spanning and v["span_ranks_in_force"] is spanning for v in values)
+    assert all(v["span_ranks"] is spanning and v["span_ranks_in_force"] == [spanning] for v in values)
+    assert all(v["span_ranks_after_train"] is False for v in values)  # the trainer's default is put back
     model = _assert_matches_reference(values, str(tmp_path))
     # one epoch: every document (chunk) exactly once, whole; the same number of micro-batches per rank
     chunk = _chunk_of(packing)
@@ -427,6 +431,94 @@ def test_four_ranks_read_their_server_groups_global_batches(tmp_path, tensor_par
             trained.update(tuple(s) for s in _sequences(rows) if s != [0])  # asserts each continuation's prefix
     chunk = len(groups[0]) * BUDGET // 2
     assert trained == _chunks(_documents(LENGTHS, 0), chunk)  # every document (chunk) once, whole
+
+
+def _generate_after_training_worker(rank, world, out_dir):
+    """Train two steps with DistCATrainer's defaults (documents spanning both ranks), then rank 0
+    alone generates while rank 1 idles (waits for rank 0's word, as a script's other ranks would)."""
+    import time
+
+    from transformers import DynamicCache, TrainingArguments
+
+    import distca_hf
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    args = TrainingArguments(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=1,
+                             per_device_eval_batch_size=1, max_steps=2, learning_rate=LR, optim="sgd",
+                             lr_scheduler_type="constant", report_to=[], disable_tqdm=True, save_strategy="no",
+                             seed=0, data_seed=0, dataloader_pin_memory=False)
+    trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=_documents(LENGTHS, 0),
+                            packing=PackingConfig(tokens_per_rank=BUDGET, seed=0))
+    trainer.train()
+    result = {"span_ranks": trainer.span_ranks, "span_ranks_after_train": distca_hf.current_config().span_ranks}
+    done = Path(out_dir, "rank0-generated")
+    if rank != 0:
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return result
+    try:
+        model = trainer.model.eval()
+        eager = tiny_model("llama", attn="eager").eval()  # an independent copy of the trained weights
+        eager.load_state_dict(model.state_dict())
+        g = torch.Generator().manual_seed(3)
+        prompts = torch.randint(1, VOCAB, (2, 7), generator=g)
+        mask = torch.ones_like(prompts)
+        prompts[1, :3], mask[1, :3] = 0, 0  # left padding
+        runs = {"cache": {}, "no_cache": {"use_cache": False}}
+        for name, options in runs.items():
+            ours, theirs = (m.generate(prompts, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                       return_dict_in_generate=True, output_scores=True, **options)
+                            for m in (model, eager))
+            result[f"{name}_tokens_equal"] = bool(torch.equal(ours.sequences, theirs.sequences))
+            result[f"{name}_score_err"] = max(float((a - b).abs().max()) for a, b in zip(ours.scores, theirs.scores))
+        with torch.no_grad():  # a decoding loop of the user's: a prefill given a cache, then one step
+            logits = []
+            for m in (model, eager):
+                cache = DynamicCache(config=m.config)
+                first = m(input_ids=prompts[:1], cache=cache, use_cache=True).logits
+                step = m(input_ids=first[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+                logits.append(torch.cat([first, step], dim=1))
+        result["loop_err"] = float((logits[0] - logits[1]).abs().max())
+        # span_ranks=True asked for explicitly: rows that start their documents still generate alone; a row
+        # that would continue the previous rank's document cannot, and is refused
+        distca_hf.configure(span_ranks=True)
+        spanning = model.generate(prompts, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        result["span_tokens_equal"] = bool(torch.equal(spanning, eager.generate(
+            prompts, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)))
+        try:
+            with torch.no_grad():
+                model(input_ids=prompts[:1], position_ids=torch.arange(5, 12)[None],
+                      cache=DynamicCache(config=model.config))
+            result["continuation"] = "computed"
+        except ValueError as e:
+            result["continuation"] = f"{type(e).__name__}: {e}"
+    finally:
+        done.touch()
+    return result
+
+
+@pytest.mark.distributed
+def test_rank_zero_generates_alone_after_training(tmp_path):
+    """After DistCATrainer on two ranks, generation on rank 0 only (generate with and without a KV
+    cache, a user's own decoding loop) computes on rank 0 and equals an eager copy of the trained
+    weights; a forward that waited for rank 1 would raise DistCATimeoutError after 30 s."""
+    results = run_ranks(_generate_after_training_worker, 2, tmp_path, str(tmp_path),
+                        env={"DISTCA_TIMEOUT_S": "30"}, deadline_s=300)
+    for r in results:
+        assert r["ok"], r.get("traceback", r["error"])
+    values = [r["value"] for r in results]
+    assert all(v["span_ranks"] is True and v["span_ranks_after_train"] is False for v in values)
+    generated = values[0]
+    for name in ("cache", "no_cache"):
+        assert generated[f"{name}_tokens_equal"]
+        assert generated[f"{name}_score_err"] < 1e-5
+    assert generated["loop_err"] < 1e-5
+    assert generated["span_tokens_equal"]
+    assert generated["continuation"].startswith("DocumentBoundaryError: distca forward")
+    assert "row 0 starts at position_ids 5 > 0, which with span_ranks=True continues" in generated["continuation"]
 
 
 def test_single_process_matches_reference(tmp_path):
@@ -600,6 +692,54 @@ def test_bad_trainer_setups_say_what_is_wrong(tmp_path):
     with pytest.raises(TypeError, match="distca_plugin must be a distca_hf.DistCAPlugin"):
         DistCATrainer(model=model, args=_arguments(tmp_path), train_dataset=[[1, 2]], packing=packing,
                       distca_plugin={"tolerance": 0.1})
+
+
+def test_eval_batch_size_is_checked_only_when_evaluating(tmp_path):
+    """TrainingArguments' default per_device_eval_batch_size=8 is refused when it would be used (an
+    eval set given, or evaluate()), not when there is nothing to evaluate."""
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    packing = PackingConfig(tokens_per_rank=BUDGET)
+    refusal = r"per_device_eval_batch_size=1 only \(got 8; TrainingArguments' default is 8\)"
+    args = _arguments(tmp_path, per_device_eval_batch_size=8, disable_tqdm=True)
+    trainer = DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=[[1, 2, 3]], packing=packing)
+    trainer.train()
+    with pytest.raises(ValueError, match=refusal):
+        trainer.evaluate(eval_dataset=trainer.train_dataset)
+    with pytest.raises(ValueError, match=refusal):
+        DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=[[1, 2, 3]], eval_dataset=[[4, 5]],
+                      packing=packing)
+
+
+def test_datasets_without_documents_are_refused_naming_the_argument(tmp_path):
+    """An empty dataset (or one of empty documents) is refused at once, naming the argument, instead of
+    torch's num_samples=0 at train() (or an evaluation of nothing)."""
+    import datasets
+
+    from distca_hf import DistCATrainer, PackedDataset, PackingConfig
+    from helpers import tiny_model
+
+    packing = PackingConfig(tokens_per_rank=BUDGET)
+    no_rows = "train_dataset has no documents to train on: it holds no documents"
+    cases = [
+        ({"train_dataset": datasets.Dataset.from_dict({"input_ids": []})}, no_rows),
+        ({"train_dataset": datasets.Dataset.from_list([])}, no_rows),  # not even an input_ids column
+        ({"train_dataset": []}, no_rows),
+        ({"train_dataset": datasets.Dataset.from_dict({"input_ids": [[], []]})},
+         "train_dataset has no documents to train on: all 2 of its documents are empty"),
+        ({"train_dataset": PackedDataset([[]], packing)}, "all 1 of its documents are empty"),
+        ({"train_dataset": [[5], [7]]}, "train_dataset has nothing to learn: none of its 2 documents has two tokens"),
+        ({"train_dataset": [[1, 2]], "eval_dataset": datasets.Dataset.from_dict({"input_ids": [[]]})},
+         "eval_dataset has no documents to evaluate: all 1 of its documents are empty"),
+        ({"train_dataset": [[1, 2]], "eval_dataset": {"held_out": []}},
+         r"eval_dataset\['held_out'\] has no documents to evaluate"),
+    ]
+    for datasets_given, match in cases:
+        given = {k: v for k, v in datasets_given.items() if not isinstance(v, PackedDataset)}
+        with pytest.raises(ValueError, match=match):
+            DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), **datasets_given,
+                          packing=None if len(given) < len(datasets_given) else packing)
 
 
 def test_span_ranks_precedence(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
     comm           collectives with distca's timeout (uneven all-to-all, all-gathers)
     agree          the collective that opens a forward: every rank takes the same decision
-    forward        opening a forward: documents -> agreement -> plan -> dispatch
+    forward        opening a forward: documents -> agreement -> plan -> dispatch (decoding: local)
     context        the per-forward context every layer reuses, ``PlanStats``, ``plan_stats()``
     tables         one wave's index tables (which rows go where)
     exchange       packing rows into one buffer per all-to-all, and unpacking them
@@ -17,8 +17,8 @@
 from .agree import DistCAPeerError
 from .comm import DistCATimeoutError
 from .context import ForwardContext, PlanStats, plan_stats
-from .forward import context_for_call
+from .forward import begin_decoding, context_for_call, decoding, end_decoding, is_decoding
 from .wave_schedule import dispatched_attention
 
-__all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "context_for_call",
-           "dispatched_attention", "plan_stats"]
+__all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "begin_decoding",
+           "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "plan_stats"]

@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import DistCAConfig, agreed_setting_names, settings_fingerprint
-from ..errors import DistCAPeerError
+from ..errors import DistCAPeerError, DistCATimeoutError
 from .comm import all_gather_documents
 
-__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_KV_CACHE", "PATH_PINGPONG", "agree", "check_headers"]
+__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_PINGPONG", "agree", "check_headers"]
 
 # The header's path: how a rank runs this forward.
-PATH_PLAIN = 0  # the attention function, in training or evaluation
-PATH_KV_CACHE = 1  # the attention function, decoding with a KV cache (every rank then computes locally)
+PATH_PLAIN = 0  # the attention function, in training or evaluation (decoding never opens a collective)
 PATH_PINGPONG = 2  # the ping-pong decoder stack
 
 
@@ -33,8 +32,15 @@ def agree(payload: np.ndarray, path: int, error: Exception | None, config: DistC
     in rank order."""
     header = [-1 if error else payload.size, path, settings_fingerprint(config)]
     gather_device = device if dist.get_backend(config.group) == "nccl" else torch.device("cpu")
-    headers, payloads = all_gather_documents(header, payload, config.group, gather_device, config.timeout_s,
-                                             f"distca forward {number}: {what}")
+    try:
+        headers, payloads = all_gather_documents(header, payload, config.group, gather_device, config.timeout_s,
+                                                 f"distca forward {number}: {what}")
+    except DistCATimeoutError as e:
+        raise DistCATimeoutError(
+            f"{e}\nOr a peer is alive but not running this forward: every rank of the server group opens each distca "
+            "forward together (as with DDP). To run forwards on some ranks only (say, evaluation on rank 0), call "
+            "distca_hf.configure(mode='colocated', span_ranks=False) there first; generate() and forwards given a KV "
+            "cache need no other rank.") from e
     if error is not None:
         raise error
     check_headers(headers, number)

@@ -9,31 +9,38 @@ begins; this also holds for hybrid models and pipeline stages whose first attent
 only count when there are no positions).
 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
-collective (``agree``): all raise if one rank's inputs are invalid or settings differ, all compute
-locally if one rank decodes with a KV cache, and otherwise all run the same plan. ``plan_batch``
-turns every rank's documents into this rank's ``Dispatch`` and the plan's ``BatchPlan``.
+collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
+otherwise all run the same plan. ``plan_batch`` turns every rank's documents into this rank's
+``Dispatch`` and the plan's ``BatchPlan``.
+
+A forward that decodes is not a collective: one whose keys go beyond its queries (a KV cache holds
+earlier tokens), or one opened while ``decoding()`` (``generate()``, a model forward given a cache:
+``hf.decoding`` marks them) computes every document on its own rank. No other rank is needed (a
+cache's keys could not be dispatched anyway), so generating on some ranks only just works.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import DistCAConfig, block_for_device, current_config
-from ..errors import UnsupportedAttentionError
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
                         TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers, plan_tasks,
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..state import STATE, warn_once
-from .agree import PATH_KV_CACHE, PATH_PLAIN, agree
+from .agree import PATH_PLAIN, agree
 from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch, build_dispatch
 from .processes import warn_if_fsdp_dropped, warn_if_launched_alone
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
-__all__ = ["CallInputs", "context_for_call", "plan_batch", "distributed_group_size"]
+__all__ = ["CallInputs", "context_for_call", "plan_batch", "distributed_group_size", "begin_decoding", "end_decoding",
+           "decoding", "is_decoding"]
 
 
 def distributed_group_size(config: DistCAConfig) -> int:
@@ -45,6 +52,33 @@ def distributed_group_size(config: DistCAConfig) -> int:
     if config.mode != "distca" and not config.span_ranks:
         return 1
     return dist.get_world_size(config.group)
+
+
+def begin_decoding(owner) -> None:
+    """``owner`` (a ``generate()`` call, a model forward given a KV cache) decodes until
+    ``end_decoding(owner)``: forwards opened meanwhile compute on this rank alone."""
+    STATE.decoding.append(owner)
+
+
+def end_decoding(owner) -> None:
+    """End ``owner``'s decoding, when it is the innermost one (else nothing: it never began)."""
+    if STATE.decoding and STATE.decoding[-1] is owner:
+        STATE.decoding.pop()
+
+
+@contextlib.contextmanager
+def decoding(owner):
+    """``begin_decoding(owner)`` ... ``end_decoding(owner)``, an exception included."""
+    begin_decoding(owner)
+    try:
+        yield
+    finally:
+        end_decoding(owner)
+
+
+def is_decoding() -> bool:
+    """Whether something decodes in this process now (see ``begin_decoding``)."""
+    return bool(STATE.decoding)
 
 
 def _identity(tensors: tuple) -> tuple:
@@ -96,26 +130,22 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     are any) and plan."""
     config = current_config()
     number = next_forward_number()
-    if distributed_group_size(config) == 1:
+    group_size = distributed_group_size(config)
+    # Decoding needs no other rank (see the module docstring); they may not be running this forward.
+    decodes = key.shape[2] != query.shape[2] or is_decoding()
+    if group_size == 1 or decodes:
         if not (dist.is_available() and dist.is_initialized()):
             warn_if_launched_alone()
         docs = call.documents()
+        if group_size > 1 and config.span_ranks:
+            _refuse_continuations(call, docs, number)
         return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
     warn_if_fsdp_dropped(module)
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
-    path = PATH_KV_CACHE if key.shape[2] != query.shape[2] else PATH_PLAIN
-    headers, gathered = agree(np.concatenate(([first_position], lengths)), path, error, config, query.device,
-                              number, "planning")
+    _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
+                        number, "planning")
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
-    decoding = [r for r, h in enumerate(headers) if h[1] == PATH_KV_CACHE]
-    if decoding:  # someone decodes with a KV cache: everyone computes locally
-        if config.span_ranks:
-            raise UnsupportedAttentionError(
-                f"distca forward {number}: rank(s) {decoding} decode with a KV cache, which span_ranks=True cannot do "
-                "(a document's prefix may live on another rank); generate with span_ranks=False (DISTCA_SPAN_RANKS=0)")
-        longest = int(max((x.max(initial=0) for x in per_rank), default=0))
-        return _local_context(number, call_key, inputs, docs, query.device, longest)
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)
     _, num_heads, _, head_dim = query.shape
@@ -131,6 +161,26 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
                           overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
                           counters=dispatch.counters)
+
+
+def _refuse_continuations(call: "CallInputs", docs: PackedDocuments, number: int) -> None:
+    """A decoding forward under ``span_ranks=True``: a row whose first document starts at position
+    ``p > 0`` with no cached keys would continue a document of the previous rank, whose prefix this
+    rank alone cannot reach; refuse it rather than compute it as a chunk."""
+    batch_size, query_len, kv_len = call.shape
+    if kv_len != query_len or call.position_ids is None or docs.num_docs == 0:
+        return  # with cached keys each row is one document whose earlier tokens are in the cache
+    positions = call.position_ids.expand(batch_size, query_len).reshape(-1).detach().cpu().numpy()
+    starts = np.sort(docs.q_starts)
+    rows, first = np.unique(starts // query_len, return_index=True)
+    continuing = [(int(r), int(p)) for r, p in zip(rows, positions[starts[first]]) if p > 0]
+    if continuing:
+        row, position = continuing[0]
+        raise DocumentBoundaryError(
+            f"distca forward {number}: row {row} starts at position_ids {position} > 0, which with span_ranks=True "
+            "continues a document of the previous rank; this forward decodes (generate(), or a KV cache), so it runs "
+            "on this rank alone and cannot reach that prefix. Give the row its whole document, or set "
+            "span_ranks=False (DISTCA_SPAN_RANKS=0) to run it as a chunk that attends to itself")
 
 
 def _overlap_of(module, config: DistCAConfig) -> str:

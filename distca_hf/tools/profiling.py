@@ -48,7 +48,8 @@ from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
 
 __all__ = ["profile", "build_parser", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans",
-           "communication_plans", "CommFit", "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement", "measure_communication"]
+           "communication_plans", "CommFit", "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement",
+           "measure_communication"]
 
 
 class _LinearPart(torch.nn.Module):

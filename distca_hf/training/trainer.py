@@ -34,10 +34,11 @@ What it adds to the stock Trainer:
 ``span_ranks``, in order of precedence: ``DistCAPlugin(span_ranks=...)``, else ``DISTCA_SPAN_RANKS``,
 else ``span_ranks:`` in the plugin's ``distca:`` section, else the trainer's default: on when the
 attention-server group has more than one rank (the trainer then puts ``span_ranks=True`` in force
-process-wide, as ``distca_hf.configure`` would). With ``span_ranks=False`` every rank packs its own
-rows and a document longer than ``tokens_per_rank`` is cut into chunks. ``mode="colocated"`` does
-not change the packing and stays exact: no query moves, only the K/V prefixes of spanning documents
-travel (the baseline of ``examples/finetune_long_context.py --compare-colocated``).
+while its ``train()``, ``evaluate()`` and ``predict()`` run, as ``distca_hf.configure`` would, and
+puts back what was set before when they return: generating on rank 0 after training just works).
+With ``span_ranks=False`` every rank packs its own rows and a document longer than
+``tokens_per_rank`` is cut into chunks. ``mode="colocated"`` does not change the packing and stays
+exact: no query moves, only the K/V prefixes of spanning documents travel (the baseline of ``examples/finetune_long_context.py --compare-colocated``).
 
 Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
 and resume (mid-epoch too: global batches are shuffled whole, by ``GlobalBatchSampler``, from the
@@ -55,7 +56,7 @@ import time
 import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer
 
-from ..config import SETTINGS, configure
+from ..config import SETTINGS, configured
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
@@ -72,9 +73,9 @@ class DistCATrainer(Trainer):
 
     Args:
         model: a causal LM with ``attn_implementation="distca"``.
-        args: ``TrainingArguments``; ``per_device_train_batch_size`` and
-            ``per_device_eval_batch_size`` must be 1 (one packed row per rank; the token budget is
-            ``packing.tokens_per_rank``).
+        args: ``TrainingArguments``; ``per_device_train_batch_size`` must be 1, and
+            ``per_device_eval_batch_size`` too when evaluating (one packed row per rank; the token
+            budget is ``packing.tokens_per_rank``).
         train_dataset, eval_dataset: documents with an ``input_ids`` column (``datasets``
             dataset, streaming or not, or a sequence of token lists), packed with ``packing``; or
             already packed ``PackedDataset`` / ``StreamingPackedDataset`` (then no ``packing``;
@@ -99,10 +100,11 @@ class DistCATrainer(Trainer):
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
+        self._forced_settings = {}  # settings the trainer puts in force while it runs (its span_ranks default)
         if model is not None:
             _prepare_model(model)
         if args is not None:
-            _check_arguments(args)
+            _check_arguments(args, evaluating=eval_dataset is not None)
             prepare_training_arguments(args)
             world = args.world_size
         else:
@@ -119,7 +121,7 @@ class DistCATrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
-        _check_arguments(self.args)
+        _check_arguments(self.args, evaluating=eval_dataset is not None)
         check_world_size(self.accelerator.num_processes)
         if self.args.world_size != world:
             raise RuntimeError(f"the world size changed from {world} to {self.args.world_size} while the Trainer was "
@@ -173,14 +175,19 @@ class DistCATrainer(Trainer):
 
     def _choose_span_ranks(self, *, group_size: int) -> bool:
         """``span_ranks`` as the user set it (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:``
-        section), else on when the server group has more than one rank, put in force process-wide."""
+        section), else on when the server group has more than one rank: that default is in force
+        only while ``train()``, ``evaluate()`` and ``predict()`` run (``_forced_settings``), so a
+        forward of the user's after them (generation, a forward on some ranks) sees the settings
+        they had given."""
         plugin = self.distca_plugin
         variable = SETTINGS["span_ranks"].metadata["env"]
         if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
             return self.distca.config.span_ranks  # attach() resolved it with the usual precedence
         if group_size == 1:
             return False
-        self.distca = dataclasses.replace(self.distca, config=configure(span_ranks=True))
+        self._forced_settings = {"span_ranks": True}
+        with configured(**self._forced_settings) as config:
+            self.distca = dataclasses.replace(self.distca, config=config)
         return True
 
     def _check_span_setup(self) -> None:
@@ -214,6 +221,8 @@ class DistCATrainer(Trainer):
             packed = StreamingPackedDataset(dataset, packing, **layout)
         else:
             packed = PackedDataset(dataset, packing, **layout)
+        if isinstance(packed, PackedDataset):
+            _check_has_documents(packed, name)
         self._packed_datasets[name] = packed
         return packed
 
@@ -265,7 +274,16 @@ class DistCATrainer(Trainer):
             _prepare_model(self.model)  # a model_init model is only known now
             if self.span_ranks:
                 self._check_span_setup()
-        return super().train(*args, **kwargs)
+        with configured(**self._forced_settings):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with configured(**self._forced_settings):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with configured(**self._forced_settings):
+            return super().predict(*args, **kwargs)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -332,6 +350,7 @@ class DistCATrainer(Trainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
+        _check_eval_batch_size(self.args)  # evaluate() and predict() both come here, before any forward
         self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
@@ -404,7 +423,36 @@ def _named_datasets(train_dataset, eval_dataset) -> dict:
     return {name: d for name, d in named.items() if d is not None}
 
 
+def _argument_name(name: str) -> str:
+    """The trainer argument a dataset came in: ``train_dataset``, ``eval_dataset`` or ``eval_dataset['x']``."""
+    if name.startswith("eval_"):
+        return f"eval_dataset[{name.removeprefix('eval_')!r}]"
+    return f"{name}_dataset"
+
+
+def _check_has_documents(packed: PackedDataset, name: str) -> None:
+    """A dataset that packs into no row would end in torch's ``num_samples=0`` (train) or evaluate
+    nothing: say which argument and why. A training set must also hold a label token (a document of
+    two tokens or more), or the loss would be 0 / 0."""
+    report = packed.report
+    if len(packed) == 0:
+        why = ("it holds no documents" if report.documents == 0 else
+               f"all {report.documents} of its documents are empty (input_ids of no token)")
+        raise ValueError(f"DistCATrainer: {_argument_name(name)} has no documents to "
+                         f"{'train on' if name == 'train' else 'evaluate'}: {why}; give it tokenized documents "
+                         "(an 'input_ids' column of token-id lists)")
+    if name == "train" and packed.label_tokens() == 0:
+        raise ValueError(f"DistCATrainer: train_dataset has nothing to learn: none of its {report.documents} documents "
+                         "has two tokens or more, so no token has a next token to predict")
+
+
 def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
+    raw = not (_is_streaming(dataset) or isinstance(dataset, PackedDataset))
+    if raw and hasattr(dataset, "__len__") and len(dataset) == 0:
+        # before packing: a datasets.Dataset of no rows may not even have an input_ids column
+        raise ValueError(f"DistCATrainer: {_argument_name(name)} has no documents to "
+                         f"{'train on' if name == 'train' else 'evaluate'}: it holds no documents (0 rows); give it "
+                         "tokenized documents (an 'input_ids' column of token-id lists)")
     if isinstance(dataset, (PackedDataset, StreamingPackedDataset)):
         if packing is not None and dataset.config != packing:
             raise ValueError(f"the {name} dataset is already packed with {dataset.config}; do not pass a different "
@@ -431,16 +479,28 @@ def _prepare_model(model) -> None:
         model.config.use_cache = False  # training: no KV cache
 
 
-def _check_arguments(args) -> None:
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-        if getattr(args, name) != 1:
-            raise ValueError(
-                f"DistCATrainer needs {name}=1 (got {getattr(args, name)}): each rank runs one packed row per forward, "
-                "and the number of tokens in it is PackingConfig.tokens_per_rank"
-            )
+def _check_arguments(args, *, evaluating: bool) -> None:
+    """The TrainingArguments DistCATrainer needs; ``per_device_eval_batch_size`` only when
+    ``evaluating`` (an eval dataset is given; ``evaluate()`` checks it again)."""
+    if args.per_device_train_batch_size != 1:
+        raise ValueError(
+            f"DistCATrainer needs per_device_train_batch_size=1 (got {args.per_device_train_batch_size}): each rank "
+            "runs one packed row per forward, and the number of tokens in it is PackingConfig.tokens_per_rank"
+        )
+    if evaluating:
+        _check_eval_batch_size(args)
     if not args.average_tokens_across_devices:
         raise ValueError("DistCATrainer normalises the loss by the label tokens of all ranks; "
                          "average_tokens_across_devices=False would weight each rank's tokens differently")
+
+
+def _check_eval_batch_size(args) -> None:
+    if args.per_device_eval_batch_size != 1:
+        raise ValueError(
+            f"DistCATrainer evaluates with per_device_eval_batch_size=1 only (got {args.per_device_eval_batch_size}; "
+            "TrainingArguments' default is 8): each rank runs one packed row per forward, and the number of tokens in "
+            "it is PackingConfig.tokens_per_rank. Set TrainingArguments(per_device_eval_batch_size=1)"
+        )
 
 
 class StepTableCallback(ProgressCallback):
