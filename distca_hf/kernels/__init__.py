@@ -215,6 +215,8 @@ def chunk_tasks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, chunk: i
     q_lengths, k_lengths, key_starts = [], [], []
     for i in range(len(cu_q) - 1):
         lq, lk, k0 = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_k[i]
+        if lk < lq:
+            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
         for c in range((lk - lq) // chunk, (lk - 1) // chunk + 1) if lq else ():
             first, end = c * chunk, min(lk, (c + 1) * chunk)
             q_lengths.append(end - max(lk - lq, first))
