@@ -57,6 +57,14 @@ convolutions, and layers combining one with attention: transformers' names): the
 along a row, across the documents packed in it, whatever the attention implementation."""
 
 
+def _restarts(positions) -> bool:
+    """Whether 2D ``position_ids [batch, seq]`` restart inside a row (a position not one above the one
+    before it). Other shapes (multimodal rotary positions ``[3, batch, seq]``, whose image tokens
+    repeat and fall back by design) tell nothing about documents."""
+    return (torch.is_tensor(positions) and positions.dim() == 2 and positions.shape[-1] > 1
+            and bool((positions.diff(dim=-1) <= 0).any()))
+
+
 def _packed(found: dict, rows: int | None) -> bool:
     """Whether a model call's document arguments put more than one document in some row (``rows``:
     the batch size, when known)."""
@@ -64,7 +72,7 @@ def _packed(found: dict, rows: int | None) -> bool:
     for cu in (cu_q, cu_k):
         if cu is not None:
             return rows is None or cu.numel() - 1 > rows
-    return torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) <= 0).any())
+    return _restarts(positions)
 
 
 def _rows(args: tuple, kwargs: dict) -> int | None:
@@ -152,9 +160,9 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
 def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dict):
     """``(position_ids, cu_seq_lens_q, cu_seq_lens_k)`` for one attention call: its own when it got
     any, else those its model's forward was given (``MODEL_DOCUMENTS``, see the module docstring).
-    query ``[batch, heads, seq, head_dim]``. A model given packed position_ids (a position that falls)
-    that this call cannot use (another shape) raises ``UnsupportedAttentionError`` naming the layer,
-    rather than merging its documents."""
+    query ``[batch, heads, seq, head_dim]``. A model given packed position_ids (2D, restarting) that
+    this call cannot use (another row length: the call sees part of the row) raises
+    ``UnsupportedAttentionError`` naming the layer, rather than merging its documents."""
     own = tuple(kwargs.get(name) for name in DOCUMENT_ARGUMENTS)
     given = kwargs.get(MODEL_DOCUMENTS)
     if any(t is not None for t in own):
@@ -169,7 +177,7 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     if (torch.is_tensor(positions) and positions.dim() == 2 and positions.shape[1] == query_len
             and positions.shape[0] in (1, batch_size)):
         return positions, None, None
-    if torch.is_tensor(positions) and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) < 0).any()):
+    if _restarts(positions):
         raise UnsupportedAttentionError(
             f"{type(module).__name__} is called without position_ids or cu_seq_lens, so distca cannot find the "
             f"documents of a packed row, and the packed position_ids given to the model (shape "
