@@ -9,6 +9,11 @@ transformers builds the block-diagonal causal mask from the packed ``position_id
 densely in fp32 by code that shares nothing with distca's. The logged losses must agree step by step, on one
 process and on two, where distca balances the attention of the ranks' rows (``plan_stats()`` after
 every step: within the 2% tolerance of the mean, from worse). Tiny random-weight models, text from ``pydoc_data.topics``, nothing downloaded.
+
+``DistCASFTTrainer`` (``SFTTrainer(packing=True)`` whose global batches span the ranks, so documents
+longer than one rank's row train whole) is checked against a reference that shares nothing with
+TRL or distca: each step's documents, looked up whole in the dataset, run alone with eager attention,
+the loss over the targets the dataset's labels allow, a plain SGD step; losses and parameters agree.
 """
 
 from __future__ import annotations
@@ -301,8 +306,40 @@ def test_distca_sft_trainer_documents_longer_than_a_rank_span_two_processes(tmp_
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
     first, second = (r["value"] for r in results)
     assert first["span_ranks"] and first["spanning_documents"] > 0
+    for name, total in second["parameters"].items():  # the ranks hold the same parameters
+        assert torch.tensor(first["parameters"][name]).sum().item() == pytest.approx(total, rel=1e-5, abs=1e-5)
     assert first["losses"] == second["losses"]  # the Trainer logs the global loss
     steps = [list(rows) for rows in zip(first["rows"], second["rows"])]
     # a document longer than a rank's row, its pieces on both ranks, is in the steps compared
     assert any(_spanning_length(rows) > ROW for rows in steps)
     _assert_equals_reference(first, steps)
+
+
+def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
+    """Each bad combination is refused before anything trains, naming the setting and its fix."""
+    import datasets
+    from transformers import DataCollatorWithFlattening
+    from trl import SFTConfig
+
+    from distca_hf.training import DistCASFTTrainer
+
+    tokenizer = _tokenizer(_texts())
+    documents = _sft_documents(tokenizer)
+    good = {**_common_arguments(str(tmp_path)), "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
+            "packing": True, "max_length": ROW}
+    cases = [
+        ({"per_device_train_batch_size": 2}, {}, "per_device_train_batch_size=1"),
+        ({"packing": False}, {}, "packing=True"),
+        ({"packing_strategy": "wrapped"}, {}, "not padding-free"),
+        ({"eval_packing": False}, {}, "eval_packing"),
+        ({}, {"model": _model("eager", len(tokenizer))}, "attn_implementation='distca'"),
+        ({}, {"data_collator": DataCollatorWithFlattening()}, "drop data_collator"),
+        ({}, {"train_dataset": datasets.Dataset.from_dict(documents.to_dict()).to_iterable_dataset()}, "streaming"),
+    ]
+    for settings, arguments, message in cases:
+        arguments = {"model": _model("distca", len(tokenizer)), "train_dataset": documents, **arguments}
+        with pytest.raises(ValueError, match=message):
+            DistCASFTTrainer(args=SFTConfig(**{**good, **settings}), processing_class=tokenizer, **arguments)
+    with pytest.raises(TypeError, match="SFTConfig"):
+        DistCASFTTrainer(model=_model("distca", len(tokenizer)), args=None, train_dataset=documents,
+                         processing_class=tokenizer)
