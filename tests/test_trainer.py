@@ -495,6 +495,15 @@ def _generate_after_training_worker(rank, world, out_dir):
             result["continuation"] = "computed"
         except ValueError as e:
             result["continuation"] = f"{type(e).__name__}: {e}"
+        # a plain forward (no cache, not generate) is a forward of both ranks: rank 1 does not come, and the
+        # timeout says why that may be (last: the process group is left with an unfinished collective)
+        distca_hf.configure(span_ranks=False, timeout_s=2.0)
+        try:
+            with torch.no_grad():
+                model(input_ids=prompts[:1], use_cache=False)
+            result["alone"] = "computed"
+        except RuntimeError as e:
+            result["alone"] = f"{type(e).__name__}: {e}"
     finally:
         done.touch()
     return result
@@ -519,6 +528,9 @@ def test_rank_zero_generates_alone_after_training(tmp_path):
     assert generated["span_tokens_equal"]
     assert generated["continuation"].startswith("DocumentBoundaryError: distca forward")
     assert "row 0 starts at position_ids 5 > 0, which with span_ranks=True continues" in generated["continuation"]
+    assert generated["alone"].startswith("DistCATimeoutError: distca: distca forward")
+    assert "a peer is alive but not running this forward" in generated["alone"]
+    assert "configure(mode='colocated', span_ranks=False)" in generated["alone"]
 
 
 def test_single_process_matches_reference(tmp_path):
