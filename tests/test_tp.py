@@ -4,14 +4,19 @@ parallelism 2 on 4 processes, the model sharded by transformers itself
 tensor parallelism plus FSDP2). Each rank holds half of every layer's heads; the attention-server
 groups are the ranks holding the same heads ([0, 2] and [1, 3]), read from the model without the
 user repeating the size. Logits and the gathered gradients equal every whole document run alone with
-eager attention in one process (fp32), with a document spanning the two data-parallel ranks."""
+eager attention in one process (fp32), with a document spanning the two data-parallel ranks; and
+``DistCATrainer`` on that model (Accelerate's ParallelismConfig made by transformers, accepted on CPU
+processes) gives the tensor-parallel peers the same rows, lays the global batches out over the
+data-parallel ranks and trains to the losses and weights of one process on the same documents."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dist_harness import run_ranks
 from helpers import tiny_model
@@ -20,11 +25,19 @@ from workers import global_stream
 # one data-parallel pair's global stream: the 50-token document crosses from data index 0 to 1
 DOC_LENGTHS = [30, 50, 7, 1, 12]
 SLICES = [60, 40]
+# the trainer's documents (the 120-token one spans both data-parallel ranks' rows) and its settings
+TRAIN_LENGTHS = [120, 3, 17, 40, 1, 9, 30, 48, 5, 70, 11]
+TOKENS_PER_RANK = 48
+LR = 0.5
+STEPS = 2
+
+
+def _train_documents():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(1, 96, (n,), generator=g).tolist() for n in TRAIN_LENGTHS]
 
 
 def _tp_worker(rank, world, model_dir, out_dir):
-    import os
-
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -57,7 +70,60 @@ def _tp_worker(rank, world, model_dir, out_dir):
                   local_heads=widths[0] // 8,
                   tensor_index=tensor_index, dispatched=stats["dispatched"], local=stats["attn_pairs_local"],
                   kv_received=sum(stats["kv_tokens_received_per_layer"]))
+    report["trainer"] = _train_tensor_parallel(rank, model_dir, out_dir)
     return report
+
+
+def _train_tensor_parallel(rank, model_dir, out_dir):
+    """DistCATrainer on the tensor-parallel model, SGD, ``STEPS`` steps: the rows each rank trained, the losses,
+    and (rank 0) the final weights gathered whole."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+
+    class RecordingTrainer(DistCATrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            cu, ids = inputs["cu_seq_lens_q"].tolist(), inputs["input_ids"][0].tolist()
+            self.recorded.append([[ids[a:b] for a, b in zip(cu, cu[1:])], int(inputs["position_ids"][0, 0]),
+                                  int(num_items_in_batch)])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2), attn_implementation="distca",
+        dtype=torch.float32)
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=1, max_steps=STEPS, learning_rate=LR,
+        optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[],
+        disable_tqdm=True, seed=0, data_seed=0, save_strategy="no", dataloader_pin_memory=False)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=_train_documents(),
+                               packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0),
+                               distca_plugin=DistCAPlugin(tolerance=0.05))
+    trainer.recorded = []
+    trainer.train()
+    params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+              for name, p in trainer.model.named_parameters()}
+    if rank == 0:
+        torch.save(params, os.path.join(out_dir, "trained.pt"))
+    return {"recorded": trainer.recorded, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "server_ranks": list(trainer.distca.server_ranks), "span_ranks": trainer.span_ranks}
+
+
+def _reference_training(steps):
+    """SGD in one process on every step's whole documents, eager; the loss is the mean next-token
+    cross-entropy over the step's label tokens. Returns the losses and the final weights."""
+    model = tiny_model("llama", attn="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for documents in steps:
+        total = sum(F.cross_entropy(model(input_ids=torch.tensor([d])).logits[0, :-1], torch.tensor(d[1:]),
+                                    reduction="sum") for d in documents if len(d) > 1)
+        loss = total / sum(len(d) - 1 for d in documents)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
 @pytest.mark.distributed
@@ -90,3 +156,28 @@ def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
         for name in expected:
             torch.testing.assert_close(got["grads"][name], expected[name], atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+    # DistCATrainer: the tensor-parallel peers (0, 1) and (2, 3) read the same rows; the data-parallel ranks 0 and 2
+    # hold the two slices of each global batch (a row starting at position p > 0 continues the other's document)
+    trained = [result["value"]["trainer"] for result in results]
+    assert all(t["span_ranks"] and t["server_ranks"] == ([0, 2] if r % 2 == 0 else [1, 3])
+               for r, t in enumerate(trained))
+    assert trained[0]["recorded"] == trained[1]["recorded"] and trained[2]["recorded"] == trained[3]["recorded"]
+    assert len(trained[0]["recorded"]) == STEPS
+    steps = []
+    for first, second in zip(trained[0]["recorded"], trained[2]["recorded"]):
+        documents = [list(d) for d in first[0]]
+        pieces, position = [list(d) for d in second[0]], second[1]
+        if position > 0:
+            assert len(documents[-1]) == position  # the continuation's prefix is the first row's last piece
+            documents[-1] += pieces.pop(0)
+        steps.append(documents + pieces)
+        assert first[2] == second[2] == sum(len(d) - 1 for d in steps[-1])  # label tokens counted once
+    assert any(second[1] > 0 for second in trained[2]["recorded"])  # a document spanned the ranks
+    losses, params = _reference_training(steps)
+    for t in trained:
+        torch.testing.assert_close(torch.tensor(t["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    got = torch.load(tmp_path / "trained.pt")
+    assert got.keys() == params.keys()
+    for name in params:
+        torch.testing.assert_close(got[name], params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -16,16 +16,17 @@ from __future__ import annotations
 import os
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
 from .launch_checks import (check_world_size, has_gpu, launched_world_size, prepare_cpu_launch, uses_deepspeed,
                             uses_fsdp)
 from .plugin import DistCAPlugin, model_parallel_sizes
 
-__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "prepare_training_arguments", "require_distca_model"]
+__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "parallelism_config_for_cpu", "prepare_training_arguments",
+           "require_distca_model"]
 
 
 def require_distca_model(model) -> None:
@@ -99,6 +100,8 @@ class DistCAAccelerator(Accelerator):
             handlers.append(InitProcessGroupKwargs(backend=backend))
             kwargs["kwargs_handlers"] = handlers
         _forget_miscounted_state()
+        if kwargs.get("parallelism_config") is not None and not has_gpu():
+            kwargs["parallelism_config"] = parallelism_config_for_cpu(kwargs["parallelism_config"])
         super().__init__(*args, **kwargs)
         check_world_size(self.num_processes)
         apply_cpu_fsdp(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
@@ -191,6 +194,40 @@ def apply_cpu_fsdp(target, *, fsdp_plugin=None) -> bool:
                 "True) cannot both be on; keep FSDP's")
         trainer.is_fsdp_enabled = True
     return True
+
+
+class CPUParallelismConfig(ParallelismConfig):
+    """A ``ParallelismConfig`` Accelerate accepts on CPU processes (see ``parallelism_config_for_cpu``)."""
+
+    def _validate_accelerator(self, accelerator):
+        if accelerator.distributed_type != DistributedType.MULTI_CPU:
+            return super()._validate_accelerator(accelerator)
+        if self.total_size == 1:
+            self._set_size("dp_replicate", accelerator.num_processes)  # as Accelerate does: plain DDP
+        if self.total_size != accelerator.num_processes:
+            raise ValueError(f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
+                             f"({accelerator.num_processes}); adjust dp_replicate_size / dp_shard_size / tp_size")
+
+
+def parallelism_config_for_cpu(parallelism_config, **sizes) -> CPUParallelismConfig | None:
+    """``parallelism_config`` (with ``sizes`` replaced) as one Accelerate accepts on CPU processes (``MULTI_CPU``).
+
+    Accelerate (1.x) validates a ``ParallelismConfig`` only for GPU-like devices, FSDP2 and DeepSpeed and refuses it
+    on CPU processes ("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or
+    DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU"), although its
+    device mesh and DTensor tensor parallelism run on gloo. The copy checks what Accelerate checks for a
+    multi-device run (the sizes cover the processes) and is otherwise the same config; elsewhere it defers to
+    Accelerate. ``DistCAAccelerator`` and ``DistCATrainer`` (for a model transformers sharded with tensor
+    parallelism) use it on CPU processes themselves."""
+    if parallelism_config is None and not sizes:
+        return None
+    if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
+        raise TypeError(f"parallelism_config must be an accelerate.ParallelismConfig, got "
+                        f"{type(parallelism_config).__name__}")
+    names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
+             "tp_handler", "cp_handler", "sp_handler")
+    values = {name: getattr(parallelism_config, name) for name in names} if parallelism_config is not None else {}
+    return CPUParallelismConfig(**{**values, **sizes})
 
 
 def _forget_miscounted_state() -> None:

@@ -60,10 +60,11 @@ from ..config import SETTINGS, configured
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
-from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
-from .launch_checks import check_world_size
+from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cpu, prepare_training_arguments,
+                          require_distca_model)
+from .launch_checks import check_world_size, has_gpu
 from .packing import GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
-from .plugin import DistCAPlugin
+from .plugin import DistCAPlugin, model_parallel_sizes
 
 __all__ = ["DistCATrainer", "StepTableCallback"]
 
@@ -170,6 +171,12 @@ class DistCATrainer(Trainer):
     # -- set-up helpers ---------------------------------------------------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
+        sizes = model_parallel_sizes(hf_model_of(self.model)) if self.model is not None else None
+        if sizes is not None and (sizes.tensor or 1) > 1 and not has_gpu() and self.args.world_size > 1:
+            # transformers makes a ParallelismConfig from a tensor-parallel model, which Accelerate refuses on CPU
+            # processes: give it one Accelerate accepts there, with the model's sizes
+            self.args.parallelism_config = parallelism_config_for_cpu(
+                self.args.parallelism_config, tp_size=sizes.tensor, dp_shard_size=sizes.data or 1)
         super().create_accelerator_and_postprocess()
         apply_cpu_fsdp(self)  # on CPU processes Accelerate drops an FSDP request: shard as asked
 
