@@ -225,7 +225,8 @@ def distca_sft_run(output_dir: str, max_length: int) -> dict:
     rows = [{key: batch[key][0].tolist() for key in ("input_ids", "position_ids")}
             for batch in itertools.islice(trainer.get_train_dataloader(), STEPS)]
     trainer.train()
-    return {"losses": _losses(trainer), "rows": rows, "span_ranks": trainer.span_ranks,
+    evaluation = trainer.evaluate(eval_dataset=_sft_documents(tokenizer))
+    return {"losses": _losses(trainer), "rows": rows, "span_ranks": trainer.span_ranks, "eval": evaluation,
             "spanning_documents": trainer.packing_reports["train"].spanning_documents,
             "parameters": {n: p.detach().tolist() for n, p in trainer.model.named_parameters()}}
 
@@ -259,16 +260,33 @@ def _whole_document_reference(steps: list[list[dict]], tokenizer) -> tuple[list[
             for parameter in model.parameters():
                 parameter -= 0.5 * parameter.grad  # _common_arguments: SGD, learning rate 0.5, constant
         losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, _mean_nll(model, documents)
+
+
+def _mean_nll(model, documents) -> tuple[float, int]:
+    """The mean next-token NLL over every allowed target of ``documents``, each run alone, and the
+    number of targets."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in zip(documents["input_ids"], documents["labels"]):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1]
+            targets = torch.tensor(labels[1:])
+            nll = torch.nn.functional.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+            total += float((nll * targets.ne(-100)).sum())
+            count += int(targets.ne(-100).sum())
+    return total / count, count
 
 
 def _assert_equals_reference(run: dict, steps: list[list[dict]]) -> None:
     from helpers import assert_grads_close
 
-    losses, parameters = _whole_document_reference(steps, _tokenizer(_texts()))
+    losses, parameters, (eval_loss, targets) = _whole_document_reference(steps, _tokenizer(_texts()))
     assert len(run["losses"]) == STEPS
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-5)
     assert_grads_close({n: torch.tensor(v) for n, v in run["parameters"].items()}, parameters)
+    # the evaluation after training: every target of the whole documents, once
+    assert run["eval"]["eval_label_tokens"] == targets
+    assert run["eval"]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
 
 
 def test_distca_sft_trainer_on_one_process_trains_whole_documents(tmp_path):

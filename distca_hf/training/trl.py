@@ -30,7 +30,9 @@ are read in whole global batches (``GlobalBatchSampler``). Nothing is truncated:
 than a whole global batch (``group size * max_length`` tokens) is cut into chunks of that size, each
 trained as its own document, and ``trainer.packing_reports`` counts them.
 
-Evaluation rows are packed the same way; the evaluation loss is TRL's (the mean of each row's mean).
+Evaluation rows are packed the same way; ``eval_loss`` is the mean over every target token of the
+evaluation set, whatever rank holds it (TRL's per-row means weighted by their targets, summed over
+ranks), and ``eval_label_tokens`` their count.
 Map-style datasets only (``datasets.Dataset``): a streaming dataset is refused (``DistCATrainer``
 streams).
 """
@@ -166,6 +168,7 @@ class DistCASFTTrainer(SFTTrainer):
         prepare_training_arguments(args)
         world = args.world_size
         self._layout = None  # known once the server groups exist: until then _prepare_dataset only tokenizes
+        self._eval_totals = None  # [sum of target NLLs, targets] during an evaluation
         self._packed_datasets = {}
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
@@ -277,6 +280,31 @@ class DistCASFTTrainer(SFTTrainer):
         if sampler is not None and "epoch" in kwargs:
             sampler.set_epoch(kwargs["epoch"])
         return super()._run_epoch(*args, **kwargs)
+
+    # -- evaluation: the exact token-weighted loss -------------------------------------------------
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # TRL's loss of one row is its mean over the row's targets (0 for a row without any); its
+        # sum and count are kept so that evaluation_loop can report the mean over all targets.
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if self._eval_totals is not None and loss is not None and "shift_labels" in inputs:
+            count = inputs["shift_labels"].ne(IGNORE_INDEX).sum().to(self._eval_totals)
+            self._eval_totals += torch.stack([loss.detach().to(self._eval_totals) * count, count])
+        return loss, logits, labels
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu()
+        finally:
+            self._eval_totals = None
+        if totals[1] > 0:
+            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
+        output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
+        return output
 
     def _get_collator_with_removed_columns(self, data_collator, description=None):
         # The packed items are the collator's own format (first_position, label_pieces, ... are no model arguments).
