@@ -4,7 +4,8 @@ parallelism 2 on 4 processes, the model sharded by transformers itself
 tensor parallelism plus FSDP2). Each rank holds half of every layer's heads; the attention-server
 groups are the ranks holding the same heads ([0, 2] and [1, 3]), read from the model without the
 user repeating the size. Logits and the gathered gradients equal every whole document run alone with
-eager attention in one process (fp32), with a document spanning the two data-parallel ranks; and
+eager attention in one process (fp32), with a document spanning the two data-parallel ranks;
+``DistCAAccelerator(parallelism_config=...)`` builds the same groups on CPU processes; and
 ``DistCATrainer`` on that model (Accelerate's ParallelismConfig made by transformers, accepted on CPU
 processes) gives the tensor-parallel peers the same rows, lays the global batches out over the
 data-parallel ranks and trains to the losses and weights of one process on the same documents."""
@@ -70,7 +71,27 @@ def _tp_worker(rank, world, model_dir, out_dir):
                   local_heads=widths[0] // 8,
                   tensor_index=tensor_index, dispatched=stats["dispatched"], local=stats["attn_pairs_local"],
                   kv_received=sum(stats["kv_tokens_received_per_layer"]))
+    report["accelerator"] = _accelerator_groups(model)
     report["trainer"] = _train_tensor_parallel(rank, model_dir, out_dir)
+    return report
+
+
+def _accelerator_groups(model):
+    """DistCAAccelerator given accelerate's ParallelismConfig on CPU processes (which plain Accelerate refuses):
+    the server groups before and after preparing the tensor-parallel model."""
+    from accelerate import ParallelismConfig
+    from accelerate.state import AcceleratorState
+
+    from distca_hf import DistCAAccelerator, DistCAPlugin
+
+    accelerator = DistCAAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
+                                    distca_plugin=DistCAPlugin(tolerance=0.05))
+    before = list(accelerator.distca.server_ranks)
+    accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+    report = {"before": before, "after": list(accelerator.distca.server_ranks),
+              "tensor_parallel": accelerator.distca.topology.tensor_parallel,
+              "plugin_config": type(accelerator.distca_plugin.parallelism_config).__name__}
+    AcceleratorState._reset_state(reset_partial_state=True)  # the trainer below sets Accelerate up afresh
     return report
 
 
@@ -156,6 +177,11 @@ def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
         for name in expected:
             torch.testing.assert_close(got["grads"][name], expected[name], atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+    for rank, result in enumerate(results):
+        groups = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert result["value"]["accelerator"] == {"before": groups, "after": groups, "tensor_parallel": 2,
+                                                  "plugin_config": "CPUParallelismConfig"}
 
     # DistCATrainer: the tensor-parallel peers (0, 1) and (2, 3) read the same rows; the data-parallel ranks 0 and 2
     # hold the two slices of each global batch (a row starting at position p > 0 continues the other's document)

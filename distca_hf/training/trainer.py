@@ -42,7 +42,10 @@ exact: no query moves, only the K/V prefixes of spanning documents travel (the b
 
 Gradient accumulation, gradient checkpointing (``activation_checkpointing=True``), checkpoint save
 and resume (mid-epoch too: global batches are shuffled whole, by ``GlobalBatchSampler``, from the
-seed and the epoch alone), evaluation, DDP, DeepSpeed ZeRO 1/2/3 and FSDP2 are the Trainer's own
+seed and the epoch alone), evaluation, DDP, DeepSpeed ZeRO 1/2/3, FSDP2 and transformers' tensor
+parallelism (a model loaded with ``distributed_config=DistributedConfig(tp_size=...)``: the plugin takes
+its size, the tensor-parallel peers read the same rows, the rows are laid out over the data-parallel
+ranks; on CPU processes too, ``accelerator.parallelism_config_for_cpu``) are the Trainer's own
 (FSDP2 on CPU processes too, where Accelerate alone would run DDP: ``accelerator.apply_cpu_fsdp``).
 """
 
