@@ -181,7 +181,7 @@ class DistCASFTTrainer(SFTTrainer):
             raise ValueError(f"{type(hf_model_of(self.model)).__name__}.forward does not accept loss kwargs "
                              "(num_items_in_batch), so the loss could not be normalised by the label tokens of all "
                              "ranks")
-        self.distca = self.distca_plugin.attach()
+        self.distca = self.distca_plugin.attach(model=hf_model_of(self.model))  # a tensor-parallel model's sizes
         server_groups = self.distca.topology.server_groups(self.distca_plugin.server_group)
         self.span_ranks = self._choose_span_ranks(group_size=len(server_groups[0]))
         if self.span_ranks and (self.compute_loss_func is not None or self.args.label_smoothing_factor):
