@@ -91,6 +91,16 @@ def _accelerator_groups(model):
     report = {"before": before, "after": list(accelerator.distca.server_ranks),
               "tensor_parallel": accelerator.distca.topology.tensor_parallel,
               "plugin_config": type(accelerator.distca_plugin.parallelism_config).__name__}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # what `accelerate launch` with a parallelism_config section sets
+    variables = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2",
+                 "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    os.environ.update(variables)
+    try:
+        report["from_launch"] = list(DistCAAccelerator(distca_plugin=DistCAPlugin()).distca.server_ranks)
+    finally:
+        for name in variables:
+            del os.environ[name]
     AcceleratorState._reset_state(reset_partial_state=True)  # the trainer below sets Accelerate up afresh
     return report
 
@@ -181,7 +191,7 @@ def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
     for rank, result in enumerate(results):
         groups = [0, 2] if rank % 2 == 0 else [1, 3]
         assert result["value"]["accelerator"] == {"before": groups, "after": groups, "tensor_parallel": 2,
-                                                  "plugin_config": "CPUParallelismConfig"}
+                                                  "plugin_config": "CPUParallelismConfig", "from_launch": groups}
 
     # DistCATrainer: the tensor-parallel peers (0, 1) and (2, 3) read the same rows; the data-parallel ranks 0 and 2
     # hold the two slices of each global batch (a row starting at position p > 0 continues the other's document)

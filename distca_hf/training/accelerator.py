@@ -100,8 +100,12 @@ class DistCAAccelerator(Accelerator):
             handlers.append(InitProcessGroupKwargs(backend=backend))
             kwargs["kwargs_handlers"] = handlers
         _forget_miscounted_state()
-        if kwargs.get("parallelism_config") is not None and not has_gpu():
-            kwargs["parallelism_config"] = parallelism_config_for_cpu(kwargs["parallelism_config"])
+        if not has_gpu():
+            config = kwargs.get("parallelism_config")
+            if config is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+                config = ParallelismConfig()  # from the PARALLELISM_CONFIG_* variables of `accelerate launch`
+            if config is not None:
+                kwargs["parallelism_config"] = parallelism_config_for_cpu(config)
         super().__init__(*args, **kwargs)
         check_world_size(self.num_processes)
         apply_cpu_fsdp(self, fsdp_plugin=kwargs.get("fsdp_plugin"))
