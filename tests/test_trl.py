@@ -224,9 +224,12 @@ def distca_sft_run(output_dir: str, max_length: int) -> dict:
                                train_dataset=_sft_documents(tokenizer), processing_class=tokenizer)
     rows = [{key: batch[key][0].tolist() for key in ("input_ids", "position_ids")}
             for batch in itertools.islice(trainer.get_train_dataloader(), STEPS)]
+    recorder = _PlanRecorder()
+    trainer.add_callback(recorder)
     trainer.train()
     evaluation = trainer.evaluate(eval_dataset=_sft_documents(tokenizer))
     return {"losses": _losses(trainer), "rows": rows, "span_ranks": trainer.span_ranks, "eval": evaluation,
+            "plans": recorder.plans,
             "spanning_documents": trainer.packing_reports["train"].spanning_documents,
             "parameters": {n: p.detach().tolist() for n, p in trainer.model.named_parameters()}}
 
@@ -330,6 +333,13 @@ def test_distca_sft_trainer_documents_longer_than_a_rank_span_two_processes(tmp_
     steps = [list(rows) for rows in zip(first["rows"], second["rows"])]
     # a document longer than a rank's row, its pieces on both ranks, is in the steps compared
     assert any(_spanning_length(rows) > ROW for rows in steps)
+    # distca balanced the ranks' attention (a continuing piece attends to its whole prefix: it costs more)
+    assert first["plans"] == second["plans"] and len(first["plans"]) == STEPS
+    for plan in first["plans"]:
+        local, served = plan["attn_pairs_local"], plan["attn_pairs_served"]
+        assert plan["dispatched"] and sum(served) == sum(local)
+        assert max(served) <= 1.02 * sum(served) / len(served) + 1
+    assert any(max(p["attn_pairs_local"]) > 1.1 * sum(p["attn_pairs_local"]) / 2 for p in first["plans"])
     _assert_equals_reference(first, steps)
 
 
