@@ -21,7 +21,7 @@ What stays TRL's: dataset preparation (formatting function, chat template, EOS, 
 ``labels`` column with prompt / non-assistant tokens at -100 for ``completion_only_loss`` and
 ``assistant_only_loss``), its loss (the fused LM head, ``loss_type`` ``nll`` or ``dft``, normalised by
 the label tokens of all ranks), its metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) and
-everything of ``transformers.Trainer`` (accumulation, checkpointing, DDP, DeepSpeed, FSDP2). What
+``transformers.Trainer``'s own paths (gradient accumulation, checkpoints, DDP, DeepSpeed, FSDP2). What
 changes: the packing. TRL's ``pack_dataset`` is replaced by distca's (``training.packing``:
 ``PackedDataset`` with ``tokens_per_rank = max_length``, best-fit decreasing for ``packing_strategy``
 ``bfd`` and ``bfd_split`` alike), the rows come from ``SFTPackedCollator`` (``PackedCollator``'s rows
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from ..config import SETTINGS, configure
+from ..config import SETTINGS, configured
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .packing import IGNORE_INDEX, GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig
@@ -169,6 +169,7 @@ class DistCASFTTrainer(SFTTrainer):
         world = args.world_size
         self._layout = None  # known once the server groups exist: until then _prepare_dataset only tokenizes
         self._eval_totals = None  # [sum of target NLLs, targets] during an evaluation
+        self._forced_settings = {}  # distca settings this trainer puts in force while it trains / evaluates
         self._packed_datasets = {}
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
@@ -210,15 +211,30 @@ class DistCASFTTrainer(SFTTrainer):
 
     def _choose_span_ranks(self, *, group_size: int) -> bool:
         """The user's ``span_ranks`` (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:`` section), else on
-        when the server group has more than one rank, put in force process-wide."""
+        when the server group has more than one rank: that default is in force only while ``train()``,
+        ``evaluate()`` and ``predict()`` run, as under ``DistCATrainer``."""
         plugin = self.distca_plugin
         variable = SETTINGS["span_ranks"].metadata["env"]
         if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
             return self.distca.config.span_ranks
         if group_size == 1:
             return False
-        self.distca = dataclasses.replace(self.distca, config=configure(span_ranks=True))
+        self._forced_settings = {"span_ranks": True}
+        with configured(**self._forced_settings) as config:
+            self.distca = dataclasses.replace(self.distca, config=config)
         return True
+
+    def train(self, *args, **kwargs):
+        with configured(**self._forced_settings):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with configured(**self._forced_settings):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with configured(**self._forced_settings):
+            return super().predict(*args, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL's preparation without its packing and truncation (``max_length`` is the row budget, not a
