@@ -365,7 +365,8 @@ def test_sizes_given_two_ways_must_agree_and_the_error_names_both():
         DistCAPlugin.from_parallelism_config(config, data_parallel_size=1)
     # the Accelerator's config joins a plugin that has none; one of its own must agree with it
     assert DistCAPlugin().with_parallelism(config).topology(4).tensor_parallel == 2
-    with pytest.raises(ValueError, match=r"DistCAPlugin.tensor_parallel_size = 1, but .*tp_size = 2"):
+    with pytest.raises(ValueError, match=r"DistCAPlugin.tensor_parallel_size = 1, but the ParallelismConfig of the "
+                                         r"Accelerator.tp_size = 2"):
         DistCAPlugin(tensor_parallel_size=1).with_parallelism(config)
     with pytest.raises(ValueError, match=r"parallelism_config.tp_size = 4, but the ParallelismConfig of the "
                                          r"Accelerator.tp_size = 2"):
@@ -379,17 +380,17 @@ def test_a_tensor_parallel_model_says_its_size():
 
     from transformers.distributed import DistributedConfig
 
-    from distca_hf.training.plugin import model_parallel_sizes
+    from distca_hf.training.plugin import ParallelSizes, model_parallel_sizes
 
     from helpers import tiny_model
 
     model = tiny_model("llama")
-    assert (model_parallel_sizes(model).tensor, model_parallel_sizes(model).data) == (None, None)
+    assert model_parallel_sizes(model) == ParallelSizes(data_parallel=None, tensor_parallel=None)
     assert DistCAPlugin().topology(4, model=model).tensor_parallel == 1
     model._tp_size = 2
     model.config.distributed_config = DistributedConfig(tp_size=2, fsdp_size=2)
     model._device_mesh = object()  # sharded at load time: the DistributedConfig's data sizes hold too
-    assert (model_parallel_sizes(model).tensor, model_parallel_sizes(model).data) == (2, 2)
+    assert model_parallel_sizes(model) == ParallelSizes(data_parallel=2, tensor_parallel=2)
     assert DistCAPlugin().topology(4, model=model).server_groups() == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match=r"DistCAPlugin.tensor_parallel_size = 4, but the model's tensor-parallel "
                                          r"size \(LlamaForCausalLM.tp_size\) = 2"):
@@ -397,7 +398,7 @@ def test_a_tensor_parallel_model_says_its_size():
     with pytest.raises(ValueError, match=r"data_parallel_size = 4, but the model's DistributedConfig"):
         DistCAPlugin(data_parallel_size=4).topology(8, model=model)
     legacy = SimpleNamespace(tp_size=None, config=SimpleNamespace(distributed_config={"tp_size": 4}))
-    assert model_parallel_sizes(legacy).tensor == 4  # a config stored as a dict (from a saved config.json)
+    assert model_parallel_sizes(legacy).tensor_parallel == 4  # a config stored as a dict (from a saved config.json)
 
 
 def test_parallelism_config_is_not_a_yaml_key(tmp_path):

@@ -135,7 +135,7 @@ class DistCAAccelerator(Accelerator):
         if getattr(self, "_distca_attached_model", None) is inner:
             return  # prepare() passes the model to prepare_model() again
         sizes = model_parallel_sizes(inner)
-        if sizes.tensor is not None or sizes.data is not None:
+        if sizes.tensor_parallel is not None or sizes.data_parallel is not None:
             self.distca = self.distca_plugin.attach(model=inner)
             self._distca_attached_model = inner
 

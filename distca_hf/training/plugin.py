@@ -148,10 +148,11 @@ class DistCAPlugin(_SettingFields):
         and ``DistCATrainer`` do with the Accelerator's); a config of its own must agree with it."""
         if parallelism_config is None or parallelism_config is self.parallelism_config:
             return self
+        theirs = _sizes_of_parallelism_config(parallelism_config, f"the ParallelismConfig of {source}")
+        _check_agree(self._own_sizes(), theirs)
         if self.parallelism_config is not None:
-            mine = _sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config")
-            theirs = _sizes_of_parallelism_config(parallelism_config, f"the ParallelismConfig of {source}")
-            _check_agree(mine, theirs)
+            _check_agree(_sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config"),
+                         theirs)
             return self
         return dataclasses.replace(self, parallelism_config=parallelism_config)
 
@@ -189,18 +190,25 @@ class DistCAPlugin(_SettingFields):
         """The data- and tensor-parallel sizes this plugin's sources say (``None``: not said), checked to
         agree: the plugin's own fields, its ``parallelism_config`` and, given a transformers ``model``,
         the tensor-parallel (and data-parallel) size transformers sharded it with."""
-        said = [_Said(self.data_parallel_size, self.tensor_parallel_size, "DistCAPlugin.data_parallel_size",
-                      "DistCAPlugin.tensor_parallel_size")]
+        said = [self._own_sizes()]
         if self.parallelism_config is not None:
             said.append(_sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config"))
         if model is not None:
-            said.append(model_parallel_sizes(model))
+            sizes = model_parallel_sizes(model)
+            name = type(model).__name__
+            said.append(_Said(sizes.data_parallel, sizes.tensor_parallel,
+                              f"the model's DistributedConfig dp_replicate_size x fsdp_size ({name})",
+                              f"the model's tensor-parallel size ({name}.tp_size)"))
         for other in said[1:]:
             _check_agree(said[0], other)
             said[0] = _Said(_first(said[0].data, other.data), _first(said[0].tensor, other.tensor),
                             said[0].data_source if said[0].data is not None else other.data_source,
                             said[0].tensor_source if said[0].tensor is not None else other.tensor_source)
         return ParallelSizes(said[0].data, said[0].tensor)
+
+    def _own_sizes(self) -> "_Said":
+        return _Said(self.data_parallel_size, self.tensor_parallel_size, "DistCAPlugin.data_parallel_size",
+                     "DistCAPlugin.tensor_parallel_size")
 
     def topology(self, world_size: int, ranks_per_node: int | None = None, *, model=None) -> ParallelTopology:
         """The job's topology on ``world_size`` ranks (see ``parallel_sizes`` for where the sizes come from)."""
@@ -319,11 +327,10 @@ def _sizes_of_parallelism_config(config, name: str) -> _Said:
                  f"{name}.tp_size")
 
 
-def model_parallel_sizes(model) -> _Said:
+def model_parallel_sizes(model) -> ParallelSizes:
     """The tensor- (and data-) parallel sizes transformers sharded ``model`` with (an unwrapped HF model):
     ``model.tp_size`` (transformers 5: ``_tp_size``, set by ``from_pretrained(distributed_config=...)``),
     else ``config.distributed_config``; ``None`` where the model was not sharded that way."""
-    name = type(model).__name__
     distributed_config = getattr(getattr(model, "config", None), "distributed_config", None)
 
     def read(attribute):
@@ -342,9 +349,7 @@ def model_parallel_sizes(model) -> _Said:
         replicate, shard = read("dp_replicate_size") or 1, read("fsdp_size") or 1
         data = replicate * shard
     tensor = tensor if isinstance(tensor, int) and not isinstance(tensor, bool) else None
-    return _Said(data, tensor,
-                 f"the model's DistributedConfig dp_replicate_size x fsdp_size ({name})",
-                 f"the model's tensor-parallel size ({name}.tp_size)")
+    return ParallelSizes(data, tensor)
 
 
 def _check_model_tensor_groups(model, topology: ParallelTopology, rank: int) -> None:

@@ -175,12 +175,13 @@ class DistCATrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         sizes = model_parallel_sizes(hf_model_of(self.model)) if self.model is not None else None
-        tensor_parallel_model = sizes is not None and (sizes.tensor or 1) > 1
+        tensor_parallel_model = sizes is not None and (sizes.tensor_parallel or 1) > 1
         if (tensor_parallel_model or self.args.parallelism_config is not None) and not has_gpu() \
                 and self.args.world_size > 1:
             # Accelerate refuses a ParallelismConfig on CPU processes (the arguments' own, or the one transformers
             # makes from a tensor-parallel model): give it one it accepts there, with the model's sizes
-            model_sizes = {"tp_size": sizes.tensor, "dp_shard_size": sizes.data or 1} if tensor_parallel_model else {}
+            model_sizes = ({"tp_size": sizes.tensor_parallel, "dp_shard_size": sizes.data_parallel or 1}
+                           if tensor_parallel_model else {})
             self.args.parallelism_config = parallelism_config_for_cpu(self.args.parallelism_config, **model_sizes)
         super().create_accelerator_and_postprocess()
         apply_cpu_fsdp(self)  # on CPU processes Accelerate drops an FSDP request: shard as asked
