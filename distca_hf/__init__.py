@@ -34,7 +34,7 @@ _LAZY_EXPORTS = {
     "runtime": ("plan_stats",),
     "training": ("DistCAPlugin", "PackedCollator", "PackedDataset", "PackingConfig", "ParallelTopology",
                  "StreamingPackedDataset", "load_documents", "DistCATrainer", "DistCASFTTrainer", "StepTableCallback",
-                 "DistCAAccelerator", "prepare_training_arguments", "apply_cpu_fsdp"),
+                 "DistCAAccelerator", "prepare_training_arguments", "apply_cpu_fsdp", "parallelism_config_for_cpu"),
 }
 _HOME = {name: module for module, names in _LAZY_EXPORTS.items() for name in names}
 _SUBPACKAGES = ("planning", "runtime", "kernels", "hf", "training", "tools", "patches", "state")

@@ -23,12 +23,14 @@ _LAZY = {
     **dict.fromkeys(("load_documents", "DocumentSourceError", "MissingDocumentsError"), "loading"),
     **dict.fromkeys(("GlobalBatchSampler", "PackedCollator", "PackedDataset", "PackedRow", "PackingConfig",
                      "PackingReport", "RankLayout", "StreamingPackedDataset", "pack_lengths", "pack_rows"), "packing"),
-    **dict.fromkeys(("DistCAGroups", "DistCAPlugin", "read_distca_section"), "plugin"),
+    **dict.fromkeys(("DistCAGroups", "DistCAPlugin", "ParallelSizes", "model_parallel_sizes", "read_distca_section"),
+                    "plugin"),
     **dict.fromkeys(("ParallelTopology", "group_ranks"), "topology"),
     "DistCAArguments": "arguments",
     **dict.fromkeys(("DistCASFTTrainer", "SFTPackedCollator", "SFTPackedDataset"), "trl"),
     "DistCATrainer": "trainer", "StepTableCallback": "trainer", "DistCAAccelerator": "accelerator",
     "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator", "apply_cpu_fsdp": "accelerator",
+    "parallelism_config_for_cpu": "accelerator",
     "prepare_cpu_launch": "launch_checks",
 }
 
