@@ -110,6 +110,7 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     if position_ids is None:
         position_ids = torch.arange(seq, device=inputs_embeds.device).unsqueeze(0).expand(batch, -1)
     layers = list(model.layers[: model.config.num_hidden_layers])
+    _refuse_fsdp_layers(layers)
     plan = _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs)
 
     cos, sin = model.rotary_emb(inputs_embeds, position_ids=position_ids)
@@ -130,6 +131,22 @@ def pingpong_forward(model, input_ids=None, attention_mask=None, position_ids=No
     out = flat.new_zeros(flat.shape).index_copy(0, plan.rows_a, h_a[0]).index_copy(0, plan.rows_b, h_b[0])
     out = model.norm(out.view(batch, seq, hidden_size))
     return BaseModelOutputWithPast(last_hidden_state=out)
+
+
+def _refuse_fsdp_layers(layers) -> None:
+    """Every rank raises alike, before any collective, when FSDP2 shards the decoder layers: it gathers a layer's
+    parameters in hooks around the layer's own forward, which ping-pong does not call (it runs the layer's parts
+    for two nano-batches), so they would stay sharded ("aten.mul.Tensor got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(layer, FSDPModule) for layer in layers):
+        raise ValueError(
+            f"overlap='pingpong' cannot run {type(layers[0]).__name__.removeprefix('FSDP')} layers sharded by FSDP2 "
+            "(fully_shard: "
+            "Accelerate's FSDP2, or from_pretrained(distributed_config=DistributedConfig(fsdp_size=...)) as under "
+            "transformers' tensor x data parallelism): ping-pong runs each layer's parts itself and FSDP2 gathers "
+            "the parameters only around the layer's own forward. Use overlap='wave' or 'none' (DistCAPlugin(overlap="
+            "...), DISTCA_OVERLAP) with FSDP2")
 
 
 def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):

@@ -67,6 +67,12 @@ def _tp_worker(rank, world, model_dir, out_dir):
              for name, p in model.named_parameters()}
     torch.save({"logits": logits.detach(), "grads": grads}, f"{out_dir}/rank{rank}.pt")
     stats = distca_hf.plan_stats()
+    distca_hf.configure(overlap="pingpong")  # refused on FSDP2-sharded layers, on every rank before any collective
+    try:
+        model(input_ids=tokens[lo:hi][None], position_ids=positions[lo:hi][None])
+    except ValueError as e:
+        report["pingpong"] = str(e)
+    distca_hf.configure(overlap="none")
     report.update(server_ranks=list(groups.server_ranks), tensor_parallel=groups.topology.tensor_parallel,
                   local_heads=widths[0] // 8,
                   tensor_index=tensor_index, dispatched=stats["dispatched"], local=stats["attn_pairs_local"],
@@ -178,6 +184,7 @@ def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
         assert value["tensor_parallel"] == 2 and value["local_heads"] == 2  # of 4
         assert "DistCAPlugin.tensor_parallel_size = 1" in value["conflict"]
         assert re.search(r"the model's tensor-parallel size \(\w*LlamaForCausalLM.tp_size\) = 2", value["conflict"])
+        assert "overlap='pingpong' cannot run LlamaDecoderLayer layers sharded by FSDP2" in value["pingpong"]
         assert value["dispatched"] and sum(value["local"]) == sum(n * (n + 1) // 2 for n in DOC_LENGTHS)
         assert value["kv_received"] > 0  # the spanning document's prefix crossed data-parallel ranks
         got = torch.load(tmp_path / f"rank{rank}.pt")
