@@ -39,6 +39,8 @@ class DistCAState:
         timeline_on: whether ``runtime.timeline`` records.
         timeline_events: what it recorded (``runtime.timeline.Event``).
         lock: guards ``timeline_events``; collective completion callbacks run on backend threads.
+        exit_hook_registered: whether ``runtime.shutdown`` registered its ``atexit`` hook (which
+            closes the process groups before the interpreter shuts down).
     """
 
     code_settings: dict = field(default_factory=dict)
@@ -52,6 +54,7 @@ class DistCAState:
     timeline_on: bool = False
     timeline_events: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    exit_hook_registered: bool = False
 
 
 STATE = DistCAState()

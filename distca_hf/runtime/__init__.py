@@ -12,6 +12,7 @@
     pingpong       overlap ``pingpong``: two nano-batches, three autograd nodes each
     timeline       per-rank compute / communication intervals and the overlap fraction
     processes      how many processes the launch asked for, against how many run
+    shutdown       the exit hook that closes the process groups before the interpreter shuts down
 """
 
 from .agree import DistCAPeerError

@@ -2,7 +2,8 @@
 
 Every call is asynchronous underneath and waited on with distca's timeout, so a dead or stuck peer
 raises ``DistCATimeoutError`` naming the operation and the forward instead of hanging. Every rank calls
-the same collectives in the same order.
+the same collectives in the same order. The first one registers the exit hook that closes the process
+groups before the interpreter shuts down (``shutdown``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import DistCATimeoutError
 from . import timeline
+from .shutdown import close_at_exit
 
 __all__ = ["DistCATimeoutError", "CommHandle", "all_to_all", "all_gather_documents", "free_port"]
 
@@ -54,6 +56,7 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
                what: str, out: torch.Tensor | None = None, async_op: bool = False):
     """Uneven all-to-all of a 1D buffer. ``send_splits[r]`` elements go to rank ``r``;
     ``recv_splits[r]`` come from it. Returns the received buffer, or a ``CommHandle`` when ``async_op``."""
+    close_at_exit()
     total = int(sum(recv_splits))
     recv = out if out is not None and out.numel() == total else torch.empty(total, dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send, list(map(int, recv_splits)), list(map(int, send_splits)), group=group,
@@ -65,6 +68,7 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
 def all_gather_documents(header: list[int], lengths: np.ndarray, group, device, timeout_s: float, what: str):
     """Every rank's small int header and its document lengths (any count), in rank order.
     Returns ``(headers, lengths)``: lists of tuples and int64 arrays."""
+    close_at_exit()
     world = dist.get_world_size(group)
     mine = torch.tensor([lengths.size, *header], dtype=torch.int64, device=device)
     heads = [torch.empty_like(mine) for _ in range(world)]

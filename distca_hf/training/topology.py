@@ -153,10 +153,13 @@ def build_server_group(topology: ParallelTopology, rank: int, scope: str = "data
     """
     import torch.distributed as dist
 
+    from ..runtime.shutdown import close_at_exit
+
     groups = topology.server_groups(scope)
     mine = topology.group_of(rank, groups)
     if len(groups) == 1:
         return None, mine
+    close_at_exit()  # the groups made here are destroyed before the interpreter shuts down
     handle = None
     for ranks in groups:
         group = dist.new_group(ranks=ranks)
