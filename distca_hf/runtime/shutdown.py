@@ -4,12 +4,16 @@ exits 0.
 Why: a gloo worker thread drops each collective it ran itself, once the collective is complete, and
 dropping it releases the collective's tensors, which needs the GIL (torch hands the tensors' Python
 objects back). The caller's ``wait()`` returns as soon as the collective completes, so after a run's
-last collective (the Trainer's final all-gather of the loss, for example) the worker may still be
-waiting for the GIL when the script ends. If it gets the GIL only after the interpreter has begun
-finalizing, Python ends the thread inside that C++ destructor: ``terminate called without an active
-exception``, SIGABRT, and the launcher exits 1 (pytorch/pytorch#190489). On this 2-core machine it
-hit about 1 run in 5 of a 2-process ``Trainer`` under ``accelerate launch``, eager attention
-included; the more loaded the machine, the later the worker is scheduled, the likelier it is.
+last collective (``Trainer.store_flos``'s all-gather at the end of ``train()``, for example) the
+worker may still be waiting for the GIL when the script ends. If it gets the GIL only after the
+interpreter has begun finalizing, Python ends the thread inside that C++ destructor: ``terminate
+called without an active exception``, SIGABRT, and the launcher exits 1 (pytorch/pytorch#190489).
+On this 2-core machine it hit between 1 run in 4 and 1 in 15 of a 2-process ``Trainer`` under
+``accelerate launch``, eager attention included: the busier the machine, the later the worker runs.
+
+The hook first sleeps briefly, which hands the GIL to such a worker (the fix for DDP runs, whose
+reducer keeps the default group alive past any destroy), then destroys the groups; a group nothing
+else holds is then freed with the GIL released, which joins its worker threads.
 
 ``close_at_exit()``, called by every distca collective and group creation, registers
 ``close_process_groups`` with ``atexit`` once per process. Hooks run after the script has finished
@@ -31,6 +35,7 @@ __all__ = ["GIL_HANDOFF_S", "close_at_exit", "close_process_groups"]
 # that is already waiting (releasing the GIL wakes it); the rest is for one that the operating system
 # has not scheduled yet on a loaded machine. Paid once per process, at exit.
 GIL_HANDOFF_S = 0.05
+
 
 def close_at_exit() -> None:
     """Register ``close_process_groups`` to run at interpreter exit (once per process; cheap to call
