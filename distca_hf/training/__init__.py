@@ -9,6 +9,8 @@
     offline_corpus the demo's offline documents (Python's help topics) and the BPE trained on them
     launch_checks  launched vs running processes, the CPU launch traps
     accelerator    DistCAAccelerator and the model checks every entry point runs
+    global_batches what a Trainer subclass does when a server group shares global batches (span_ranks in
+                   force while it runs, the sampler, the exact evaluation loss): DistCATrainer's and TRL's
     trainer        DistCATrainer and its step table
     arguments      DistCAArguments: the distca settings as command-line flags (``HfArgumentParser``)
     trl            DistCASFTTrainer: TRL's SFTTrainer packing global batches over the server group

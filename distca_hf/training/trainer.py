@@ -51,28 +51,26 @@ ranks; on CPU processes too, ``accelerator.parallelism_config_for_cpu``) are the
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import os
 import time
 
 import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer
 
-from ..config import SETTINGS, configured
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
 from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cpu, prepare_training_arguments,
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
-from .packing import GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .global_batches import GlobalBatchTrainerMixin
+from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
 from .plugin import DistCAPlugin, model_parallel_sizes
 
 __all__ = ["DistCATrainer", "StepTableCallback"]
 
 
-class DistCATrainer(Trainer):
+class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
     """A ``transformers.Trainer`` that trains packed documents with Core Attention Disaggregation.
 
     Args:
@@ -96,6 +94,8 @@ class DistCATrainer(Trainer):
         packing_reports: ``{"train": PackingReport, "eval": ...}`` (a property).
     """
 
+    packed_dataset_types = (PackedDataset,)  # a stream's rows are read in order by every rank (no sampler)
+
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, *, distca_plugin: DistCAPlugin | None = None,
                  packing: PackingConfig | None = None, **kwargs):
@@ -104,7 +104,6 @@ class DistCATrainer(Trainer):
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
-        self._forced_settings = {}  # settings the trainer puts in force while it runs (its span_ranks default)
         if model is not None:
             _prepare_model(model)
         if args is not None:
@@ -160,7 +159,6 @@ class DistCATrainer(Trainer):
         else:
             self.eval_dataset = self._packed(eval_dataset, packing, layout, "eval")
         self._reset_window()
-        self._eval_totals = None
         self._table_replaces_progress()
 
     def _table_replaces_progress(self) -> None:
@@ -185,23 +183,6 @@ class DistCATrainer(Trainer):
             self.args.parallelism_config = parallelism_config_for_cpu(self.args.parallelism_config, **model_sizes)
         super().create_accelerator_and_postprocess()
         apply_cpu_fsdp(self)  # on CPU processes Accelerate drops an FSDP request: shard as asked
-
-    def _choose_span_ranks(self, *, group_size: int) -> bool:
-        """``span_ranks`` as the user set it (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:``
-        section), else on when the server group has more than one rank: that default is in force
-        only while ``train()``, ``evaluate()`` and ``predict()`` run (``_forced_settings``), so a
-        forward of the user's after them (generation, a forward on some ranks) sees the settings
-        they had given."""
-        plugin = self.distca_plugin
-        variable = SETTINGS["span_ranks"].metadata["env"]
-        if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
-            return self.distca.config.span_ranks  # attach() resolved it with the usual precedence
-        if group_size == 1:
-            return False
-        self._forced_settings = {"span_ranks": True}
-        with configured(**self._forced_settings) as config:
-            self.distca = dataclasses.replace(self.distca, config=config)
-        return True
 
     def _check_span_setup(self) -> None:
         """With documents spanning ranks the loss must take ``shift_labels`` (the boundary labels)."""
@@ -245,58 +226,12 @@ class DistCATrainer(Trainer):
         fills as the stream is read)."""
         return {name: dataset.report for name, dataset in self._packed_datasets.items()}
 
-    # -- data order: the ranks of a server group read the slices of one global batch together ----
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if not (self.span_ranks and isinstance(dataset, PackedDataset)):
-            return super()._get_train_sampler(train_dataset)
-        strategy = getattr(self.args, "train_sampling_strategy", "random")
-        if strategy not in ("random", "sequential"):
-            raise ValueError(
-                f"train_sampling_strategy={strategy!r} would reorder the rows of a global batch, which with "
-                "span_ranks=True must reach the ranks of a server group together; use 'random' (global batches "
-                "shuffled whole) or 'sequential'")
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        self._global_batch_sampler = GlobalBatchSampler(len(dataset), dataset.world_size,
-                                                        shuffle=strategy == "random", seed=seed)
-        return self._global_batch_sampler
-
-    def _get_eval_sampler(self, eval_dataset):
-        if self.span_ranks and isinstance(eval_dataset, PackedDataset):
-            return GlobalBatchSampler(len(eval_dataset), eval_dataset.world_size, shuffle=False)
-        return super()._get_eval_sampler(eval_dataset)
-
-    def _run_epoch(self, *args, **kwargs):
-        # Accelerate's DataLoaderShard.set_epoch does not reach a sampler behind skip_first_batches
-        # (a run resumed mid-epoch), so the sampler would shuffle with epoch 0: set it here.
-        sampler = getattr(self, "_global_batch_sampler", None)
-        if sampler is not None and "epoch" in kwargs:
-            sampler.set_epoch(kwargs["epoch"])
-        return super()._run_epoch(*args, **kwargs)
-
-    def _get_collator_with_removed_columns(self, data_collator, description=None):
-        # The packed items are PackedCollator's own format: its keys (first_position, last_label) are
-        # not model arguments and must not be removed.
-        if isinstance(data_collator, PackedCollator):
-            return data_collator
-        return super()._get_collator_with_removed_columns(data_collator, description)
-
     def train(self, *args, **kwargs):
         if self.model is not None:
             _prepare_model(self.model)  # a model_init model is only known now
             if self.span_ranks:
                 self._check_span_setup()
-        with configured(**self._forced_settings):
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with configured(**self._forced_settings):
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with configured(**self._forced_settings):
-            return super().predict(*args, **kwargs)
+        return super().train(*args, **kwargs)  # GlobalBatchTrainerMixin: the trainer's settings in force
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -354,28 +289,15 @@ class DistCATrainer(Trainer):
             # num_items_in_batch=1 makes HF's causal-LM loss the sum over label tokens
             outputs = model(**inputs, num_items_in_batch=1)
         loss_sum = outputs.loss.detach().float()
-        if self._eval_totals is not None:
-            self._eval_totals += torch.stack([loss_sum, count.float()])
+        self._add_eval_loss(loss_sum, count)
         loss = loss_sum / count.clamp(min=1)
         if prediction_loss_only:
             return loss, None, None
         return loss, outputs.logits.detach(), labels
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(self, *args, **kwargs):
         _check_eval_batch_size(self.args)  # evaluate() and predict() both come here, before any forward
-        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-            # tensor-parallel peers evaluated the same rows: count them once
-            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu() / self._ranks_per_batch
-        finally:
-            self._eval_totals = None
-        if totals[1] > 0:
-            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
-        output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
-        return output
+        return super().evaluation_loop(*args, **kwargs)  # GlobalBatchTrainerMixin: the exact loss of the set
 
 
 def _ranks_sharing_batches(accelerator, topology) -> int:

@@ -40,17 +40,15 @@ streams).
 from __future__ import annotations
 
 import copy
-import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from ..config import SETTINGS, configured
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
-from .packing import IGNORE_INDEX, GlobalBatchSampler, PackedCollator, PackedDataset, PackingConfig
+from .global_batches import GlobalBatchTrainerMixin
+from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCASFTTrainer", "SFTPackedCollator", "SFTPackedDataset"]
@@ -125,7 +123,7 @@ class SFTPackedCollator(PackedCollator):
         return batch
 
 
-class DistCASFTTrainer(SFTTrainer):
+class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` packing global batches over the attention-server group (documents span ranks).
 
     Args:
@@ -149,6 +147,8 @@ class DistCASFTTrainer(SFTTrainer):
         packing_reports: ``{"train": PackingReport, "eval": ...}``.
     """
 
+    packed_dataset_types = (SFTPackedDataset,)
+
     def __init__(self, model, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, *, distca_plugin: DistCAPlugin | None = None, **kwargs):
         if distca_plugin is not None and not isinstance(distca_plugin, DistCAPlugin):
@@ -168,8 +168,6 @@ class DistCASFTTrainer(SFTTrainer):
         prepare_training_arguments(args)
         world = args.world_size
         self._layout = None  # known once the server groups exist: until then _prepare_dataset only tokenizes
-        self._eval_totals = None  # [sum of target NLLs, targets] during an evaluation
-        self._forced_settings = {}  # distca settings this trainer puts in force while it trains / evaluates
         self._packed_datasets = {}
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
@@ -209,33 +207,6 @@ class DistCASFTTrainer(SFTTrainer):
         super().create_accelerator_and_postprocess()
         apply_cpu_fsdp(self)  # on CPU processes Accelerate drops an FSDP request: shard as asked
 
-    def _choose_span_ranks(self, *, group_size: int) -> bool:
-        """The user's ``span_ranks`` (plugin field > ``DISTCA_SPAN_RANKS`` > ``distca:`` section), else on
-        when the server group has more than one rank: that default is in force only while ``train()``,
-        ``evaluate()`` and ``predict()`` run, as under ``DistCATrainer``."""
-        plugin = self.distca_plugin
-        variable = SETTINGS["span_ranks"].metadata["env"]
-        if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
-            return self.distca.config.span_ranks
-        if group_size == 1:
-            return False
-        self._forced_settings = {"span_ranks": True}
-        with configured(**self._forced_settings) as config:
-            self.distca = dataclasses.replace(self.distca, config=config)
-        return True
-
-    def train(self, *args, **kwargs):
-        with configured(**self._forced_settings):
-            return super().train(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with configured(**self._forced_settings):
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with configured(**self._forced_settings):
-            return super().predict(*args, **kwargs)
-
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL's preparation without its packing and truncation (``max_length`` is the row budget, not a
         document's limit); packed here for this job's ranks once the server groups exist."""
@@ -267,66 +238,16 @@ class DistCASFTTrainer(SFTTrainer):
         """``{"train": PackingReport, "eval": ...}``: what packing did."""
         return {name: dataset.report for name, dataset in self._packed_datasets.items()}
 
-    # -- data order: the ranks of a server group read the slices of one global batch together ----
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if not (self.span_ranks and isinstance(dataset, SFTPackedDataset)):
-            return super()._get_train_sampler(train_dataset)
-        strategy = getattr(self.args, "train_sampling_strategy", "random")
-        if strategy not in ("random", "sequential"):
-            raise ValueError(
-                f"train_sampling_strategy={strategy!r} would reorder the rows of a global batch, which with "
-                "span_ranks=True must reach the ranks of a server group together; use 'random' (global batches "
-                "shuffled whole) or 'sequential'")
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        self._global_batch_sampler = GlobalBatchSampler(len(dataset), dataset.world_size,
-                                                        shuffle=strategy == "random", seed=seed)
-        return self._global_batch_sampler
-
-    def _get_eval_sampler(self, eval_dataset):
-        if self.span_ranks and isinstance(eval_dataset, SFTPackedDataset):
-            return GlobalBatchSampler(len(eval_dataset), eval_dataset.world_size, shuffle=False)
-        return super()._get_eval_sampler(eval_dataset)
-
-    def _run_epoch(self, *args, **kwargs):
-        # Accelerate's DataLoaderShard.set_epoch does not reach a sampler behind skip_first_batches
-        # (a run resumed mid-epoch), so the sampler would shuffle with epoch 0: set it here.
-        sampler = getattr(self, "_global_batch_sampler", None)
-        if sampler is not None and "epoch" in kwargs:
-            sampler.set_epoch(kwargs["epoch"])
-        return super()._run_epoch(*args, **kwargs)
-
     # -- evaluation: the exact token-weighted loss -------------------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # TRL's loss of one row is its mean over the row's targets (0 for a row without any); its
-        # sum and count are kept so that evaluation_loop can report the mean over all targets.
+        # sum and count go to GlobalBatchTrainerMixin.evaluation_loop, which reports the mean over all targets.
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if self._eval_totals is not None and loss is not None and "shift_labels" in inputs:
-            count = inputs["shift_labels"].ne(IGNORE_INDEX).sum().to(self._eval_totals)
-            self._eval_totals += torch.stack([loss.detach().to(self._eval_totals) * count, count])
+        if loss is not None and "shift_labels" in inputs:
+            count = inputs["shift_labels"].ne(IGNORE_INDEX).sum()
+            self._add_eval_loss(loss.detach().double() * count, count)
         return loss, logits, labels
-
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu()
-        finally:
-            self._eval_totals = None
-        if totals[1] > 0:
-            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
-        output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
-        return output
-
-    def _get_collator_with_removed_columns(self, data_collator, description=None):
-        # The packed items are the collator's own format (first_position, label_pieces, ... are no model arguments).
-        if isinstance(data_collator, PackedCollator):
-            return data_collator
-        return super()._get_collator_with_removed_columns(data_collator, description)
 
 
 def _check_config(args) -> None:

@@ -1,0 +1,138 @@
+"""What a ``transformers.Trainer`` subclass does when the ranks of a server group share global batches.
+
+``DistCATrainer`` and TRL's ``DistCASFTTrainer`` both pack documents into global batches of
+``group size * tokens_per_rank`` tokens, one consecutive slice per rank (contract "documents spanning
+ranks"). ``GlobalBatchTrainerMixin`` holds, once, what follows from that for the Trainer:
+
+- ``span_ranks``: the user's choice (``DistCAPlugin(span_ranks=...)`` > ``DISTCA_SPAN_RANKS`` >
+  ``span_ranks:`` in the ``distca:`` section), else on when the server group has more than one rank;
+  that default is in force only while ``train()``, ``evaluate()`` and ``predict()`` run, so a forward
+  of the user's after them (generation on one rank, say) sees the settings they had given;
+- the data order: ``GlobalBatchSampler`` hands the slices of one global batch to the ranks of a group
+  in the same step (training shuffles whole global batches from the seed and the epoch alone, so a
+  run resumed mid-epoch reads what the uninterrupted one read; evaluation keeps the order);
+- packed items reach ``PackedCollator`` whole (their keys are not model arguments);
+- the evaluation loss is the exact mean over every target token of the set, whatever rank holds it.
+
+A subclass lists its packed dataset classes in ``packed_dataset_types`` and sets ``distca_plugin``
+and ``distca`` (``DistCAPlugin.attach``'s groups) before calling ``_choose_span_ranks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..config import SETTINGS, configured
+from .packing import GlobalBatchSampler, PackedCollator
+
+__all__ = ["GlobalBatchTrainerMixin"]
+
+
+class GlobalBatchTrainerMixin:
+    """Mixed in before ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``).
+
+    Attributes:
+        packed_dataset_types: the dataset classes whose rows are laid out in global batches.
+        span_ranks: whether documents span the ranks of the server group (set by ``_choose_span_ranks``).
+    """
+
+    packed_dataset_types: tuple[type, ...] = ()
+    _eval_totals = None  # [sum of target losses, targets] while evaluation_loop runs
+    _ranks_per_batch = 1  # ranks reading the same rows (tensor-parallel peers under Accelerate's device mesh)
+
+    def _choose_span_ranks(self, *, group_size: int) -> bool:
+        """``span_ranks`` as the user set it, else on when the server group (``group_size`` ranks) has
+        more than one rank: then put in force only while the trainer runs (``_forced_settings``)."""
+        self._forced_settings = {}
+        plugin = self.distca_plugin
+        variable = SETTINGS["span_ranks"].metadata["env"]
+        if plugin.span_ranks is not None or variable in os.environ or "span_ranks" in plugin.file_settings:
+            return self.distca.config.span_ranks  # attach() resolved it with the usual precedence
+        if group_size == 1:
+            return False
+        self._forced_settings = {"span_ranks": True}
+        with configured(**self._forced_settings) as config:
+            self.distca = dataclasses.replace(self.distca, config=config)
+        return True
+
+    def _lays_out_global_batches(self, dataset) -> bool:
+        return bool(getattr(self, "span_ranks", False)) and isinstance(dataset, self.packed_dataset_types)
+
+    # -- the settings in force while the trainer runs -------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        with configured(**getattr(self, "_forced_settings", {})):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with configured(**getattr(self, "_forced_settings", {})):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with configured(**getattr(self, "_forced_settings", {})):
+            return super().predict(*args, **kwargs)
+
+    # -- data order: the ranks of a server group read the slices of one global batch together --------
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if not self._lays_out_global_batches(dataset):
+            return super()._get_train_sampler(train_dataset)
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if strategy not in ("random", "sequential"):
+            raise ValueError(
+                f"train_sampling_strategy={strategy!r} would reorder the rows of a global batch, which with "
+                "span_ranks=True must reach the ranks of a server group together; use 'random' (global batches "
+                "shuffled whole) or 'sequential'")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        self._global_batch_sampler = GlobalBatchSampler(len(dataset), dataset.world_size,
+                                                        shuffle=strategy == "random", seed=seed)
+        return self._global_batch_sampler
+
+    def _get_eval_sampler(self, eval_dataset):
+        if self._lays_out_global_batches(eval_dataset):
+            return GlobalBatchSampler(len(eval_dataset), eval_dataset.world_size, shuffle=False)
+        return super()._get_eval_sampler(eval_dataset)
+
+    def _run_epoch(self, *args, **kwargs):
+        # Accelerate's DataLoaderShard.set_epoch does not reach a sampler behind skip_first_batches
+        # (a run resumed mid-epoch), so the sampler would shuffle with epoch 0: set it here.
+        sampler = getattr(self, "_global_batch_sampler", None)
+        if sampler is not None and "epoch" in kwargs:
+            sampler.set_epoch(kwargs["epoch"])
+        return super()._run_epoch(*args, **kwargs)
+
+    def _get_collator_with_removed_columns(self, data_collator, description=None):
+        # Packed items are PackedCollator's own format: its keys (first_position, last_label, label_pieces)
+        # are not model arguments and must not be removed.
+        if isinstance(data_collator, PackedCollator):
+            return data_collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
+    # -- evaluation: the exact token-weighted loss of the whole set -----------------------------------
+
+    def _add_eval_loss(self, loss_sum, count) -> None:
+        """Add one row's summed target loss and its target count to the evaluation's totals (during
+        ``evaluation_loop``; the subclass's ``prediction_step`` calls it)."""
+        if self._eval_totals is not None:
+            self._eval_totals += torch.stack([loss_sum.detach().to(self._eval_totals), count.to(self._eval_totals)])
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The Trainer's loop; then ``{prefix}_loss`` is the mean over every target token of the set,
+        whatever rank held it, and ``{prefix}_label_tokens`` their count."""
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            # tensor-parallel peers evaluated the same rows: count them once
+            totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu() / self._ranks_per_batch
+        finally:
+            self._eval_totals = None
+        if totals[1] > 0:
+            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
+        output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
+        return output
