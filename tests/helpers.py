@@ -105,3 +105,30 @@ def cli_in_process(*args):
         except SystemExit as e:
             code = e.code
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def accelerate_launch(*arguments, timeout: float = 300, env: dict | None = None):
+    """``accelerate launch ARGUMENTS`` from the repository root in its own process group, killed whole
+    (launcher and ranks) on timeout, which fails the test. ``env``: variables added to this process's
+    (its launcher variables removed). Returns a ``subprocess.CompletedProcess`` with text output."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    accelerate = Path(sys.executable).parent / "accelerate"
+    launch_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    launch_env.update(env or {})
+    process = subprocess.Popen([str(accelerate), "launch", *map(str, arguments)], cwd=Path(__file__).resolve().parents[1],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"accelerate launch {' '.join(map(str, arguments))} did not finish in {timeout}s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -12,7 +12,6 @@ exit hook closes the process groups before finalization.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from distca_hf.runtime.comm import free_port
 from distca_hf.runtime.shutdown import close_process_groups
 from distca_hf.state import STATE
+from helpers import accelerate_launch
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHES = 10
@@ -30,22 +30,11 @@ LAUNCHES = 10
 
 def _launch_plain_trainer(output_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """``examples/plain_trainer.py`` (two steps of a tiny Llama) under ``accelerate launch`` with the CPU
-    recipe, the launch of the report; killed whole (launcher and ranks) on timeout."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
-    env["DISTCA_TOLERANCE"] = "0.02"  # a fixed tolerance: these tiny rows are moved whatever a time model says
-    process = subprocess.Popen([str(accelerate), "launch", "--config_file", "recipes/cpu-2proc.yaml",
-                                "--main_process_port", str(free_port()), "examples/plain_trainer.py",
-                                "--max_steps", "2", "--output_dir", str(output_dir)],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"the plain Trainer launch did not finish in {timeout}s:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    recipe, the launch of the report."""
+    # a fixed tolerance: these tiny rows are moved whatever a time model says
+    return accelerate_launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", free_port(),
+                             "examples/plain_trainer.py", "--max_steps", 2, "--output_dir", output_dir,
+                             timeout=timeout, env={"DISTCA_TOLERANCE": "0.02"})
 
 
 @pytest.mark.distributed

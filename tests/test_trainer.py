@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
+from helpers import accelerate_launch
 from distca_hf.runtime.comm import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -841,26 +842,9 @@ def test_causal_lm_loss_over_rank_pieces_equals_the_whole_documents():
 # -- the recipes launch the examples ------------------------------------------------------------------------
 
 
-def _launch(*arguments, timeout=300):
-    """``accelerate launch ...`` in its own process group, killed whole (launcher and ranks) on timeout."""
-    import signal
-
-    accelerate = Path(sys.executable).parent / "accelerate"
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
-    process = subprocess.Popen([str(accelerate), "launch", *arguments], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"accelerate launch {' '.join(arguments)} did not finish in {timeout}s:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 @pytest.mark.distributed
 def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes(tmp_path):
-    result = _launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
+    result = accelerate_launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
                      "examples/finetune_long_context.py", "--max_steps", "3", "--tokens-per-rank", "1024",
                      "--compare-colocated", "--distca-config", "recipes/distca.yaml", "--output_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -880,12 +864,12 @@ def test_cpu_recipe_runs_the_fine_tuning_demo_on_two_processes(tmp_path):
 @pytest.mark.distributed
 def test_deepspeed_recipe_and_plain_accelerate_loop_launch():
     # ZeRO-3 with zero3_init_flag: the model is partitioned while it is built
-    result = _launch("--config_file", "recipes/deepspeed-zero3.yaml", "--num_processes", "2", "--main_process_port",
+    result = accelerate_launch("--config_file", "recipes/deepspeed-zero3.yaml", "--num_processes", "2", "--main_process_port",
                      str(free_port()), "examples/finetune_long_context.py", "--max-steps", "2", "--tokens-per-rank",
                      "1024", "--eval-documents", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "== distca: 2 steps on 2 ranks ==" in result.stdout
-    result = _launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
+    result = accelerate_launch("--config_file", "recipes/cpu-2proc.yaml", "--main_process_port", str(free_port()),
                      "examples/pretrain_packed.py", "--steps", "2", "--tokens-per-rank", "1024")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
