@@ -31,7 +31,10 @@ $(STAMP): setup.cfg pyproject.toml Makefile $(LOCK)
 	# flash-attn compiles against the installed torch, so it must see it (no build isolation).
 	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet $(PIP_INSTALL_FLAGS) $(if $(LOCK),-c $(LOCK)) -e ".[$(EXTRAS)]"
+	# The torch chosen above is named again, so that an upgrade (test-latest) cannot replace it with
+	# PyPI's newest torch, a CUDA build of several GB.
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet $(PIP_INSTALL_FLAGS) $(if $(LOCK),-c $(LOCK)) \
+		"$(or $(TORCH),torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)'))" -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
