@@ -281,6 +281,7 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     import torch.distributed as dist
 
     from ..runtime import timeline
+    from ..runtime.shutdown import close_process_groups
 
     device = _init_process(rank, world, args, port)
     if args.workload == "long":
@@ -306,7 +307,7 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         with open(result_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_groups()  # the exit hook's GIL hand-off first: gloo may still be freeing the barrier
 
 
 def _init_process(rank: int, world: int, args, port: int):

@@ -42,6 +42,8 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         **{p: _version(p) for p in PACKAGES},
+        # the build too (2.13.0+cpu, 2.15.0+cu132): a wheel's metadata may leave the local label out
+        "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
         "distributed_backends": [b for b in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{b}_available")()],
