@@ -132,3 +132,14 @@ def accelerate_launch(*arguments, timeout: float = 300, env: dict | None = None)
         stdout, stderr = process.communicate()
         pytest.fail(f"accelerate launch {' '.join(map(str, arguments))} did not finish in {timeout}s:\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def assert_trained_like_reference(rank_losses: list, trained: dict, losses: list, params: dict):
+    """A multi-rank training run equals the single-process reference: every rank's per-step
+    ``rank_losses`` (a list per rank) equal ``losses`` (fp32: rtol 1e-5), and the ``trained``
+    parameters (name -> tensor, gathered whole) equal ``params``."""
+    for per_step in rank_losses:
+        torch.testing.assert_close(torch.tensor(per_step), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    assert trained.keys() == params.keys()
+    for name in params:
+        torch.testing.assert_close(trained[name], params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

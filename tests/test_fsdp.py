@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from helpers import assert_trained_like_reference
 from distca_hf.runtime.comm import free_port
 from test_trainer import (LENGTHS, LR, _accelerator_worker, _assert_matches_reference, _check_ranks, _documents,
                           _resume, _train_worker, reference_run)
@@ -174,12 +175,8 @@ def test_hf_trainers_with_fsdp_arguments_shard_after_apply_cpu_fsdp(tmp_path, ki
              for k in range(2)]
     assert all(len(documents) >= 4 for documents in steps)  # (bfd packs several documents per row)
     losses, params, _ = reference_run(steps, LR)
-    for value in values:
-        torch.testing.assert_close(torch.tensor(value["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
-    trained = torch.load(tmp_path / "run-params.pt")
-    assert trained.keys() == params.keys()
-    for name in params:
-        torch.testing.assert_close(trained[name], params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_trained_like_reference([value["losses"] for value in values], torch.load(tmp_path / "run-params.pt"),
+                                  losses, params)
 
 
 # -- what cannot shard is refused ---------------------------------------------------------------------

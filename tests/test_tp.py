@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from helpers import tiny_model
+from helpers import assert_trained_like_reference, tiny_model
 from workers import global_stream
 
 # one data-parallel pair's global stream: the 50-token document crosses from data index 0 to 1
@@ -218,9 +218,4 @@ def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
         assert first[2] == second[2] == sum(len(d) - 1 for d in steps[-1])  # label tokens counted once
     assert any(second[1] > 0 for second in trained[2]["recorded"])  # a document spanned the ranks
     losses, params = _reference_training(steps)
-    for t in trained:
-        torch.testing.assert_close(torch.tensor(t["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
-    got = torch.load(tmp_path / "trained.pt")
-    assert got.keys() == params.keys()
-    for name in params:
-        torch.testing.assert_close(got[name], params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_trained_like_reference([t["losses"] for t in trained], torch.load(tmp_path / "trained.pt"), losses, params)
