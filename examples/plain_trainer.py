@@ -25,10 +25,11 @@ def documents(count: int, max_tokens: int):
     """``count`` help topics of very different lengths, each cut to at most ``max_tokens`` bytes,
     as a ``datasets.Dataset`` with an ``input_ids`` column."""
     import datasets
-    from pydoc_data.topics import topics
 
-    names = sorted(topics)[::5][:count]
-    ids = [list(topics[name].encode("utf-8")[: max(8, max_tokens * (i % 7 + 1) // 7)]) for i, name in enumerate(names)]
+    from distca_hf.training.offline_corpus import pydoc_topics
+
+    texts = pydoc_topics()[::5][:count]
+    ids = [list(text.encode("utf-8")[: max(8, max_tokens * (i % 7 + 1) // 7)]) for i, text in enumerate(texts)]
     return datasets.Dataset.from_dict({"input_ids": ids})
 
 
