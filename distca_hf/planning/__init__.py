@@ -12,6 +12,7 @@ data-path order:
     transfers  the K/V ranges and bytes a plan moves
     by_time    tolerance="auto": the plan the time model predicts fastest (colocated included)
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
+    pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
 """
@@ -25,10 +26,12 @@ from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
+from .pipeline import BACKWARD, FORWARD, Tick, backward_slot, forward_slot, in_flight_micro_batches, lockstep_1f1b_ticks
 from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
 
 __all__ = [
-    "AUTO_TOLERANCES", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
+    "AUTO_TOLERANCES", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
+    "lockstep_1f1b_ticks", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
