@@ -25,12 +25,15 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS"]
+           "setting_problem", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
+           "PIPELINE_SCHEDULES"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
 MODES = ("distca", "colocated")
 KERNELS = ("auto", "flash_attn", "torch_cuda", "torch_cuda_efficient", "torch_cpu", "math")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
+"""The ``pipeline_schedule`` names (contract "pipeline parallelism"); ``runtime.pipeline_schedules`` builds them."""
 
 
 # ---- checks: each returns what is wrong, as "must be ..., got ...", or None ----
@@ -139,6 +142,12 @@ def _parse_flag(text: str) -> bool:
     raise ValueError(f"expected 0 or 1, got {text!r}")
 
 
+def _micro_batches_problem(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return (f"must be an integer >= 1 (micro-batches per optimizer step and pipeline) or None (DistCATrainer: "
+                f"its gradient_accumulation_steps), got {value!r}")
+
+
 def _one_of(choices):
     def problem(value):
         if value not in choices:
@@ -203,6 +212,19 @@ class DistCAConfig:
     kernel: str = setting(
         "auto", env="DISTCA_KERNEL", check=_one_of(KERNELS), agree=False,
         help="the varlen attention kernel backend: 'auto' picks the fastest usable one")
+    pipeline_schedule: str = setting(
+        "1f1b", env="DISTCA_PIPELINE_SCHEDULE", check=_one_of(PIPELINE_SCHEDULES),
+        help="how the stages run the micro-batches of a step when pipeline_parallel_size > 1: 'gpipe' (torch's "
+             "ScheduleGPipe: every forward, then every backward; holds all micro-batches' activations), '1f1b' "
+             "(torch's Schedule1F1B: one forward, one backward in steady state; CAD inside each stage's data-parallel "
+             "group) or 'cad_1f1b' (lockstep 1F1B: every stage runs every tick, a stage in a bubble serves CA-tasks, "
+             "one plan per tick pooled over all data x pipeline ranks; needs equal layers per stage, holds up to "
+             "2(P-s)-1 micro-batches on stage s)")
+    pipeline_micro_batches: int | None = setting(
+        None, env="DISTCA_PIPELINE_MICRO_BATCHES", parse=int, check=_micro_batches_problem,
+        help="micro-batches (packed rows per data-parallel rank) each pipeline runs per optimizer step when "
+             "pipeline_parallel_size > 1; None: DistCATrainer takes TrainingArguments.gradient_accumulation_steps "
+             "(a set value becomes it). More micro-batches shrink the bubble ((P-1)/(M+P-1) of a step)")
     group: object = field(default=None, compare=False, metadata={
         "help": "the attention-server process group (None: the default group); set by DistCAPlugin.attach"})
 

@@ -107,7 +107,10 @@ class DistCAPlugin(_SettingFields):
              "(pipeline x tensor)")
     pipeline_parallel_size: int = _topology_field(
         1, check=_positive_int_problem(optional=False),
-        help="pipeline stages (the groups are modelled; pipeline execution is not implemented)")
+        help="pipeline stages: > 1 splits the model's decoder layers evenly over that many stages (embeddings on the "
+             "first, final norm + LM head on the last), run on torch.distributed.pipelining with pipeline_schedule; "
+             "DistCATrainer trains in stages, CA-tasks are exchanged among each stage's data-parallel copies. Not "
+             "with tensor_parallel_size > 1, DeepSpeed or FSDP")
     tensor_parallel_size: int | None = _topology_field(
         None, check=_positive_int_problem(optional=True),
         help="ranks that split each layer's attention heads (transformers' tensor parallelism; CA-tasks are "

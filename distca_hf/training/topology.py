@@ -33,8 +33,7 @@ class ParallelTopology:
     Attributes:
         world_size: number of processes in the job.
         data_parallel: data-parallel size; ``None``: ``world_size / (pipeline * tensor)``.
-        pipeline_parallel: pipeline stages (the groups are modelled; pipeline execution is not
-            implemented yet).
+        pipeline_parallel: pipeline stages (``training.pipeline`` runs them; here only their groups).
         tensor_parallel: tensor-parallel size.
         ranks_per_node: processes per node (``LOCAL_WORLD_SIZE``); needed for ``scope="node"``.
     """
