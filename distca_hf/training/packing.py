@@ -52,6 +52,14 @@ __all__ = ["PackingConfig", "PackingReport", "Piece", "PackedRow", "RankLayout",
 IGNORE_INDEX = -100
 """The label of a token that is not trained (``transformers``' ``ignore_index``)."""
 
+PADDING = "<padding>"
+"""The document key of the padding that fills a global batch to ``group size * tokens_per_rank`` tokens when
+rows must all have ``tokens_per_rank`` tokens (``full_rows``: pipeline stages receive fixed shapes)."""
+
+PADDING_DOCUMENT_TOKENS = 128
+"""Padding is laid out as documents of at most this many tokens: its attention cost stays small (a few
+quadratic 128-token blocks) and it never forms one long document the planner would have to spread."""
+
 
 class Piece(NamedTuple):
     """Tokens ``[start, end)`` of a document (offsets in tokens from the document's start)."""
@@ -83,10 +91,17 @@ class PackedRow:
         return sum(p.end - p.start for p in self.pieces)
 
     @property
+    def padding_tokens(self) -> int:
+        """Trailing padding tokens (``full_rows``): no label, never a document's token."""
+        return sum(p.end - p.start for p in self.pieces if p.document is PADDING)
+
+    @property
     def label_tokens(self) -> int:
         """Tokens of the row that predict a successor in their document (each piece's last token has
-        none, unless the document continues on the next rank)."""
-        return self.tokens - len(self.pieces) + int(self.continues)
+        none, unless the document continues on the next rank); padding has none."""
+        real = [p for p in self.pieces if p.document is not PADDING]
+        continues = self.continues and bool(self.pieces) and self.pieces[-1].document is not PADDING
+        return sum(p.end - p.start for p in real) - len(real) + int(continues)
 
 
 @dataclass(frozen=True)
@@ -276,7 +291,7 @@ def _slice(global_batch: list[_Sequence], group_size: int, report: PackingReport
             size -= take
             head += take
             if start + take == sequence.end:
-                if head > take:  # earlier rows hold some of it too: this sequence spans ranks
+                if head > take and sequence.document is not PADDING:  # earlier rows hold some of it: it spans ranks
                     report.spanning_documents += 1
                 current, head = current + 1, 0
         rows.append(PackedRow(tuple(pieces), first_position if pieces else 0, continues=head > 0))
@@ -284,9 +299,15 @@ def _slice(global_batch: list[_Sequence], group_size: int, report: PackingReport
 
 
 def _rows(documents: Iterable[tuple], config: PackingConfig, group_size: int,
-          report: PackingReport) -> Iterator[list[PackedRow]]:
-    """Every global batch's ``group_size`` rows, in order, counted in ``report``."""
-    for global_batch in _global_batches(documents, config, group_size * config.tokens_per_rank, report):
+          report: PackingReport, full_rows: bool = False) -> Iterator[list[PackedRow]]:
+    """Every global batch's ``group_size`` rows, in order, counted in ``report``; with ``full_rows`` each
+    global batch is filled up with padding documents so that every row has ``tokens_per_rank`` tokens."""
+    budget = group_size * config.tokens_per_rank
+    for global_batch in _global_batches(documents, config, budget, report):
+        if full_rows:
+            free = budget - sum(s.end - s.start for s in global_batch)
+            global_batch = global_batch + [_Sequence(PADDING, start, min(free, start + PADDING_DOCUMENT_TOKENS))
+                                           for start in range(0, free, PADDING_DOCUMENT_TOKENS)]
         rows = _slice(global_batch, group_size, report)
         report.global_batches += 1
         report.micro_batches += sum(1 for row in rows if row.pieces)
@@ -295,18 +316,21 @@ def _rows(documents: Iterable[tuple], config: PackingConfig, group_size: int,
 
 
 def pack_rows(lengths: Sequence[int], config: PackingConfig, *,
-              group_size: int = 1) -> tuple[list[PackedRow], PackingReport]:
+              group_size: int = 1, full_rows: bool = False) -> tuple[list[PackedRow], PackingReport]:
     """Pack documents given by their lengths (tokens) into global batches of ``group_size`` rows.
 
     Returns the rows, global batch ``g``'s slice ``j`` at index ``g * group_size + j`` (an empty row
     is a filler slot), and the report. The documents' order is shuffled first when
-    ``config.shuffle``; pieces name documents by their index in ``lengths``."""
+    ``config.shuffle``; pieces name documents by their index in ``lengths``. ``full_rows``: every row
+    has exactly ``tokens_per_rank`` tokens, the free room of a global batch filled with padding
+    documents (key ``PADDING``, no labels) at the end of its token stream."""
     group_size = _check_positive("group_size", group_size)
     order = list(range(len(lengths)))
     if config.shuffle:
         random.Random(config.seed).shuffle(order)
     report = PackingReport(config.tokens_per_rank, group_size)
-    rows = [row for batch in _rows(((i, int(lengths[i])) for i in order), config, group_size, report) for row in batch]
+    rows = [row for batch in _rows(((i, int(lengths[i])) for i in order), config, group_size, report, full_rows)
+            for row in batch]
     return rows, report
 
 
@@ -431,14 +455,28 @@ def tokens_of(document) -> list[int]:
     return list(document)
 
 
-def _item(row: PackedRow, tokens_of_document, pad_token_id: int) -> dict:
-    """A row as the item ``PackedCollator`` reads (a filler for an empty row)."""
-    if not row.pieces:  # one token, which starts a document and so carries no label
+def _item(row: PackedRow, tokens_of_document, pad_token_id: int, full_row_tokens: int | None = None) -> dict:
+    """A row as the item ``PackedCollator`` reads (a filler for an empty row: one token, or with
+    ``full_row_tokens`` that many padding tokens)."""
+    if not row.pieces:  # starts a document and so carries no label
+        if full_row_tokens:
+            return {"input_ids": [[pad_token_id] * full_row_tokens], "first_position": 0,
+                    "last_label": IGNORE_INDEX, "padding": full_row_tokens}
         return {"input_ids": [[pad_token_id]], "first_position": 0, "last_label": IGNORE_INDEX}
-    pieces = [tokens_of_document(p.document)[p.start:p.end] for p in row.pieces]
+
+    def tokens(piece):
+        if piece.document is PADDING:
+            return [pad_token_id] * (piece.end - piece.start)
+        return tokens_of_document(piece.document)[piece.start:piece.end]
+
+    pieces = [tokens(p) for p in row.pieces]
     last = row.pieces[-1]
-    last_label = tokens_of_document(last.document)[last.end] if row.continues else IGNORE_INDEX
-    return {"input_ids": pieces, "first_position": row.first_position, "last_label": last_label}
+    last_label = (tokens_of_document(last.document)[last.end] if row.continues and last.document is not PADDING
+                  else IGNORE_INDEX)
+    item = {"input_ids": pieces, "first_position": row.first_position, "last_label": last_label}
+    if row.padding_tokens:
+        item["padding"] = row.padding_tokens
+    return item
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -454,6 +492,9 @@ class PackedDataset(torch.utils.data.Dataset):
         server_groups: with ``span_ranks``, the attention-server groups as lists of global ranks
             (default: one group of all ``world_size`` ranks); must match the groups the attention
             runtime uses (``DistCAPlugin.attach``).
+        full_rows: every row has exactly ``tokens_per_rank`` tokens: a global batch's free room is
+            filled with padding documents (no labels) at the end of its token stream, and filler rows
+            are ``tokens_per_rank`` padding tokens (pipeline stages exchange fixed shapes).
 
     Item ``i`` is rank ``i % world_size``'s row (``RankLayout``); ``rows`` lists the packed rows in
     global-batch order (``PackedRow``), ``micro_batches`` their pieces; ``report`` says what
@@ -461,25 +502,31 @@ class PackedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, documents, config: PackingConfig, world_size: int = 1, *, span_ranks: bool = False,
-                 server_groups=None):
+                 server_groups=None, full_rows: bool = False):
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
         self.documents = documents
         self.config = config
+        self.full_rows = bool(full_rows)
         self._lengths = _document_lengths(documents)
         self._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
 
     def _set_layout(self, layout: RankLayout) -> None:
         self.layout = layout
-        self.rows, report = pack_rows(self._lengths, self.config, group_size=layout.group_size)
+        self.rows, report = pack_rows(self._lengths, self.config, group_size=layout.group_size,
+                                      full_rows=self.full_rows)
         filler_batches = layout.blocks(report.global_batches) * layout.num_groups - report.global_batches
         report.filler_micro_batches += filler_batches * layout.group_size
         self.report = report
 
-    def with_layout(self, world_size: int, *, span_ranks: bool = False, server_groups=None) -> "PackedDataset":
-        """The same documents and config, packed for another layout (see the constructor)."""
+    def with_layout(self, world_size: int, *, span_ranks: bool = False, server_groups=None,
+                    full_rows: bool | None = None) -> "PackedDataset":
+        """The same documents and config, packed for another layout (see the constructor; ``full_rows``
+        None: as this dataset)."""
         copy = object.__new__(PackedDataset)
         copy.__dict__.update(self.__dict__)
+        if full_rows is not None:
+            copy.full_rows = bool(full_rows)
         copy._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
         return copy
 
@@ -505,7 +552,8 @@ class PackedDataset(torch.utils.data.Dataset):
         global_batch, position = self.layout.locate(index % len(self))
         row_index = global_batch * self.layout.group_size + position
         row = self.rows[row_index] if row_index < len(self.rows) else PackedRow()
-        return _item(row, lambda key: tokens_of(self.documents[key]), self.config.pad_token_id)
+        return _item(row, lambda key: tokens_of(self.documents[key]), self.config.pad_token_id,
+                     self.config.tokens_per_rank if getattr(self, "full_rows", False) else None)
 
     def label_tokens(self) -> int:
         """Tokens trained to predict their successor over one epoch: ``sum(length - 1)`` over the
@@ -647,12 +695,14 @@ class PackedCollator:
       (a continuing piece is the row's first "document", with its local length);
       ``max_length_q`` / ``max_length_k``: the longest piece (int).
 
-    Items without ``first_position`` / ``last_label`` are whole documents.
+    Items without ``first_position`` / ``last_label`` are whole documents. An item's ``padding``
+    (``PackedDataset(full_rows=True)``) counts its trailing padding tokens: their ``labels`` and
+    ``shift_labels`` are -100.
     """
 
     def __call__(self, items: list[dict]) -> dict:
         pieces: list[list[int]] = []
-        first_position, last_label = 0, IGNORE_INDEX
+        first_position, last_label, padding = 0, IGNORE_INDEX, 0
         for index, item in enumerate(items):
             if not isinstance(item, dict) or "input_ids" not in item:
                 raise ValueError("PackedCollator expects items {'input_ids': [piece tokens, ...]} from a "
@@ -668,6 +718,10 @@ class PackedCollator:
                 first_position = position
             last_label = label
             pieces.extend(tokens_of(p) for p in item["input_ids"])
+            padding = int(item.get("padding", 0))
+            if padding and (index < len(items) - 1 or label != IGNORE_INDEX):
+                raise ValueError(f"PackedCollator: item {index} has padding={padding}; only the row's last item can "
+                                 "end in padding, and padding has no label (last_label -100)")
         if not pieces or any(len(p) == 0 for p in pieces):
             raise ValueError("PackedCollator: a row needs at least one piece and no empty piece")
         lengths = [len(p) for p in pieces]
@@ -677,6 +731,8 @@ class PackedCollator:
                                   for s, n in zip(starts, lengths)]).unsqueeze(0)
         labels = input_ids.clone()
         labels[position_ids == 0] = IGNORE_INDEX
+        if padding:
+            labels[:, -padding:] = IGNORE_INDEX
         shift_labels = torch.cat([labels[:, 1:], torch.tensor([[last_label]], dtype=torch.int64)], dim=1)
         cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         longest = max(lengths)
