@@ -41,6 +41,9 @@ class DistCAState:
         lock: guards ``timeline_events``; collective completion callbacks run on backend threads.
         exit_hook_registered: whether ``runtime.shutdown`` registered its ``atexit`` hook (which
             closes the process groups before the interpreter shuts down).
+        pinned_forward: a ``ForwardContext`` planned ahead (a tick of ``pipeline_schedule="cad_1f1b"``)
+            that every attention call made meanwhile uses instead of opening one
+            (``runtime.context.pinned_forward``).
     """
 
     code_settings: dict = field(default_factory=dict)
@@ -55,6 +58,7 @@ class DistCAState:
     timeline_events: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     exit_hook_registered: bool = False
+    pinned_forward: object = None
 
 
 STATE = DistCAState()

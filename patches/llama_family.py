@@ -85,9 +85,12 @@ def runs_pingpong(model, cache, kwargs) -> bool:
     """Whether this forward of a decoder stack takes the ping-pong path (see the module docstring)."""
     from distca_hf.config import current_config
     from distca_hf.hf import ATTN_IMPLEMENTATION
+    from distca_hf.runtime.context import pinned_context
     from distca_hf.runtime.forward import distributed_group_size, is_decoding
 
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    if pinned_context() is not None:  # a cad_1f1b tick: its plan is made ahead, for the whole micro-batch
         return False
     config = current_config()
     if config.overlap != "pingpong" or config.mode != "distca" or distributed_group_size(config) == 1:

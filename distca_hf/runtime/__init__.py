@@ -10,6 +10,8 @@
     dispatch       a plan as this rank's list of waves
     wave_schedule  overlap ``none`` / ``wave``: all waves in one autograd node
     pingpong       overlap ``pingpong``: two nano-batches, three autograd nodes each
+    pipeline_schedules  pipeline schedules on torch.distributed.pipelining: torch's gpipe / 1f1b, and the
+                   lockstep cad_1f1b whose ticks pool CA-tasks over every data-parallel x pipeline rank
     timeline       per-rank compute / communication intervals and the overlap fraction
     processes      how many processes the launch asked for, against how many run
     shutdown       the exit hook that closes the process groups before the interpreter shuts down
@@ -17,9 +19,9 @@
 
 from .agree import DistCAPeerError
 from .comm import DistCATimeoutError
-from .context import ForwardContext, PlanStats, plan_stats
+from .context import ForwardContext, PlanStats, pinned_forward, plan_stats
 from .forward import begin_decoding, context_for_call, decoding, end_decoding, is_decoding
 from .wave_schedule import dispatched_attention
 
 __all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "begin_decoding",
-           "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "plan_stats"]
+           "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "pinned_forward", "plan_stats"]

@@ -3,12 +3,15 @@
 A forward's first attention call makes a ``ForwardContext`` (``runtime.forward``, or
 ``runtime.pingpong`` for the ping-pong decoder stack); every later layer, the backward and
 gradient checkpointing's recomputation reuse it. It lives in ``distca_hf.state.STATE.forward``,
-read and written only through ``current_forward`` / ``begin_forward`` here. ``PlanStats`` describes
+read and written only through ``current_forward`` / ``begin_forward`` here. A context planned ahead
+(a tick of ``pipeline_schedule="cad_1f1b"``) is *pinned* with ``pinned_forward``: the attention calls
+made inside the ``with`` block use it instead of opening a forward. ``PlanStats`` describes
 its plan, built by ``plan_stats_of`` on every path (local, dispatched, ping-pong).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -20,7 +23,7 @@ from .dispatch import Dispatch
 from .tables import DispatchCounters
 
 __all__ = ["ForwardContext", "PlanStats", "BatchPlan", "plan_stats_of", "plan_stats", "current_forward",
-           "begin_forward", "next_forward_number"]
+           "begin_forward", "next_forward_number", "pinned_forward", "pinned_context"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,24 @@ def begin_forward(context: ForwardContext) -> ForwardContext:
     """Make ``context`` the current forward's."""
     STATE.forward = context
     return context
+
+
+@contextlib.contextmanager
+def pinned_forward(context: ForwardContext):
+    """Every attention call inside the block belongs to ``context`` (planned ahead; it becomes the
+    current forward, so ``plan_stats()`` describes it). Blocks do not nest."""
+    if STATE.pinned_forward is not None:
+        raise RuntimeError("distca: a pinned forward is already in force (pinned_forward blocks do not nest)")
+    STATE.pinned_forward = begin_forward(context)
+    try:
+        yield context
+    finally:
+        STATE.pinned_forward = None
+
+
+def pinned_context() -> ForwardContext | None:
+    """The context pinned by ``pinned_forward``, or ``None``."""
+    return STATE.pinned_forward
 
 
 def next_forward_number() -> int:

@@ -48,6 +48,11 @@ class Dispatch:
     counters: DispatchCounters
     overlap: str = "none"
     kv_received: np.ndarray | None = None  # [ranks] K/V tokens each server receives per layer, all waves
+    backward: "Dispatch | None" = None
+    """The dispatch the backward runs, when it is planned apart from the forward's (``None``: the same).
+    ``pipeline_schedule="cad_1f1b"`` pools a backward tick's CA-tasks over the micro-batches that run
+    their backward together, which are not the ones that ran their forward together; both are built
+    over the same local documents and in ``resend`` mode, so the backward needs nothing a server kept."""
 
     @property
     def kv_tokens_moved(self) -> int:

@@ -33,7 +33,8 @@ from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, 
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..state import STATE, warn_once
 from .agree import PATH_PLAIN, agree
-from .context import BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, plan_stats_of
+from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
+                      plan_stats_of)
 from .dispatch import Dispatch, build_dispatch
 from .processes import warn_if_fsdp_dropped, warn_if_launched_alone
 from .tables import DispatchCounters, LocalDocuments
@@ -107,6 +108,9 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     head dim when it is not ``head_dim`` (DeepSeek's MLA), for the bytes a plan moves."""
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
+    pinned = pinned_context()
+    if pinned is not None:
+        return _check_pinned(pinned, module, batch_size * query_len, batch_size * kv_len)
     # The mask identifies the documents only when nothing else does (it is a new view per layer type).
     identifying = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if all(t is None for t in identifying):
@@ -122,6 +126,17 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     return begin_forward(_open_forward(module, query, key, call, call_key, identifying, kv_window,
                                        value_head_dim or head_dim))
+
+
+def _check_pinned(context: ForwardContext, module, query_rows: int, key_rows: int) -> ForwardContext:
+    """A call inside ``pinned_forward``: its rows must be the ones the pinned plan was made for."""
+    planned = context.dispatch.waves[0] if context.dispatch is not None else None
+    if planned is not None and (planned.num_local, planned.num_local_kv) != (query_rows, key_rows):
+        raise ValueError(
+            f"distca forward {context.number}: {type(module).__name__} layer {getattr(module, 'layer_idx', '?')} "
+            f"attends {query_rows} query / {key_rows} key tokens, but the plan pinned for this pipeline tick was made "
+            f"for {planned.num_local} / {planned.num_local_kv}; a stage must run the micro-batch it was planned for")
+    return context
 
 
 def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_window: int | None,

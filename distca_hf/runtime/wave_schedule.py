@@ -27,6 +27,8 @@ class _WaveSchedule(torch.autograd.Function):
     def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, variant: AttentionVariant):
         waves = dispatch.waves
         resend = waves[0].backward_mode == "resend"
+        if dispatch.backward is not None and not resend:
+            raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if resend else None
@@ -53,7 +55,7 @@ class _WaveSchedule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        dispatch, scale = ctx.dispatch, ctx.scale
+        dispatch, scale = ctx.dispatch.backward or ctx.dispatch, ctx.scale
         waves = dispatch.waves
         dout = dout.contiguous()
         saved = ctx.saved_tensors

@@ -1,0 +1,316 @@
+"""Pipeline schedules on ``torch.distributed.pipelining``: torch's stock ones and ``cad_1f1b``.
+
+``build_pipeline_schedule`` returns one of
+
+- ``gpipe`` / ``1f1b``: torch's ``ScheduleGPipe`` / ``Schedule1F1B``. Attention inside each stage is
+  distca's as usual: its CA-tasks are balanced over the stage's data-parallel copies (the plugin's
+  server group), which run each micro-batch together.
+- ``cad_1f1b``: ``LockstepCAD1F1B``, the lockstep 1F1B of ``planning.pipeline``. All stages run the
+  same kind of tick at once, so local layer ``j`` of every stage runs together, and each tick's
+  CA-tasks are pooled over every data-parallel x pipeline rank (``pooled_group``): a rank in a
+  pipeline bubble serves the others' attention instead of idling. The plans of every tick are made
+  once per step, from all ranks' micro-batch lengths (one all-gather). Forward ticks pool forwards;
+  a backward tick pools the backwards that run together, which ran their forwards in different
+  ticks, so its plan is a separate one (``Dispatch.backward``) and the forward runs in ``resend``
+  mode: the backward re-sends q, k, v, out and dO to the backward tick's servers and needs nothing
+  a forward server kept.
+
+  A bubble runs its stage on one dummy token (position 0): its forward joins the forward tick's
+  exchanges; in a backward tick it runs a forward that computes locally (no exchange) and a
+  backward of zeros that joins the backward tick's exchanges. The dummy token is one more
+  one-token document in the plans; its output and its zero gradients change nothing.
+
+  What it requires: the same number of attention layers on every stage, local layer ``j`` of every
+  stage the same attention (scale, window, softcap), one stage per rank (no interleaving), no
+  gradient checkpointing (its recomputation would open forwards out of lockstep), no ``servers``
+  subset. What it costs: stage ``s`` holds up to ``2 (P - s) - 1`` micro-batches' activations
+  (1F1B: ``P - s``), the backward's ``resend`` bytes, and ``overlap="pingpong"`` runs as ``"wave"``.
+
+Loss convention of all three: ``scale_grads=False``; the loss function returns each micro-batch's
+summed token loss divided by the label tokens of the whole step (token-weighted, as one process
+would), so gradients need no further scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+
+from ..config import DistCAConfig, current_config
+from ..planning import (BACKWARD, FORWARD, PackedDocuments, TokenBytes, backward_slot, lockstep_1f1b_ticks,
+                        stitch_rank_documents)
+from ..state import warn_once
+from .agree import PATH_PLAIN, agree
+from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
+from .forward import CallInputs, plan_batch
+
+__all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule"]
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
+"""``gpipe``, ``1f1b``: torch's schedules, CAD inside each stage's data-parallel group;
+``cad_1f1b``: lockstep 1F1B, CA-tasks pooled over all data-parallel x pipeline ranks every tick."""
+
+
+def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batches: int, loss_fn,
+                            pooled_group=None) -> PipelineScheduleSingle:
+    """The schedule named ``schedule`` (one of ``PIPELINE_SCHEDULES``) over ``stage``, running
+    ``micro_batches`` micro-batches per ``step``; ``loss_fn(logits, targets)`` runs on the last
+    stage (see the module docstring for its scaling); ``pooled_group``: the ranks ``cad_1f1b``
+    pools CA-tasks over, every stage of every data-parallel pipeline (``None``: the default group).
+
+    Build ``stage`` with static shapes (``input_args``, ``output_args``, and ``output_grads`` on all
+    but the last stage, ``input_grads`` on all but the first, inputs of later stages with
+    ``requires_grad=True``): torch's shape inference would run the stage on meta tensors, which
+    distca's attention cannot, and without the gradients' shapes torch treats them as ``None``."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"pipeline micro-batches must be an integer >= 1, got {micro_batches!r}")
+    if schedule == "gpipe":
+        return ScheduleGPipe(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    if schedule == "1f1b":
+        if micro_batches < stage.num_stages:
+            raise ValueError(
+                f"pipeline_schedule='1f1b' needs at least as many micro-batches per step as stages: got "
+                f"{micro_batches} micro-batches for {stage.num_stages} stages; raise the micro-batches per step or "
+                "use pipeline_schedule='gpipe' or 'cad_1f1b'")
+        return Schedule1F1B(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return LockstepCAD1F1B(stage, micro_batches, loss_fn=loss_fn, pooled_group=pooled_group)
+
+
+@dataclasses.dataclass(eq=False)
+class _StepPlans:
+    """This rank's plans for every tick of one step (``ForwardContext`` per slot).
+
+    Attributes:
+        forward: per forward slot, the context of that tick's forward on this rank (its micro-batch,
+            or the bubble's dummy token); a micro-batch's dispatch carries its backward tick's.
+        backward_bubbles: per backward slot in which this rank is a bubble, a context that computes
+            the dummy token locally and runs its backward in the tick's pooled plan.
+    """
+
+    forward: dict
+    backward_bubbles: dict
+
+
+class LockstepCAD1F1B(PipelineScheduleSingle):
+    """``pipeline_schedule="cad_1f1b"`` (see the module docstring): torch's single-stage schedule
+    interface; the stage's ``forward_one_chunk`` / ``backward_one_chunk`` and send/receive ops run in
+    the order of ``planning.lockstep_1f1b_ticks``, each tick under its pinned plan."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, *, loss_fn=None, pooled_group=None):
+        super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._pooled_group = pooled_group
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        stage = self._stage
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
+                               loss_kwargs)
+        training = bool(stage.has_backward)
+        self._refuse_recomputation()
+        plans = self._plan_step(kwarg_mbs, training)
+        sends = []
+        for tick in lockstep_1f1b_ticks(self._num_stages, self._n_microbatches):
+            if tick.kind == BACKWARD and not training:
+                continue
+            mb = tick.micro_batch_of(stage.stage_index)
+            if tick.kind == FORWARD:
+                if mb is None:
+                    self._bubble(plans.forward[tick.slot], backward=False)
+                    continue
+                _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
+                with pinned_forward(plans.forward[tick.slot]):
+                    output = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb],
+                                                     save_forward_output=return_outputs)
+                sends.append(_batch_p2p(stage.get_fwd_send_ops(mb), desc="fwd_send"))
+                self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+            else:
+                if mb is None:
+                    self._bubble(plans.backward_bubbles[tick.slot], backward=True)
+                    continue
+                _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
+                stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb),
+                                         last_backward=mb == self._n_microbatches - 1)
+                sends.append(_batch_p2p(stage.get_bwd_send_ops(mb), desc="bwd_send"))
+        for work in sends:
+            _wait_batch_p2p(work)
+        self._update_losses(stage, losses)
+        if training:
+            stage.perform_reduce_grad(1)
+
+    def _bubble(self, context: ForwardContext, *, backward: bool) -> None:
+        """Serve the tick's CA-tasks with the stage run on one dummy token (see the module docstring)."""
+        dummy, kwargs = self._dummy_inputs()
+        if not backward:
+            with torch.no_grad(), pinned_forward(context):
+                self._stage.submod(dummy, **kwargs)
+            return
+        with torch.enable_grad(), pinned_forward(context):
+            out = self._stage.submod(dummy, **kwargs)
+        outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+
+    def _dummy_inputs(self):
+        """One token at position 0: token id 0 on the first stage, a zero hidden state elsewhere."""
+        device = self._stage.device
+        kwargs = {"position_ids": torch.zeros(1, 1, dtype=torch.long, device=device)}
+        if self._stage.is_first:
+            return torch.zeros(1, 1, dtype=torch.long, device=device), kwargs
+        config = self._model_config()
+        dtype = next((p.dtype for p in self._stage.submod.parameters() if p.is_floating_point()), torch.float32)
+        return torch.zeros(1, 1, config.hidden_size, dtype=dtype, device=device), kwargs
+
+    def _refuse_recomputation(self) -> None:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self._stage.submod.modules()):
+            raise ValueError(
+                "pipeline_schedule='cad_1f1b' cannot run with gradient checkpointing: recomputing a layer in the "
+                "backward would open a forward outside the tick's lockstep. Turn gradient_checkpointing off or use "
+                "pipeline_schedule='1f1b'")
+
+    def _model_config(self):
+        config = getattr(self._stage.submod, "config", None)
+        if config is None:
+            config = next((m.config for m in self._stage.submod.modules() if hasattr(m, "config")), None)
+        if config is None:
+            raise ValueError("pipeline_schedule='cad_1f1b' needs a stage module with an HF `config` (hidden size, "
+                             "heads); build stages with distca_hf.training.pipeline_stages.build_stage_module")
+        return config
+
+    # -- planning every tick of a step -----------------------------------------------------------
+
+    def _pooled_config(self) -> DistCAConfig:
+        config = current_config()
+        if config.servers is not None:
+            raise ValueError(
+                f"pipeline_schedule='cad_1f1b' pools CA-tasks over every data-parallel x pipeline rank; the servers "
+                f"setting ({config.servers}, indices into one stage's server group) does not apply: unset it")
+        overlap = config.overlap
+        if overlap == "pingpong":
+            warn_once("cad_1f1b-pingpong", "distca: pipeline_schedule='cad_1f1b' plans each tick for whole "
+                      "micro-batches; overlap='pingpong' runs as overlap='wave' there")
+            overlap = "wave"
+        return dataclasses.replace(config, group=self._pooled_group, backward="resend", overlap=overlap)
+
+    def _describe(self, kwarg_mbs, config: DistCAConfig):
+        """This rank's micro-batches as ``(documents, first_position)`` each, and the payload the
+        step's all-gather carries: ``[stage, M, then per micro-batch: first_position, count, lengths]``."""
+        described, payload, error = [], [self._stage.stage_index, self._n_microbatches], None
+        for i, kwargs in enumerate(kwarg_mbs):
+            position_ids = (kwargs or {}).get("position_ids")
+            if position_ids is None:
+                error = ValueError(f"pipeline_schedule='cad_1f1b': micro-batch {i} has no position_ids; pass "
+                                   "position_ids=... to schedule.step on every stage (they describe the documents)")
+                break
+            rows, seq = position_ids.reshape(-1, position_ids.shape[-1]).shape
+            docs, first, error = CallInputs(rows, seq, seq, None, position_ids, None, None).describe(
+                span_ranks=config.span_ranks)
+            if error is not None:
+                break
+            described.append((docs, first))
+            payload += [first, docs.num_docs, *docs.lengths.tolist()]
+        return described, np.asarray(payload, dtype=np.int64), error
+
+    def _plan_step(self, kwarg_mbs, training: bool) -> _StepPlans:
+        config = self._pooled_config()
+        number = next_forward_number()
+        described, payload, error = self._describe(kwarg_mbs, config)
+        _, gathered = agree(payload, PATH_PLAIN, error, config, self._stage.device, number,
+                            "planning a cad_1f1b pipeline step")
+        stages, per_rank = _read_payloads(gathered, self._num_stages, self._n_microbatches, number)
+        me = dist.get_rank(config.group)
+        dummy = CallInputs(1, 1, 1, None, torch.zeros(1, 1, dtype=torch.long), None, None).documents()
+        token_bytes, heads = self._token_bytes()
+        p, m = self._num_stages, self._n_microbatches
+
+        def plan(kind: str, slot: int, *, local: bool = False):
+            def mb_of(stage):
+                mb = slot - stage if kind == FORWARD else slot - (p - 1 - stage)
+                return mb if 0 <= mb < m else None
+            lengths, firsts = [], []
+            for r, stage in enumerate(stages):
+                mb = mb_of(stage)
+                if local and r != me:
+                    lengths.append(np.zeros(0, dtype=np.int64)), firsts.append(0)
+                elif mb is None:
+                    lengths.append(np.ones(1, dtype=np.int64)), firsts.append(0)
+                else:
+                    lengths.append(per_rank[r][mb][1]), firsts.append(per_rank[r][mb][0])
+            mine = mb_of(stages[me])
+            docs = dummy if mine is None else described[mine][0]
+            ranks = stitch_rank_documents(lengths, [np.zeros_like(x) for x in lengths], firsts,
+                                          span_ranks=config.span_ranks)
+            number = next_forward_number()
+            planning = dataclasses.replace(config, mode="colocated") if local else config
+            dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, number,
+                                           "none" if local else config.overlap)
+            stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
+                                  overlap=config.overlap)
+            return ForwardContext(number, (), (), ranks.longest_document, stats, dispatch=dispatch,
+                                  counters=dispatch.counters), mine
+
+        slots = m + p - 1
+        backward = {}
+        if training:
+            backward = {b: plan(BACKWARD, b) for b in range(slots)}
+        forward, bubbles = {}, {}
+        for f in range(slots):
+            context, mb = plan(FORWARD, f)
+            if mb is not None and training:
+                context.dispatch.backward = backward[backward_slot(stages[me], mb, p)][0].dispatch
+            forward[f] = context
+        for b, (context, mb) in backward.items():
+            if mb is None:
+                local, _ = plan(BACKWARD, b, local=True)
+                local.dispatch.backward = context.dispatch
+                bubbles[b] = local
+        return _StepPlans({f: c for f, c in forward.items()}, bubbles)
+
+    def _token_bytes(self) -> tuple[TokenBytes, int]:
+        """Bytes of one token's q, k + v and output in the attention layers (for the time model and
+        the stats), and the query heads."""
+        config = self._model_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        device_type = self._stage.device.type
+        if torch.is_autocast_enabled(device_type):
+            element = torch.tensor([], dtype=torch.get_autocast_dtype(device_type)).element_size()
+        else:
+            element = next((p.element_size() for p in self._stage.submod.parameters() if p.is_floating_point()), 4)
+        return TokenBytes(q=heads * head_dim * element, kv=kv_heads * 2 * head_dim * element,
+                          o=heads * head_dim * element), heads
+
+
+def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):
+    """Every pooled rank's stage and, per micro-batch, ``(first_position, lengths)``; the same error
+    on every rank when the ranks do not run one pipeline shape."""
+    stages, per_rank = [], []
+    for r, payload in enumerate(gathered):
+        payload = np.asarray(payload, dtype=np.int64)
+        stage, count = int(payload[0]), int(payload[1])
+        if count != micro_batches:
+            raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' needs the same micro-batches per "
+                             f"step on every rank; rank {r} runs {count}, others {micro_batches}")
+        i, batches = 2, []
+        for _ in range(count):
+            first, n = int(payload[i]), int(payload[i + 1])
+            batches.append((first, payload[i + 2: i + 2 + n]))
+            i += 2 + n
+        stages.append(stage)
+        per_rank.append(batches)
+    missing = sorted(set(range(num_stages)) - set(stages))
+    if missing:
+        raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' pools every stage's ranks, but no "
+                         f"rank of the pooled group runs stage(s) {missing}; pass pooled_group=None (all ranks) or a "
+                         "group holding whole pipelines")
+    return stages, per_rank
