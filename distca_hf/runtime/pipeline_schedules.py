@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
 
-from ..config import DistCAConfig, current_config
+from ..config import PIPELINE_SCHEDULES, DistCAConfig, current_config
 from ..planning import (BACKWARD, FORWARD, PackedDocuments, TokenBytes, backward_slot, lockstep_1f1b_ticks,
                         stitch_rank_documents)
 from ..state import warn_once
@@ -50,10 +50,6 @@ from .context import ForwardContext, next_forward_number, pinned_forward, plan_s
 from .forward import CallInputs, plan_batch
 
 __all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule"]
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
-"""``gpipe``, ``1f1b``: torch's schedules, CAD inside each stage's data-parallel group;
-``cad_1f1b``: lockstep 1F1B, CA-tasks pooled over all data-parallel x pipeline ranks every tick."""
 
 
 def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batches: int, loss_fn,
