@@ -34,6 +34,7 @@ would), so gradients need no further scaling.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import numpy as np
 import torch
@@ -173,6 +174,23 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 "backward would open a forward outside the tick's lockstep. Turn gradient_checkpointing off or use "
                 "pipeline_schedule='1f1b'")
 
+    def _attention_layout(self) -> int:
+        """A checksum of what this stage's attention layers compute, in order: their kind (``layer_types``),
+        scale, window, softcap and head shapes. A server computes every rank's CA-tasks of local layer ``j``
+        with its own layer ``j``, so the stages must agree on it (``_read_payloads`` checks)."""
+        config = self._model_config()
+        layer_types = getattr(config, "layer_types", None) or ()
+        layout = []
+        for module in self._stage.submod.modules():
+            index = getattr(module, "layer_idx", None)
+            if index is None or not type(module).__name__.endswith("Attention"):
+                continue
+            kind = layer_types[index] if index < len(layer_types) else "full_attention"
+            layout.append((kind, getattr(module, "scaling", None), getattr(module, "sliding_window", None),
+                           getattr(config, "attn_logit_softcapping", None), getattr(module, "head_dim", None),
+                           getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
+        return zlib.crc32(repr(layout).encode()) if layout else -1
+
     def _model_config(self):
         config = getattr(self._stage.submod, "config", None)
         if config is None:
@@ -199,8 +217,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
     def _describe(self, kwarg_mbs, config: DistCAConfig):
         """This rank's micro-batches as ``(documents, first_position)`` each, and the payload the
-        step's all-gather carries: ``[stage, M, then per micro-batch: first_position, count, lengths]``."""
-        described, payload, error = [], [self._stage.stage_index, self._n_microbatches], None
+        step's all-gather carries: ``[stage, M, attention layout, then per micro-batch: first_position,
+        count, lengths]``."""
+        described, error = [], None
+        payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout()]
         for i, kwargs in enumerate(kwarg_mbs):
             position_ids = (kwargs or {}).get("position_ids")
             if position_ids is None:
@@ -290,20 +310,29 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):
     """Every pooled rank's stage and, per micro-batch, ``(first_position, lengths)``; the same error
     on every rank when the ranks do not run one pipeline shape."""
-    stages, per_rank = [], []
+    stages, per_rank, layouts = [], [], {}
     for r, payload in enumerate(gathered):
         payload = np.asarray(payload, dtype=np.int64)
         stage, count = int(payload[0]), int(payload[1])
+        layouts.setdefault(int(payload[2]), []).append(stage)
         if count != micro_batches:
             raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' needs the same micro-batches per "
                              f"step on every rank; rank {r} runs {count}, others {micro_batches}")
-        i, batches = 2, []
+        i, batches = 3, []
         for _ in range(count):
             first, n = int(payload[i]), int(payload[i + 1])
             batches.append((first, payload[i + 2: i + 2 + n]))
             i += 2 + n
         stages.append(stage)
         per_rank.append(batches)
+    if len(layouts) > 1 or -1 in layouts:
+        groups = "; ".join(f"stages {sorted(set(v))}" for v in layouts.values())
+        raise ValueError(
+            f"distca forward {number}: pipeline_schedule='cad_1f1b' runs local attention layer j of every stage "
+            f"together, so every stage must hold the same attention layers in the same order (kind, window, scale, "
+            f"heads), but they differ between {groups} (e.g. alternating sliding and full layers with a layer count "
+            "per stage that breaks the pattern, or a stage without attention layers); choose pipeline_parallel_size "
+            "so that each stage gets the same layer pattern, or use pipeline_schedule='1f1b'")
     missing = sorted(set(range(num_stages)) - set(stages))
     if missing:
         raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' pools every stage's ranks, but no "
