@@ -248,10 +248,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         token_bytes, heads = self._token_bytes()
         p, m = self._num_stages, self._n_microbatches
 
+        ticks = {(t.kind, t.slot): t for t in lockstep_1f1b_ticks(p, m)}
+
         def plan(kind: str, slot: int, *, local: bool = False):
-            def mb_of(stage):
-                mb = slot - stage if kind == FORWARD else slot - (p - 1 - stage)
-                return mb if 0 <= mb < m else None
+            mb_of = ticks[(kind, slot)].micro_batch_of
             lengths, firsts = [], []
             for r, stage in enumerate(stages):
                 mb = mb_of(stage)
