@@ -14,6 +14,8 @@
     trainer        DistCATrainer and its step table
     arguments      DistCAArguments: the distca settings as command-line flags (``HfArgumentParser``)
     trl            DistCASFTTrainer: TRL's SFTTrainer packing global batches over the server group
+    pipeline_stages an HF causal LM split into pipeline stages (even layer split, tied embeddings, static
+                   shapes for torch.distributed.pipelining, one save_pretrained folder from the stages)
 
 Every name is loaded on first use: the trainer and the accelerator import transformers' and
 accelerate's heavier modules, packing imports torch, and a script's ``--help`` needs none of them.
@@ -34,6 +36,10 @@ _LAZY = {
     "prepare_training_arguments": "accelerator", "require_distca_model": "accelerator", "apply_cpu_fsdp": "accelerator",
     "parallelism_config_for_cpu": "accelerator",
     "prepare_cpu_launch": "launch_checks",
+    **dict.fromkeys(("PipelineStageModule", "build_stage_module", "check_layer_split", "gather_full_state_dict",
+                     "load_stage_from_pretrained", "save_pipeline_model", "stage_io_shapes", "stage_layer_range",
+                     "stage_parameter_names", "stage_state_dict", "sync_tied_embedding_grads",
+                     "tied_embedding_parameter"), "pipeline_stages"),
 }
 
 __all__ = sorted(_LAZY)
