@@ -12,7 +12,11 @@ data-path order:
     transfers  the K/V ranges and bytes a plan moves
     by_time    tolerance="auto": the plan the time model predicts fastest (colocated included)
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
-    pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks
+    pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the
+               event models timing a step of it and of torch's stock 1F1B
+    micro_batches  a step's documents over its micro-batch rows, balanced for attention at equal tokens
+    pipeline_cost  one pipeline step timed for stock 1F1B (colocated / balanced micro-batches), CAD
+               inside each stage and CAD across stages (``distca-hf simulate --pipeline-parallel``)
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
 """
@@ -26,12 +30,15 @@ from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
-from .pipeline import BACKWARD, FORWARD, Tick, backward_slot, forward_slot, in_flight_micro_batches, lockstep_1f1b_ticks
+from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
+                       lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
+from .micro_batches import balance_micro_batches
 from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
 
 __all__ = [
     "AUTO_TOLERANCES", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
-    "lockstep_1f1b_ticks", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
+    "lockstep_1f1b_ticks", "PipelineRun", "simulate_1f1b", "simulate_lockstep", "stock_1f1b_order",
+    "balance_micro_batches", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",

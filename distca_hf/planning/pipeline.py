@@ -1,4 +1,5 @@
-"""The lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks. Pure Python.
+"""The lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the event
+models that time a step of it and of torch's stock ``Schedule1F1B``. Pure Python and numpy.
 
 Every stage runs every tick, all stages the same kind of tick (forward or backward), so the ranks of
 every stage run local layer ``j`` at the same time and one plan per tick pools the CA-tasks of every
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["FORWARD", "BACKWARD", "Tick", "lockstep_1f1b_ticks", "forward_slot", "backward_slot",
-           "in_flight_micro_batches"]
+           "in_flight_micro_batches", "stock_1f1b_order", "PipelineRun", "simulate_1f1b", "simulate_lockstep"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -96,3 +99,136 @@ def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batches: int)
             held += 1 if tick.kind == FORWARD else -1
             most = max(most, held)
     return most
+
+
+# --- timing a step: torch's stock 1F1B and the lockstep ticks as event models ------------------------
+
+def stock_1f1b_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:
+    """The ``(kind, micro_batch)`` operations ``stage`` runs under torch's ``Schedule1F1B``, in order:
+    ``min(M, P - stage)`` forwards (warm-up), then one backward and one forward in turn while forwards
+    remain, then the remaining backwards (cool-down). With ``M < P`` the first ``P - M + 1`` stages
+    run every forward before their first backward (GPipe-like; torch's ``Schedule1F1B`` itself refuses
+    ``M < P``)."""
+    _check(num_stages, num_micro_batches)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must lie in [0, {num_stages}), got {stage!r}")
+    m = num_micro_batches
+    warmup = min(m, num_stages - stage)
+    order = [(FORWARD, f) for f in range(warmup)]
+    forward, backward = warmup, 0
+    while forward < m:
+        order += [(BACKWARD, backward), (FORWARD, forward)]
+        forward, backward = forward + 1, backward + 1
+    order += [(BACKWARD, b) for b in range(backward, m)]
+    return order
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """One timed step of a pipeline.
+
+    Attributes:
+        step_s: seconds from the step's start to the end of its last operation.
+        busy_s: ``[stages]`` seconds each stage spends running a micro-batch (the rest of ``step_s``
+            is its bubble: idle under 1F1B, serving CA-tasks of the others under the lockstep).
+    """
+
+    step_s: float
+    busy_s: tuple
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the stages' time spent without a micro-batch."""
+        total = len(self.busy_s) * self.step_s
+        return 1.0 - sum(self.busy_s) / total if total > 0 else 0.0
+
+
+def _durations(forward_s, backward_s):
+    forward_s, backward_s = np.asarray(forward_s, dtype=np.float64), np.asarray(backward_s, dtype=np.float64)
+    if forward_s.ndim != 2 or forward_s.shape != backward_s.shape or 0 in forward_s.shape:
+        raise ValueError(f"forward_s and backward_s must both be [stages, micro_batches] arrays, got shapes "
+                         f"{forward_s.shape} and {backward_s.shape}")
+    if not (np.isfinite(forward_s).all() and np.isfinite(backward_s).all()) or (forward_s < 0).any() \
+            or (backward_s < 0).any():
+        raise ValueError("forward_s and backward_s must hold finite seconds >= 0")
+    return forward_s, backward_s
+
+
+def _check_p2p(p2p_s: float) -> None:
+    if not (isinstance(p2p_s, (int, float)) and p2p_s >= 0 and p2p_s != float("inf")):
+        raise ValueError(f"p2p_s must be finite seconds >= 0 (one micro-batch's activations between stages), "
+                         f"got {p2p_s!r}")
+
+
+def simulate_1f1b(forward_s, backward_s, *, p2p_s: float = 0.0) -> PipelineRun:
+    """The step of one pipeline under torch's ``Schedule1F1B`` (``stock_1f1b_order``), as an event model.
+
+    ``forward_s`` / ``backward_s``: ``[stages, micro_batches]`` seconds of each stage's forward /
+    backward of each micro-batch. An operation starts when the stage's previous operation has ended
+    and its input has arrived: a forward needs the previous stage's forward of that micro-batch, a
+    backward the next stage's backward (the last stage's, its own forward), each arriving ``p2p_s``
+    after the sender's operation ended (the transfer overlaps whatever the stages compute meanwhile).
+    With equal operations and no transfer time the step is ``(M + P - 1) (F + B)``."""
+    forward_s, backward_s = _durations(forward_s, backward_s)
+    _check_p2p(p2p_s)
+    p, m = forward_s.shape
+    orders = [stock_1f1b_order(s, p, m) for s in range(p)]
+    ends = {}  # (kind, stage, micro_batch) -> end time
+    next_op, free = [0] * p, [0.0] * p
+    remaining = 2 * p * m
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while next_op[s] < len(orders[s]):
+                kind, mb = orders[s][next_op[s]]
+                if kind == FORWARD:  # the previous stage's activations (the first stage: the batch)
+                    dep, latency = ((FORWARD, s - 1, mb), p2p_s) if s > 0 else (None, 0.0)
+                    took = forward_s[s, mb]
+                else:  # the next stage's gradients (the last stage: its own forward's loss)
+                    dep, latency = ((BACKWARD, s + 1, mb), p2p_s) if s < p - 1 else ((FORWARD, s, mb), 0.0)
+                    took = backward_s[s, mb]
+                if dep is not None and dep not in ends:
+                    break  # its input is not computed yet: another stage goes first
+                start = max(free[s], ends[dep] + latency if dep is not None else 0.0)
+                free[s] = ends[(kind, s, mb)] = start + float(took)
+                next_op[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen with stock_1f1b_order; a guard against an endless loop
+            raise RuntimeError("1F1B event model made no progress (dependency cycle)")
+    busy = tuple(float(forward_s[s].sum() + backward_s[s].sum()) for s in range(p))
+    return PipelineRun(max(free), busy)
+
+
+def simulate_lockstep(tick_s, *, num_stages: int, num_micro_batches: int, p2p_s: float = 0.0) -> PipelineRun:
+    """The step of the lockstep schedule (``lockstep_1f1b_ticks``): ``tick_s[k]`` seconds of tick ``k``,
+    which every stage runs together (its attention exchanges meet every rank). A tick starts when
+    the previous tick has ended and, when some stage receives activations (or gradients) in it, when
+    those have arrived: ``p2p_s`` after the end of the previous tick of the same kind, which sent
+    them. In the steady state the tick of the other kind between them hides the transfer; in the
+    warm-up and cool-down (ticks of one kind in a row) it does not. A stage's busy time is the ticks in
+    which it runs a micro-batch; in the others it serves CA-tasks."""
+    _check_p2p(p2p_s)
+    ticks = lockstep_1f1b_ticks(num_stages, num_micro_batches)
+    if len(tick_s) != len(ticks):
+        raise ValueError(f"tick_s must hold one duration per tick ({len(ticks)} for {num_stages} stages and "
+                         f"{num_micro_batches} micro-batches), got {len(tick_s)}")
+    end, last_end = 0.0, {FORWARD: None, BACKWARD: None}
+    busy = [0.0] * num_stages
+    for tick, seconds in zip(ticks, tick_s):
+        seconds = float(seconds)
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"tick_s must hold finite seconds >= 0, got {seconds!r}")
+        # a stage receives when its neighbour upstream (forward) / downstream (backward) ran this
+        # micro-batch in the previous tick of this kind
+        step = 1 if tick.kind == FORWARD else -1
+        receives = any(mb is not None and 0 <= s - step < num_stages for s, mb in enumerate(tick.micro_batches))
+        start = end
+        if receives and last_end[tick.kind] is not None:
+            start = max(start, last_end[tick.kind] + p2p_s)
+        end = start + seconds
+        last_end[tick.kind] = end
+        for s, mb in enumerate(tick.micro_batches):
+            if mb is not None:
+                busy[s] += seconds
+    return PipelineRun(end, tuple(busy))

@@ -29,6 +29,12 @@ what the overlap mode hides, and distca plans with it. Layouts and bytes live in
 ``--kv-heads`` (default: Llama-3-8B); times come from the planner's built-in CUDA model (an H100
 measured, carried to that shape) or ``distca-hf profile``'s JSON (``--time-model``). K/V received
 is in tokens per layer (the memory a method adds on a rank besides its own tokens).
+
+With ``--pipeline-parallel P`` (and ``--micro-batches M``) it also models one training step of a
+non-interleaved 1F1B pipeline of ``P`` stages x ``N / P`` data-parallel pipelines
+(``simulate_pipeline``, ``planning.pipeline_cost``): stock 1F1B with colocated packing, with
+micro-batches balanced for attention, with CAD inside each stage and with CAD across stages (the
+lockstep schedule whose bubbles serve CA-tasks); ``--tokens-per-rank`` is then one micro-batch row.
 """
 
 from __future__ import annotations
@@ -51,13 +57,19 @@ from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_deg
                                   wlb_steps)
 from ..planning.by_time import loads_seconds, plan_loads
 from ..planning.cost import H100_MEASURED, default_time_model
+from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 
-__all__ = ["METHODS", "LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received", "distca_plan",
-           "simulate", "format_table", "build_parser", "main"]
+__all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
+           "distca_plan", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table", "build_parser",
+           "main"]
 
 METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
 LABELS = {"colocated": "colocated packing", "wlb": "WLB-LLM packing", "per_doc_cp": "per-document CP",
           "ulysses": "Ulysses SP", "distca": "distca"}
+PIPELINE_LABELS = {"colocated_1f1b": "stock 1F1B, colocated packing",
+                   "balanced_micro_batches": "stock 1F1B, micro-batches balanced for attention",
+                   "cad_per_stage": "stock 1F1B, CAD inside each stage",
+                   "cad_across_stages": "CAD across stages (lockstep 1F1B, bubbles serve)"}
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -105,8 +117,12 @@ def distca_plan(pieces: DocumentPieces, config: PlannerConfig, time_model: TimeM
     """distca's plan of one batch: the one place the simulator asks the planner. It plans with
     ``config`` under the simulator's own time model and hidden fraction (what ``tolerance="auto"``
     weighs), so the plan and its timing use one model."""
-    return plan_tasks(pieces, dataclasses.replace(config, time_model=time_model,
-                                                  exposed_comm=1.0 - hidden_comm_fraction))
+    return plan_tasks(pieces, _planning_config(config, time_model, hidden_comm_fraction))
+
+
+def _planning_config(config: PlannerConfig, time_model: TimeModel, hidden_comm_fraction: float) -> PlannerConfig:
+    """``config`` planning with the simulator's time model and hidden fraction."""
+    return dataclasses.replace(config, time_model=time_model, exposed_comm=1.0 - hidden_comm_fraction)
 
 
 def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
@@ -194,6 +210,63 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     }
     if keep_first:
         result["_first"] = measured[0]["_first"]
+    return result
+
+
+def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int, micro_batches: int, batches: int = 8,
+                      seed: int = 0, config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED,
+                      hidden_comm_fraction: float = 0.0, layers: int = 32, hidden: int = 4096,
+                      dtype_bytes: int = 2) -> dict:
+    """The ``"pipeline"`` object of ``--pipeline-parallel``: ``batches`` steps of ``stages`` x
+    ``ranks / stages`` data-parallel pipelines, each step ``micro_batches`` micro-batches drawn from
+    ``lengths`` (seeded; micro-batch ``m`` is ``ranks / stages`` rows of ``tokens_per_rank`` tokens,
+    packed in order), timed for every method of ``planning.pipeline_cost.PIPELINE_METHODS``;
+    ``step_time_s`` is the mean over steps of one whole step (all ``layers`` layers, forward +
+    backward), the speedups are ratios of those means. Activations between stages are ``hidden x
+    dtype_bytes`` bytes per token."""
+    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128)
+    if not 0.0 <= hidden_comm_fraction <= 1.0:
+        raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
+    for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if ranks % stages:
+        raise ValueError(f"ranks ({ranks}) must be divisible by the pipeline stages ({stages}): every stage has "
+                         "the same number of data-parallel ranks")
+    per_stage = check_layers(layers, stages)
+    data_parallel = ranks // stages
+    lengths = np.asarray(lengths, dtype=np.int64)
+    planning = _planning_config(config, time_model, hidden_comm_fraction)
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(batches):
+        drawn = [draw_batch(lengths, data_parallel * tokens_per_rank, rng) for _ in range(micro_batches)]
+        steps.append(pipeline_step(drawn, stages=stages, data_parallel=data_parallel, tokens=tokens_per_rank,
+                                   layers=layers, config=planning, activation_bytes_per_token=hidden * dtype_bytes))
+    mean = lambda method, key: float(np.mean([getattr(step[method], key) for step in steps]))
+    step_time = {m: mean(m, "step_s") for m in PIPELINE_METHODS}
+    result = {
+        "stages": stages,
+        "micro_batches": micro_batches,
+        "step_time_s": step_time,
+        "speedup_vs_colocated_1f1b": step_time["colocated_1f1b"] / step_time["cad_across_stages"],
+        "speedup_vs_cad_per_stage": step_time["cad_per_stage"] / step_time["cad_across_stages"],
+        "speedup_vs_balanced_micro_batches": step_time["balanced_micro_batches"] / step_time["cad_across_stages"],
+        "data_parallel": data_parallel,
+        "layers": layers,
+        "layers_per_stage": per_stage,
+        "tokens_per_micro_batch_row": tokens_per_rank,
+        "steps": batches,
+        "bubble_fraction": {m: mean(m, "bubble_fraction") for m in PIPELINE_METHODS},
+        "attn_imbalance": {m: mean(m, "attn_imbalance") for m in PIPELINE_METHODS},
+        "held_micro_batches": held_micro_batches(stages, micro_batches),
+        "p2p_s_per_micro_batch": tokens_per_rank * hidden * dtype_bytes / time_model.bytes_per_s,
+    }
+    if micro_batches < stages:
+        result["note"] = (f"{micro_batches} micro-batches < {stages} stages: stages 0..{stages - micro_batches} run "
+                          "every forward before their first backward (GPipe-like fill) and most of the step is "
+                          "bubble; torch's Schedule1F1B refuses this (use pipeline_schedule='gpipe'), the lockstep "
+                          f"schedule still runs its {2 * (micro_batches + stages - 1)} ticks")
     return result
 
 
@@ -361,6 +434,31 @@ def format_table(result: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def format_pipeline_table(pipeline: dict) -> str:
+    """The ``--pipeline-parallel`` section of the table."""
+    p, m, d = pipeline["stages"], pipeline["micro_batches"], pipeline["data_parallel"]
+    rows = [("pipeline: stages x data-parallel pipelines, micro-batches per step",
+             f"{p} x {d}, {m} micro-batches of {pipeline['tokens_per_micro_batch_row']} tokens per row "
+             f"({pipeline['steps']} steps, {pipeline['layers']} layers, {pipeline['layers_per_stage']} per stage)")]
+    for method in PIPELINE_METHODS:
+        rows.append((f"step time, {PIPELINE_LABELS[method]} (bubble, attention imbalance)",
+                     f"{pipeline['step_time_s'][method]:.3f} s ({100 * pipeline['bubble_fraction'][method]:.0f}%, "
+                     f"{pipeline['attn_imbalance'][method]:.2f})"))
+    rows += [
+        ("speedup of CAD across stages vs stock 1F1B colocated", f"{pipeline['speedup_vs_colocated_1f1b']:.2f}x"),
+        ("speedup of CAD across stages vs balanced micro-batches",
+         f"{pipeline['speedup_vs_balanced_micro_batches']:.2f}x"),
+        ("speedup of CAD across stages vs CAD inside each stage", f"{pipeline['speedup_vs_cad_per_stage']:.2f}x"),
+        ("micro-batches held per stage, 1F1B / CAD across stages",
+         f"{pipeline['held_micro_batches']['1f1b']} / {pipeline['held_micro_batches']['cad_across_stages']}"),
+        ("activations between stages per micro-batch", f"{1e3 * pipeline['p2p_s_per_micro_batch']:.2f} ms"),
+    ]
+    if "note" in pipeline:
+        rows.append(("note", pipeline["note"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", required=True, help="JSON list of document lengths (tokens)")
     parser.add_argument("--ranks", type=int, required=True,
@@ -393,6 +491,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
     parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
                         "(tokens; default tokens-per-rank / 2)")
+    pipeline = parser.add_argument_group(
+        "pipeline parallelism", "model one training step of a non-interleaved 1F1B pipeline (JSON key 'pipeline'): "
+        "stock 1F1B with colocated packing, with micro-batches balanced for attention, with CAD inside each "
+        "stage (pipeline_schedule '1f1b'), and CAD across stages (pipeline_schedule 'cad_1f1b': lockstep 1F1B "
+        "whose bubbles serve CA-tasks). --tokens-per-rank is then the tokens of one micro-batch row")
+    pipeline.add_argument("--pipeline-parallel", type=int, metavar="P",
+                          help="pipeline stages; --ranks is the total and must be divisible by P (N / P "
+                               "data-parallel pipelines). Given alone (or P = 1) it still adds the model")
+    pipeline.add_argument("--micro-batches", type=int, metavar="M",
+                          help="micro-batches per step, one row of --tokens-per-rank tokens per data-parallel "
+                               "pipeline each (default: 2 P). M < P is modelled as a GPipe-like fill (every "
+                               "forward before the first backward on the first stages); torch's Schedule1F1B "
+                               "refuses it")
+    pipeline.add_argument("--layers", type=int, default=32,
+                          help="decoder layers, a multiple of P (default: %(default)s, Llama-3-8B)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,6 +529,20 @@ def run_cli(args, parser) -> int:
     if args.wlb_threshold is not None and not 1 <= args.wlb_threshold <= args.tokens_per_rank:
         parser.error(f"--wlb-threshold must be between 1 and --tokens-per-rank ({args.tokens_per_rank}), "
                      f"got {args.wlb_threshold}")
+    pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
+    if pipelined:
+        stages = args.pipeline_parallel if args.pipeline_parallel is not None else 1
+        if stages < 1:
+            parser.error(f"--pipeline-parallel must be >= 1, got {stages}")
+        if args.ranks % stages:
+            parser.error(f"--ranks ({args.ranks}) must be divisible by --pipeline-parallel ({stages}): --ranks is "
+                         f"the total, {stages} stages x --ranks / {stages} data-parallel pipelines")
+        micro_batches = args.micro_batches if args.micro_batches is not None else 2 * stages
+        if micro_batches < 1:
+            parser.error(f"--micro-batches must be >= 1, got {micro_batches}")
+        if args.layers < 1 or args.layers % stages:
+            parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
+                         "every stage holds the same number of layers")
     try:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
@@ -433,7 +560,14 @@ def run_cli(args, parser) -> int:
     if args.plot:
         _plot(args.plot, lengths, args, config, time_model, result, options)
     public = {k: v for k, v in result.items() if not k.startswith("_")}
-    print(json.dumps(public) if args.json else format_table(public))
+    table = format_table(public)
+    if pipelined:
+        public["pipeline"] = simulate_pipeline(
+            lengths, args.ranks, args.tokens_per_rank, stages=stages, micro_batches=micro_batches,
+            batches=args.batches, seed=args.seed, config=config, time_model=time_model,
+            hidden_comm_fraction=args.hidden_comm_fraction, layers=args.layers, hidden=args.hidden)
+        table += "\n\n" + format_pipeline_table(public["pipeline"])
+    print(json.dumps(public) if args.json else table)
     if args.plot and not args.json:
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0

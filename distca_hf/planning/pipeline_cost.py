@@ -1,0 +1,263 @@
+"""One training step of a pipeline, timed for the four ways of running its attention. Pure numpy.
+
+A step of ``P`` stages x ``D`` data-parallel pipelines (``P x D`` ranks; rank ``s D + d`` is stage ``s``
+of pipeline ``d``, as ``training.topology`` numbers them) runs ``M`` micro-batches; micro-batch ``m``
+is one row of ``T`` tokens on each of the ``D`` pipelines, i.e. ``D x T`` tokens packed in order
+(``baselines.pack_pieces``; a document crossing a row continues on the next pipeline's row and
+attends to its whole prefix, as inside a stage's data-parallel group with ``span_ranks``). A stage
+holds ``layers / P`` layers. Every method is timed with the same ``TimeModel`` and the same
+communication rules as ``distca-hf simulate``'s other methods (``by_time.loads_seconds``: compute
+plus the exposed share of the bytes a rank sends and receives, plus ``collective_s`` when anything
+moves); forward and backward are split by ``forward_backward_models``.
+
+- ``colocated_1f1b``: torch's ``Schedule1F1B``; every rank computes its own row's attention (a piece
+  that continues a document receives its prefix K/V). The ``D`` pipelines run independently (the
+  wait of a prefix exchange for its peer is not modelled: in the baseline's favour) and the step
+  ends with the slowest.
+- ``balanced_micro_batches``: the same, with the step's documents spread over its ``D x M`` rows by
+  ``micro_batches.balance_micro_batches`` (a piece placed away from its prefix receives it like
+  above; in the baseline's favour too, since a real run would have to keep an earlier micro-batch's
+  K/V).
+- ``cad_per_stage``: torch's ``Schedule1F1B``; the ``D`` copies of a stage run each micro-batch
+  together with the distca planner balancing its attention over them (one plan per micro-batch,
+  forward and backward); an operation lasts as long as the slowest copy, layer by layer.
+- ``cad_across_stages``: the lockstep schedule (``pipeline.lockstep_1f1b_ticks``): in every tick
+  each rank runs its stage's linear layers of its micro-batch (none in a bubble) and one plan per
+  tick pools the tick's attention over all ``P x D`` ranks, forward with forward (planned with the
+  forward model) and backward with backward (re-planned with the backward model); a tick lasts as
+  long as its slowest rank, layer by layer. It holds up to ``2 (P - s) - 1`` micro-batches' activations
+  on stage ``s`` (1F1B: ``P - s``).
+
+Activations (forward) and their gradients (backward) between stages take ``p2p_s = T x
+activation_bytes_per_token / bytes_per_s`` per micro-batch, overlapping the stages' compute
+(``pipeline.simulate_1f1b`` / ``simulate_lockstep``). Not modelled, for any method: the embedding on
+the first stage and the final norm, LM head and loss on the last (equal for all four methods except
+that in the lockstep they lengthen every tick of those stages), and bandwidth shared between the
+stages' transfers and the attention exchanges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .baselines import RankLoads, pack_pieces
+from .by_time import loads_seconds, plan_loads, step_seconds
+from .cost import TimeModel, imbalance
+from .micro_batches import balance_micro_batches
+from .pieces import DocumentPieces
+from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
+                       simulate_lockstep)
+from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
+
+__all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
+           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "held_micro_batches"]
+
+BACKWARD_TO_FORWARD = 2.0
+"""A layer's backward compute over its forward's: 2 (the linear layers' backward computes the
+gradients of the inputs and of the weights, two matmuls per forward matmul; core attention's is 2.5,
+``cost.attention_flops``, and a model that counts it apart would split it the same way). The time
+model's constants are forward + backward, so the forward takes ``1 / (1 + 2)`` of a layer's compute
+and the backward ``2 / 3``; the backward moves as many bytes as the forward (dO out, dQ / dK / dV
+back), so each takes half of the communication."""
+
+PIPELINE_METHODS = ("colocated_1f1b", "balanced_micro_batches", "cad_per_stage", "cad_across_stages")
+
+
+def forward_backward_models(time_model: TimeModel) -> tuple[TimeModel, TimeModel]:
+    """``(forward, backward)``: ``time_model`` (a layer's forward + backward) split into the forward's
+    and the backward's share (``BACKWARD_TO_FORWARD``): compute constants times ``1 / 3`` and ``2 / 3``,
+    communication halved for each (``bytes_per_s`` doubled, ``collective_s`` halved). The two add up
+    to ``time_model`` for any loads."""
+    def share(fraction: float, label: str) -> TimeModel:
+        return dataclasses.replace(
+            time_model, linear_s_per_token=time_model.linear_s_per_token * fraction,
+            attn_s_per_pair=time_model.attn_s_per_pair * fraction, task_s=time_model.task_s * fraction,
+            task_key_s=time_model.task_key_s * fraction, bytes_per_s=time_model.bytes_per_s * 2.0,
+            collective_s=time_model.collective_s / 2.0, source=f"{time_model.source} ({label})")
+
+    forward = 1.0 / (1.0 + BACKWARD_TO_FORWARD)
+    return share(forward, "forward share"), share(1.0 - forward, "backward share")
+
+
+def check_layers(layers: int, stages: int, *, setting: str = "layers") -> int:
+    """``layers / stages``, the layers of one stage; a ``ValueError`` naming both numbers when they do
+    not divide (stages must hold equal layers for the lockstep, and the stage split refuses it too)."""
+    for name, value in ((setting, layers), ("stages", stages)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if layers % stages:
+        raise ValueError(f"{setting} ({layers}) must be divisible by the pipeline stages ({stages}): every stage "
+                         "holds the same number of layers")
+    return layers // stages
+
+
+def held_micro_batches(stages: int, micro_batches: int) -> dict[str, list[int]]:
+    """Per stage, the most micro-batches whose activations it holds at once: torch's 1F1B
+    (``min(M, P - s)``) and the lockstep (``in_flight_micro_batches``)."""
+    return {"1f1b": [min(micro_batches, stages - s) for s in range(stages)],
+            "cad_across_stages": [in_flight_micro_batches(s, stages, micro_batches) for s in range(stages)]}
+
+
+@dataclass(frozen=True)
+class PipelineMethodStep:
+    """One method's step.
+
+    Attributes:
+        step_s: seconds of the whole step (``M`` micro-batches through all layers, forward +
+            backward): the slowest pipeline's.
+        bubble_fraction: share of its stages' time without a micro-batch (idle under 1F1B; serving
+            CA-tasks under ``cad_across_stages``), in the run that sets ``step_s``.
+        attn_imbalance: max / mean attention pairs over the ranks that run together, averaged: the
+            step's ``D x M`` rows (the 1F1B methods), a micro-batch's ``D`` servers (``cad_per_stage``)
+            or a tick's ``P x D`` servers (``cad_across_stages``).
+    """
+
+    step_s: float
+    bubble_fraction: float
+    attn_imbalance: float
+
+
+def _pool(parts, num_ranks: int) -> DocumentPieces:
+    """``parts``: ``(pieces, rank_offset)``; one ``DocumentPieces`` over ``num_ranks`` with every part's
+    documents numbered apart."""
+    rank, doc, start, end, kv_start, next_doc = [], [], [], [], [], 0
+    for pieces, offset in parts:
+        rank.append(pieces.rank + offset), doc.append(pieces.doc + next_doc)
+        start.append(pieces.start), end.append(pieces.end), kv_start.append(pieces.kv_start)
+        next_doc += int(pieces.doc.max(initial=-1)) + 1
+    join = lambda a: np.concatenate(a) if a else np.zeros(0, dtype=np.int64)
+    return DocumentPieces(join(rank), join(doc), join(start), join(end), num_ranks, kv_start=join(kv_start))
+
+
+def plan_lockstep_tick(parts, config: PlannerConfig, *, num_ranks: int) -> tuple[DocumentPieces, Plan]:
+    """One lockstep tick's pooled pieces and plan.
+
+    ``parts``: ``(pieces, rank_offset)`` of every stage running a micro-batch in the tick (its ``D``
+    ranks from ``rank_offset``); ``num_ranks``: all ``P x D`` ranks, bubble ranks included. The plan is
+    the planner's over the pooled pieces (every rank a server); under ``tolerance="auto"`` (plan by
+    time) it is that or the union of each stage's own plan over its ``D`` ranks, whichever
+    ``config.time_model`` predicts faster (ties: the pooled one), so a tick is never predicted slower
+    than its stages balanced alone: pooling spreads attention over more servers but also spreads a
+    long document's K/V to more of them, and every holder sends its K/V to each server of its
+    document's shards."""
+    pooled = _pool(parts, num_ranks)
+    plan = plan_tasks(pooled, config)
+    if config.tolerance != "auto" or len(parts) < 2:
+        return pooled, plan
+    local, next_doc = [], 0
+    for pieces, offset in parts:
+        own = plan_tasks(pieces, config)
+        local.append((own.source + offset, own.server + offset, own.doc + next_doc, own.q_start, own.q_end))
+        next_doc += int(pieces.doc.max(initial=-1)) + 1
+    union = Plan(*(np.concatenate(column) for column in zip(*local)), num_ranks, tuple(range(num_ranks)),
+                 config.window)
+    if step_seconds(union, pooled, config) < step_seconds(plan, pooled, config):
+        return pooled, union
+    return pooled, plan
+
+
+def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float) -> np.ndarray:
+    compute, exposed = loads_seconds(loads, model, exposed_comm)
+    return compute + exposed
+
+
+def _rows(loads: RankLoads, rows) -> RankLoads:
+    return RankLoads(*(getattr(loads, f.name)[rows] for f in dataclasses.fields(RankLoads)))
+
+
+def _independent_pipelines(row_forward, row_backward, stages: int, per_stage: int, p2p_s: float):
+    """``row_*``: ``[M, D]`` seconds of one layer of each row; the slowest of the ``D`` pipelines."""
+    runs = [simulate_1f1b(np.tile(per_stage * row_forward[:, d], (stages, 1)),
+                          np.tile(per_stage * row_backward[:, d], (stages, 1)), p2p_s=p2p_s)
+            for d in range(row_forward.shape[1])]
+    return max(runs, key=lambda run: run.step_s)
+
+
+def _step(run: PipelineRun, attn_imbalance: float) -> PipelineMethodStep:
+    return PipelineMethodStep(float(run.step_s), float(run.bubble_fraction), float(attn_imbalance))
+
+
+def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
+                  config: PlannerConfig, activation_bytes_per_token: int) -> dict[str, PipelineMethodStep]:
+    """Time one step for each of ``PIPELINE_METHODS`` (module docstring).
+
+    Args:
+        micro_batch_docs: ``M`` arrays of document lengths, micro-batch ``m``'s documents in order
+            (at most ``data_parallel * tokens`` tokens each).
+        stages: ``P``. data_parallel: ``D``, the pipelines. tokens: ``T``, tokens of a row.
+        layers: the model's decoder layers, a multiple of ``stages``.
+        config: the planner's settings; its ``time_model`` and ``exposed_comm`` time every method
+            (and ``tolerance="auto"`` plans with them).
+        activation_bytes_per_token: bytes of one token's hidden state sent between stages (hidden
+            size x dtype bytes).
+
+    Returns:
+        ``{method: PipelineMethodStep}``.
+    """
+    per_stage = check_layers(layers, stages)
+    for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if activation_bytes_per_token < 0:
+        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
+    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
+    m, d = len(micro_batch_docs), data_parallel
+    if m < 1:
+        raise ValueError("micro_batch_docs must hold at least one micro-batch")
+    for i, docs in enumerate(micro_batch_docs):
+        if int(docs.sum()) > d * tokens:
+            raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel ({d}) x "
+                             f"tokens ({tokens})")
+    model, exposed, token_bytes = config.time_model, config.exposed_comm, config.token_bytes
+    forward_model, backward_model = forward_backward_models(model)
+    p2p_s = tokens * activation_bytes_per_token / model.bytes_per_s
+    packed = [pack_pieces(docs, d, tokens) for docs in micro_batch_docs]
+    results = {}
+
+    # colocated_1f1b: every row its own attention, D pipelines on their own
+    row_f, row_b, row_pairs = np.zeros((m, d)), np.zeros((m, d)), []
+    for i, pieces in enumerate(packed):
+        loads = plan_loads(colocated_plan(pieces, window=config.window), pieces, token_bytes)
+        row_f[i], row_b[i] = _seconds(loads, forward_model, exposed), _seconds(loads, backward_model, exposed)
+        row_pairs.append(loads.pairs)
+    results["colocated_1f1b"] = _step(_independent_pipelines(row_f, row_b, stages, per_stage, p2p_s),
+                                      imbalance(np.concatenate(row_pairs)))
+
+    # balanced_micro_batches: the step's documents over its D x M rows (row i * D + j: micro-batch i of
+    # pipeline j), each row its own attention
+    balanced = balance_micro_batches(np.concatenate(micro_batch_docs), micro_batches=m * d, tokens=tokens,
+                                     window=config.window)
+    loads = plan_loads(colocated_plan(balanced, window=config.window), balanced, token_bytes)
+    for i in range(m):  # a micro-batch's rows meet in its collectives (collective_s) only among themselves
+        rows = np.arange(i * d, (i + 1) * d)
+        row_f[i] = _seconds(_rows(loads, rows), forward_model, exposed)
+        row_b[i] = _seconds(_rows(loads, rows), backward_model, exposed)
+    results["balanced_micro_batches"] = _step(_independent_pipelines(row_f, row_b, stages, per_stage, p2p_s),
+                                              imbalance(loads.pairs))
+
+    # cad_per_stage: one plan per micro-batch over the stage's D copies; an op lasts as its slowest copy
+    op_f, op_b, imbalances = np.zeros(m), np.zeros(m), []
+    for i, pieces in enumerate(packed):
+        plan = plan_tasks(pieces, config)
+        loads = plan_loads(plan, pieces, token_bytes)
+        op_f[i] = _seconds(loads, forward_model, exposed).max()
+        op_b[i] = _seconds(loads, backward_model, exposed).max()
+        imbalances.append(imbalance(plan.server_pairs()))
+    run = simulate_1f1b(np.tile(per_stage * op_f, (stages, 1)), np.tile(per_stage * op_b, (stages, 1)), p2p_s=p2p_s)
+    results["cad_per_stage"] = _step(run, np.mean(imbalances))
+
+    # cad_across_stages: one plan per tick over all P x D ranks, bubbles serving
+    tick_s, imbalances = [], []
+    for tick in lockstep_1f1b_ticks(stages, m):
+        tick_model = forward_model if tick.kind == FORWARD else backward_model
+        parts = [(packed[mb], s * d) for s, mb in enumerate(tick.micro_batches) if mb is not None]
+        pooled, plan = plan_lockstep_tick(parts, dataclasses.replace(config, time_model=tick_model),
+                                          num_ranks=stages * d)
+        tick_s.append(per_stage * float(_seconds(plan_loads(plan, pooled, token_bytes), tick_model, exposed).max()))
+        imbalances.append(imbalance(plan.server_pairs()))
+    run = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
+    results["cad_across_stages"] = _step(run, np.mean(imbalances))
+    return results
