@@ -134,13 +134,6 @@ class PipelineRunner:
                 group = dist.new_group(ranks=ranks, timeout=timeout)
                 if rank in ranks:
                     self.data_group = group
-        # the tied embedding's gradient is summed between the first and the last stage
-        self.tied_group = self.pipeline_group
-        if self.num_stages > 2:
-            for ranks in topology.pipeline_parallel_groups():
-                group = dist.new_group(ranks=[ranks[0], ranks[-1]], timeout=timeout)
-                if rank in (ranks[0], ranks[-1]):
-                    self.tied_group = group
         from ..runtime.shutdown import close_at_exit
 
         close_at_exit()  # the groups made here are destroyed before the interpreter shuts down
@@ -247,21 +240,28 @@ class PipelineRunner:
             run(*args, position_ids=position_ids, target=targets if self.is_last else None,
                 losses=losses if self.is_last else None)
         except Exception as error:
-            if isinstance(error, (DistCAPeerError, DistCATimeoutError)) or self._raised_here(error):
+            if isinstance(error, (DistCAPeerError, DistCATimeoutError)):
                 raise
+            own = self._own_error(error)
+            if own is not None:
+                raise own  # torch wraps a stage's error in its own RuntimeError: the stage's error, by its name
             raise self._peer_error(error) from error
         return losses
 
-    def _raised_here(self, error: BaseException) -> bool:
-        """Whether ``error`` came from this stage's own computation (its module or the loss), not
-        from waiting on a peer."""
+    def _own_error(self, error: BaseException) -> BaseException | None:
+        """The error of this stage's own computation (its module's forward or the loss) in ``error``'s
+        chain of causes, or ``None`` when ``error`` came from waiting on a peer."""
         own = {type(self.stage_module).forward.__code__, PipelineRunner._loss.__code__}
-        traceback = error.__traceback__
-        while traceback is not None:
-            if traceback.tb_frame.f_code in own:
-                return True
-            traceback = traceback.tb_next
-        return False
+        seen = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            traceback = error.__traceback__
+            while traceback is not None:
+                if traceback.tb_frame.f_code in own:
+                    return error
+                traceback = traceback.tb_next
+            error = error.__cause__ or error.__context__
+        return None
 
     def _peer_error(self, error: BaseException) -> DistCAPeerError:
         neighbours = [s for s in (self.stage_index - 1, self.stage_index + 1) if 0 <= s < self.num_stages]
@@ -294,7 +294,7 @@ class PipelineRunner:
                 grad.copy_(summed)
         from .pipeline_stages import sync_tied_embedding_grads
 
-        sync_tied_embedding_grads(self.stage_module, group=self.tied_group)
+        sync_tied_embedding_grads(self.stage_module, group=self.pipeline_group)
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the gradients of every stage's parameters (the tied embedding counted once),
