@@ -158,12 +158,14 @@ def test_tied_embedding_copies_sum_to_the_whole_models_gradient():
     assert ps.tied_embedding_parameter(untied) is None
 
 
-def test_single_stage_saves_an_ordinary_folder(tmp_path):
-    model = stage_model("gemma", tie_word_embeddings=True)
+@pytest.mark.parametrize("family, tied", [("gemma", True), ("qwen3", False)])
+def test_single_stage_saves_an_ordinary_folder(tmp_path, family, tied):
+    model = stage_model(family, tie_word_embeddings=tied)
     stage = ps.build_stage_module(model, stage_index=0, num_stages=1)
     ps.save_pipeline_model(stage, tmp_path, pipeline_group=None)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert type(loaded) is type(model)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     expected = model.state_dict()
     assert loaded.state_dict().keys() == expected.keys()
     for name, tensor in loaded.state_dict().items():
@@ -238,3 +240,33 @@ def test_two_process_pipeline_syncs_tied_grads_and_saves_one_folder(tmp_path):
     for result in results:
         assert "the tied embedding's copies differ" in result["value"], result["value"]
         assert "max abs diff 0.25" in result["value"] and "sync_tied_embedding_grads" in result["value"]
+
+
+def _pingpong_stages_worker(rank, world):
+    """Both ranks run stages 0 and 1 of one model in turn with distca's ping-pong across the two ranks
+    (CAD inside a stage's data-parallel group): each stage's decoder stack is HF's, so ping-pong runs."""
+    import distca_hf
+
+    distca_hf.configure(overlap="pingpong")
+    lengths = [40] if rank == 0 else [6, 9, 5, 12, 8]  # skewed, so attention moves between the ranks
+    docs, input_ids, position_ids = packed_row(lengths, seed=rank)
+    weights = objective_weights((1, sum(lengths), VOCAB), seed=rank)
+    model = stage_model("qwen2", attn="distca")
+    ref_logits, ref_grads = per_document_reference(model, docs, list(weights[0].split(lengths)))
+    stages = [ps.build_stage_module(model, stage_index=i, num_stages=2) for i in range(2)]
+    hidden = stages[0](input_ids, position_ids=position_ids)
+    overlap_first = distca_hf.plan_stats()["overlap"]
+    logits = stages[1](hidden, position_ids=position_ids)
+    (logits * weights).sum().backward()
+    torch.testing.assert_close(logits[0], torch.cat(ref_logits), atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+    return [overlap_first, distca_hf.plan_stats()["overlap"]]
+
+
+@pytest.mark.distributed
+def test_stages_run_pingpong_across_a_stages_data_parallel_ranks(tmp_path):
+    results = run_ranks(_pingpong_stages_worker, 2, tmp_path, env={"DISTCA_TOLERANCE": "0.02",
+                                                                   "DISTCA_TIMEOUT_S": "60"}, deadline_s=180)
+    failed = [f"rank {rank}: {r.get('traceback', r['error'])}" for rank, r in enumerate(results) if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    assert all(r["value"] == ["pingpong", "pingpong"] for r in results), results

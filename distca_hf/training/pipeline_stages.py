@@ -252,7 +252,8 @@ class PipelineStageModule(nn.Module):
                              f"{inputs.shape[1]}] like its inputs, got {list(position_ids.shape)}")
 
     def extra_repr(self) -> str:
-        return f"stage {self.stage_index} of {self.num_stages}, layers {self.layer_range.start}..{self.layer_range.stop - 1}"
+        first, last = self.layer_range.start, self.layer_range.stop - 1
+        return f"stage {self.stage_index} of {self.num_stages}, layers {first}..{last}"
 
 
 def build_stage_module(model, *, stage_index: int, num_stages: int) -> PipelineStageModule:
