@@ -121,6 +121,12 @@ def test_unsupported_model_type_is_refused_by_name():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"cannot split GPT2LMHeadModel \(model_type 'gpt2'\).*llama, mistral"):
         ps.build_stage_module(model, stage_index=0, num_stages=2)
+    # a Gemma whose embedding does not scale itself (its stack's forward would, on every stage)
+    gemma = stage_model("gemma")
+    gemma.model.embed_tokens = torch.nn.Embedding(VOCAB, 32)
+    with pytest.raises(ValueError, match=r"model_type 'gemma'.*a later stage would scale the hidden states it "
+                                         r"receives again"):
+        ps.build_stage_module(gemma, stage_index=1, num_stages=2)
 
 
 def test_stage_inputs_are_checked():

@@ -51,7 +51,7 @@ __all__ = [
 SPLITTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 """Model types ``build_stage_module`` splits, each tested (``tests/test_pipeline_stages.py``): stages
 composed give the whole model's logits and gradients. Their decoder stacks take ``inputs_embeds``
-unchanged (Gemma's scaling by sqrt(hidden) happens inside its embedding module in transformers 5),
+unchanged (Gemma's scaling by sqrt(hidden) happens inside its embedding module, as in transformers 5.24),
 which is what lets a later stage feed the hidden states it receives to the stack's own forward."""
 
 _SCALED_EMBEDDING_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -158,7 +158,8 @@ def _decoder_stack(model) -> nn.Module:
             f"pipeline stages: cannot split {type(model).__name__} (model_type {model_type!r}) with this "
             f"transformers version: its embedding {type(stack.embed_tokens).__name__} does not scale by "
             "sqrt(hidden_size) itself, so the decoder stack's forward does, and a later stage would scale the "
-            "hidden states it receives again. Use transformers >= 5.0 or pipeline_parallel_size=1")
+            "hidden states it receives again. Use a transformers release whose Gemma embeddings scale themselves "
+            "(5.24 does) or pipeline_parallel_size=1")
     return stack
 
 
