@@ -113,7 +113,6 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
                                loss_kwargs)
         training = bool(stage.has_backward)
-        self._refuse_recomputation()
         plans = self._plan_step(kwarg_mbs, training)
         sends = []
         for tick in lockstep_1f1b_ticks(self._num_stages, self._n_microbatches):
@@ -167,12 +166,13 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         dtype = next((p.dtype for p in self._stage.submod.parameters() if p.is_floating_point()), torch.float32)
         return torch.zeros(1, 1, config.hidden_size, dtype=dtype, device=device), kwargs
 
-    def _refuse_recomputation(self) -> None:
+    def _recomputation_error(self) -> ValueError | None:
         if any(getattr(m, "gradient_checkpointing", False) is True for m in self._stage.submod.modules()):
-            raise ValueError(
+            return ValueError(
                 "pipeline_schedule='cad_1f1b' cannot run with gradient checkpointing: recomputing a layer in the "
                 "backward would open a forward outside the tick's lockstep. Turn gradient_checkpointing off or use "
                 "pipeline_schedule='1f1b'")
+        return None
 
     def _attention_layout(self) -> int:
         """A checksum of what this stage's attention layers compute, in order: their kind (``layer_types``),
@@ -219,9 +219,9 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         """This rank's micro-batches as ``(documents, first_position)`` each, and the payload the
         step's all-gather carries: ``[stage, M, attention layout, then per micro-batch: first_position,
         count, lengths]``."""
-        described, error = [], None
+        described, error = [], self._recomputation_error()
         payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout()]
-        for i, kwargs in enumerate(kwarg_mbs):
+        for i, kwargs in enumerate(kwarg_mbs if error is None else ()):
             position_ids = (kwargs or {}).get("position_ids")
             if position_ids is None:
                 error = ValueError(f"pipeline_schedule='cad_1f1b': micro-batch {i} has no position_ids; pass "
@@ -265,13 +265,13 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             docs = dummy if mine is None else described[mine][0]
             ranks = stitch_rank_documents(lengths, [np.zeros_like(x) for x in lengths], firsts,
                                           span_ranks=config.span_ranks)
-            number = next_forward_number()
+            tick_number = next_forward_number()
             planning = dataclasses.replace(config, mode="colocated") if local else config
-            dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, number,
+            dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
                                            "none" if local else config.overlap)
-            stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
+            stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
                                   overlap=config.overlap)
-            return ForwardContext(number, (), (), ranks.longest_document, stats, dispatch=dispatch,
+            return ForwardContext(tick_number, (), (), ranks.longest_document, stats, dispatch=dispatch,
                                   counters=dispatch.counters), mine
 
         slots = m + p - 1
@@ -289,7 +289,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 local, _ = plan(BACKWARD, b, local=True)
                 local.dispatch.backward = context.dispatch
                 bubbles[b] = local
-        return _StepPlans({f: c for f, c in forward.items()}, bubbles)
+        return _StepPlans(forward, bubbles)
 
     def _token_bytes(self) -> tuple[TokenBytes, int]:
         """Bytes of one token's q, k + v and output in the attention layers (for the time model and
