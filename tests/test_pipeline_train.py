@@ -179,3 +179,148 @@ def test_two_stages_by_two_data_parallel_train_like_one_process(tmp_path):
              for s in _schedules() for span, overlap in ((True, "none"), (False, "pingpong"), (True, "pingpong"))]
     cases.append(dict(pp=2, schedule="cad_1f1b", span=True, overlap="none", fail_rank=3, timeout_s=10.0))
     _check(run_ranks(_cases_worker, 4, tmp_path, cases, deadline_s=400), cases)
+
+
+# -- DistCATrainer in stages ---------------------------------------------------------------------------
+
+EVAL_LENGTHS = [13, 31, 6, 22, 9]
+TRAINER_LR = 0.3  # SGD with momentum, so that resuming must bring the optimizer's state back
+
+
+def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | None = None,
+                 resume_from: str | None = None, run: str = "run", evaluate: bool = False):
+    """Train the tiny Llama with DistCATrainer in ``case["pp"]`` stages; record every micro-batch it
+    trained and evaluated (the rows every stage of a pipeline reads alike)."""
+    import os
+
+    from transformers import TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    class RecordingTrainer(DistCATrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.recorded.append([self.state.global_step] + [inputs[k][0].tolist() for k in
+                                                             ("input_ids", "position_ids", "shift_labels")])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            self.evaluated.append([inputs[k][0].tolist() for k in ("input_ids", "position_ids", "shift_labels")])
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    model = tiny_model("llama", num_hidden_layers=2 * case["pp"])
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, run), per_device_train_batch_size=1, per_device_eval_batch_size=1,
+        max_steps=max_steps, learning_rate=TRAINER_LR, optim="sgd", optim_args="momentum=0.9",
+        lr_scheduler_type="linear",
+        weight_decay=0.0,
+        max_grad_norm=MAX_NORM, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, eval_strategy="no",
+        dataloader_pin_memory=False)
+    plugin = DistCAPlugin(pipeline_parallel_size=case["pp"], pipeline_schedule=case["schedule"],
+                          pipeline_micro_batches=MICRO_BATCHES, timeout_s=60.0)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=_documents(),
+                               eval_dataset=_documents(7)[:len(EVAL_LENGTHS)] if evaluate else None,
+                               packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0), distca_plugin=plugin)
+    trainer.recorded, trainer.evaluated = [], []
+    trainer.train(resume_from_checkpoint=resume_from)
+    result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+              "recorded": trainer.recorded, "initial": initial, "trainer": trainer}
+    if evaluate:
+        result["eval"] = trainer.evaluate()
+        result["evaluated"] = trainer.evaluated
+    return result
+
+
+def _rows_of(records) -> list[dict]:
+    return [{"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]),
+             "shift_labels": torch.tensor([targets])} for ids, pos, targets in records]
+
+
+def _trainer_worker(rank, world, schedules, out_dir):
+    """Per schedule: 4 steps (checkpoint at 2) against one process; for the first, resuming from the
+    checkpoint equals the uninterrupted run, evaluation equals the reference and the saved folder
+    loads with from_pretrained as the trained stages."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from distca_hf.training.pipeline_stages import gather_full_state_dict
+    from helpers import tiny_model
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    out = []
+    for index, schedule in enumerate(schedules):
+        case = {"pp": 2, "schedule": schedule}
+        first = index == 0
+        full = _trainer_run(out_dir, case, max_steps=4, save_steps=2 if first else None, run=schedule,
+                            evaluate=first)
+        trainer = full["trainer"]
+        # the reference: one process, the same rows, eager attention per document
+        reference = tiny_model("llama", num_hidden_layers=2 * case["pp"])
+        reference.set_attn_implementation("eager")
+        reference.load_state_dict(full["initial"])
+        optimizer = torch.optim.SGD(reference.parameters(), lr=TRAINER_LR, momentum=0.9)
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (4 - step) / 4)  # HF linear decay
+        reference_losses, reference_norms = [], []
+        for step in range(4):
+            rows = [[row] for row in _rows_of([r[1:] for r in full["recorded"] if r[0] == step])]
+            assert len(rows) == MICRO_BATCHES, (step, len(rows))
+            optimizer.zero_grad(set_to_none=True)
+            loss = _reference_loss(reference, rows)
+            loss.backward()
+            reference_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)))
+            optimizer.step()
+            decay.step()
+            reference_losses.append(loss.item())
+        trained = gather_full_state_dict(trainer.model, pipeline_group=trainer._pipeline.pipeline_group)
+        result = {"losses": full["losses"], "reference_losses": reference_losses, "norms": full["norms"],
+                  "reference_norms": reference_norms, "worst_param_error": None}
+        if trained is not None:
+            expected = dict(reference.named_parameters())
+            result["worst_param_error"] = max(float((trained[n] - expected[n].detach()).abs().max()) for n in expected)
+        if first:
+            with torch.no_grad():  # evaluation: the exact token-weighted loss of the set
+                eval_loss = _reference_loss(reference, [[row] for row in _rows_of(full["evaluated"])])
+            result["eval_loss"], result["reference_eval_loss"] = full["eval"]["eval_loss"], eval_loss.item()
+            checkpoint = os.path.join(out_dir, schedule, "checkpoint-2")
+            resumed = _trainer_run(out_dir, case, max_steps=4, resume_from=checkpoint, run=schedule + "-resumed")
+            # the resumed run's history holds the checkpoint's first two steps, then its own
+            result["resumed_losses"], result["full_losses_after_2"] = resumed["losses"][2:], full["losses"][2:]
+            again = gather_full_state_dict(resumed["trainer"].model,
+                                           pipeline_group=resumed["trainer"]._pipeline.pipeline_group)
+            if again is not None:
+                result["resume_param_error"] = max(float((again[n] - trained[n]).abs().max()) for n in trained)
+            saved = os.path.join(out_dir, "saved")
+            trainer.save_model(saved)
+            torch.distributed.barrier()
+            loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
+            if trained is not None:
+                result["saved_param_error"] = max(float((loaded[n] - trained[n]).abs().max()) for n in trained)
+        out.append(result)
+    return out
+
+
+@pytest.mark.distributed
+def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_process(tmp_path):
+    schedules = list(_schedules())
+    results = run_ranks(_trainer_worker, 2, tmp_path, schedules, str(tmp_path), deadline_s=400)
+    for result in results:
+        assert result["ok"], result.get("traceback", result.get("error"))
+    for index, schedule in enumerate(schedules):
+        for rank, result in enumerate(results):
+            got = result["value"][index]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["reference_losses"]),
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}: losses: {m}")
+            torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(got["reference_norms"]),
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}: grad norms: {m}")
+            if rank == 0:  # the first stage gathered the whole model
+                assert got["worst_param_error"] < 1e-5, (schedule, got["worst_param_error"])
+            if index == 0:
+                assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
+                torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(got["full_losses_after_2"]),
+                                           rtol=1e-6, atol=1e-7)
+                if rank == 0:
+                    assert got["resume_param_error"] < 1e-6 and got["saved_param_error"] == 0.0, got
