@@ -145,7 +145,7 @@ def _parse_flag(text: str) -> bool:
 def _micro_batches_problem(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return (f"must be an integer >= 1 (micro-batches per optimizer step and pipeline) or None (DistCATrainer: "
-                f"its gradient_accumulation_steps), got {value!r}")
+                f"its gradient_accumulation_steps, at least pipeline_parallel_size), got {value!r}")
 
 
 def _one_of(choices):
@@ -223,8 +223,9 @@ class DistCAConfig:
     pipeline_micro_batches: int | None = setting(
         None, env="DISTCA_PIPELINE_MICRO_BATCHES", parse=int, check=_micro_batches_problem,
         help="micro-batches (packed rows per data-parallel rank) each pipeline runs per optimizer step when "
-             "pipeline_parallel_size > 1; None: DistCATrainer takes TrainingArguments.gradient_accumulation_steps "
-             "(a set value becomes it). More micro-batches shrink the bubble ((P-1)/(M+P-1) of a step)")
+             "pipeline_parallel_size > 1; DistCATrainer makes it its gradient_accumulation_steps (None: "
+             "TrainingArguments.gradient_accumulation_steps, at least pipeline_parallel_size). More micro-batches "
+             "shrink the pipeline bubble, (P-1)/(M+P-1) of a step")
     group: object = field(default=None, compare=False, metadata={
         "help": "the attention-server process group (None: the default group); set by DistCAPlugin.attach"})
 

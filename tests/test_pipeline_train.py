@@ -119,6 +119,17 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
 def _cases_worker(rank, world, cases):
     results = []
     for case in cases:
+        if case.get("layers"):  # a layer count the stages do not divide: refused before any group is made
+            from distca_hf.training.pipeline_stages import build_stage_module
+            from helpers import tiny_model
+
+            try:
+                build_stage_module(tiny_model("llama", num_hidden_layers=case["layers"]), stage_index=rank,
+                                   num_stages=case["pp"])
+                results.append({"error": None})
+            except ValueError as error:
+                results.append({"error": "ValueError", "message": str(error)})
+            continue
         if "fail_rank" not in case:
             results.append(_run_case(rank, world, case))
             continue
@@ -134,6 +145,12 @@ def _check(results, cases):
     for result in results:
         assert result["ok"], result.get("traceback", result.get("error"))
     for index, case in enumerate(cases):
+        if case.get("layers"):
+            for result in results:
+                message = result["value"][index].get("message", "")
+                assert f"{case['layers']}" in message and f"{case['pp']}" in message and \
+                    "pipeline_parallel_size" in message, result["value"][index]
+            continue
         if "fail_rank" in case:  # every rank stops with a named error: its own, or its peers' as distca's
             for rank, result in enumerate(results):
                 got = result["value"][index]
@@ -169,6 +186,7 @@ def _schedules():
 @pytest.mark.distributed
 def test_two_stages_train_like_one_process_for_every_schedule(tmp_path):
     cases = [dict(pp=2, schedule=s, span=False, overlap="none", tied=s == "1f1b") for s in _schedules()]
+    cases.append(dict(pp=2, layers=3))
     cases.append(dict(pp=2, schedule="1f1b", span=False, overlap="none", fail_rank=1, timeout_s=10.0))
     _check(run_ranks(_cases_worker, 2, tmp_path, cases), cases)
 
