@@ -8,6 +8,8 @@ Launch it on as many processes as you like (each is one rank; attention is balan
         --model_name_or_path meta-llama/Llama-3.2-1B --dataset my_corpus.jsonl --tokens_per_rank 32768 \
         --bf16 --learning_rate 2e-5 --lr_scheduler_type cosine --warmup_steps 100 --report_to tensorboard
     torchrun --nproc-per-node 2 examples/finetune_long_context.py --max_steps 10
+    accelerate launch --config_file recipes/cpu-2proc.yaml examples/finetune_long_context.py \
+        --pipeline_parallel_size 2 --pipeline_schedule cad_1f1b --max_steps 4    # two pipeline stages
 
 The command line is ``transformers.HfArgumentParser`` over ``TrainingArguments`` and this script's
 own groups (model, data, packing, the distca settings, the comparison), so every Trainer flag works
@@ -60,6 +62,11 @@ class ModelArguments:
     dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={
         "help": "The dtype of the model's weights. Mixed precision (weights in float32, compute in bfloat16) is "
                 "--bf16, as in any Trainer script."})
+    pipeline_parallel_size: Optional[int] = field(default=None, metadata={
+        "help": "Split the model's decoder layers evenly into this many pipeline stages (torch.distributed.pipelining; "
+                "the processes are stages x data-parallel copies). Left out: the distca: section's "
+                "pipeline_parallel_size, else 1. With stages, --pipeline_schedule picks gpipe, 1f1b or cad_1f1b and "
+                "--pipeline_micro_batches the packed rows per optimizer step."})
 
 
 @dataclass
@@ -127,6 +134,8 @@ def parse_args(argv=None):
                                                                                 else {}))
     model, data, packing, distca, comparison, training = parser.parse_args_into_dataclasses(
         args=argv, look_for_args_file=False)
+    if model.pipeline_parallel_size is not None and model.pipeline_parallel_size < 1:
+        parser.error(f"--pipeline_parallel_size must be at least 1, got {model.pipeline_parallel_size}")
     if packing.tokens_per_rank < 2:
         parser.error(f"--tokens_per_rank must be at least 2, got {packing.tokens_per_rank}")
     if data.eval_documents < 0:
@@ -215,7 +224,8 @@ def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def train_once(mode: str, data, packing_args, distca_args, training_args, *, repeat: int = 0):
+def train_once(mode: str, data, packing_args, distca_args, training_args, *, repeat: int = 0,
+               pipeline_parallel_size: int | None = None):
     """Train one run with ``mode``, then evaluate it and save it to ``training_args.output_dir``;
     ``repeat > 0``: a timing repeat of a run already made (its header names the repeat, its table
     and packing line are not printed, nothing is evaluated or saved). Returns ``(step table, eval
@@ -225,7 +235,8 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
     from distca_hf import DistCATrainer, PackingConfig, StepTableCallback, prepare_training_arguments
 
     tokenizer, documents, eval_documents, make_model = data
-    plugin = distca_args.plugin(mode=mode)
+    plugin = distca_args.plugin(mode=mode, **({"pipeline_parallel_size": pipeline_parallel_size}
+                                              if pipeline_parallel_size else {}))
     # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
     # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
     prepare_training_arguments(training_args)
@@ -250,6 +261,10 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
                    else f"{config.mode}, tolerance {config.tolerance}")
         print(f"distca: {balance}, overlap {config.overlap}, server group {list(trainer.distca.server_ranks)} of "
               f"{_ranks(trainer.distca.topology.world_size)}", flush=True)
+        if plugin.pipeline_parallel_size > 1:
+            print(f"pipeline: {plugin.pipeline_parallel_size} stages x {trainer.distca.topology.data_parallel} "
+                  f"data-parallel, schedule {config.pipeline_schedule}, {training_args.gradient_accumulation_steps} "
+                  "micro-batches per step", flush=True)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if repeat:
         return table, {}, trainer
@@ -337,7 +352,8 @@ def main(argv=None) -> int:
         return 2
     if not comparison.compare_colocated:
         mode = distca_args.mode or "distca"
-        train_once(mode, data, packing_args, distca_args, training_args)
+        train_once(mode, data, packing_args, distca_args, training_args,
+                   pipeline_parallel_size=model_args.pipeline_parallel_size)
         return 0
     base = training_args.output_dir
     tables = {"distca": [], "colocated": []}
@@ -346,7 +362,8 @@ def main(argv=None) -> int:
         # machine, or the first run's cold caches, hit both modes alike
         for mode in (tables if repeat % 2 == 0 else reversed(tables)):
             training_args.output_dir = os.path.join(base, mode)
-            table, _, trainer = train_once(mode, data, packing_args, distca_args, training_args, repeat=repeat)
+            table, _, trainer = train_once(mode, data, packing_args, distca_args, training_args, repeat=repeat,
+                                           pipeline_parallel_size=model_args.pipeline_parallel_size)
             tables[mode].append(table)
     training_args.output_dir = base
     ok = True

@@ -342,3 +342,31 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
                                            rtol=1e-6, atol=1e-7)
                 if rank == 0:
                     assert got["resume_param_error"] < 1e-6 and got["saved_param_error"] == 0.0, got
+
+
+@pytest.mark.distributed
+def test_pipeline_recipe_runs_the_fine_tuning_example_in_two_stages(tmp_path):
+    """``distca-hf launch --config_file recipes/pipeline-2stage.yaml examples/finetune_long_context.py``:
+    the recipe's distca: section reaches every process, the example trains in two stages (the flag
+    picks the schedule), evaluates and saves one folder that from_pretrained loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from distca_hf.runtime.comm import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "distca-hf"), "launch", "--config_file", "recipes/pipeline-2stage.yaml",
+         "--main_process_port", str(free_port()), "examples/finetune_long_context.py", "--max_steps", "2",
+         "--tokens-per-rank", "512", "--eval_documents", "4", "--pipeline_schedule", "cad_1f1b",
+         "--output_dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "pipeline: 2 stages x 1 data-parallel, schedule cad_1f1b, 4 micro-batches per step" in out, out[-2000:]
+    assert "eval loss" in out and f"model saved to {tmp_path}" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "->" in line]
+    assert [r[0] for r in rows] == ["1", "2"], out[-2000:]  # the step table
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
