@@ -257,10 +257,10 @@ def _rows_of(records) -> list[dict]:
              "shift_labels": torch.tensor([targets])} for ids, pos, targets in records]
 
 
-def _trainer_worker(rank, world, schedules, out_dir):
-    """Per schedule: 4 steps (checkpoint at 2) against one process; for the first, resuming from the
-    checkpoint equals the uninterrupted run, evaluation equals the reference and the saved folder
-    loads with from_pretrained as the trained stages."""
+def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
+    """Per schedule: 4 steps (checkpoint at 2) against one process; for the first, evaluation equals
+    the reference and (``resume_and_save``) resuming from the checkpoint equals the uninterrupted run
+    and the saved folder loads with from_pretrained as the trained stages."""
     import os
 
     from transformers import AutoModelForCausalLM
@@ -273,8 +273,12 @@ def _trainer_worker(rank, world, schedules, out_dir):
     for index, schedule in enumerate(schedules):
         case = {"pp": 2, "schedule": schedule}
         first = index == 0
-        full = _trainer_run(out_dir, case, max_steps=4, save_steps=2 if first else None, run=schedule,
-                            evaluate=first)
+        full = _trainer_run(out_dir, case, max_steps=4, save_steps=2 if first and resume_and_save else None,
+                            run=schedule, evaluate=first)
+        # every data-parallel index's rows, as the first stage (ranks 0 .. data_parallel - 1) read them
+        data_parallel = world // case["pp"]
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, [full["recorded"], full.get("evaluated")])
         trainer = full["trainer"]
         # the reference: one process, the same rows, eager attention per document
         reference = tiny_model("llama", num_hidden_layers=2 * case["pp"])
@@ -284,7 +288,8 @@ def _trainer_worker(rank, world, schedules, out_dir):
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (4 - step) / 4)  # HF linear decay
         reference_losses, reference_norms = [], []
         for step in range(4):
-            rows = [[row] for row in _rows_of([r[1:] for r in full["recorded"] if r[0] == step])]
+            per_rank = [_rows_of([r[1:] for r in everyone[d][0] if r[0] == step]) for d in range(data_parallel)]
+            rows = [list(micro_batch) for micro_batch in zip(*per_rank)]
             assert len(rows) == MICRO_BATCHES, (step, len(rows))
             optimizer.zero_grad(set_to_none=True)
             loss = _reference_loss(reference, rows)
@@ -301,8 +306,10 @@ def _trainer_worker(rank, world, schedules, out_dir):
             result["worst_param_error"] = max(float((trained[n] - expected[n].detach()).abs().max()) for n in expected)
         if first:
             with torch.no_grad():  # evaluation: the exact token-weighted loss of the set
-                eval_loss = _reference_loss(reference, [[row] for row in _rows_of(full["evaluated"])])
+                per_rank = [_rows_of(everyone[d][1]) for d in range(data_parallel)]
+                eval_loss = _reference_loss(reference, [list(micro_batch) for micro_batch in zip(*per_rank)])
             result["eval_loss"], result["reference_eval_loss"] = full["eval"]["eval_loss"], eval_loss.item()
+        if first and resume_and_save:
             checkpoint = os.path.join(out_dir, schedule, "checkpoint-2")
             resumed = _trainer_run(out_dir, case, max_steps=4, resume_from=checkpoint, run=schedule + "-resumed")
             # the resumed run's history holds the checkpoint's first two steps, then its own
@@ -342,6 +349,25 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
                                            rtol=1e-6, atol=1e-7)
                 if rank == 0:
                     assert got["resume_param_error"] < 1e-6 and got["saved_param_error"] == 0.0, got
+
+
+@pytest.mark.distributed
+def test_trainer_in_two_stages_by_two_data_parallel_trains_like_one_process(tmp_path):
+    """Four processes: two pipelines whose stages balance attention with their data-parallel copy,
+    documents spanning the copies (the trainer's default with a server group of two)."""
+    results = run_ranks(_trainer_worker, 4, tmp_path, ["1f1b"], str(tmp_path), False, deadline_s=400)
+    for result in results:
+        assert result["ok"], result.get("traceback", result.get("error"))
+    for rank, result in enumerate(results):
+        got = result["value"][0]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["reference_losses"]), rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(got["reference_norms"]), rtol=1e-5,
+                                   atol=1e-6)
+        assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
+        assert (got["worst_param_error"] is not None) == (rank in (0, 1))  # each pipeline's first stage
+        if got["worst_param_error"] is not None:
+            assert got["worst_param_error"] < 1e-5, got
 
 
 @pytest.mark.distributed
