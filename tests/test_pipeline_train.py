@@ -396,3 +396,28 @@ def test_pipeline_recipe_runs_the_fine_tuning_example_in_two_stages(tmp_path):
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "->" in line]
     assert [r[0] for r in rows] == ["1", "2"], out[-2000:]  # the step table
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_hidden_layers == 2
+
+
+def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
+    import datasets
+    from transformers import TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    plugin = DistCAPlugin(pipeline_parallel_size=2)
+    documents = _documents()
+    refused = [({"activation_checkpointing": True}, {}, "activation checkpointing"),
+               ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor"),
+               ({}, {"train_dataset": datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()},
+                "streaming dataset"),
+               ({}, {}, r"world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1")]
+    for arguments, trainer_arguments, message in refused:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, report_to=[],
+                                 **arguments)
+        with pytest.raises(ValueError, match=message):
+            DistCATrainer(model=tiny_model("llama"), args=args, distca_plugin=plugin,
+                          packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK),
+                          **{"train_dataset": documents, **trainer_arguments})
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
+        DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="zero_bubble")

@@ -199,7 +199,8 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
             "label_smoothing_factor": bool(args.label_smoothing_factor),
             "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)":
                 kwargs.get("compute_loss_func") is not None,
-            "gradient checkpointing (TrainingArguments.gradient_checkpointing)": args.gradient_checkpointing,
+            "activation checkpointing (TrainingArguments.activation_checkpointing)":
+                bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)),
         }
         for what, on in refused.items():
             if on:
