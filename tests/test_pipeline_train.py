@@ -240,12 +240,15 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
                           pipeline_micro_batches=MICRO_BATCHES, timeout_s=60.0)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_documents(),
                                eval_dataset=_documents(7)[:len(EVAL_LENGTHS)] if evaluate else None,
-                               packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0), distca_plugin=plugin)
+                               packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0,
+                                                     balance_micro_batches=case.get("balance", False)),
+                               distca_plugin=plugin)
     trainer.recorded, trainer.evaluated = [], []
     trainer.train(resume_from_checkpoint=resume_from)
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
-              "recorded": trainer.recorded, "initial": initial, "trainer": trainer}
+              "recorded": trainer.recorded, "initial": initial, "trainer": trainer,
+              "balanced_steps": trainer.packing_reports["train"].balanced_steps}
     if evaluate:
         result["eval"] = trainer.evaluate()
         result["evaluated"] = trainer.evaluated
@@ -271,7 +274,7 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     out = []
     for index, schedule in enumerate(schedules):
-        case = {"pp": 2, "schedule": schedule}
+        case = {"pp": 2, "schedule": schedule, "balance": schedule == "gpipe"}  # one run packs balanced steps
         first = index == 0
         full = _trainer_run(out_dir, case, max_steps=4, save_steps=2 if first and resume_and_save else None,
                             run=schedule, evaluate=first)
@@ -300,7 +303,8 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
             reference_losses.append(loss.item())
         trained = gather_full_state_dict(trainer.model, pipeline_group=trainer._pipeline.pipeline_group)
         result = {"losses": full["losses"], "reference_losses": reference_losses, "norms": full["norms"],
-                  "reference_norms": reference_norms, "worst_param_error": None}
+                  "reference_norms": reference_norms, "worst_param_error": None,
+                  "balanced": (case["balance"], full["balanced_steps"])}
         if trained is not None:
             expected = dict(reference.named_parameters())
             result["worst_param_error"] = max(float((trained[n] - expected[n].detach()).abs().max()) for n in expected)
@@ -343,6 +347,8 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
                                        rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule}: grad norms: {m}")
             if rank == 0:  # the first stage gathered the whole model
                 assert got["worst_param_error"] < 1e-5, (schedule, got["worst_param_error"])
+            balance, balanced_steps = got["balanced"]
+            assert (balanced_steps > 0) == balance, got["balanced"]
             if index == 0:
                 assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
                 torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(got["full_losses_after_2"]),
@@ -421,3 +427,30 @@ def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
                           **{"train_dataset": documents, **trainer_arguments})
     with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="zero_bubble")
+
+
+def test_balanced_micro_batches_keep_every_document_and_lower_the_busiest_micro_batch():
+    """``PackingConfig(balance_micro_batches=True)``: each step's global batches are packed again for
+    attention; every document trains once, whole, and no step's busiest micro-batch gets busier."""
+    from distca_hf.planning import causal_pairs
+    from distca_hf.training.packing import PackedDataset, PackingConfig
+
+    lengths = [40, 3, 5, 38, 2, 7, 36, 4, 6, 1, 33, 8, 2, 5, 30, 9, 3, 2, 6, 28, 4, 1, 7, 3]
+    documents = [[1 + (i % 90)] * n for i, n in enumerate(lengths)]
+
+    def step_costs(packed, micro_batches):
+        costs = [sum(int(causal_pairs(p.start, p.end)) for p in row.pieces if not isinstance(p.document, str))
+                 for row in packed.rows]
+        return [max(costs[i:i + micro_batches]) for i in range(0, len(costs), micro_batches)]
+
+    config = dict(tokens_per_rank=48, shuffle=False)
+    plain = PackedDataset(documents, PackingConfig(**config), step_micro_batches=4, full_rows=True)
+    balanced = PackedDataset(documents, PackingConfig(**config, balance_micro_batches=True), step_micro_batches=4,
+                             full_rows=True)
+    assert balanced.report.balanced_steps > 0 and "balanced for attention" in str(balanced.report)
+    assert balanced.label_tokens() == plain.label_tokens() == sum(n - 1 for n in lengths)
+    whole = sorted((p.document, p.start, p.end) for row in balanced.rows for p in row.pieces
+                   if not isinstance(p.document, str))
+    assert whole == sorted((i, 0, n) for i, n in enumerate(lengths))  # every document once, never cut
+    plain_costs, balanced_costs = step_costs(plain, 4), step_costs(balanced, 4)
+    assert all(b <= p for b, p in zip(balanced_costs, plain_costs)) and sum(balanced_costs) < sum(plain_costs)

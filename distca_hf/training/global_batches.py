@@ -89,7 +89,8 @@ class GlobalBatchTrainerMixin:
                 "shuffled whole) or 'sequential'")
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         self._global_batch_sampler = GlobalBatchSampler(len(dataset), dataset.world_size,
-                                                        shuffle=strategy == "random", seed=seed)
+                                                        shuffle=strategy == "random", seed=seed,
+                                                        step_blocks=getattr(dataset, "step_blocks", 1))
         return self._global_batch_sampler
 
     def _get_eval_sampler(self, eval_dataset):

@@ -118,6 +118,14 @@ class PackingConfig:
         shuffle: shuffle the document order before packing (map-style datasets; seeded).
         seed: seed of that shuffle.
         pad_token_id: the token of filler rows (never a label).
+        balance_micro_batches: the global batches of one optimizer step (``micro_batches`` per server
+            group, ``PackedDataset(step_micro_batches=...)``: ``DistCATrainer`` in pipeline stages passes its
+            micro-batches per step) are packed
+            again so that none holds much more attention than the others
+            (``planning.balance_micro_batches``, at equal tokens): the cheap balance of a step's
+            micro-batches any user can do, before CAD balances the ranks inside each. A document is
+            never cut for it (a step whose balance would cut one keeps its in-order packing, counted
+            in ``PackingReport.unbalanced_steps``).
     """
 
     tokens_per_rank: int
@@ -126,6 +134,7 @@ class PackingConfig:
     shuffle: bool = True
     seed: int = 0
     pad_token_id: int = 0
+    balance_micro_batches: bool = False
 
     def __post_init__(self):
         if isinstance(self.tokens_per_rank, bool) or not isinstance(self.tokens_per_rank, int) \
@@ -158,6 +167,9 @@ class PackingReport:
             small to reach every rank, and the rows of global batches added so every rank gets the
             same number.
         longest_document: tokens of the longest document.
+        balanced_steps: optimizer steps whose global batches were packed balanced for attention
+            (``PackingConfig.balance_micro_batches``).
+        unbalanced_steps: steps kept in order because balancing them would have cut a document.
     """
 
     tokens_per_rank: int
@@ -172,6 +184,8 @@ class PackingReport:
     micro_batches: int = 0
     filler_micro_batches: int = 0
     longest_document: int = 0
+    balanced_steps: int = 0
+    unbalanced_steps: int = 0
 
     @property
     def global_batch_tokens(self) -> int:
@@ -200,6 +214,9 @@ class PackingReport:
                  f"{self.chunks} chunks (each chunk trains as its own document)")
         if self.empty_documents:
             text += f"; {self.empty_documents} empty document(s) skipped"
+        if self.balanced_steps or self.unbalanced_steps:
+            text += (f"; {self.balanced_steps} of {self.balanced_steps + self.unbalanced_steps} steps' micro-batches "
+                     "balanced for attention")
         return text
 
 
@@ -273,6 +290,37 @@ def _best_fit_decreasing(sequences: list[_Sequence], budget: int) -> Iterator[li
     yield from bins
 
 
+def _balanced_steps(global_batches: Iterator[list[_Sequence]], step_batches: int, budget: int,
+                    report: PackingReport) -> Iterator[list[_Sequence]]:
+    """``global_batches`` in groups of ``step_batches`` (one optimizer step), each group's sequences
+    packed again into as many global batches balanced for attention pairs
+    (``planning.balance_micro_batches``); a group whose balanced packing would cut a sequence stays
+    as it was."""
+    from ..planning import balance_micro_batches
+
+    def balanced(step: list[list[_Sequence]]) -> list[list[_Sequence]]:
+        sequences = [s for batch in step for s in batch]
+        pieces = balance_micro_batches([s.end - s.start for s in sequences], micro_batches=len(step),
+                                       tokens=budget)
+        if len(pieces.doc) != len(sequences):  # a sequence was cut over two global batches
+            report.unbalanced_steps += 1
+            return step
+        report.balanced_steps += 1
+        rows: list[list[_Sequence]] = [[] for _ in step]
+        for row, index in sorted(zip(pieces.rank.tolist(), pieces.doc.tolist())):
+            rows[row].append(sequences[index])
+        return rows
+
+    step: list[list[_Sequence]] = []
+    for batch in global_batches:
+        step.append(batch)
+        if len(step) == step_batches:
+            yield from balanced(step)
+            step = []
+    if step:
+        yield from balanced(step)
+
+
 def _slice(global_batch: list[_Sequence], group_size: int, report: PackingReport) -> list[PackedRow]:
     """The ``group_size`` rows of one global batch: its token stream cut into consecutive slices whose
     sizes differ by at most one token (earlier ranks take the extra ones; a slice is empty only when
@@ -299,11 +347,15 @@ def _slice(global_batch: list[_Sequence], group_size: int, report: PackingReport
 
 
 def _rows(documents: Iterable[tuple], config: PackingConfig, group_size: int,
-          report: PackingReport, full_rows: bool = False) -> Iterator[list[PackedRow]]:
+          report: PackingReport, full_rows: bool = False, step_batches: int = 1) -> Iterator[list[PackedRow]]:
     """Every global batch's ``group_size`` rows, in order, counted in ``report``; with ``full_rows`` each
-    global batch is filled up with padding documents so that every row has ``tokens_per_rank`` tokens."""
+    global batch is filled up with padding documents so that every row has ``tokens_per_rank`` tokens;
+    with ``config.balance_micro_batches`` every ``step_batches`` global batches are balanced together."""
     budget = group_size * config.tokens_per_rank
-    for global_batch in _global_batches(documents, config, budget, report):
+    global_batches = _global_batches(documents, config, budget, report)
+    if config.balance_micro_batches and step_batches > 1:
+        global_batches = _balanced_steps(global_batches, step_batches, budget, report)
+    for global_batch in global_batches:
         if full_rows:
             free = budget - sum(s.end - s.start for s in global_batch)
             global_batch = global_batch + [_Sequence(PADDING, start, min(free, start + PADDING_DOCUMENT_TOKENS))
@@ -315,22 +367,23 @@ def _rows(documents: Iterable[tuple], config: PackingConfig, group_size: int,
         yield rows
 
 
-def pack_rows(lengths: Sequence[int], config: PackingConfig, *,
-              group_size: int = 1, full_rows: bool = False) -> tuple[list[PackedRow], PackingReport]:
+def pack_rows(lengths: Sequence[int], config: PackingConfig, *, group_size: int = 1, full_rows: bool = False,
+              step_batches: int = 1) -> tuple[list[PackedRow], PackingReport]:
     """Pack documents given by their lengths (tokens) into global batches of ``group_size`` rows.
 
     Returns the rows, global batch ``g``'s slice ``j`` at index ``g * group_size + j`` (an empty row
     is a filler slot), and the report. The documents' order is shuffled first when
     ``config.shuffle``; pieces name documents by their index in ``lengths``. ``full_rows``: every row
     has exactly ``tokens_per_rank`` tokens, the free room of a global batch filled with padding
-    documents (key ``PADDING``, no labels) at the end of its token stream."""
+    documents (key ``PADDING``, no labels) at the end of its token stream. ``step_batches``: global
+    batches per optimizer step, balanced together when ``config.balance_micro_batches``."""
     group_size = _check_positive("group_size", group_size)
     order = list(range(len(lengths)))
     if config.shuffle:
         random.Random(config.seed).shuffle(order)
     report = PackingReport(config.tokens_per_rank, group_size)
-    rows = [row for batch in _rows(((i, int(lengths[i])) for i in order), config, group_size, report, full_rows)
-            for row in batch]
+    rows = [row for batch in _rows(((i, int(lengths[i])) for i in order), config, group_size, report, full_rows,
+                                   step_batches) for row in batch]
     return rows, report
 
 
@@ -495,6 +548,9 @@ class PackedDataset(torch.utils.data.Dataset):
         full_rows: every row has exactly ``tokens_per_rank`` tokens: a global batch's free room is
             filled with padding documents (no labels) at the end of its token stream, and filler rows
             are ``tokens_per_rank`` padding tokens (pipeline stages exchange fixed shapes).
+        step_micro_batches: micro-batches (rows per rank) of one optimizer step; with
+            ``config.balance_micro_batches`` the global batches of a step (``step_micro_batches`` per
+            server group) are balanced for attention together.
 
     Item ``i`` is rank ``i % world_size``'s row (``RankLayout``); ``rows`` lists the packed rows in
     global-batch order (``PackedRow``), ``micro_batches`` their pieces; ``report`` says what
@@ -502,31 +558,35 @@ class PackedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, documents, config: PackingConfig, world_size: int = 1, *, span_ranks: bool = False,
-                 server_groups=None, full_rows: bool = False):
+                 server_groups=None, full_rows: bool = False, step_micro_batches: int = 1):
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
         self.documents = documents
         self.config = config
         self.full_rows = bool(full_rows)
+        self.step_micro_batches = _check_positive("step_micro_batches", step_micro_batches)
         self._lengths = _document_lengths(documents)
         self._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
 
     def _set_layout(self, layout: RankLayout) -> None:
         self.layout = layout
         self.rows, report = pack_rows(self._lengths, self.config, group_size=layout.group_size,
-                                      full_rows=self.full_rows)
+                                      full_rows=self.full_rows,
+                                      step_batches=getattr(self, "step_micro_batches", 1) * layout.num_groups)
         filler_batches = layout.blocks(report.global_batches) * layout.num_groups - report.global_batches
         report.filler_micro_batches += filler_batches * layout.group_size
         self.report = report
 
     def with_layout(self, world_size: int, *, span_ranks: bool = False, server_groups=None,
-                    full_rows: bool | None = None) -> "PackedDataset":
-        """The same documents and config, packed for another layout (see the constructor; ``full_rows``
-        None: as this dataset)."""
+                    full_rows: bool | None = None, step_micro_batches: int | None = None) -> "PackedDataset":
+        """The same documents and config, packed for another layout (see the constructor; ``full_rows``,
+        ``step_micro_batches`` None: as this dataset)."""
         copy = object.__new__(PackedDataset)
         copy.__dict__.update(self.__dict__)
         if full_rows is not None:
             copy.full_rows = bool(full_rows)
+        if step_micro_batches is not None:
+            copy.step_micro_batches = _check_positive("step_micro_batches", step_micro_batches)
         copy._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
         return copy
 
@@ -643,14 +703,19 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         world_size: ranks of the job.
         shuffle: shuffle the blocks (``False``: in order).
         seed: seed of the shuffle; epoch ``e`` uses ``seed + e``.
+        step_blocks: consecutive blocks shuffled as one unit, in order (the micro-batches of one
+            optimizer step packed together, ``PackingConfig.balance_micro_batches``).
     """
 
-    def __init__(self, num_items: int, world_size: int, *, shuffle: bool = True, seed: int = 0):
+    def __init__(self, num_items: int, world_size: int, *, shuffle: bool = True, seed: int = 0,
+                 step_blocks: int = 1):
         world_size = _check_positive("world_size", world_size)
-        if num_items % world_size:
-            raise ValueError(f"num_items ({num_items}) must be a multiple of world_size ({world_size}): a "
-                             "PackedDataset packed for this world size is")
+        step_blocks = _check_positive("step_blocks", step_blocks)
+        if num_items % (world_size * step_blocks):
+            raise ValueError(f"num_items ({num_items}) must be a multiple of world_size x step_blocks ({world_size} x "
+                             f"{step_blocks}): a PackedDataset packed for this world size is")
         self.num_items, self.world_size, self.shuffle, self.seed = num_items, world_size, shuffle, seed
+        self.step_blocks = step_blocks
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -661,7 +726,10 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         if not self.shuffle:
             return list(range(blocks))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(blocks, generator=generator).tolist()
+        if self.step_blocks == 1:
+            return torch.randperm(blocks, generator=generator).tolist()
+        units = torch.randperm(blocks // self.step_blocks, generator=generator).tolist()
+        return [unit * self.step_blocks + b for unit in units for b in range(self.step_blocks)]
 
     def __iter__(self) -> Iterator[int]:
         for block in self.block_order():

@@ -161,6 +161,7 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
                   "server_groups": server_groups if self.span_ranks else None}
         if pipelined:
             layout["full_rows"] = True  # the stages exchange fixed shapes: every row has tokens_per_rank tokens
+            layout["step_micro_batches"] = self._pipeline_micro_batches  # a step's rows balanced together (if asked)
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
             self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
@@ -516,6 +517,8 @@ class _PipelineRows(torch.utils.data.Dataset):
         self._data_index = [topology.coordinates(rank)[0] for rank in range(topology.world_size)]
         blocks = len(packed) // self.data_parallel
         self.blocks = -(-blocks // micro_batches) * micro_batches
+        # the blocks of one step stay together when shuffled: packed (and balanced) as one step
+        self.step_blocks = micro_batches
 
     @classmethod
     def of(cls, dataset, topology, micro_batches: int):
