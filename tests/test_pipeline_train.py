@@ -454,3 +454,34 @@ def test_balanced_micro_batches_keep_every_document_and_lower_the_busiest_micro_
     assert whole == sorted((i, 0, n) for i, n in enumerate(lengths))  # every document once, never cut
     plain_costs, balanced_costs = step_costs(plain, 4), step_costs(balanced, 4)
     assert all(b <= p for b, p in zip(balanced_costs, plain_costs)) and sum(balanced_costs) < sum(plain_costs)
+
+
+def _accelerator_worker(rank, world):
+    import os
+
+    from distca_hf import DistCAPlugin
+    from distca_hf.training.accelerator import DistCAAccelerator
+    from distca_hf.training.pipeline import apply_pipeline_parallel
+    from helpers import tiny_model
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    accelerator = DistCAAccelerator(distca_plugin=DistCAPlugin(pipeline_parallel_size=2))
+    model = tiny_model("llama")
+    try:
+        accelerator.prepare(model)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    runner = apply_pipeline_parallel(model, topology=accelerator.distca.topology, rank=rank, schedule="1f1b",
+                                     tokens_per_micro_batch=TOKENS_PER_RANK, device="cpu", timeout_s=60.0)
+    prepared = accelerator.prepare(runner.stage_module)
+    return [refused, prepared is runner.stage_module]
+
+
+@pytest.mark.distributed
+def test_accelerator_prepares_a_stage_without_ddp_and_refuses_the_whole_model(tmp_path):
+    for result in run_ranks(_accelerator_worker, 2, tmp_path):
+        assert result["ok"], result.get("traceback", result.get("error"))
+        refused, unwrapped = result["value"]
+        assert "prepare this rank's stage" in refused and "apply_pipeline_parallel" in refused
+        assert unwrapped  # no DDP: the runner sums the gradients over the data-parallel copies itself

@@ -16,6 +16,9 @@
     trl            DistCASFTTrainer: TRL's SFTTrainer packing global batches over the server group
     pipeline_stages an HF causal LM split into pipeline stages (even layer split, tied embeddings, static
                    shapes for torch.distributed.pipelining, one save_pretrained folder from the stages)
+    pipeline       PipelineRunner / apply_pipeline_parallel: a rank's stage on torch.distributed.pipelining,
+                   one optimizer step's micro-batches through the schedule, gradients summed and clipped
+                   across stages (what DistCATrainer runs with pipeline_parallel_size > 1)
 
 Every name is loaded on first use: the trainer and the accelerator import transformers' and
 accelerate's heavier modules, packing imports torch, and a script's ``--help`` needs none of them.
@@ -40,6 +43,7 @@ _LAZY = {
                      "load_stage_from_pretrained", "save_pipeline_model", "stage_io_shapes", "stage_layer_range",
                      "stage_parameter_names", "stage_state_dict", "sync_tied_embedding_grads",
                      "tied_embedding_parameter"), "pipeline_stages"),
+    **dict.fromkeys(("PipelineRunner", "apply_pipeline_parallel", "pipeline_targets"), "pipeline"),
 }
 
 __all__ = sorted(_LAZY)

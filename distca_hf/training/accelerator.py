@@ -29,6 +29,12 @@ __all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "parallelism_co
            "require_distca_model"]
 
 
+def _is_pipeline_stage(module) -> bool:
+    from .pipeline_stages import PipelineStageModule
+
+    return isinstance(module, PipelineStageModule)
+
+
 def require_distca_model(model) -> None:
     """Raise ``ValueError`` unless ``model`` runs its attention through distca.
 
@@ -116,13 +122,25 @@ class DistCAAccelerator(Accelerator):
 
     def prepare(self, *args, device_placement=None):
         for obj in args:
-            if isinstance(obj, torch.nn.Module):
+            if isinstance(obj, torch.nn.Module) and not _is_pipeline_stage(obj):  # a stage: prepare_model checks it
                 require_distca_model(obj)
                 _disable_kv_cache(obj)
                 self._attach_sharded_model(obj)
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if self.distca_plugin.pipeline_parallel_size > 1:
+            if not _is_pipeline_stage(model):
+                raise ValueError(
+                    f"pipeline_parallel_size={self.distca_plugin.pipeline_parallel_size}: prepare this rank's stage, not "
+                    f"the whole {type(model).__name__}: runner = distca_hf.training.pipeline.apply_pipeline_parallel("
+                    "model, ...) splits it, then prepare runner.stage_module (or train with DistCATrainer)")
+            implementation = model.config._attn_implementation
+            if implementation != ATTN_IMPLEMENTATION:
+                raise ValueError(f"pipeline stage {model.stage_index}: its model runs attn_implementation="
+                                 f"{implementation!r}; load it with attn_implementation={ATTN_IMPLEMENTATION!r}")
+            # no DDP around a stage: PipelineRunner.train_step sums its gradients over the data-parallel copies
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         require_distca_model(model)
         _disable_kv_cache(model)
         self._attach_sharded_model(model)
