@@ -92,6 +92,9 @@ class PackingArguments:
         "help": "The token budget of one rank's packed row per forward (the micro-batch)."})
     length_aware: bool = field(default=False, metadata={
         "help": "Pack best-fit by length inside windows of documents, for fuller rows."})
+    balance_micro_batches: bool = field(default=False, metadata={
+        "help": "With --pipeline_parallel_size > 1: pack each optimizer step's micro-batches again so that none "
+                "holds much more attention than the others (documents stay whole)."})
 
 
 @dataclass
@@ -250,7 +253,8 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
         model=make_model(world), args=training_args, train_dataset=documents, eval_dataset=eval_documents,
         processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
         packing=PackingConfig(tokens_per_rank=packing_args.tokens_per_rank, length_aware=packing_args.length_aware,
-                              seed=training_args.seed, pad_token_id=tokenizer.pad_token_id or 0),
+                              seed=training_args.seed, pad_token_id=tokenizer.pad_token_id or 0,
+                              balance_micro_batches=packing_args.balance_micro_batches),
     )
     streaming = not hasattr(documents, "__len__")  # a datasets.IterableDataset
     if trainer.is_world_process_zero() and not repeat:
