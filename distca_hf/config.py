@@ -52,6 +52,16 @@ def _parse_tolerance(text: str):
     return "auto" if text.lower() == "auto" else float(text)
 
 
+def _memory_budget_problem(value):
+    if value is not None and not (_is_number(value) and value >= 0):
+        return (f"must be a number >= 0 (the worst rank may hold (1 + memory_budget) x the mean of the ranks' own "
+                f"attention activations per layer) or None (unbounded), got {value!r}")
+
+
+def _parse_memory_budget(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
 def _block_problem(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
@@ -186,6 +196,15 @@ class DistCAConfig:
         "saved", env="DISTCA_BACKWARD", check=_one_of(BACKWARD_MODES),
         help="'saved': servers keep what their backward needs (fewer bytes); 'resend': servers keep nothing and "
              "sources send q, k, v, out again in backward (flat server memory, more bytes)")
+    memory_budget: float | None = setting(
+        1.0, env="DISTCA_MEMORY_BUDGET", parse=_parse_memory_budget, check=_memory_budget_problem,
+        help="bound on what a plan makes a rank hold for attention's backward in one layer, as a fraction over the "
+             "mean of the ranks' own activations (their tokens' q, k, v, out and log-sum-exp): the worst rank holds at "
+             "most (1 + memory_budget) x that mean. 'saved' mode adds the queries, K/V, outputs and log-sum-exp a "
+             "server keeps for the tasks it serves; a plan over the budget is refused for one that fits (a looser "
+             "carving, or the step in 'resend' mode, which keeps nothing on servers), else colocated. The default "
+             "1.0 (twice the mean) stops the plans that pile a long document's K/V on a few servers and leaves "
+             "the rest alone; None: unbounded")
     overlap: str = setting(
         "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
         help="how the dispatch's communication overlaps compute: 'none', 'wave' (any model) or 'pingpong' "

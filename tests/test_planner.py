@@ -3,6 +3,8 @@ block-aligned shards, and the balance guarantee; exact byte accounting on hand-c
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -234,12 +236,13 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
     """The one ``PlanStats`` builder: per-rank lists and bytes of a plan against independent counts
     (pairs of each piece, ``comm_bytes``), and two batches (ping-pong) as the sums of each alone."""
     heads = 4
+    backward = "resend" if resend else "saved"
+    config = dataclasses.replace(config, backward=backward)  # the plans run in it (Plan.backward)
     batches = []
     for pieces in (first, DocumentPieces(second.rank % first.num_ranks, second.doc, second.start, second.end,
                                          first.num_ranks)):
         plan = plan_tasks(pieces, config)
         batches.append(BatchPlan(pieces, plan, kv_received(kv_transfers(plan, pieces), pieces.num_ranks), 1))
-    backward = "resend" if resend else "saved"
     for b in batches:
         stats = plan_stats_of(7, [b], token_bytes=config.token_bytes, num_heads=heads, backward=backward,
                               overlap="none")

@@ -155,3 +155,67 @@ def test_every_subpackage_has_a_front_door_that_names_its_files():
             for path in (PACKAGE / folder).glob("*.py"):
                 if path.stem != "__init__":
                     assert path.stem in doc, f"distca_hf/{folder}/__init__.py does not describe {path.name}"
+
+
+def _planning_order() -> list[str]:
+    """The planning modules in the order ``planning/__init__``'s docstring lists them."""
+    import re
+
+    doc = importlib.import_module("distca_hf.planning").__doc__
+    return re.findall(r"^ {4}(\w+) {2,}\S", doc, flags=re.M)
+
+
+def _planning_imports() -> dict[str, set[str]]:
+    """``{module: planning modules it imports}`` for every module of ``planning/``, counting every
+    import statement wherever it is (module level, or inside a function or a class)."""
+    graph = {}
+    for path, parts in _modules():
+        if parts[0] != "planning" or len(parts) != 2 or parts[1] == "__init__":
+            continue
+        found = set()
+        for target, names, _ in _imported(path, parts):
+            if target == "planning":  # ``from . import x``
+                found |= {n for n in names if (PACKAGE / "planning" / f"{n}.py").exists()}
+            elif target.startswith("planning."):
+                found.add(target.split(".")[1])
+        graph[parts[1]] = found - {parts[1]}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_sees_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_planning_room_is_a_straight_line():
+    """No import cycle inside ``planning/`` (function-level imports included), and every module
+    imports only modules listed above it in ``planning/__init__``'s docstring, which lists them all."""
+    graph = _planning_imports()
+    assert _cycle(graph) is None, f"import cycle in planning/: {' -> '.join(_cycle(graph))}"
+    order = _planning_order()
+    assert sorted(order) == sorted(graph), "planning/__init__'s docstring must list every planning module once"
+    place = {name: i for i, name in enumerate(order)}
+    late = [f"{m} imports {t}" for m, targets in graph.items() for t in sorted(targets) if place[t] > place[m]]
+    assert not late, "planning modules importing modules listed after them: " + ", ".join(late)

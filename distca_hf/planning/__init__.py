@@ -1,24 +1,28 @@
 """Planning: pure functions from document lengths to where every CA-task runs and what it moves.
 
 No torch.distributed here; every function is deterministic, so every rank computes the same plan
-from the same all-gathered lengths, and all of it is tested without processes. The stages, in
-data-path order:
+from the same all-gathered lengths, and all of it is tested without processes. The modules, in
+data-path order; each imports only modules above it (``tests/test_structure.py`` checks it, and
+that no import, at module level or inside a function, closes a circle):
 
     documents  boundaries of packed documents in one rank's micro-batch (``find_documents``)
     cost       pairs, FLOPs, bytes per token, imbalance and the time model (one home per formula)
+    ranges     concatenated integer ranges (a numpy helper)
     tasks      CA-tasks (a query shard + its K/V prefix) and fused varlen batches
     pieces     every rank's documents as pieces, the planner's input
-    planner    CA-tasks -> attention servers, balanced within a tolerance, few bytes moved
-    transfers  the K/V ranges and bytes a plan moves
-    by_time    tolerance="auto": the plan the time model predicts fastest (colocated included)
+    carving    CA-tasks -> attention servers at a fixed tolerance, few bytes moved (``Plan``, ``PlannerConfig``)
+    transfers  the K/V ranges and bytes a plan moves, and the memory it makes ranks hold for backward
+    baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
+               per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
+    by_time    tolerance="auto": the plan the time model predicts fastest (colocated included) within
+               the memory budget
+    planner    ``plan_tasks``, the entry point: by time, or a fixed tolerance, within the memory budget
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the
                event models timing a step of it and of torch's stock 1F1B
     micro_batches  a step's documents over its micro-batch rows, balanced for attention at equal tokens
     pipeline_cost  one pipeline step timed for stock 1F1B (colocated / balanced micro-batches), CAD
                inside each stage and CAD across stages (``distca-hf simulate --pipeline-parallel``)
-    baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
-               per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
@@ -29,14 +33,14 @@ from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .ranges import concat_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
-from .transfers import CommBytes, KVTransfers, comm_bytes, kv_received, kv_transfers
+from .transfers import BackwardMemory, CommBytes, KVTransfers, backward_memory, comm_bytes, kv_received, kv_transfers
 from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
 from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
 
 __all__ = [
-    "AUTO_TOLERANCES", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
+    "AUTO_TOLERANCES", "BackwardMemory", "backward_memory", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
     "lockstep_1f1b_ticks", "PipelineRun", "simulate_1f1b", "simulate_lockstep", "stock_1f1b_order",
     "balance_micro_batches", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",

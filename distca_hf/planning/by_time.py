@@ -5,12 +5,18 @@ A plan's predicted layer time (forward + backward) on rank ``r`` is
 
     linear_s_per_token * (query tokens r holds)
     + sum over the CA-tasks r serves of task_seconds(pairs, keys)     (TimeModel.task_seconds)
-    + exposed_comm * 2 * (bytes r sends + bytes r receives) / bytes_per_s
+    + exposed_comm * passes * (bytes r sends + bytes r receives) / bytes_per_s
     + collective_s, when anything crosses ranks
 
 and the step is the slowest rank's. Bytes are one layer's forward (``transfers.rank_bytes``: Q out,
-O back, K/V from its holder); the backward moves as many again (``saved`` mode: dO out, dQ and
-dK/dV back), hence the 2. ``exposed_comm`` is the fraction the overlap mode does not hide.
+O back, K/V from its holder); ``passes`` (``cost.COMM_PASSES``) is 2 in ``saved`` mode (the
+backward moves as many again: dO out, dQ and dK/dV back) and 3 in ``resend`` mode (q, k/v and out
+travel again with dO). ``exposed_comm`` is the fraction the overlap mode does not hide.
+
+Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in the backward
+mode in force is judged in ``resend`` mode instead (servers keep nothing; more bytes, timed so), and
+skipped when it does not fit there either (``transfers.fit_memory_budget``). When no candidate fits,
+the colocated plan runs, in the mode that holds less (``transfers.least_memory``).
 
 The candidates are the colocated plan (when every rank holding work serves) and the fixed-tolerance
 plans of ``AUTO_TOLERANCES``, each exactly ``plan_tasks``' at that tolerance; the chosen one is the
@@ -41,10 +47,11 @@ from __future__ import annotations
 import numpy as np
 
 from .baselines import RankLoads
+from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .pieces import DocumentPieces
-from .planner import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
-from .transfers import KVTransfers, RunningBytes, rank_bytes
+from .transfers import (KVTransfers, RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers,
+                        least_memory, rank_bytes)
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -69,43 +76,59 @@ def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
                      np.bincount(plan.server, minlength=n), sent, received)
 
 
-def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float):
+def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float, backward: str = "saved"):
     """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
     backward, of any method's ``loads`` (the planner's and the simulator's one time formula):
     compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction
-    ``exposed_comm`` of ``2 x (sent + received) / bytes_per_s`` plus ``collective_s`` when anything
-    crosses ranks. The step is the slowest rank's ``compute + exposed``."""
+    ``exposed_comm`` of ``COMM_PASSES[backward] x (sent + received) / bytes_per_s`` plus
+    ``collective_s`` when anything crosses ranks. The step is the slowest rank's ``compute + exposed``."""
     compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys)
     moves = bool(loads.sent.sum() + loads.received.sum() > 0)
-    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves)
+    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves, backward)
 
 
-def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> np.ndarray:
+def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
+                 transfers: KVTransfers | None = None) -> np.ndarray:
     """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
-    ``plan`` (see the module docstring); ``config`` gives the time model, token bytes and
-    ``exposed_comm``."""
-    compute, exposed = loads_seconds(plan_loads(plan, pieces, config.token_bytes), config.time_model,
-                                     config.exposed_comm)
+    ``plan`` in its backward mode (see the module docstring); ``config`` gives the time model, token
+    bytes and ``exposed_comm``."""
+    compute, exposed = loads_seconds(plan_loads(plan, pieces, config.token_bytes, transfers), config.time_model,
+                                     config.exposed_comm, plan.backward)
     return compute + exposed
 
 
-def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> float:
+def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
+                 transfers: KVTransfers | None = None) -> float:
     """The predicted layer time of the slowest rank under ``plan``."""
-    return float(rank_seconds(plan, pieces, config).max(initial=0.0))
+    return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))
+
+
+def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig):
+    """``(predicted step seconds, plan in the backward mode that fits the memory budget)``, or
+    ``None`` when it fits in none."""
+    transfers = kv_transfers(plan, pieces)
+    fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
+    if fitting is None:
+        return None
+    return step_seconds(fitting, pieces, config, transfers), fitting
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
-    """The candidate plan with the smallest predicted ``step_seconds``; ties go to the earlier of
-    colocated, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
+    """The candidate plan with the smallest predicted ``step_seconds`` among those that fit
+    ``config.memory_budget``; ties go to the earlier of colocated, then ``AUTO_TOLERANCES`` in
+    order. See the module docstring."""
     servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
     tm = config.time_model
     tokens = pieces.tokens()
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
-    best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
+    best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order); fits the budget
+    colocated = None
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
-        best = colocated_plan(pieces, servers, window=config.window)
-        best_key = (step_seconds(best, pieces, config), 0)
+        colocated = colocated_plan(pieces, servers, window=config.window)
+        judged = _judged(colocated, pieces, config)
+    if colocated is not None and judged is not None:
+        best_key, best = (judged[0], 0), judged[1]
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         linear = tm.linear_s_per_token * tokens
         # any plan that moves work: its busiest server computes at least the mean attention
@@ -138,11 +161,22 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
                 return True
         return False
 
+    carved = []
     for tolerance, plan in zip(CARVING_ORDER, tolerance_plans(pieces, config, CARVING_ORDER, give_up=give_up)):
         if plan is None:  # given up: sure to be predicted slower than the best so far
             continue
         finished.append(tolerance)
-        key = (step_seconds(plan, pieces, config), tie_order[tolerance])
+        carved.append(plan)
+        judged = _judged(plan, pieces, config)
+        if judged is None:  # over the memory budget in every backward mode
+            continue
+        key = (judged[0], tie_order[tolerance])
         if key < best_key:
-            best, best_key = plan, key
-    return best
+            best, best_key = judged[1], key
+    if best is not None:
+        return best
+    # nothing fits the budget: colocated (or, when ranks outside the server pool hold work, the
+    # carving whose worst rank holds the least), in the mode that holds less
+    fallback = [colocated] if colocated is not None else carved
+    return min((least_memory(p, pieces, config) for p in fallback),
+               key=lambda p: float(backward_memory(p, pieces, config.token_bytes).held.max(initial=0)))

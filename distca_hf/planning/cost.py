@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
-           "LLAMA3_8B_BYTES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
+           "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
            "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model"]
 
 
@@ -97,17 +97,28 @@ def attention_flops(pairs: int, num_heads: int, head_dim: int, backward: bool = 
 
 @dataclass(frozen=True)
 class TokenBytes:
-    """Bytes one token costs on the wire in one layer's forward.
+    """Bytes one token costs on the wire in one layer's forward, and what attention's backward keeps
+    of it.
 
     Attributes:
         q: query, ``num_heads * head_dim * dtype_bytes``.
         kv: key + value, ``2 * num_kv_heads * head_dim * dtype_bytes``.
         o: attention output returned, same size as the query.
+        lse: the query's log-sum-exp, fp32, one per head (``4 * num_heads``): returned with the
+            output in ``resend`` mode and kept for the backward (0 when unknown).
     """
 
     q: int
     kv: int
     o: int
+    lse: int = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes attention's backward keeps per token of a rank's own in one layer, colocated (HF's
+        flash paths, and distca in ``resend`` mode): its q, k, v, out and log-sum-exp. The memory
+        formula's unit of "own activations" (``transfers.backward_memory``)."""
+        return self.q + self.kv + self.o + self.lse
 
     @classmethod
     def for_model(cls, hidden: int, heads: int, kv_heads: int, dtype_bytes: int = 2, head_dim: int | None = None):
@@ -117,10 +128,16 @@ class TokenBytes:
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive (hidden={hidden}, heads={heads})")
         q = heads * head_dim * dtype_bytes
-        return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q)
+        return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q, lse=4 * heads)
 
 
 LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)
+
+COMM_PASSES = {"saved": 2.0, "resend": 3.0}
+"""A layer's bytes (forward + backward) in units of its forward's, per backward mode. ``saved``:
+the forward sends Q and K/V out and O back; the backward sends dO out and dQ, dK/dV back, as many
+again. ``resend``: the backward also sends q, k/v and out again with dO, twice the forward's (the
+log-sum-exp, 4 bytes per head and query, not counted)."""
 
 
 @dataclass(frozen=True)
@@ -170,12 +187,13 @@ class TimeModel:
         return (self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_key_s * keys
                 + self.task_s * tasks)
 
-    def comm_seconds(self, sent, received, exposed_comm: float = 1.0, moves: bool = True):
+    def comm_seconds(self, sent, received, exposed_comm: float = 1.0, moves: bool = True, backward: str = "saved"):
         """Exposed communication time of a layer, forward + backward, for a rank that sends ``sent``
-        and receives ``received`` bytes in its forward (the backward moves as many again): the
-        fraction ``exposed_comm`` the overlap does not hide of ``2 (sent + received) / bytes_per_s``,
-        plus ``collective_s`` when anything crosses ranks (``moves``)."""
-        return exposed_comm * 2.0 * (sent + received) / self.bytes_per_s + (self.collective_s if moves else 0.0)
+        and receives ``received`` bytes in its forward: the fraction ``exposed_comm`` the overlap
+        does not hide of ``COMM_PASSES[backward] (sent + received) / bytes_per_s``, plus
+        ``collective_s`` when anything crosses ranks (``moves``)."""
+        return (exposed_comm * COMM_PASSES[backward] * (sent + received) / self.bytes_per_s
+                + (self.collective_s if moves else 0.0))
 
     def task_seconds(self, pairs, keys):
         """Kernel seconds of CA-tasks of ``pairs`` pairs over ``keys`` K/V tokens (scalars or arrays,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .carving import Plan
 from .cost import causal_pairs, start_with_pairs
 from .documents import PackedDocuments
-from .planner import Plan
 
 __all__ = ["WAVE_NAMES", "wave_plans", "cut_local_work_in_halves", "first_half_by_pairs", "NanoAssignment",
            "NanoSplit", "assign_nano_batches", "check_splittable", "split_nano_batches"]
@@ -79,7 +79,7 @@ def cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
     q_start[ends - 1] = cut_at[cut]
     q_end[ends - 2] = cut_at[cut]
     return Plan(plan.source[index], plan.server[index], plan.doc[index], q_start, q_end, plan.num_ranks,
-                plan.servers, plan.window)
+                plan.servers, plan.window, plan.backward)
 
 
 # ---- ping-pong's nano-batches ----

@@ -5,20 +5,25 @@ tasks of that document (under a sliding window, ``[min key_start(q_start), max q
 before the window of its earliest query are never seen); each K/V token is sent once per (source rank, server) pair, from the rank
 that holds it, however many of the server's tasks use it. Queries go from their rank to the server
 when the two differ, and outputs come back the same way.
+
+It also holds the memory formula (``backward_memory``): what a plan makes each rank keep for
+attention's backward in one layer, beside its own tokens' activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import TokenBytes, key_start
+from .carving import Plan
+from .cost import TokenBytes, imbalance, key_start
 from .pieces import DocumentPieces
-from .planner import Plan
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes", "RunningBytes"]
+__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes", "RunningBytes",
+           "BackwardMemory", "backward_memory", "fit_memory_budget", "least_memory"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,3 +190,95 @@ class RunningBytes:
                     changed.add(rank)
                     changed.add(server)
         return changed
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardMemory:
+    """What ranks keep for attention's backward in one layer under a plan (arrays ``[num_ranks]``,
+    int64 bytes).
+
+    Attributes:
+        own: the rank's own activations: its query tokens x ``TokenBytes.held`` (q, k, v, out and
+            log-sum-exp per token: what colocated attention keeps).
+        added: what the plan makes it keep beyond that (signed: a rank whose queries are served
+            elsewhere keeps less in ``saved`` mode). ``plan_stats()["memory_bytes_per_layer"]``.
+    """
+
+    own: np.ndarray
+    added: np.ndarray
+
+    @property
+    def held(self) -> np.ndarray:
+        return self.own + self.added
+
+    def imbalance(self) -> float:
+        """``memory_imbalance``: max / mean over ranks of ``own + added``."""
+        return imbalance(self.held)
+
+    def fits(self, budget: float | None) -> bool:
+        """Whether the worst rank holds at most ``(1 + budget)`` x the mean of ``own`` (the
+        ``memory_budget`` setting; ``None``: always)."""
+        if budget is None or not self.own.size:
+            return True
+        return float(self.held.max()) <= (1.0 + budget) * float(self.own.mean()) * (1 + 1e-12)
+
+
+def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, backward: str | None = None,
+                    received: np.ndarray | None = None) -> BackwardMemory:
+    """The bytes every rank keeps for attention's backward in one layer under ``plan`` (the one home
+    of the formula), in ``backward`` mode (default ``plan.backward``). With ``n`` own query tokens,
+    ``k`` own K/V rows (``n`` plus key-only rows, e.g. ping-pong's second nano-batch holding a cut
+    document's prefix), ``s`` query tokens served and ``r`` K/V tokens received (``received``,
+    ``[num_ranks]``; default: ``kv_received`` of the plan's ``kv_transfers``):
+
+    - own activations: ``n x (q + kv + o + lse)`` (``TokenBytes.held``);
+    - ``saved``: a rank keeps, per layer, the queries, outputs and log-sum-exp of the tasks it serves
+      and a K/V pool of its own rows and those it received: ``s (q + o + lse) + (k + r) kv``, so it
+      adds ``(s - n)(q + o + lse) + (k - n + r) kv``;
+    - ``resend``: a rank keeps its own q, k, v, out and log-sum-exp, servers nothing: it adds
+      ``(k - n) kv``.
+
+    Exact for a dispatch that exchanges once per layer (``overlap="none"``, each ping-pong
+    nano-batch in ``saved`` mode), as ``plan_stats()["rank_saved_for_backward_bytes"]`` counts it;
+    ``overlap="wave"`` keeps a copy of the rank's own K/V in the pool of every wave that exchanges
+    (up to two more), and ping-pong in ``resend`` mode keeps its outputs and log-sum-exp twice: not
+    counted here. Transient buffers of one layer's backward (what ``resend`` receives) are not held
+    across layers and not counted either."""
+    backward = backward or plan.backward
+    n = pieces.tokens()
+    k = np.bincount(pieces.rank, weights=pieces.end - pieces.kv_start, minlength=pieces.num_ranks).astype(np.int64)
+    own = n * token_bytes.held
+    if backward == "resend":
+        return BackwardMemory(own, (k - n) * token_bytes.kv)
+    if backward != "saved":
+        raise ValueError(f"backward must be 'saved' or 'resend', got {backward!r}")
+    if received is None:
+        received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
+    served = np.bincount(plan.server, weights=plan.q_end - plan.q_start, minlength=plan.num_ranks).astype(np.int64)
+    per_query = token_bytes.q + token_bytes.o + token_bytes.lse
+    return BackwardMemory(own, (served - n) * per_query + (k - n + np.asarray(received, dtype=np.int64)) * token_bytes.kv)
+
+
+def fit_memory_budget(plan: Plan, pieces: DocumentPieces, config, received: np.ndarray | None = None) -> Plan | None:
+    """``plan`` in the first backward mode, of ``config.backward`` then ``"resend"`` (which keeps
+    nothing on servers), whose ``backward_memory`` fits ``config.memory_budget`` (a
+    ``PlannerConfig``); ``None`` when neither does. ``received``: as ``backward_memory``'s."""
+    modes = ("saved", "resend") if config.backward == "saved" else ("resend",)
+    if config.memory_budget is None:
+        return plan if plan.backward == modes[0] else dataclasses.replace(plan, backward=modes[0])
+    if received is None and "saved" in modes:
+        received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
+    for mode in modes:
+        if backward_memory(plan, pieces, config.token_bytes, backward=mode, received=received).fits(
+                config.memory_budget):
+            return plan if plan.backward == mode else dataclasses.replace(plan, backward=mode)
+    return None
+
+
+def least_memory(plan: Plan, pieces: DocumentPieces, config) -> Plan:
+    """``plan`` in the backward mode (``config.backward`` or ``"resend"``) whose worst rank holds the
+    least for the backward (ties: ``config.backward``): what runs when nothing fits the budget."""
+    modes = ("saved", "resend") if config.backward == "saved" else ("resend",)
+    worst = [float(backward_memory(plan, pieces, config.token_bytes, backward=m).held.max(initial=0)) for m in modes]
+    mode = modes[int(np.argmin(worst))]
+    return plan if plan.backward == mode else dataclasses.replace(plan, backward=mode)

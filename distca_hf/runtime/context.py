@@ -12,12 +12,13 @@ its plan, built by ``plan_stats_of`` on every path (local, dispatched, ping-pong
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from ..planning import DocumentPieces, FusedBatch, Plan, TokenBytes
+from ..planning import DocumentPieces, FusedBatch, Plan, TokenBytes, backward_memory, imbalance
 from ..state import STATE
 from .dispatch import Dispatch
 from .tables import DispatchCounters
@@ -38,13 +39,23 @@ class PlanStats:
             waves send them; the log-sum-exp too in ``resend`` mode).
         step: the forward's number in this process (forwards, not optimizer steps).
         dispatched: whether CA-tasks ran on servers (``False``: each rank computed its own).
-        backward, overlap: the modes in force (``None`` when not dispatched).
+        backward, overlap: the modes in force (``None`` when not dispatched). The backward mode is
+            the plan's (``Plan.backward``): the ``backward`` setting, or ``"resend"`` for a step
+            whose ``saved`` plan would exceed ``memory_budget``; ``"saved+resend"`` when ping-pong's
+            nano-batches differ.
         waves: exchanges per layer and direction (``wave``: up to 4; ping-pong: one per nano-batch).
         tasks: CA-tasks in the plan, all ranks.
         moved_query_fraction: query tokens computed away from their rank / all query tokens.
         kv_tokens_received_per_layer: ``[ranks]`` K/V tokens each server receives in one layer (the
             memory a plan adds on a server besides the queries); ``kv_tokens_received_max`` /
             ``_mean``: over the servers.
+        memory_bytes_per_layer: ``[ranks]`` bytes the plan makes each rank hold for attention's
+            backward in one layer beyond its own tokens' activations (``planning.backward_memory``;
+            signed: in ``saved`` mode a rank whose queries are served elsewhere keeps less). Own
+            activations: the rank's query tokens x the bytes attention's backward keeps per token and
+            layer colocated (q, k, v, out and the fp32 log-sum-exp, ``TokenBytes.held``).
+        memory_imbalance: max / mean over ranks of own activations + ``memory_bytes_per_layer``
+            (1.0 when ranks hold equal tokens and the plan adds nothing).
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
     """
 
@@ -61,6 +72,8 @@ class PlanStats:
     kv_tokens_received_per_layer: list = field(default_factory=list)
     kv_tokens_received_max: int = 0
     kv_tokens_received_mean: float = 0.0
+    memory_bytes_per_layer: list = field(default_factory=list)
+    memory_imbalance: float = 1.0
     nano_batches: tuple = ()
 
     def as_dict(self) -> dict:
@@ -111,7 +124,18 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         # queries out and outputs back per the plan, K/V as the waves really send them; in resend mode
         # the forward also returns each moved query's log-sum-exp (fp32, one per head)
         sent = moved * (token_bytes.q + token_bytes.o) + int(received.sum()) * token_bytes.kv
-        sent += moved * num_heads * 4 if backward == "resend" else 0
+        sent += sum(b.plan.moved_queries() for b in planned if b.plan.backward == "resend") * num_heads * 4
+    modes = sorted({b.plan.backward for b in planned})
+    # memory held for backward: own activations (query tokens x bytes per token) + what each plan adds
+    tokens = sum(b.pieces.tokens() for b in batches)
+    added = np.zeros(ranks, dtype=np.int64)
+    if planned:
+        token_bytes = token_bytes if token_bytes.lse else dataclasses.replace(token_bytes, lse=4 * num_heads)
+        for b in planned:
+            added += backward_memory(b.plan, b.pieces, token_bytes, received=b.kv_received).added
+        held = tokens * token_bytes.held + added
+    else:  # each rank keeps its own tokens' activations: the imbalance is the tokens'
+        held = tokens
     servers = list(planned[0].plan.servers) if planned else list(range(ranks))
     per_batch = ()
     if len(batches) > 1:
@@ -121,11 +145,12 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         attn_pairs_local=np.asarray(local, dtype=np.int64).tolist(),
         attn_pairs_served=np.asarray(served, dtype=np.int64).tolist(),
         bytes_sent_per_layer=int(sent), step=number, dispatched=bool(planned),
-        backward=backward if planned else None, overlap=overlap if planned else None,
+        backward="+".join(modes) if planned else None, overlap=overlap if planned else None,
         waves=sum(b.waves for b in planned), tasks=sum(b.plan.num_tasks for b in planned),
         moved_query_fraction=moved / max(1, queries), kv_tokens_received_per_layer=received.tolist(),
         kv_tokens_received_max=int(received[servers].max(initial=0)),
-        kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0, nano_batches=per_batch)
+        kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0,
+        memory_bytes_per_layer=added.tolist(), memory_imbalance=imbalance(held), nano_batches=per_batch)
 
 
 @dataclass(eq=False)

@@ -22,6 +22,7 @@ cache's keys could not be dispatched anyway), so generating on some ranks only j
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import torch
@@ -166,7 +167,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     _, num_heads, _, head_dim = query.shape
     element = query.element_size()  # q and k carry head_dim per head, v and the output value_head_dim
     token_bytes = TokenBytes(q=num_heads * head_dim * element, kv=key.shape[1] * (head_dim + value_head_dim) * element,
-                             o=num_heads * value_head_dim * element)
+                             o=num_heads * value_head_dim * element, lse=4 * num_heads)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
                                    kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
@@ -297,17 +298,18 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     device = torch.device(device)
     block = block_for_device(config.block, device.type)
     if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
-        plan = colocated_plan(pieces, window=kv_window)
+        plan = dataclasses.replace(colocated_plan(pieces, window=kv_window), backward=config.backward)
     else:
         dtype_bytes = dtype_bytes or (2 if device.type == "cuda" else 4)
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
         plan = plan_tasks(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
-                                                time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap]))
+                                                time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
+                                                backward=config.backward, memory_budget=config.memory_budget))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=block, group=group, timeout_s=config.timeout_s,
-                              backward_mode=config.backward, forward_number=number)
+                              backward_mode=plan.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))

@@ -30,6 +30,17 @@ what the overlap mode hides, and distca plans with it. Layouts and bytes live in
 measured, carried to that shape) or ``distca-hf profile``'s JSON (``--time-model``). K/V received
 is in tokens per layer (the memory a method adds on a rank besides its own tokens).
 
+Memory (``memory_imbalance``, ``memory_bytes_per_layer``: every method): what a rank keeps for
+attention's backward in one layer. Own activations are its tokens x (q + k/v + out + log-sum-exp)
+bytes; beyond them (``memory_bytes_per_layer``, max and mean over ranks, averaged over batches)
+distca keeps what ``planning.backward_memory`` says for its plan and backward mode (``saved``: the
+queries, K/V, outputs and log-sum-exp of the tasks a server serves; ``resend``: nothing); colocated
+packing and WLB-LLM packing the prefix K/V a piece of a document spanning ranks receives (0 for
+documents on one rank); per-document CP the K/V it all-gathers in its group; Ulysses the K/V heads it
+repeats when its degree exceeds the K/V heads (its all-to-all buffers otherwise hold as many bytes as
+the rank's own q, k, v). ``memory_imbalance`` is max / mean over ranks of own + that, averaged over
+batches. distca plans within ``--memory-budget`` (the ``memory_budget`` setting).
+
 With ``--pipeline-parallel P`` (and ``--micro-batches M``) it also models one training step of a
 non-interleaved 1F1B pipeline of ``P`` stages x ``N / P`` data-parallel pipelines
 (``simulate_pipeline``, ``planning.pipeline_cost``): stock 1F1B with colocated packing, with
@@ -51,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import SETTINGS
-from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, colocated_plan,
+from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, backward_memory, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_degree, ulysses_degree_ok, ulysses_loads,
                                   wlb_steps)
@@ -125,10 +136,31 @@ def _planning_config(config: PlannerConfig, time_model: TimeModel, hidden_comm_f
     return dataclasses.replace(config, time_model=time_model, exposed_comm=1.0 - hidden_comm_fraction)
 
 
-def _timed(loads: RankLoads, time_model: TimeModel, hidden: float) -> dict:
-    compute, exposed = loads_seconds(loads, time_model, 1.0 - hidden)
+def _timed(loads: RankLoads, time_model: TimeModel, hidden: float, backward: str = "saved") -> dict:
+    compute, exposed = loads_seconds(loads, time_model, 1.0 - hidden, backward)
     return {"t": float((compute + exposed).max()), "comm": float(exposed.max()), "imb": imbalance(loads.pairs),
             "bytes": float(loads.received.sum())}
+
+
+def _memory(tokens: np.ndarray, added: np.ndarray, token_bytes: TokenBytes, prefix: str) -> dict:
+    """A method's memory for backward in one layer (module docstring): ``[ranks]`` own ``tokens`` and
+    the bytes it ``added``; keys ``{prefix}_mem_imb``, ``_mem_max``, ``_mem_mean``."""
+    added = np.asarray(added, dtype=np.float64)
+    held = np.asarray(tokens, dtype=np.float64) * token_bytes.held + added
+    return {f"{prefix}_mem_imb": imbalance(held), f"{prefix}_mem_max": float(added.max()),
+            f"{prefix}_mem_mean": float(added.mean())}
+
+
+def _memory_keys(mean, prefix: str) -> dict:
+    return {"memory_imbalance": mean(f"{prefix}_mem_imb"),
+            "memory_bytes_per_layer": {"max": mean(f"{prefix}_mem_max"), "mean": mean(f"{prefix}_mem_mean")}}
+
+
+def _colocated_memory(pieces: DocumentPieces, token_bytes: TokenBytes, prefix: str) -> dict:
+    """Packed ranks computing their own pieces keep, beyond their own activations, the prefix K/V a
+    piece of a spanning document receives (``saved``-mode dispatch of the colocated plan)."""
+    added = backward_memory(colocated_plan(pieces), pieces, token_bytes, backward="saved").added
+    return _memory(pieces.tokens(), added, token_bytes, prefix)
 
 
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
@@ -141,7 +173,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document."""
-    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128)
+    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
+                                     memory_budget=SETTINGS["memory_budget"].default)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -154,8 +187,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     measured = [_measure_batch(docs, ranks, tokens_per_rank, config, time_model, hidden_comm_fraction, cp_degree,
                                sp_degree, kv_heads) for docs in drawn]
     wlb_packed, _ = wlb_steps(drawn, ranks, tokens_per_rank, threshold)
-    wlb = [_timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden_comm_fraction)
-           for pieces, _ in wlb_packed]
+    wlb = [{**_timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden_comm_fraction),
+            **_colocated_memory(pieces, config.token_bytes, "wlb")} for pieces, _ in wlb_packed]
     # documents still queued at the end are missing from WLB's steps: its time per token, per batch
     wlb_tokens = sum(int(pieces.tokens().sum()) for pieces, _ in wlb_packed)
     acc = {k: [m[k] for m in measured] for k in measured[0] if not k.startswith("_")}
@@ -173,12 +206,14 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
                        "attn_s_per_pair": time_model.attn_s_per_pair, "task_s": time_model.task_s,
                        "bytes_per_s": time_model.bytes_per_s},
         "hidden_comm_fraction": hidden_comm_fraction,
-        "planner": {"tolerance": config.tolerance, "block": config.block},
+        "planner": {"tolerance": config.tolerance, "block": config.block, "backward": config.backward,
+                    "memory_budget": config.memory_budget},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
-                      "exposed_comm_s": mean("colo_comm")},
+                      "exposed_comm_s": mean("colo_comm"), **_memory_keys(mean, "colo")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
                 "exposed_comm_s": float(np.mean([w["comm"] for w in wlb])), "threshold_tokens": threshold,
-                "tokens_left_waiting": batches * ranks * tokens_per_rank - wlb_tokens},
+                "tokens_left_waiting": batches * ranks * tokens_per_rank - wlb_tokens,
+                **_memory_keys(lambda k: float(np.mean([w[k] for w in wlb])), "wlb")},
         "distca": {
             "attn_imbalance": mean("dca_imb"),
             "worst_attn_imbalance": float(max(acc["dca_imb"])),
@@ -190,6 +225,9 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             "exposed_comm_s": mean("dca_comm"),
             "tasks_per_server": {"max": mean("tasks_max"), "mean": mean("tasks_mean")},
             "smallest_shard_tokens": min((x for x in acc["shard_min"] if x is not None), default=None),
+            **_memory_keys(mean, "dca"),
+            "worst_memory_imbalance": float(max(acc["dca_mem_imb"])),
+            "resend_batch_fraction": mean("dca_resend"),
         },
         "per_doc_cp": {
             "degree": cp_degree,
@@ -198,9 +236,11 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             "kv_received_tokens_per_layer": {"max": mean("cp_kv_max"), "mean": mean("cp_kv_mean")},
             "step_time_s": step["per_doc_cp"],
             "exposed_comm_s": mean("cp_comm"),
+            **_memory_keys(mean, "cp"),
         },
         "ulysses": ({"degree": sp_degree, "attn_imbalance": mean("sp_imb"), "comm_bytes_per_layer": mean("sp_bytes"),
-                     "step_time_s": step["ulysses"], "exposed_comm_s": mean("sp_comm")} if sp_degree else
+                     "step_time_s": step["ulysses"], "exposed_comm_s": mean("sp_comm"), **_memory_keys(mean, "sp")}
+                    if sp_degree else
                     {"degree": None, "step_time_s": None,
                      "unavailable": f"no degree dividing {ranks} ranks holds a {longest}-token document with "
                                     f"{heads} heads / {kv_heads} KV heads (DeepSpeed's rule)"}),
@@ -289,10 +329,23 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     cp_received = per_doc_cp_kv_received(pieces)
     colo = _timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden)
     dca_loads = plan_loads(plan, pieces, config.token_bytes, transfers)
-    dca = _timed(dca_loads, time_model, hidden)
-    cp = _timed(cp_loads(docs, ranks, tokens_per_rank, cp_degree, config.token_bytes), time_model, hidden)
-    sp = _timed(ulysses_loads(docs, ranks, tokens_per_rank, sp_degree, config.token_bytes, kv_heads), time_model,
-                hidden) if sp_degree else {"t": 0.0, "comm": 0.0, "imb": 1.0, "bytes": 0.0}
+    dca = _timed(dca_loads, time_model, hidden, plan.backward)
+    tb = config.token_bytes
+    cp_rank_loads = cp_loads(docs, ranks, tokens_per_rank, cp_degree, tb)
+    cp = _timed(cp_rank_loads, time_model, hidden)
+    memory = {**_colocated_memory(pieces, tb, "colo"),
+              **_memory(pieces.tokens(), backward_memory(plan, pieces, tb, received=kv_received(transfers, ranks)).added,
+                        tb, "dca"),
+              **_memory(cp_rank_loads.tokens, cp_rank_loads.received, tb, "cp")}  # received: the K/V all-gathered
+    if sp_degree:
+        sp_rank_loads = ulysses_loads(docs, ranks, tokens_per_rank, sp_degree, tb, kv_heads)
+        sp = _timed(sp_rank_loads, time_model, hidden)
+        # after the all-to-all a rank holds the group's tokens for 1 / degree of the heads: as many q, out and
+        # log-sum-exp bytes as its own tokens', and K/V of max(1, degree / kv_heads) times its own (heads repeated)
+        repeated = sp_degree * max(1.0 / sp_degree, 1.0 / kv_heads) - 1.0
+        memory.update(_memory(sp_rank_loads.tokens, sp_rank_loads.tokens * tb.kv * repeated, tb, "sp"))
+    else:
+        sp = {"t": 0.0, "comm": 0.0, "imb": 1.0, "bytes": 0.0}
     tasks = dca_loads.tasks[list(plan.servers)]
     shard = plan.source != plan.server  # the shards the planner sent away
     return {
@@ -308,6 +361,7 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         "colo_comm": colo["comm"], "dca_comm": dca["comm"], "cp_comm": cp["comm"], "sp_comm": sp["comm"],
         "tasks_max": float(tasks.max()), "tasks_mean": float(tasks.mean()),
         "shard_min": int((plan.q_end - plan.q_start)[shard].min()) if shard.any() else None,
+        **memory, "dca_resend": float(plan.backward == "resend"),
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
     }
 
@@ -430,6 +484,12 @@ def format_table(result: dict) -> str:
          _max_mean(result["per_doc_cp"]["kv_received_tokens_per_layer"])),
         ("plan time (median)", f"{d['plan_ms_median']:.2f} ms"),
     ]
+    for m in METHODS:
+        if "memory_imbalance" in result[m]:
+            added = result[m]["memory_bytes_per_layer"]
+            rows.append((f"memory for backward per layer, {_label(m, result)}: imbalance (added max / mean MB)",
+                         f"{result[m]['memory_imbalance']:.2f} ({added['max'] / 1e6:,.1f} / {added['mean'] / 1e6:,.1f})"))
+    rows.append(("distca batches planned in resend mode (memory budget)", f"{100 * d['resend_batch_fraction']:.0f}%"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -481,6 +541,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=tolerance.metadata["parse"], default=tolerance.default,
                         help="planner tolerance (max/mean - 1 of attention), or 'auto' to plan by time "
                              "(default: %(default)s)")
+    budget = SETTINGS["memory_budget"]
+    parser.add_argument("--memory-budget", type=budget.metadata["parse"], default=budget.default,
+                        help="distca's memory bound: the worst rank may hold (1 + this) x the mean of the ranks' own "
+                             "attention activations per layer for backward, or 'none' (the memory_budget setting; "
+                             "default: %(default)s)")
+    parser.add_argument("--backward", choices=["saved", "resend"], default=SETTINGS["backward"].default,
+                        help="distca's backward mode (the backward setting); under 'saved' a step whose plan would "
+                             "exceed --memory-budget runs in 'resend' (default: %(default)s)")
     parser.add_argument("--block", type=int, default=128, help="shard block in tokens: CA-task cuts are multiples "
                         "of it (default: %(default)s, the GPU flash kernels' tile)")
     parser.add_argument("--time-model", metavar="FILE.json", help="constants from `distca-hf profile` (default: the "
@@ -546,7 +614,8 @@ def run_cli(args, parser) -> int:
     try:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
-        config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes)
+        config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes,
+                               backward=args.backward, memory_budget=args.memory_budget)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
         time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
