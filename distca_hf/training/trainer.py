@@ -47,6 +47,17 @@ parallelism (a model loaded with ``distributed_config=DistributedConfig(tp_size=
 its size, the tensor-parallel peers read the same rows, the rows are laid out over the data-parallel
 ranks; on CPU processes too, ``accelerator.parallelism_config_for_cpu``) are the Trainer's own
 (FSDP2 on CPU processes too, where Accelerate alone would run DDP: ``accelerator.apply_cpu_fsdp``).
+
+Pipeline stages (``DistCAPlugin(pipeline_parallel_size=P)``): the model given is split into this rank's
+stage (``training.pipeline_stages``), which becomes the Trainer's ``model`` (its optimizer holds the
+stage's parameters; no DDP around it). Rows are packed to exactly ``tokens_per_rank`` tokens (fixed
+shapes between stages), the stages of a pipeline read the same rows, and ``pipeline_micro_batches``
+rows per data-parallel rank (the Trainer's ``gradient_accumulation_steps``) run through the schedule
+(``pipeline_schedule``) in one ``training.pipeline.PipelineRunner.train_step``: the loss is token-weighted
+over the step, gradients are summed over the stage's copies and clipped over all stages. Checkpoints
+hold one weights and one optimizer file per stage; ``save_model()`` writes one ``save_pretrained``
+folder of the whole model. DeepSpeed, FSDP, tensor parallelism, autocast, activation checkpointing
+and streaming datasets are refused with pipeline stages, each by name.
 """
 
 from __future__ import annotations
