@@ -1,0 +1,230 @@
+"""Memory as a plan output and a bound (``planning.backward_memory``, the ``memory_budget`` setting):
+the formula against an independent count of what a rank keeps (sets of key positions) and against
+the tensors the dispatch really saves on gloo ranks (``rank_saved_for_backward_bytes``), the bounds
+of ``memory_imbalance``, the budget honoured by every way of planning, and the simulator's keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dist_harness import run_ranks
+from test_planner import batches_with_key_only_prefixes, packed_batches
+
+from distca_hf.planning import (DocumentPieces, PlannerConfig, TokenBytes, backward_memory, colocated_plan, imbalance,
+                                key_start, kv_received, kv_transfers, plan_tasks)
+from distca_hf.runtime.context import BatchPlan, plan_stats_of
+from distca_hf.tools.simulate import METHODS, simulate
+
+TB = TokenBytes(q=8, kv=4, o=8, lse=2)
+
+
+def _reference_held(plan, pieces, tb: TokenBytes, backward: str) -> np.ndarray:
+    """Bytes each rank keeps for one layer's backward, counted from scratch: its own query rows' q,
+    out and log-sum-exp in ``resend`` mode, the served ones' in ``saved`` mode, and a K/V row for every
+    key position it holds, plus (``saved``) every key position of a document, from the first its tasks
+    there see to the last, that it does not hold."""
+    n = pieces.num_ranks
+    own_q, held_keys = np.zeros(n, dtype=np.int64), [set() for _ in range(n)]
+    for r, d, s, e, k in zip(pieces.rank, pieces.doc, pieces.start, pieces.end, pieces.kv_start):
+        own_q[r] += e - s
+        held_keys[r] |= {(int(d), p) for p in range(int(k), int(e))}
+    per_query = tb.q + tb.o + tb.lse
+    kv_rows = np.array([len(keys) for keys in held_keys], dtype=np.int64)
+    if backward == "resend":
+        return own_q * per_query + kv_rows * tb.kv
+    served, hull = np.zeros(n, dtype=np.int64), {}
+    for server, d, a, b in zip(plan.server.tolist(), plan.doc.tolist(), plan.q_start.tolist(), plan.q_end.tolist()):
+        served[server] += b - a
+        lo, hi = hull.get((server, d), (key_start(a, plan.window), b))
+        hull[(server, d)] = (min(lo, key_start(a, plan.window)), max(hi, b))
+    # a server is sent, per document, the keys from the first its tasks see to the last (one range)
+    needed = [set() for _ in range(n)]
+    for (server, d), (lo, hi) in hull.items():
+        needed[server] |= {(d, p) for p in range(lo, hi)}
+    received = np.array([len(needed[r] - held_keys[r]) for r in range(n)], dtype=np.int64)
+    return served * per_query + (kv_rows + received) * tb.kv
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces=st.one_of(packed_batches(), batches_with_key_only_prefixes()),
+       tolerance=st.sampled_from([0.0, 0.05, 0.3]), window=st.sampled_from([None, 3, 17]),
+       backward=st.sampled_from(["saved", "resend"]))
+def test_formula_counts_what_a_rank_keeps(pieces, tolerance, window, backward):
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=tolerance, token_bytes=TB, window=window))
+    memory = backward_memory(plan, pieces, TB, backward=backward)
+    assert np.array_equal(memory.held, _reference_held(plan, pieces, TB, backward))
+    assert np.array_equal(memory.own, pieces.tokens() * (TB.q + TB.kv + TB.o + TB.lse))
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces=packed_batches(), tolerance=st.sampled_from([0.0, 0.05, 0.3, "auto"]))
+def test_memory_imbalance_bounds(pieces, tolerance):
+    """Every query is served once, so in saved mode what servers gain in queries donors lose: the
+    bytes added sum to the K/V received. memory_imbalance lies in [1, ranks]; in resend mode (nothing
+    kept on servers) it is the own tokens' imbalance."""
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=tolerance, token_bytes=TB))
+    received = kv_received(kv_transfers(plan, pieces), pieces.num_ranks)
+    saved = backward_memory(plan, pieces, TB, backward="saved")
+    assert saved.added.sum() == received.sum() * TB.kv
+    resend = backward_memory(plan, pieces, TB, backward="resend")
+    assert not resend.added.any()
+    assert resend.imbalance() == pytest.approx(imbalance(pieces.tokens()))
+    for memory in (saved, resend):
+        assert 1.0 - 1e-12 <= memory.imbalance() <= pieces.num_ranks + 1e-9
+    if not received.any():  # nothing travels: a server keeps only what its own queries need
+        assert saved.imbalance() == pytest.approx(imbalance(pieces.tokens()))
+
+
+def _fits(plan, pieces, budget) -> bool:
+    return backward_memory(plan, pieces, TB).fits(budget)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces=packed_batches(), tolerance=st.sampled_from([0.02, 0.3, "auto"]),
+       budget=st.sampled_from([0.0, 0.05, 0.3, 1.0]), backward=st.sampled_from(["saved", "resend"]))
+def test_budget_is_honoured(pieces, tolerance, budget, backward):
+    """The plan fits the budget in the mode it names; when it does not, nothing could: it is the
+    colocated plan, which fits in neither mode. Without a budget the plan is today's, in the mode set."""
+    config = PlannerConfig(tolerance=tolerance, token_bytes=TB, backward=backward)
+    free = plan_tasks(pieces, config)
+    assert free.backward == backward
+    plan = plan_tasks(pieces, dataclasses.replace(config, memory_budget=budget))
+    assert plan.backward in ({"saved", "resend"} if backward == "saved" else {"resend"})
+    if not _fits(plan, pieces, budget):
+        colocated = colocated_plan(pieces)
+        assert plan.moved_queries() == 0 and np.array_equal(plan.server, colocated.server)
+        for mode in {backward, "resend"}:
+            assert not backward_memory(colocated, pieces, TB, backward=mode).fits(budget)
+    elif tolerance != "auto" and _fits(dataclasses.replace(free, backward=plan.backward), pieces, budget):
+        # a fixed tolerance keeps its carving whenever the carving fits in some mode
+        assert np.array_equal(plan.server, free.server) and np.array_equal(plan.q_start, free.q_start)
+
+
+def _long_beside_short(ranks=8, tokens=256) -> DocumentPieces:
+    """Rank 0 holds one long document; every other rank many short ones (equal tokens)."""
+    return DocumentPieces.from_rank_lists([[tokens]] + [[8] * (tokens // 8)] * (ranks - 1))
+
+
+def test_a_plan_over_budget_runs_in_resend_mode_or_yields_to_a_looser_one():
+    pieces = _long_beside_short()
+    tight = PlannerConfig(tolerance=0.02, token_bytes=TB)
+    saved = plan_tasks(pieces, tight)
+    over = backward_memory(saved, pieces, TB)
+    assert saved.backward == "saved" and over.imbalance() > 1.05  # the servers of the long document's shards
+    budget = 0.02
+    assert not over.fits(budget)
+    fixed = plan_tasks(pieces, dataclasses.replace(tight, memory_budget=budget))
+    assert fixed.backward == "resend" and np.array_equal(fixed.server, saved.server)  # same carving, kept nothing
+    assert _fits(fixed, pieces, budget)
+    auto = plan_tasks(pieces, dataclasses.replace(tight, tolerance="auto", memory_budget=budget))
+    assert _fits(auto, pieces, budget)
+    # a budget the saved plan meets changes nothing
+    roomy = plan_tasks(pieces, dataclasses.replace(tight, memory_budget=over.imbalance()))
+    assert roomy.backward == "saved" and np.array_equal(roomy.server, saved.server)
+    # under "resend" as the setting, no plan adds anything: any budget holds for equal tokens
+    assert plan_tasks(pieces, dataclasses.replace(tight, backward="resend", memory_budget=0.0)).backward == "resend"
+
+
+def test_when_nothing_fits_colocated_runs():
+    """Own tokens alone over the budget (rank 0 holds twice the others): no plan can fit."""
+    pieces = DocumentPieces.from_rank_lists([[64, 64], [64], [64]])
+    for tolerance in (0.02, "auto"):
+        plan = plan_tasks(pieces, PlannerConfig(tolerance=tolerance, token_bytes=TB, memory_budget=0.1))
+        assert plan.moved_queries() == 0 and kv_transfers(plan, pieces).tokens() == 0
+
+
+def test_plan_stats_memory_keys_sum_the_nano_batches():
+    pieces = _long_beside_short()
+    plans = [plan_tasks(p, PlannerConfig(tolerance=0.02, token_bytes=TB, backward=b))
+             for p, b in ((pieces, "saved"), (_long_beside_short(tokens=128), "resend"))]
+    batches = [BatchPlan(p, plan, kv_received(kv_transfers(plan, p), p.num_ranks), 1)
+               for p, plan in zip((pieces, _long_beside_short(tokens=128)), plans)]
+    stats = plan_stats_of(1, batches, token_bytes=dataclasses.replace(TB, lse=0), num_heads=1, overlap="pingpong")
+    tb4 = dataclasses.replace(TB, lse=4)  # TokenBytes without lse: plan_stats_of counts 4 bytes per head
+    added = [backward_memory(b.plan, b.pieces, tb4).added for b in batches]
+    assert stats.memory_bytes_per_layer == (added[0] + added[1]).tolist()
+    own = sum(b.pieces.tokens() for b in batches) * tb4.held
+    assert stats.memory_imbalance == pytest.approx(imbalance(own + added[0] + added[1]))
+    assert stats.backward == "resend+saved" and stats.nano_batches[1].memory_bytes_per_layer == [0] * 8
+    local = plan_stats_of(2, [BatchPlan(DocumentPieces.from_rank_lists([[10], [5, 5], [4]]))])
+    assert local.memory_bytes_per_layer == [0, 0, 0] and local.memory_imbalance == pytest.approx(10 / 8)
+
+
+def test_simulate_reports_memory_for_every_method():
+    lengths = [40_000, 3_000, 700, 12_000, 90_000, 250]
+    r = simulate(lengths, 8, 32_768, batches=2, config=PlannerConfig(tolerance="auto", block=128, memory_budget=None))
+    for method in METHODS:
+        m = r[method]
+        assert m["memory_imbalance"] >= 1.0 and set(m["memory_bytes_per_layer"]) == {"max", "mean"}
+        assert m["memory_bytes_per_layer"]["max"] >= m["memory_bytes_per_layer"]["mean"]
+    assert r["per_doc_cp"]["memory_bytes_per_layer"]["mean"] > 0  # the K/V it all-gathers
+    assert r["ulysses"]["memory_bytes_per_layer"]["max"] == 0  # degree <= 8 K/V heads: nothing repeated
+    bounded = simulate(lengths, 8, 32_768, batches=2,
+                       config=PlannerConfig(tolerance="auto", block=128, memory_budget=0.05))
+    held = bounded["distca"]
+    # the worst rank within 1.05 x the mean own activations: imbalance over own + added can only be lower or
+    # the plan fell back to colocated (which then holds the same as colocated packing)
+    assert held["worst_memory_imbalance"] <= 1.05 + 1e-9 or held["moved_query_fraction"] == 0
+
+
+# ---- on gloo ranks: the formula is what the dispatch really keeps ----
+
+def _memory_worker(rank, world):
+    import distca_hf
+    from helpers import objective_weights, param_grads, per_document_reference, tiny_model
+
+    model = tiny_model("llama")
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    lengths = [64] if rank == 0 else [8] * 8  # rank 0 one long document: the plan moves its late queries
+    g = torch.Generator().manual_seed(rank)
+    docs = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+    weights = [objective_weights((n, 96), seed=i) for i, n in enumerate(lengths)]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    report = []
+    for backward, overlap, budget in (("saved", "none", None), ("resend", "none", None), ("saved", "pingpong", None),
+                                      ("saved", "none", 0.0)):
+        distca_hf.configure(backward=backward, overlap=overlap, tolerance=0.02, memory_budget=budget)
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, position_ids=pos).logits[0]
+        (logits * torch.cat(weights)).sum().backward()
+        grads = param_grads(model)
+        entry = {"backward": backward, "overlap": overlap, "budget": budget, "stats": distca_hf.plan_stats()}
+        if budget is not None:  # the mode the planner chose still computes every document exactly
+            ref_logits, ref_grads = per_document_reference(model, docs, weights)
+            entry["logit_err"] = float((logits.detach() - torch.cat(ref_logits)).abs().max())
+            entry["grad_excess"] = max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                                       for n in ref_grads)
+        report.append(entry)
+    per_token = {"q": config.num_attention_heads * head_dim * 4, "kv": 2 * config.num_key_value_heads * head_dim * 4,
+                 "lse": 4 * config.num_attention_heads}
+    return {"report": report, "per_token": per_token, "tokens": sum(lengths), "layers": config.num_hidden_layers}
+
+
+@pytest.mark.distributed
+def test_formula_is_what_the_dispatch_keeps(tmp_path):
+    results = run_ranks(_memory_worker, 2, tmp_path, deadline_s=240)
+    assert all(r["ok"] for r in results), [r.get("traceback", r.get("error")) for r in results]
+    for rank, result in enumerate(results):
+        value = result["value"]
+        t = value["per_token"]
+        own = value["tokens"] * (2 * t["q"] + t["kv"] + t["lse"])  # q, k, v, out, log-sum-exp (fp32)
+        for run in value["report"]:
+            stats = run["stats"]
+            assert stats["dispatched"] and stats["overlap"] == run["overlap"], run
+            kept = stats["rank_saved_for_backward_bytes"]
+            added = stats["memory_bytes_per_layer"][rank]
+            assert kept == value["layers"] * (own + added), (rank, run["backward"], run["overlap"], kept, own, added)
+            if run["budget"] is None and run["backward"] == "saved":
+                assert stats["backward"] == "saved" and any(stats["memory_bytes_per_layer"])
+                assert stats["memory_imbalance"] > 1.0
+            if run["budget"] == 0.0:  # the saved plan adds memory on the server: this step ran in resend mode
+                assert stats["backward"] == "resend" and added == 0 and stats["memory_imbalance"] == 1.0
+                assert run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5
