@@ -285,13 +285,13 @@ class PipelineRunner:
         embedding's between the first and the last stage."""
         parameters = self._parameters_with_grads()
         if self.data_group is not None and parameters:
-            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
             grads = [p.grad for p in parameters]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.data_group)
-            for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                grad.copy_(summed)
+            for dtype in sorted({g.dtype for g in grads}, key=str):  # one flat all-reduce per dtype
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch.cat([g.reshape(-1) for g in same])
+                dist.all_reduce(flat, group=self.data_group)
+                for grad, summed in zip(same, flat.split([g.numel() for g in same])):
+                    grad.copy_(summed.view_as(grad))
         from .pipeline_stages import sync_tied_embedding_grads
 
         sync_tied_embedding_grads(self.stage_module, group=self.pipeline_group)
