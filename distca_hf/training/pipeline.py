@@ -153,7 +153,8 @@ class PipelineRunner:
             dtype = next(self.stage_module.parameters()).dtype
             inputs, outputs = stage_io_shapes(self.stage_module.config, stage_index=self.stage_index,
                                               num_stages=self.num_stages, micro_batch_size=1,
-                                              seq_len=self.tokens_per_micro_batch, dtype=dtype)
+                                              seq_len=self.tokens_per_micro_batch, dtype=dtype,
+                                              requires_grad=not evaluating)
             # static shapes: torch does not run its shape inference (the module on meta tensors)
             stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.device,
                                   input_args=inputs, output_args=outputs, group=self.pipeline_group)
