@@ -145,7 +145,7 @@ def plan_lockstep_tick(parts, config: PlannerConfig, *, num_ranks: int) -> tuple
     document's shards."""
     pooled = _pool(parts, num_ranks)
     plan = plan_tasks(pooled, config)
-    if config.tolerance != "auto" or len(parts) < 2:
+    if config.tolerance != "auto" or len(parts) < 2 or config.servers is not None:  # (a pool names pooled ranks)
         return pooled, plan
     local, next_doc = [], 0
     for pieces, offset in parts:
