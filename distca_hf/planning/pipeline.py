@@ -140,7 +140,7 @@ class PipelineRun:
     def bubble_fraction(self) -> float:
         """The share of the stages' time spent without a micro-batch."""
         total = len(self.busy_s) * self.step_s
-        return 1.0 - sum(self.busy_s) / total if total > 0 else 0.0
+        return max(0.0, 1.0 - sum(self.busy_s) / total) if total > 0 else 0.0  # (no rounding below 0)
 
 
 def _durations(forward_s, backward_s):
