@@ -48,8 +48,9 @@ def _ms(r: dict, method: str) -> str:
 
 def run(data: Path, batches: int):
     samples = {name: load_lengths(data / f"doc_lengths_{name}.json") for name in ("prolong", "wlbllm")}
-    config = PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128)
-    fixed = PlannerConfig(tolerance=0.02, block=128)
+    budget = SETTINGS["memory_budget"].default
+    config = PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128, memory_budget=budget)
+    fixed = PlannerConfig(tolerance=0.02, block=128, memory_budget=budget)
     grid_rows, memory_rows, target_rows = [], [], []
     model = None
     for name, lengths in samples.items():
@@ -68,6 +69,8 @@ def run(data: Path, batches: int):
                 f"{tight['speedup_vs_best_baseline']:.2f}x | {r['speedup_vs_colocated']:.2f}x | "
                 f"{_ms(r, 'distca')} | {_ms(r, r['best_baseline'])} | {r['per_doc_cp']['degree']} / "
                 f"{sp if sp else '-'} | {r['colocated']['attn_imbalance']:.2f} | {d['worst_attn_imbalance']:.3f} | "
+                f"{d['memory_imbalance']:.2f} / {d['worst_memory_imbalance']:.2f} | "
+                f"{r[r['best_baseline']]['memory_imbalance']:.2f} | {100 * d['resend_batch_fraction']:.0f}% | "
                 f"{100 * d['moved_query_fraction']:.1f}% | {d['comm_bytes_per_layer'] / 1e9:.1f} | "
                 f"{d['tasks_per_server']['max']:.0f} | {'-' if shard is None else shard} | {d['plan_ms_median']:.1f} |"
             )
@@ -95,8 +98,10 @@ def run(data: Path, batches: int):
         "| sample | ranks x tokens/rank | distca vs best baseline, no comm hidden | same, "
         f"{100 * HIDDEN:.0f}% hidden | same, tolerance 0.02 | distca vs colocated | distca layer ms (comm) | "
         "best baseline layer ms (comm) | CP / Ulysses degree | imbalance colocated | distca worst imbalance | "
+        "distca memory imbalance (mean / worst) | best baseline memory imbalance | batches in resend | "
         "queries moved | distca GB/layer | tasks on busiest server | smallest moved shard | plan ms |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
         *grid_rows,
     ])
     memory = "\n".join([

@@ -77,7 +77,7 @@ class PlannerConfig:
         memory_budget: a bound on the memory a plan makes the worst rank hold for attention's
             backward in one layer (``transfers.backward_memory``): at most ``(1 + memory_budget)``
             times the mean over ranks of their own tokens' activations (a fraction >= 0); ``None``:
-            unbounded (the pure planner's default; the ``memory_budget`` setting's default is 1.0).
+            unbounded (the pure planner's default; the ``memory_budget`` setting's default is 2.0).
     """
 
     tolerance: float | str = 0.02
