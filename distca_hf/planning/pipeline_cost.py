@@ -20,13 +20,16 @@ moves); forward and backward are split by ``forward_backward_models``.
   K/V).
 - ``cad_per_stage``: torch's ``Schedule1F1B``; the ``D`` copies of a stage run each micro-batch
   together with the distca planner balancing its attention over them (one plan per micro-batch,
-  forward and backward); an operation lasts as long as the slowest copy, layer by layer.
+  forward and backward, in the backward mode the planner chooses within ``memory_budget``); an
+  operation lasts as long as the slowest copy, layer by layer.
 - ``cad_across_stages``: the lockstep schedule (``pipeline.lockstep_1f1b_ticks``): in every tick
   each rank runs its stage's linear layers of its micro-batch (none in a bubble) and one plan per
   tick pools the tick's attention over all ``P x D`` ranks, forward with forward (planned with the
   forward model) and backward with backward (re-planned with the backward model); a tick lasts as
-  long as its slowest rank, layer by layer. It holds up to ``2 (P - s) - 1`` micro-batches' activations
-  on stage ``s`` (1F1B: ``P - s``).
+  long as its slowest rank, layer by layer. A micro-batch's backward meets other micro-batches than
+  its forward did, on other servers, so it runs in ``resend`` mode: servers keep nothing between
+  ticks (no memory added) and the backward tick sends q, k/v, out and dO again (``cost.COMM_PASSES``).
+  It holds up to ``2 (P - s) - 1`` micro-batches' activations on stage ``s`` (1F1B: ``P - s``).
 
 Activations (forward) and their gradients (backward) between stages take ``p2p_s = T x
 activation_bytes_per_token / bytes_per_s`` per micro-batch, overlapping the stages' compute
@@ -45,7 +48,7 @@ import numpy as np
 
 from .baselines import RankLoads, pack_pieces
 from .by_time import loads_seconds, plan_loads, step_seconds
-from .cost import TimeModel, imbalance
+from .cost import COMM_PASSES, TimeModel, imbalance
 from .micro_batches import balance_micro_batches
 from .pieces import DocumentPieces
 from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
@@ -61,25 +64,30 @@ gradients of the inputs and of the weights, two matmuls per forward matmul; core
 ``cost.attention_flops``, and a model that counts it apart would split it the same way). The time
 model's constants are forward + backward, so the forward takes ``1 / (1 + 2)`` of a layer's compute
 and the backward ``2 / 3``; the backward moves as many bytes as the forward (dO out, dQ / dK / dV
-back), so each takes half of the communication."""
+back) in ``saved`` mode, so each takes one pass of the communication; in ``resend`` mode the
+backward takes two (``cost.COMM_PASSES``)."""
 
 PIPELINE_METHODS = ("colocated_1f1b", "balanced_micro_batches", "cad_per_stage", "cad_across_stages")
 
 
-def forward_backward_models(time_model: TimeModel) -> tuple[TimeModel, TimeModel]:
+def forward_backward_models(time_model: TimeModel, backward: str = "saved") -> tuple[TimeModel, TimeModel]:
     """``(forward, backward)``: ``time_model`` (a layer's forward + backward) split into the forward's
-    and the backward's share (``BACKWARD_TO_FORWARD``): compute constants times ``1 / 3`` and ``2 / 3``,
-    communication halved for each (``bytes_per_s`` doubled, ``collective_s`` halved). The two add up
-    to ``time_model`` for any loads."""
-    def share(fraction: float, label: str) -> TimeModel:
+    and the backward's share (``BACKWARD_TO_FORWARD``) for loads timed in ``backward`` mode
+    (``by_time.loads_seconds(..., backward)``): compute constants times ``1 / 3`` and ``2 / 3``; of the
+    ``COMM_PASSES[backward]`` passes of bytes the forward moves one and the backward the rest
+    (``bytes_per_s`` scaled to match); ``collective_s`` halved for each. The two add up to
+    ``time_model`` for any loads in that mode."""
+    passes = COMM_PASSES[backward]
+
+    def share(fraction: float, comm_passes: float, label: str) -> TimeModel:
         return dataclasses.replace(
             time_model, linear_s_per_token=time_model.linear_s_per_token * fraction,
             attn_s_per_pair=time_model.attn_s_per_pair * fraction, task_s=time_model.task_s * fraction,
-            task_key_s=time_model.task_key_s * fraction, bytes_per_s=time_model.bytes_per_s * 2.0,
+            task_key_s=time_model.task_key_s * fraction, bytes_per_s=time_model.bytes_per_s * passes / comm_passes,
             collective_s=time_model.collective_s / 2.0, source=f"{time_model.source} ({label})")
 
     forward = 1.0 / (1.0 + BACKWARD_TO_FORWARD)
-    return share(forward, "forward share"), share(1.0 - forward, "backward share")
+    return share(forward, 1.0, "forward share"), share(1.0 - forward, passes - 1.0, "backward share")
 
 
 def check_layers(layers: int, stages: int, *, setting: str = "layers") -> int:
@@ -147,20 +155,22 @@ def plan_lockstep_tick(parts, config: PlannerConfig, *, num_ranks: int) -> tuple
     plan = plan_tasks(pooled, config)
     if config.tolerance != "auto" or len(parts) < 2 or config.servers is not None:  # (a pool names pooled ranks)
         return pooled, plan
-    local, next_doc = [], 0
+    local, modes, next_doc = [], set(), 0
     for pieces, offset in parts:
         own = plan_tasks(pieces, config)
         local.append((own.source + offset, own.server + offset, own.doc + next_doc, own.q_start, own.q_end))
+        modes.add(own.backward)
         next_doc += int(pieces.doc.max(initial=-1)) + 1
+    # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
     union = Plan(*(np.concatenate(column) for column in zip(*local)), num_ranks, tuple(range(num_ranks)),
-                 config.window)
+                 config.window, "resend" if "resend" in modes else config.backward)
     if step_seconds(union, pooled, config) < step_seconds(plan, pooled, config):
         return pooled, union
     return pooled, plan
 
 
-def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float) -> np.ndarray:
-    compute, exposed = loads_seconds(loads, model, exposed_comm)
+def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:
+    compute, exposed = loads_seconds(loads, model, exposed_comm, backward)
     return compute + exposed
 
 
@@ -212,7 +222,7 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
             raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel ({d}) x "
                              f"tokens ({tokens})")
     model, exposed, token_bytes = config.time_model, config.exposed_comm, config.token_bytes
-    forward_model, backward_model = forward_backward_models(model)
+    saved_models = forward_backward_models(model, "saved")
     p2p_s = tokens * activation_bytes_per_token / model.bytes_per_s
     packed = [pack_pieces(docs, d, tokens) for docs in micro_batch_docs]
     results = {}
@@ -221,7 +231,7 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     row_f, row_b, row_pairs = np.zeros((m, d)), np.zeros((m, d)), []
     for i, pieces in enumerate(packed):
         loads = plan_loads(colocated_plan(pieces, window=config.window), pieces, token_bytes)
-        row_f[i], row_b[i] = _seconds(loads, forward_model, exposed), _seconds(loads, backward_model, exposed)
+        row_f[i], row_b[i] = (_seconds(loads, part, exposed, "saved") for part in saved_models)
         row_pairs.append(loads.pairs)
     results["colocated_1f1b"] = _step(_independent_pipelines(row_f, row_b, stages, per_stage, p2p_s),
                                       imbalance(np.concatenate(row_pairs)))
@@ -233,30 +243,32 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     loads = plan_loads(colocated_plan(balanced, window=config.window), balanced, token_bytes)
     for i in range(m):  # a micro-batch's rows meet in its collectives (collective_s) only among themselves
         rows = np.arange(i * d, (i + 1) * d)
-        row_f[i] = _seconds(_rows(loads, rows), forward_model, exposed)
-        row_b[i] = _seconds(_rows(loads, rows), backward_model, exposed)
+        row_f[i], row_b[i] = (_seconds(_rows(loads, rows), part, exposed, "saved") for part in saved_models)
     results["balanced_micro_batches"] = _step(_independent_pipelines(row_f, row_b, stages, per_stage, p2p_s),
                                               imbalance(loads.pairs))
 
     # cad_per_stage: one plan per micro-batch over the stage's D copies; an op lasts as its slowest copy
     op_f, op_b, imbalances = np.zeros(m), np.zeros(m), []
     for i, pieces in enumerate(packed):
-        plan = plan_tasks(pieces, config)
+        plan = plan_tasks(pieces, config)  # in the mode it chose within the memory budget
         loads = plan_loads(plan, pieces, token_bytes)
-        op_f[i] = _seconds(loads, forward_model, exposed).max()
-        op_b[i] = _seconds(loads, backward_model, exposed).max()
+        op_f[i], op_b[i] = (_seconds(loads, part, exposed, plan.backward).max()
+                            for part in forward_backward_models(model, plan.backward))
         imbalances.append(imbalance(plan.server_pairs()))
     run = simulate_1f1b(np.tile(per_stage * op_f, (stages, 1)), np.tile(per_stage * op_b, (stages, 1)), p2p_s=p2p_s)
     results["cad_per_stage"] = _step(run, np.mean(imbalances))
 
-    # cad_across_stages: one plan per tick over all P x D ranks, bubbles serving
+    # cad_across_stages: one plan per tick over all P x D ranks, bubbles serving; a backward tick
+    # re-plans, so every tick runs in resend mode (module docstring)
     tick_s, imbalances = [], []
+    resend_models = forward_backward_models(model, "resend")
     for tick in lockstep_1f1b_ticks(stages, m):
-        tick_model = forward_model if tick.kind == FORWARD else backward_model
+        tick_model = resend_models[0] if tick.kind == FORWARD else resend_models[1]
         parts = [(packed[mb], s * d) for s, mb in enumerate(tick.micro_batches) if mb is not None]
-        pooled, plan = plan_lockstep_tick(parts, dataclasses.replace(config, time_model=tick_model),
+        pooled, plan = plan_lockstep_tick(parts, dataclasses.replace(config, time_model=tick_model, backward="resend"),
                                           num_ranks=stages * d)
-        tick_s.append(per_stage * float(_seconds(plan_loads(plan, pooled, token_bytes), tick_model, exposed).max()))
+        loads = plan_loads(plan, pooled, token_bytes)
+        tick_s.append(per_stage * float(_seconds(loads, tick_model, exposed, "resend").max()))
         imbalances.append(imbalance(plan.server_pairs()))
     run = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
     results["cad_across_stages"] = _step(run, np.mean(imbalances))

@@ -264,7 +264,8 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     ``step_time_s`` is the mean over steps of one whole step (all ``layers`` layers, forward +
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
     dtype_bytes`` bytes per token."""
-    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128)
+    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
+                                     memory_budget=SETTINGS["memory_budget"].default)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
