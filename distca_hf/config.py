@@ -201,8 +201,9 @@ class DistCAConfig:
         help="bound on what a plan makes a rank hold for attention's backward in one layer, as a fraction over the "
              "mean of the ranks' own activations (their tokens' q, k, v, out and log-sum-exp): the worst rank holds at "
              "most (1 + memory_budget) x that mean. 'saved' mode adds the queries, K/V, outputs and log-sum-exp a "
-             "server keeps for the tasks it serves; a plan over the budget is refused for one that fits (a looser "
-             "carving, or the step in 'resend' mode, which keeps nothing on servers), else colocated. The default "
+             "server keeps for the tasks it serves; a plan over the budget runs the step in 'resend' mode (servers keep "
+             "nothing: always within the budget, or within the own activations of the rank holding the most "
+             "tokens when those alone exceed it), and 'auto' weighs that against looser carvings. The default "
              "2.0 (three times the mean) stops the plans that pile long documents' K/V on a few servers (up to 3.4x "
              "on the shared samples at 32k tokens per rank, where colocated packing itself reaches 3x) and leaves "
              "the others alone; None: unbounded")

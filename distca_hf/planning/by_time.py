@@ -13,10 +13,10 @@ O back, K/V from its holder); ``passes`` (``cost.COMM_PASSES``) is 2 in ``saved`
 backward moves as many again: dO out, dQ and dK/dV back) and 3 in ``resend`` mode (q, k/v and out
 travel again with dO). ``exposed_comm`` is the fraction the overlap mode does not hide.
 
-Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in the backward
-mode in force is judged in ``resend`` mode instead (servers keep nothing; more bytes, timed so), and
-skipped when it does not fit there either (``transfers.fit_memory_budget``). When no candidate fits,
-the colocated plan runs, in the mode that holds less (``transfers.least_memory``).
+Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in ``saved`` mode
+is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep nothing, which
+always fits; more bytes, timed so), so ``auto`` weighs a looser carving that fits in ``saved`` mode
+against the tighter ones in ``resend`` mode, colocated included.
 
 The candidates are the colocated plan (when every rank holding work serves) and the fixed-tolerance
 plans of ``AUTO_TOLERANCES``, each exactly ``plan_tasks``' at that tolerance; the chosen one is the
@@ -50,8 +50,7 @@ from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .pieces import DocumentPieces
-from .transfers import (KVTransfers, RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers,
-                        least_memory, rank_bytes)
+from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -103,32 +102,26 @@ def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
     return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))
 
 
-def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig):
-    """``(predicted step seconds, plan in the backward mode that fits the memory budget)``, or
-    ``None`` when it fits in none."""
+def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
+    """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget."""
     transfers = kv_transfers(plan, pieces)
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
-    if fitting is None:
-        return None
     return step_seconds(fitting, pieces, config, transfers), fitting
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
-    """The candidate plan with the smallest predicted ``step_seconds`` among those that fit
-    ``config.memory_budget``; ties go to the earlier of colocated, then ``AUTO_TOLERANCES`` in
+    """The candidate plan with the smallest predicted ``step_seconds``, each in the backward mode that
+    fits ``config.memory_budget``; ties go to the earlier of colocated, then ``AUTO_TOLERANCES`` in
     order. See the module docstring."""
     servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
     tm = config.time_model
     tokens = pieces.tokens()
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
-    best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order); fits the budget
-    colocated = None
+    best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
-        colocated = colocated_plan(pieces, servers, window=config.window)
-        judged = _judged(colocated, pieces, config)
-    if colocated is not None and judged is not None:
-        best_key, best = (judged[0], 0), judged[1]
+        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config)
+        best_key = (seconds, 0)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         linear = tm.linear_s_per_token * tokens
         # any plan that moves work: its busiest server computes at least the mean attention
@@ -161,22 +154,12 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
                 return True
         return False
 
-    carved = []
     for tolerance, plan in zip(CARVING_ORDER, tolerance_plans(pieces, config, CARVING_ORDER, give_up=give_up)):
         if plan is None:  # given up: sure to be predicted slower than the best so far
             continue
         finished.append(tolerance)
-        carved.append(plan)
-        judged = _judged(plan, pieces, config)
-        if judged is None:  # over the memory budget in every backward mode
-            continue
-        key = (judged[0], tie_order[tolerance])
+        seconds, plan = _judged(plan, pieces, config)
+        key = (seconds, tie_order[tolerance])
         if key < best_key:
-            best, best_key = judged[1], key
-    if best is not None:
-        return best
-    # nothing fits the budget: colocated (or, when ranks outside the server pool hold work, the
-    # carving whose worst rank holds the least), in the mode that holds less
-    fallback = [colocated] if colocated is not None else carved
-    return min((least_memory(p, pieces, config) for p in fallback),
-               key=lambda p: float(backward_memory(p, pieces, config.token_bytes).held.max(initial=0)))
+            best, best_key = plan, key
+    return best

@@ -76,7 +76,8 @@ class PlannerConfig:
             only that fits ``memory_budget`` (``Plan.backward`` says which).
         memory_budget: a bound on the memory a plan makes the worst rank hold for attention's
             backward in one layer (``transfers.backward_memory``): at most ``(1 + memory_budget)``
-            times the mean over ranks of their own tokens' activations (a fraction >= 0); ``None``:
+            times the mean over ranks of their own tokens' activations (a fraction >= 0), or what
+            the worst rank keeps in ``resend`` mode when that is more (``BackwardMemory.fits``); ``None``:
             unbounded (the pure planner's default; the ``memory_budget`` setting's default is 2.0).
     """
 

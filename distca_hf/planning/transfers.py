@@ -23,7 +23,7 @@ from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
 __all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes", "RunningBytes",
-           "BackwardMemory", "backward_memory", "fit_memory_budget", "least_memory"]
+           "BackwardMemory", "backward_memory", "fit_memory_budget"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,10 +202,13 @@ class BackwardMemory:
             log-sum-exp per token: what colocated attention keeps).
         added: what the plan makes it keep beyond that (signed: a rank whose queries are served
             elsewhere keeps less in ``saved`` mode). ``plan_stats()["memory_bytes_per_layer"]``.
+        floor: what the worst rank keeps in ``resend`` mode (its own activations and key-only rows),
+            which any plan reaches: the least a budget asks for.
     """
 
     own: np.ndarray
     added: np.ndarray
+    floor: int = 0
 
     @property
     def held(self) -> np.ndarray:
@@ -217,10 +220,13 @@ class BackwardMemory:
 
     def fits(self, budget: float | None) -> bool:
         """Whether the worst rank holds at most ``(1 + budget)`` x the mean of ``own`` (the
-        ``memory_budget`` setting; ``None``: always)."""
+        ``memory_budget`` setting; ``None``: always), or no more than ``floor`` when that is more:
+        ranks holding more tokens than others keep their own activations whatever the plan, so a
+        budget is never refused for what no plan changes."""
         if budget is None or not self.own.size:
             return True
-        return float(self.held.max()) <= (1.0 + budget) * float(self.own.mean()) * (1 + 1e-12)
+        limit = max((1.0 + budget) * float(self.own.mean()), float(self.floor))
+        return float(self.held.max()) <= limit * (1 + 1e-12)
 
 
 def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, backward: str | None = None,
@@ -248,37 +254,29 @@ def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     n = pieces.tokens()
     k = np.bincount(pieces.rank, weights=pieces.end - pieces.kv_start, minlength=pieces.num_ranks).astype(np.int64)
     own = n * token_bytes.held
+    key_only = (k - n) * token_bytes.kv
+    floor = int((own + key_only).max(initial=0))
     if backward == "resend":
-        return BackwardMemory(own, (k - n) * token_bytes.kv)
+        return BackwardMemory(own, key_only, floor)
     if backward != "saved":
         raise ValueError(f"backward must be 'saved' or 'resend', got {backward!r}")
     if received is None:
         received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
     served = np.bincount(plan.server, weights=plan.q_end - plan.q_start, minlength=plan.num_ranks).astype(np.int64)
     per_query = token_bytes.q + token_bytes.o + token_bytes.lse
-    return BackwardMemory(own, (served - n) * per_query + (k - n + np.asarray(received, dtype=np.int64)) * token_bytes.kv)
+    return BackwardMemory(own, (served - n) * per_query + (k - n + np.asarray(received, dtype=np.int64)) * token_bytes.kv,
+                          floor)
 
 
-def fit_memory_budget(plan: Plan, pieces: DocumentPieces, config, received: np.ndarray | None = None) -> Plan | None:
-    """``plan`` in the first backward mode, of ``config.backward`` then ``"resend"`` (which keeps
-    nothing on servers), whose ``backward_memory`` fits ``config.memory_budget`` (a
-    ``PlannerConfig``); ``None`` when neither does. ``received``: as ``backward_memory``'s."""
-    modes = ("saved", "resend") if config.backward == "saved" else ("resend",)
-    if config.memory_budget is None:
-        return plan if plan.backward == modes[0] else dataclasses.replace(plan, backward=modes[0])
-    if received is None and "saved" in modes:
-        received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
-    for mode in modes:
-        if backward_memory(plan, pieces, config.token_bytes, backward=mode, received=received).fits(
+def fit_memory_budget(plan: Plan, pieces: DocumentPieces, config, received: np.ndarray | None = None) -> Plan:
+    """``plan`` in ``config.backward`` mode when its ``backward_memory`` fits ``config.memory_budget``
+    (a ``PlannerConfig``), else in ``"resend"`` mode, which always fits: it keeps every rank's own
+    activations and nothing more, the budget's floor. ``received``: as ``backward_memory``'s."""
+    mode = config.backward
+    if mode == "saved" and config.memory_budget is not None:
+        if received is None:
+            received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
+        if not backward_memory(plan, pieces, config.token_bytes, backward="saved", received=received).fits(
                 config.memory_budget):
-            return plan if plan.backward == mode else dataclasses.replace(plan, backward=mode)
-    return None
-
-
-def least_memory(plan: Plan, pieces: DocumentPieces, config) -> Plan:
-    """``plan`` in the backward mode (``config.backward`` or ``"resend"``) whose worst rank holds the
-    least for the backward (ties: ``config.backward``): what runs when nothing fits the budget."""
-    modes = ("saved", "resend") if config.backward == "saved" else ("resend",)
-    worst = [float(backward_memory(plan, pieces, config.token_bytes, backward=m).held.max(initial=0)) for m in modes]
-    mode = modes[int(np.argmin(worst))]
+            mode = "resend"
     return plan if plan.backward == mode else dataclasses.replace(plan, backward=mode)

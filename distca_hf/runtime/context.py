@@ -217,7 +217,8 @@ def next_forward_number() -> int:
 def plan_stats() -> dict:
     """About the last plan on this rank (contract): ``attn_pairs_local`` (per rank, colocated),
     ``attn_pairs_served`` (per rank, under the plan), ``bytes_sent_per_layer`` (all ranks, one
-    layer's forward); plus the rest of ``PlanStats`` and, for dispatched plans, this rank's running
+    layer's forward), ``memory_bytes_per_layer`` and ``memory_imbalance`` (contract "memory in plans");
+    plus the rest of ``PlanStats`` and, for dispatched plans, this rank's running
     totals for the forward so far (``rank_bytes_sent_this_step`` by collective kind,
     ``rank_saved_for_backward_bytes``)."""
     context = current_forward()
