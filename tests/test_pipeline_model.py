@@ -209,14 +209,15 @@ def test_lockstep_tick_plan_is_never_predicted_slower_than_its_stages_alone(seed
     and is never predicted slower than each stage planned over its own ranks (on a slow network
     pooling spreads a long document's K/V to more servers than it saves)."""
     from distca_hf.planning import by_time
-    from distca_hf.planning.pipeline_cost import plan_lockstep_tick
+    from distca_hf.planning.pipeline_cost import plan_lockstep_tick, pool_pieces
 
     data_parallel, tokens = 4, 256  # at 1e7 bytes/s pooling these batches alone is predicted 3-4% slower
     model = dataclasses.replace(NO_COMM, bytes_per_s=bytes_per_s)
     config = PlannerConfig(tolerance="auto", block=4, token_bytes=TOKEN_BYTES, time_model=model)
     parts = [(pack_pieces(docs, data_parallel, tokens), stage * data_parallel)
              for stage, docs in enumerate(_micro_batches(seed, 3, data_parallel, tokens))]
-    pooled, plan = plan_lockstep_tick(parts, config, num_ranks=4 * data_parallel)  # one stage in a bubble
+    pooled = pool_pieces(parts, 4 * data_parallel)  # one stage in a bubble
+    plan = plan_lockstep_tick(pooled, config, rank_groups=[range(o, o + data_parallel) for _, o in parts])
     queries = np.bincount(pooled.doc, weights=pooled.end - pooled.start)
     assert np.bincount(plan.doc, weights=plan.q_end - plan.q_start, minlength=queries.size).tolist() == \
         queries.tolist()

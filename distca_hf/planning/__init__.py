@@ -38,10 +38,11 @@ from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forw
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
 from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
+from .pipeline_cost import plan_lockstep_tick
 
 __all__ = [
     "AUTO_TOLERANCES", "BackwardMemory", "backward_memory", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
-    "lockstep_1f1b_ticks", "PipelineRun", "simulate_1f1b", "simulate_lockstep", "stock_1f1b_order",
+    "lockstep_1f1b_ticks", "plan_lockstep_tick", "PipelineRun", "simulate_1f1b", "simulate_lockstep", "stock_1f1b_order",
     "balance_micro_batches", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",

@@ -56,7 +56,8 @@ from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
-           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "held_micro_batches"]
+           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset",
+           "held_micro_batches"]
 
 BACKWARD_TO_FORWARD = 2.0
 """A layer's backward compute over its forward's: 2 (the linear layers' backward computes the
@@ -128,9 +129,9 @@ class PipelineMethodStep:
     attn_imbalance: float
 
 
-def _pool(parts, num_ranks: int) -> DocumentPieces:
+def pool_pieces(parts, num_ranks: int) -> DocumentPieces:
     """``parts``: ``(pieces, rank_offset)``; one ``DocumentPieces`` over ``num_ranks`` with every part's
-    documents numbered apart."""
+    documents numbered apart, in part order."""
     rank, doc, start, end, kv_start, next_doc = [], [], [], [], [], 0
     for pieces, offset in parts:
         rank.append(pieces.rank + offset), doc.append(pieces.doc + next_doc)
@@ -140,33 +141,47 @@ def _pool(parts, num_ranks: int) -> DocumentPieces:
     return DocumentPieces(join(rank), join(doc), join(start), join(end), num_ranks, kv_start=join(kv_start))
 
 
-def plan_lockstep_tick(parts, config: PlannerConfig, *, num_ranks: int) -> tuple[DocumentPieces, Plan]:
-    """One lockstep tick's pooled pieces and plan.
+def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarray]:
+    """The pieces held by ``ranks`` (a sequence of rank numbers), renumbered: rank ``ranks[i]`` becomes
+    ``i`` and their documents ``0 .. k-1``; also ``[k]`` the original id of each new document."""
+    ranks = np.asarray(ranks, dtype=np.int64)
+    local = np.full(pieces.num_ranks, -1, dtype=np.int64)
+    local[ranks] = np.arange(ranks.size)
+    keep = local[pieces.rank] >= 0
+    doc_ids, doc = np.unique(pieces.doc[keep], return_inverse=True)
+    return DocumentPieces(local[pieces.rank[keep]], doc, pieces.start[keep], pieces.end[keep], int(ranks.size),
+                          kv_start=pieces.kv_start[keep]), doc_ids
 
-    ``parts``: ``(pieces, rank_offset)`` of every stage running a micro-batch in the tick (its ``D``
-    ranks from ``rank_offset``); ``num_ranks``: all ``P x D`` ranks, bubble ranks included. The plan is
-    the planner's over the pooled pieces (every rank a server); under ``tolerance="auto"`` (plan by
-    time) it is that or the union of each stage's own plan over its ``D`` ranks, whichever
-    ``config.time_model`` predicts faster (ties: the pooled one), so a tick is never predicted slower
-    than its stages balanced alone: pooling spreads attention over more servers but also spreads a
-    long document's K/V to more of them, and every holder sends its K/V to each server of its
-    document's shards."""
-    pooled = _pool(parts, num_ranks)
+
+def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups) -> Plan:
+    """One lockstep tick's plan over ``pooled``, every stage's pieces (all ``P x D`` ranks; a rank in a
+    bubble holds nothing, or the runtime's one dummy token). ``rank_groups``: the ranks of each stage
+    (its ``D`` data-parallel copies), which hold no document in common.
+
+    The plan is the planner's over the pooled pieces (every rank a server); under
+    ``tolerance="auto"`` (plan by time) it is that or the union of each stage's own plan over its
+    ranks, whichever ``config.time_model`` predicts faster (ties: the pooled one), so a tick is never
+    predicted slower than its stages balanced alone: pooling spreads attention over more servers but
+    also spreads a long document's K/V to more of them, and every holder sends its K/V to each
+    server of its document's shards. The runtime (``runtime.pipeline_schedules``) and ``distca-hf
+    simulate`` both plan ticks here."""
     plan = plan_tasks(pooled, config)
-    if config.tolerance != "auto" or len(parts) < 2 or config.servers is not None:  # (a pool names pooled ranks)
-        return pooled, plan
-    local, modes, next_doc = [], set(), 0
-    for pieces, offset in parts:
+    groups = [np.asarray(g, dtype=np.int64) for g in rank_groups]
+    groups = [g for g in groups if np.isin(pooled.rank, g).any()]
+    if config.tolerance != "auto" or len(groups) < 2 or config.servers is not None:  # (a pool names pooled ranks)
+        return plan
+    local, modes = [], set()
+    for group in groups:
+        pieces, doc_ids = rank_subset(pooled, group)
         own = plan_tasks(pieces, config)
-        local.append((own.source + offset, own.server + offset, own.doc + next_doc, own.q_start, own.q_end))
+        local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
         modes.add(own.backward)
-        next_doc += int(pieces.doc.max(initial=-1)) + 1
     # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
-    union = Plan(*(np.concatenate(column) for column in zip(*local)), num_ranks, tuple(range(num_ranks)),
-                 config.window, "resend" if "resend" in modes else config.backward)
+    union = Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks,
+                 tuple(range(pooled.num_ranks)), config.window, "resend" if "resend" in modes else config.backward)
     if step_seconds(union, pooled, config) < step_seconds(plan, pooled, config):
-        return pooled, union
-    return pooled, plan
+        return union
+    return plan
 
 
 def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:
@@ -265,8 +280,9 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     for tick in lockstep_1f1b_ticks(stages, m):
         tick_model = resend_models[0] if tick.kind == FORWARD else resend_models[1]
         parts = [(packed[mb], s * d) for s, mb in enumerate(tick.micro_batches) if mb is not None]
-        pooled, plan = plan_lockstep_tick(parts, dataclasses.replace(config, time_model=tick_model, backward="resend"),
-                                          num_ranks=stages * d)
+        pooled = pool_pieces(parts, stages * d)
+        plan = plan_lockstep_tick(pooled, dataclasses.replace(config, time_model=tick_model, backward="resend"),
+                                  rank_groups=[range(offset, offset + d) for _, offset in parts])
         loads = plan_loads(plan, pooled, token_bytes)
         tick_s.append(per_stage * float(_seconds(loads, tick_model, exposed, "resend").max()))
         imbalances.append(imbalance(plan.server_pairs()))

@@ -278,7 +278,7 @@ below the overlap fractions ``distca-hf bench --overlap`` measures)."""
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
                kv_window: int | None = None, dtype_bytes: int | None = None,
-               local_when_colocated: bool = False, planning_overlap: str | None = None
+               local_when_colocated: bool = False, planning_overlap: str | None = None, planner=plan_tasks
                ) -> tuple[Dispatch | None, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
@@ -288,7 +288,9 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     dispatch and a ``BatchPlan`` without plan: the caller computes this rank's documents itself (no
     dispatch to build, no per-layer exchange), as ``mode="colocated"`` does; ``docs`` must then hold a
     real token. ``planning_overlap``: the overlap whose exposure ``"auto"`` plans with, when it is not
-    the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves)."""
+    the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves). ``planner``:
+    ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
+    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``)."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -302,7 +304,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     else:
         dtype_bytes = dtype_bytes or (2 if device.type == "cuda" else 4)
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
-        plan = plan_tasks(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
+        plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
                                                 backward=config.backward, memory_budget=config.memory_budget))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0

@@ -9,7 +9,9 @@
   same kind of tick at once, so local layer ``j`` of every stage runs together, and each tick's
   CA-tasks are pooled over every data-parallel x pipeline rank (``pooled_group``): a rank in a
   pipeline bubble serves the others' attention instead of idling. The plans of every tick are made
-  once per step, from all ranks' micro-batch lengths (one all-gather). Forward ticks pool forwards;
+  once per step, from all ranks' micro-batch lengths (one all-gather), by ``planning.plan_lockstep_tick``
+  (as ``distca-hf simulate`` models them: under ``tolerance="auto"`` the pooled plan or each stage's
+  own, whichever the time model predicts faster). Forward ticks pool forwards;
   a backward tick pools the backwards that run together, which ran their forwards in different
   ticks, so its plan is a separate one (``Dispatch.backward``) and the forward runs in ``resend``
   mode: the backward re-sends q, k, v, out and dO to the backward tick's servers and needs nothing
@@ -34,6 +36,7 @@ would), so gradients need no further scaling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import numpy as np
@@ -43,7 +46,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
 
 from ..config import PIPELINE_SCHEDULES, DistCAConfig, current_config
-from ..planning import (BACKWARD, FORWARD, PackedDocuments, TokenBytes, backward_slot, lockstep_1f1b_ticks,
+from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1f1b_ticks, plan_lockstep_tick,
                         stitch_rank_documents)
 from ..state import warn_once
 from .agree import PATH_PLAIN, agree
@@ -249,6 +252,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         p, m = self._num_stages, self._n_microbatches
 
         ticks = {(t.kind, t.slot): t for t in lockstep_1f1b_ticks(p, m)}
+        stage_ranks = [[r for r, stage in enumerate(stages) if stage == s] for s in range(p)]
 
         def plan(kind: str, slot: int, *, local: bool = False):
             mb_of = ticks[(kind, slot)].micro_batch_of
@@ -267,8 +271,9 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                                           span_ranks=config.span_ranks)
             tick_number = next_forward_number()
             planning = dataclasses.replace(config, mode="colocated") if local else config
+            planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks)
             dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
-                                           "none" if local else config.overlap)
+                                           "none" if local else config.overlap, planner=planner)
             stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
                                   overlap=config.overlap)
             return ForwardContext(tick_number, (), (), ranks.longest_document, stats, dispatch=dispatch,
