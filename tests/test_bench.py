@@ -531,3 +531,103 @@ def test_turns_alternate_so_each_method_runs_first_on_every_batch_equally_often(
         first.setdefault(step % per_round, []).append(order[0])
     for batch, leaders in first.items():
         assert leaders.count("colocated") == leaders.count("distca wave") == rounds // 2, (batch, leaders)
+
+
+# --- distca-hf bench --pipeline-parallel ---
+
+
+def test_pipeline_skewed_micro_batches_alternate_one_long_document_and_many_short():
+    from distca_hf.tools.bench_pipeline import micro_batch_imbalance, micro_batch_lengths
+
+    rounds = micro_batch_lengths("skewed", micro_batches=4, data_parallel=2, tokens=1024, short_docs=4, rounds=2)
+    assert len(rounds) == 2 and rounds[0] == rounds[1]
+    # [micro_batch][data index]: even micro-batches one long document on data index 0, every other row short
+    assert rounds[0] == [[[1024], [256] * 4], [[256] * 4, [256] * 4]] * 2
+    assert micro_batch_imbalance(rounds) > 1.4  # attention falls unevenly on the micro-batches
+    balanced = micro_batch_lengths("balanced", micro_batches=2, data_parallel=1, tokens=1000, short_docs=4, rounds=1)
+    assert micro_batch_imbalance(balanced) < 1.05
+    mixed = micro_batch_lengths("mixed", micro_batches=3, data_parallel=2, tokens=512, short_docs=4, rounds=2)
+    assert all(sum(row) == 512 for r in mixed for mb in r for row in mb) and mixed[0] != mixed[1]
+
+
+def test_pipeline_row_marks_documents_and_their_first_labels():
+    from distca_hf.tools.bench_pipeline import pipeline_row
+
+    row = pipeline_row([3, 2], vocab=50, seed=1)
+    assert row["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert row["labels"][0, [0, 3]].tolist() == [-100, -100]
+    assert torch.equal(row["labels"][0, [1, 2, 4]], row["input_ids"][0, [1, 2, 4]])
+    assert torch.equal(pipeline_row([3, 2], vocab=50, seed=1)["input_ids"], row["input_ids"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-parallel", "2", "--layers", "3"], "--layers 3 must be a multiple of --pipeline-parallel 2"),
+    (["--pipeline-parallel", "2", "--world", "3"], "--world 3 must be a multiple of --pipeline-parallel 2"),
+    (["--pipeline-parallel", "2", "--micro-batches", "1"], "--micro-batches 1 must be at least"),
+    (["--pipeline-parallel", "1"], "--pipeline-parallel must be >= 2"),
+    (["--pipeline-parallel", "2", "--workload", "long"], "does not run --workload long"),
+    (["--pipeline-parallel", "2", "--overlap", "pingpong"], "--pipeline-parallel runs one distca setting"),
+    (["--micro-batches", "4"], "--micro-batches is for --pipeline-parallel"),
+])
+def test_pipeline_bench_arguments_are_checked(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def _pipeline_results(losses_cad):
+    """Results of two rounds as rank 0 writes them; cad_across_stages' losses as given."""
+    def method(step_s, loss):
+        return {"step_s": step_s, "loss": loss, "grad_norm": [0.5, 0.6], "rank_own_s": [step_s, step_s]}
+    return {"data_parallel": 1, "lengths": [[[[8]], [[2, 2, 2, 2]]]] * 2,
+            "methods": {"colocated_1f1b": method([3.0, 4.0], [2.0, 2.5]), "cad_per_stage": method([3.0, 4.4], [2.0, 2.5]),
+                        "cad_across_stages": method([2.0, 4.0], losses_cad)}}
+
+
+def test_pipeline_bench_fails_loudly_when_the_methods_disagree(monkeypatch, capsys):
+    import json
+
+    monkeypatch.setattr(bench, "launch", lambda worker, args: _pipeline_results([2.0, 2.5 * (1 + 1e-6)]))
+    assert bench.main(["--pipeline-parallel", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["check"]["agree"] and out["check"]["max_loss_rel_diff"] == pytest.approx(1e-6)
+    # per-round ratios colocated / cad_across_stages: 1.5 and 1.0; per_stage: 1.5 and 1.1
+    assert out["per_step_speedup"]["colocated_1f1b"] == {"min": 1.0, "median": 1.25, "max": 1.5}
+    assert out["speedup"] == 1.25 and out["speedup_vs_cad_per_stage"] == pytest.approx(1.3)
+    assert out["colocated_1f1b_step_s"] == 3.5 and out["cad_across_stages_step_s"] == 3.0
+    monkeypatch.setattr(bench, "launch", lambda worker, args: _pipeline_results([2.0, 2.6]))
+    assert bench.main(["--pipeline-parallel", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "methods agree" in captured.out and "NO" in captured.out
+    assert "the methods disagree on the same model and rows" in captured.err
+
+
+@pytest.mark.distributed
+def test_bench_pipeline_cli_json():
+    """`distca-hf bench --pipeline-parallel 2 --json` on two real processes, tiny sizes: the keys, every
+    method on every round, the three methods' losses agreeing (the bench checks it and exits 0)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "distca-hf"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
+    result = subprocess.run([*cmd, "bench", "--pipeline-parallel", "2", "--tokens", "256", "--short-docs", "8",
+                             "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+                             "--micro-batches", "3", "--rounds", "2", "--warmup", "1", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("colocated_1f1b_step_s", "cad_per_stage_step_s", "cad_across_stages_step_s", "speedup"):
+        assert isinstance(out[key], float) and out[key] > 0
+    assert out["pipeline_parallel"] == 2 and out["data_parallel"] == 1 and out["micro_batches"] == 3
+    ratios = out["per_step_speedup"]["colocated_1f1b"]
+    assert 0 < ratios["min"] <= ratios["median"] == out["speedup"] <= ratios["max"]
+    steps = out["steps"]
+    assert set(steps) == {"colocated_1f1b", "cad_per_stage", "cad_across_stages"}
+    for method in steps.values():
+        assert len(method["step_s"]) == len(method["loss"]) == len(method["grad_norm"]) == 2
+        assert all(loss > 0 for loss in method["loss"])
+    assert out["check"]["agree"] and out["check"]["max_loss_rel_diff"] <= 1e-4
+    assert out["micro_batch_attn_imbalance"] > 1.3  # skewed: a long document in micro-batches 0 and 2
+    assert "target" not in out  # not the default sizes

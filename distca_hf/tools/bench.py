@@ -100,7 +100,7 @@ BALANCED_SHIFT = 0.12
 even ranks two halves: ``1 + 4 * 0.12**2`` = 1.058 times the pairs, 1.028 max/mean on two ranks."""
 
 
-def _batch(rank: int, tokens: int, short_docs: int):
+def skewed_batch(rank: int, tokens: int, short_docs: int):
     """Document lengths of ``rank``'s micro-batch: one long document on even ranks, ``short_docs``
     equal ones (the remainder spread over the first) on odd ranks."""
     if rank % 2 == 0:
@@ -161,7 +161,7 @@ def drawn_batches(lengths: list[int], world: int, tokens: int, seed: int) -> lis
 def workload_batches(workload: str, world: int, tokens: int, short_docs: int, rounds: int) -> list[list[list[int]]]:
     """``[round][rank]`` document lengths of every round (warm-up rounds first) of a workload."""
     if workload == "skewed":
-        return [[_batch(r, tokens, short_docs) for r in range(world)]] * rounds
+        return [[skewed_batch(r, tokens, short_docs) for r in range(world)]] * rounds
     if workload == "balanced":
         return [[balanced_batch(r, tokens) for r in range(world)]] * rounds
     lengths = sample_lengths(workload)
@@ -283,12 +283,12 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     from ..runtime import timeline
     from ..runtime.shutdown import close_process_groups
 
-    device = _init_process(rank, world, args, port)
+    device = init_process(rank, world, args, port)
     if args.workload == "long":
         results = _long_worker(rank, world, args, device)
     else:
         # the demo's rows continue documents: positions reach world x tokens
-        model = _model(args, device, world * args.tokens if args.workload == "demo" else args.tokens)
+        model = bench_model(args, device, world * args.tokens if args.workload == "demo" else args.tokens)
         kernel_seconds = _time_kernels(device)
         methods = _methods(args)
         timeline.enable()
@@ -310,7 +310,7 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
     close_process_groups()  # the exit hook's GIL hand-off first: gloo may still be freeing the barrier
 
 
-def _init_process(rank: int, world: int, args, port: int):
+def init_process(rank: int, world: int, args, port: int):
     import torch
     import torch.distributed as dist
 
@@ -326,7 +326,7 @@ def _init_process(rank: int, world: int, args, port: int):
     return torch.device("cuda" if use_cuda else "cpu")
 
 
-def _model(args, device, max_positions: int):
+def bench_model(args, device, max_positions: int):
     """The small Llama-like model, the same weights on every rank."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -677,7 +677,7 @@ def _long_worker(rank: int, world: int, args, device) -> dict:
     from . import context_parallel as cp
     from .ulysses import register_ulysses
 
-    model = _model(args, device, args.world * args.tokens)
+    model = bench_model(args, device, args.world * args.tokens)
     cp.register()
     if args.ulysses_skipped is None:
         register_ulysses(model, world)
@@ -1022,8 +1022,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads, a divisor of --heads (default "
                         "2; --workload demo: 1)")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size, token ids (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5; --quick and "
-                        "--workload demo: 3, a demo round running every global batch once)")
+    parser.add_argument("--steps", "--rounds", dest="steps", type=int, default=None, help="measured rounds (default "
+                        "5; --quick and --workload demo: 3, a demo round running every global batch once)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds before measuring (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes for a check in about a minute: {QUICK} unless given")
@@ -1059,9 +1059,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-tokens", type=int, default=None,
                         help="--workload long: the long document's tokens (default: world x tokens - tokens / 2)")
     parser.add_argument("--no-ulysses", action="store_true", help="--workload long: leave DeepSpeed Ulysses out")
+    parser.add_argument("--pipeline-parallel", type=int, default=None, metavar="P",
+                        help="pipeline stages (world / P data-parallel copies each): torch's stock 1F1B with colocated "
+                        "attention against 1F1B with CAD per stage and cad_1f1b (CAD across stages), side by side; "
+                        "see distca_hf/tools/bench_pipeline.py (defaults there: --tokens 4096, --micro-batches 4)")
+    parser.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                        help="--pipeline-parallel: micro-batches per step, one packed row of --tokens each per copy "
+                        "(default 4)")
 
 
-def _check_workloads(args, parser) -> None:
+def check_workload_names(args, parser) -> None:
     """``--workload``: known names or ``sample:FILE.json`` (readable, a list of lengths); ``long``
     only alone."""
     names = args.workload.split(",")
@@ -1124,17 +1131,45 @@ def _check_demo(args, parser) -> None:
         args.demo_global_batches = args.global_batches
 
 
-def run_cli(args, parser) -> int:
+def launch(worker, args):
+    """Run ``worker(rank, world, args, port, result_path)`` on every rank (``args.world`` spawned
+    processes, or this one under torchrun) and return what rank 0 wrote to ``result_path`` (JSON);
+    ``None`` on the other ranks under torchrun."""
     import tempfile
 
-    import torch
     import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
+            args.world = int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["RANK"])
+            worker(rank, args.world, args, int(os.environ.get("MASTER_PORT", 29500)), path if rank == 0 else None)
+            if rank != 0:
+                return None
+        else:
+            from ..runtime.comm import free_port
+
+            mp.start_processes(worker, args=(args.world, args, free_port(), path), nprocs=args.world,
+                               start_method="spawn")
+        with open(path) as f:
+            return json.load(f)
+
+
+def run_cli(args, parser) -> int:
+    import torch
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.pipeline_parallel is not None:  # pipeline stages: their own methods and sizes
+        from .bench_pipeline import run_pipeline_cli
+
+        return run_pipeline_cli(args, parser)
+    if args.micro_batches is not None:
+        parser.error("--micro-batches is for --pipeline-parallel")
     if args.workload == "demo":  # the demo's model and rounds, unless given
         for name, value in {**DEMO_MODEL, "steps": DEMO_ROUNDS}.items():
             if getattr(args, name) is None:
@@ -1147,7 +1182,7 @@ def run_cli(args, parser) -> int:
             setattr(args, name, QUICK[name] if args.quick else value)
     if args.short_docs is None:
         args.short_docs = max(1, args.tokens // 256)  # short documents of 256 tokens
-    _check_workloads(args, parser)
+    check_workload_names(args, parser)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
@@ -1168,21 +1203,9 @@ def run_cli(args, parser) -> int:
         args.world = int(os.environ["WORLD_SIZE"])
     _check_long(args, parser)
     _check_demo(args, parser)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "bench.json")
-        if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
-            args.world = int(os.environ["WORLD_SIZE"])
-            rank = int(os.environ["RANK"])
-            _worker(rank, args.world, args, int(os.environ.get("MASTER_PORT", 29500)), path if rank == 0 else None)
-            if rank != 0:
-                return 0
-        else:
-            from ..runtime.comm import free_port
-
-            mp.start_processes(_worker, args=(args.world, args, free_port(), path), nprocs=args.world,
-                               start_method="spawn")
-        with open(path) as f:
-            results = json.load(f)
+    results = launch(_worker, args)
+    if results is None:  # a rank other than 0 under torchrun
+        return 0
     if args.workload == "long":
         summary = summarize_long(results, args)
         print(json.dumps(summary) if args.json else format_long_table(summary))

@@ -5,7 +5,8 @@
     distca-hf simulate       distca against colocated, WLB-LLM, per-document CP and Ulysses on N ranks,
                              one time model with communication (see simulate.py)
     distca-hf profile        measure the time model's constants on this device (see profiling.py)
-    distca-hf bench          multi-process step time, colocated against distca (see bench.py)
+    distca-hf bench          multi-process step time, colocated against distca (see bench.py); with
+                             --pipeline-parallel P, pipeline stages (see bench_pipeline.py)
     distca-hf launch         accelerate launch with a distca: section in the config (see launch.py)
 
 ``python -m distca_hf ...`` runs the same command (e.g. under ``torchrun``).
@@ -95,7 +96,8 @@ SUBCOMMANDS = {
     "simulate": ("distca_hf.tools.simulate", "what CAD gains on N ranks against the best baseline "
                  "(colocated, WLB-LLM, per-document CP, Ulysses), communication included"),
     "profile": ("distca_hf.tools.profiling", "measure time-model constants on this device"),
-    "bench": ("distca_hf.tools.bench", "multi-process step time: colocated against distca"),
+    "bench": ("distca_hf.tools.bench", "multi-process step time: colocated against distca (--pipeline-parallel P: "
+              "stock 1F1B against CAD per stage and across stages)"),
     "launch": ("distca_hf.tools.launch", "accelerate launch with a config file that has a distca: section"),
 }
 
