@@ -181,13 +181,13 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         """A checksum of what this stage's attention layers compute, in order: their kind (``layer_types``),
         scale, window, softcap and head shapes. A server computes every rank's CA-tasks of local layer ``j``
         with its own layer ``j``, so the stages must agree on it (``_read_payloads`` checks)."""
-        config = self._model_config()
-        layer_types = getattr(config, "layer_types", None) or ()
         layout = []
         for module in self._stage.submod.modules():
             index = getattr(module, "layer_idx", None)
             if index is None or not type(module).__name__.endswith("Attention"):
                 continue
+            config = getattr(module, "config", None) or self._model_config()  # the whole model's (layer_idx is global)
+            layer_types = getattr(config, "layer_types", None) or ()
             kind = layer_types[index] if index < len(layer_types) else "full_attention"
             layout.append((kind, getattr(module, "scaling", None), getattr(module, "sliding_window", None),
                            getattr(config, "attn_logit_softcapping", None), getattr(module, "head_dim", None),
