@@ -12,6 +12,9 @@
     global_batches what a Trainer subclass does when a server group shares global batches (span_ranks in
                    force while it runs, the sampler, the exact evaluation loss): DistCATrainer's and TRL's
     trainer        DistCATrainer and its step table
+    pipeline_trainer PipelineTrainerMixin: what DistCATrainer does in pipeline stages (the model split into
+                   this rank's stage, rows read alike by a pipeline's stages, a step's micro-batches through
+                   PipelineRunner, per-stage checkpoints, the refused settings)
     arguments      DistCAArguments: the distca settings as command-line flags (``HfArgumentParser``)
     trl            DistCASFTTrainer: TRL's SFTTrainer packing global batches over the server group
     pipeline_stages an HF causal LM split into pipeline stages (even layer split, tied embeddings, static

@@ -49,21 +49,15 @@ ranks; on CPU processes too, ``accelerator.parallelism_config_for_cpu``) are the
 (FSDP2 on CPU processes too, where Accelerate alone would run DDP: ``accelerator.apply_cpu_fsdp``).
 
 Pipeline stages (``DistCAPlugin(pipeline_parallel_size=P)``): the model given is split into this rank's
-stage (``training.pipeline_stages``), which becomes the Trainer's ``model`` (its optimizer holds the
-stage's parameters; no DDP around it). Rows are packed to exactly ``tokens_per_rank`` tokens (fixed
-shapes between stages), the stages of a pipeline read the same rows, and ``pipeline_micro_batches``
-rows per data-parallel rank (the Trainer's ``gradient_accumulation_steps``) run through the schedule
-(``pipeline_schedule``) in one ``training.pipeline.PipelineRunner.train_step``: the loss is token-weighted
-over the step, gradients are summed over the stage's copies and clipped over all stages. Checkpoints
-hold one weights and one optimizer file per stage; ``save_model()`` writes one ``save_pretrained``
-folder of the whole model. DeepSpeed, FSDP, tensor parallelism, autocast, activation checkpointing
-and streaming datasets are refused with pipeline stages, each by name.
+stage, which becomes the Trainer's ``model``; rows of exactly ``tokens_per_rank`` tokens, read alike by
+a pipeline's stages, run ``pipeline_micro_batches`` per optimizer step through the schedule. All of it
+lives in ``training.pipeline_trainer`` (``PipelineTrainerMixin``, first among ``DistCATrainer``'s
+bases); this file only calls it where the set-up needs the stage, the packing layout or the runner.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import time
 
 import torch
@@ -77,12 +71,13 @@ from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cp
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import GlobalBatchTrainerMixin
 from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .pipeline_trainer import PipelineTrainerMixin
 from .plugin import DistCAPlugin, model_parallel_sizes
 
 __all__ = ["DistCATrainer", "StepTableCallback"]
 
 
-class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
+class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
     """A ``transformers.Trainer`` that trains packed documents with Core Attention Disaggregation.
 
     Args:
@@ -116,8 +111,7 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
-        self._pipeline = None  # the PipelineRunner with pipeline_parallel_size > 1 (made once the groups exist)
-        pipelined = self.distca_plugin.pipeline_parallel_size > 1
+        pipelined = self.distca_plugin.pipeline_parallel_size > 1  # PipelineTrainerMixin's set-up hooks below
         if model is not None:
             _prepare_model(model)
         if args is not None:
@@ -130,7 +124,9 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         for name, dataset in named.items():
             _check_packable(dataset, packing, name)
         if pipelined:  # the Trainer's model is this rank's stage, its optimizer holds the stage's parameters
-            model = self._pipeline_stage_of(model, args, named, kwargs)
+            streaming = [_argument_name(name) for name, dataset in named.items() if _is_streaming(dataset)]
+            model = self._prepare_pipeline_stage(model, args, compute_loss_func=kwargs.get("compute_loss_func"),
+                                                 streaming=streaming)
         if any(_is_streaming(d) for d in named.values()) and args is not None:
             # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
             # would concatenate rows of different lengths.
@@ -164,15 +160,14 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         self._packed_datasets = {}
         # With tensor parallelism Accelerate gives the ranks of a tensor-parallel group the same batches (its
         # dataloader shards over the data-parallel index): the rows are laid out for the data-parallel ranks.
-        # The stages of a pipeline read the same rows too (_PipelineRows).
+        # The stages of a pipeline read the same rows too (PipelineTrainerMixin).
         self._ranks_per_batch = (self.distca.topology.pipeline_parallel if pipelined
                                  else _ranks_sharing_batches(self.accelerator, self.distca.topology))
         data_world, server_groups = _data_layout(self.distca.topology, server_groups, self._ranks_per_batch)
         layout = {"world_size": data_world, "span_ranks": self.span_ranks,
                   "server_groups": server_groups if self.span_ranks else None}
         if pipelined:
-            layout["full_rows"] = True  # the stages exchange fixed shapes: every row has tokens_per_rank tokens
-            layout["step_micro_batches"] = self._pipeline_micro_batches  # a step's rows balanced together (if asked)
+            layout.update(self._pipeline_packing_layout())
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
             self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
@@ -191,165 +186,6 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         if any(isinstance(c, StepTableCallback) for c in callbacks):
             for callback in [c for c in callbacks if type(c) in (ProgressCallback, PrinterCallback)]:
                 self.remove_callback(callback)
-
-    # -- pipeline stages (pipeline_parallel_size > 1) -----------------------------------------------
-
-    def _pipeline_stage_of(self, model, args, named: dict, kwargs: dict):
-        """This rank's stage of ``model`` (before the Trainer is set up), after refusing what pipeline
-        stages cannot do; sets the micro-batches per step as the arguments' gradient accumulation."""
-        plugin = self.distca_plugin
-        size = plugin.pipeline_parallel_size
-        where = f"DistCATrainer with pipeline_parallel_size={size}"
-        if model is None or args is None:
-            raise ValueError(f"{where} needs model= (the whole HF model, split here into stages) and args=; "
-                             "model_init is not supported")
-        refused = {
-            "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
-            "FSDP (TrainingArguments.fsdp)": bool(args.fsdp),
-            "mixed precision (--bf16 / --fp16 autocast; load the model in that dtype instead)": args.bf16 or args.fp16,
-            "load_best_model_at_end": args.load_best_model_at_end,
-            "label_smoothing_factor": bool(args.label_smoothing_factor),
-            "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)":
-                kwargs.get("compute_loss_func") is not None,
-            "activation checkpointing (TrainingArguments.activation_checkpointing)":
-                bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)),
-        }
-        for what, on in refused.items():
-            if on:
-                raise ValueError(f"{where}: {what} is not supported with pipeline stages; set "
-                                 "pipeline_parallel_size=1 (DistCAPlugin, the distca: section or --pipeline_parallel_size) "
-                                 "to use it")
-        for name, dataset in named.items():
-            if _is_streaming(dataset):
-                raise ValueError(f"{where}: {_argument_name(name)} is a streaming dataset; pipeline stages read "
-                                 "map-style datasets (every stage of a pipeline reads the same rows); load it whole")
-        topology = plugin.topology(args.world_size, model=hf_model_of(model))
-        if topology.tensor_parallel != 1:
-            raise ValueError(f"{where}: tensor_parallel_size={topology.tensor_parallel} with pipeline stages is not "
-                             "supported; set tensor_parallel_size=1 or pipeline_parallel_size=1")
-        config = plugin.resolved()
-        micro_batches = config.pipeline_micro_batches
-        accumulation = args.gradient_accumulation_steps
-        if micro_batches is None:
-            micro_batches = max(accumulation, size)
-        elif accumulation not in (1, micro_batches):
-            raise ValueError(f"{where}: pipeline_micro_batches={micro_batches} and gradient_accumulation_steps="
-                             f"{accumulation} disagree: a pipeline runs one step's micro-batches together, so they "
-                             "are one number; set one of them")
-        if config.pipeline_schedule == "1f1b" and micro_batches < size:
-            raise ValueError(f"{where}: pipeline_schedule='1f1b' needs at least {size} micro-batches per step, "
-                             f"pipeline_micro_batches is {micro_batches}; raise it or use 'gpipe' / 'cad_1f1b'")
-        args.gradient_accumulation_steps = micro_batches
-        self._pipeline_micro_batches = micro_batches
-        from .pipeline_stages import build_stage_module
-
-        stage = build_stage_module(hf_model_of(model), stage_index=topology.coordinates(args.process_index)[1],
-                                   num_stages=size)
-        return stage
-
-    def _start_pipeline(self) -> None:
-        """The ``PipelineRunner`` of this rank's stage (a collective: its groups), and the datasets as
-        every stage of a pipeline reads them."""
-        from .pipeline import PipelineRunner
-
-        packed = [d for d in self._packed_datasets.values()]
-        tokens = {d.config.tokens_per_rank for d in packed}
-        if len(tokens) > 1:
-            raise ValueError(f"DistCATrainer with pipeline stages: the datasets are packed with different "
-                             f"tokens_per_rank {sorted(tokens)}; the stages exchange fixed shapes, so use one")
-        config = self.distca.config
-        self._pipeline = PipelineRunner(self.model, topology=self.distca.topology, rank=self.args.process_index,
-                                        schedule=config.pipeline_schedule, tokens_per_micro_batch=tokens.pop(),
-                                        device=self.args.device, timeout_s=config.timeout_s)
-        self._pipeline_pending = []
-        self._pipeline_handle = _PipelineStageHandle(self.model)
-        self.train_dataset = _PipelineRows.of(self.train_dataset, self.distca.topology, self._pipeline_micro_batches)
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {n: _PipelineRows.of(d, self.distca.topology, 1) for n, d in self.eval_dataset.items()}
-        else:
-            self.eval_dataset = _PipelineRows.of(self.eval_dataset, self.distca.topology, 1)
-
-    def _lays_out_global_batches(self, dataset) -> bool:
-        # a pipeline's stages read the same rows in the same step: global-batch blocks, even without span_ranks
-        return isinstance(dataset, _PipelineRows) or super()._lays_out_global_batches(dataset)
-
-    def _wrap_model(self, model, training: bool = True, dataloader=None):
-        if self._pipeline is None:
-            return super()._wrap_model(model, training, dataloader)
-        # no DDP: the runner sums the gradients over the stage's data-parallel copies itself
-        return self._pipeline_handle
-
-    def _clip_grad_norm(self, model):
-        if self._pipeline is None:
-            return super()._clip_grad_norm(model)
-        return self._pipeline.clip_grad_norm_(self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if self._pipeline is None:
-            return super()._get_grad_norm(model, grad_norm)
-        norm = grad_norm if grad_norm is not None else self._pipeline.grad_norm()
-        return float(norm)
-
-    # checkpoints: each stage saves and loads its own weights and optimizer state (its data-parallel index 0
-    # writes); the final save_model() is one ordinary save_pretrained folder of the whole model
-
-    def _stage_file(self, kind: str) -> str:
-        runner = self._pipeline
-        return f"{kind}-pipeline-stage-{runner.stage_index}-of-{runner.num_stages}.pt"
-
-    def _writes_stage_files(self) -> bool:
-        return self.distca.topology.coordinates(self.args.process_index)[0] == 0
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self._pipeline is None:
-            return super().save_model(output_dir, _internal_call)
-        from .pipeline_stages import save_pipeline_model, stage_state_dict
-
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _internal_call:  # a checkpoint: this stage's weights, for resuming
-            if self._writes_stage_files():
-                os.makedirs(output_dir, exist_ok=True)
-                torch.save(stage_state_dict(self.model), os.path.join(output_dir, self._stage_file("model")))
-            return
-        # every stage of every pipeline takes part (a gather over the pipeline); the first pipeline writes
-        save_pipeline_model(self.model, output_dir, pipeline_group=self._pipeline.pipeline_group,
-                            is_main_process=self._writes_stage_files())
-        if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self._pipeline is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
-        if self._writes_stage_files():
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._stage_file("optimizer")))
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if self._pipeline is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = self._checkpoint_file(resume_from_checkpoint, "model")
-        self.model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if self._pipeline is None or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        path = self._checkpoint_file(checkpoint, "optimizer")
-        device = self.args.device if self.args.device.type != "cpu" else "cpu"
-        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
-
-    def _checkpoint_file(self, checkpoint: str, kind: str) -> str:
-        path = os.path.join(checkpoint, self._stage_file(kind))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"resume_from_checkpoint={checkpoint!r} has no {self._stage_file(kind)}: it was not saved by "
-                f"DistCATrainer with pipeline_parallel_size={self._pipeline.num_stages} (a checkpoint holds one file "
-                "per stage); resume with the pipeline size it was saved with")
-        return path
 
     # -- set-up helpers ---------------------------------------------------------------------------
 
@@ -379,8 +215,7 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
                 "with span_ranks=True the loss must read shift_labels (the last token of a rank's piece predicts the "
                 "first token of the next rank's); compute_loss_func and label_smoothing_factor receive labels only. "
                 "Remove them or set DistCAPlugin(span_ranks=False)")
-        if self.model is None or getattr(self, "_pipeline", None) is not None \
-                or self.distca_plugin.pipeline_parallel_size > 1:
+        if self.model is None or self.distca_plugin.pipeline_parallel_size > 1:
             return  # no model yet (model_init): checked again by train(); pipeline stages: distca's own loss
         model = hf_model_of(self.model)
         loss_function = getattr(model, "loss_function", None)
@@ -422,23 +257,10 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         if self._window_start is None:
             self._window_start = time.perf_counter()
             self._window["first_step"] = self.state.global_step
-        if self._pipeline is not None:
-            return self._pipeline_training_step(inputs)
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self._record_plan(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)  # PipelineTrainerMixin: a whole step
+        if self._pipeline is None:  # (in stages, each micro-batch is recorded when its step has run)
+            self._record_plan(inputs)
         return loss
-
-    def _pipeline_training_step(self, inputs):
-        """Collect the step's micro-batches; with the last, run them through the stages (forward and
-        backward). The step's loss is returned then (0 before), so the Trainer's sum is the step's loss."""
-        self._pipeline_pending.append(self._prepare_inputs(inputs))
-        if len(self._pipeline_pending) < self.current_gradient_accumulation_steps:
-            return torch.zeros((), device=self.args.device)
-        micro_batches, self._pipeline_pending = self._pipeline_pending, []
-        loss = self._pipeline.train_step(micro_batches)
-        for micro_batch in micro_batches:
-            self._record_plan(micro_batch)
-        return loss.to(self.args.device, torch.float32)
 
     def _record_plan(self, inputs) -> None:
         """Attention balance of the micro-batch just run, and the tokens of all ranks."""
@@ -477,11 +299,7 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
     # -- evaluation: the exact token-weighted loss -------------------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if self._pipeline is not None:  # the stages' forward: the loss only (the logits stay on the last stage)
-            loss_sum, count = self._pipeline.eval_step(self._prepare_inputs(inputs))
-            self._add_eval_loss(loss_sum, count)
-            return (loss_sum / count.clamp(min=1)).float(), None, None
-        if "labels" not in inputs:
+        if self._pipeline is not None or "labels" not in inputs:  # PipelineTrainerMixin: the stages' loss
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         labels = inputs["labels"]
@@ -501,65 +319,6 @@ class DistCATrainer(GlobalBatchTrainerMixin, Trainer):
         return super().evaluation_loop(*args, **kwargs)  # GlobalBatchTrainerMixin: the exact loss of the set
 
 
-class _PipelineStageHandle(torch.nn.Module):
-    """The stage as the Trainer's wrapped model: no DDP around it (``PipelineRunner`` sums the gradients
-    over the stage's data-parallel copies), and no forward of its own (the stages run in the runner)."""
-
-    def __init__(self, stage):
-        super().__init__()
-        self.module = stage
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipeline stage runs through DistCATrainer's PipelineRunner (train_step / eval_step), "
-                           "not by calling the wrapped model")
-
-
-class _PipelineRows(torch.utils.data.Dataset):
-    """A ``PackedDataset`` laid out for the data-parallel ranks, as the stages of each pipeline read it:
-    item ``i`` belongs to rank ``i % world_size`` (Accelerate's sharding) and is the row its data-parallel
-    index holds in block ``i // world_size``, so every stage of a pipeline reads the same row in the same
-    step. The blocks are padded with filler rows (``tokens_per_rank`` padding tokens, no labels) to a
-    multiple of ``micro_batches``: every optimizer step runs the same number of micro-batches."""
-
-    def __init__(self, packed: PackedDataset, topology, micro_batches: int):
-        self.packed = packed
-        self.data_parallel = topology.data_parallel
-        self._world_size = topology.world_size
-        self._data_index = [topology.coordinates(rank)[0] for rank in range(topology.world_size)]
-        blocks = len(packed) // self.data_parallel
-        self.blocks = -(-blocks // micro_batches) * micro_batches
-        # the blocks of one step stay together when shuffled: packed (and balanced) as one step
-        self.step_blocks = micro_batches
-
-    @classmethod
-    def of(cls, dataset, topology, micro_batches: int):
-        return None if dataset is None else cls(dataset, topology, micro_batches)
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def config(self):
-        return self.packed.config
-
-    @property
-    def report(self):
-        return self.packed.report
-
-    def __len__(self) -> int:
-        return self.blocks * self._world_size
-
-    def __getitem__(self, index: int) -> dict:
-        block, rank = divmod(index, self._world_size)
-        row = block * self.data_parallel + self._data_index[rank]
-        if row < len(self.packed):
-            return self.packed[row]
-        tokens = self.packed.config.tokens_per_rank
-        return {"input_ids": [[self.packed.config.pad_token_id] * tokens], "first_position": 0, "last_label": -100,
-                "padding": tokens}
-
-
 def _ranks_sharing_batches(accelerator, topology) -> int:
     """How many ranks read the same batches: the tensor-parallel size when the Accelerator's device mesh has a
     ``tp`` dimension (its dataloader then shards over the data-parallel index only), else 1."""
@@ -570,10 +329,7 @@ def _ranks_sharing_batches(accelerator, topology) -> int:
     if shared != topology.tensor_parallel:
         raise ValueError(f"the Accelerator's device mesh has tp={shared}, but distca's topology has tensor_parallel="
                          f"{topology.tensor_parallel}; give the tensor-parallel size once (ParallelismConfig.tp_size)")
-    if topology.pipeline_parallel != 1:
-        raise ValueError("tensor parallelism through Accelerate's device mesh with pipeline_parallel_size > 1 is not "
-                         "supported by DistCATrainer")
-    return shared
+    return shared  # (pipeline stages refuse tensor parallelism before this is asked: PipelineTrainerMixin)
 
 
 def _data_layout(topology, server_groups: list[list[int]], ranks_per_batch: int):

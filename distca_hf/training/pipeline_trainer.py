@@ -1,0 +1,349 @@
+"""``PipelineTrainerMixin``: what ``DistCATrainer`` does in pipeline stages (``pipeline_parallel_size > 1``).
+
+    DistCATrainer(model=model, args=args, train_dataset=documents, packing=PackingConfig(tokens_per_rank=8192),
+                  distca_plugin=DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="cad_1f1b")).train()
+
+The Trainer sees one ordinary model, this rank's stage, and one ordinary dataset per split; what
+differs lives here:
+
+- **the model**: the whole HF model given is split into this rank's stage (``training.pipeline_stages``)
+  before the Trainer is set up, so the Trainer's ``model`` is the stage and its optimizer holds the
+  stage's parameters only. No DDP goes around it (``_PipelineStageHandle`` is the wrapped model): the
+  ``PipelineRunner`` sums the gradients over the stage's data-parallel copies itself;
+- **the rows**: packed to exactly ``tokens_per_rank`` tokens (the stages exchange fixed shapes) and read
+  alike by every stage of a pipeline (``_PipelineRows``: laid out for the data-parallel ranks, in blocks
+  of whole optimizer steps);
+- **a step**: ``pipeline_micro_batches`` rows per data-parallel rank, which are the Trainer's
+  ``gradient_accumulation_steps``, are collected and run together through the schedule
+  (``pipeline_schedule``) by one ``PipelineRunner.train_step``: the loss is token-weighted over the
+  step, gradients are summed over the stage's copies and clipped over all stages
+  (``PipelineRunner.clip_grad_norm_``); evaluation runs each row forward through the stages
+  (``PipelineRunner.eval_step``, the loss only);
+- **checkpoints**: one weights file and one optimizer file per stage (written by the stage's first
+  data-parallel copy), resumed with the same pipeline size; ``save_model()`` writes one ordinary
+  ``save_pretrained`` folder of the whole model (a gather over each pipeline);
+- **refusals**: what the stages cannot run (DeepSpeed, FSDP, tensor parallelism, autocast, activation
+  checkpointing, streaming datasets, ...) is refused by name before anything is built.
+
+``DistCATrainer`` lists this mixin first among its bases; each override here hands over to the next
+class (``super()``) while ``_pipeline`` is ``None``, so without pipeline stages nothing changes. The
+host calls ``_prepare_pipeline_stage`` before ``Trainer.__init__``, packs its datasets with
+``_pipeline_packing_layout()`` and calls ``_start_pipeline`` once they are packed; it provides
+``distca_plugin``, ``distca`` (``DistCAPlugin.attach``'s groups), ``_packed_datasets`` (split name ->
+``PackedDataset``) and ``_record_plan(inputs)`` (the step table's attention balance), and
+``GlobalBatchTrainerMixin`` provides ``_add_eval_loss``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from .accelerator import hf_model_of
+from .packing import PackedDataset
+from .pipeline import PipelineRunner
+from .pipeline_stages import build_stage_module, save_pipeline_model, stage_state_dict
+
+__all__ = ["PipelineTrainerMixin"]
+
+_WITHOUT_STAGES = "pipeline_parallel_size=1 (DistCAPlugin, the distca: section or --pipeline_parallel_size)"
+
+
+class PipelineTrainerMixin:
+    """Mixed in before ``GlobalBatchTrainerMixin`` and ``transformers.Trainer`` (see the module docstring).
+
+    Attributes:
+        _pipeline: this rank's ``PipelineRunner``, ``None`` without pipeline stages (a class default,
+            so every override can test it, even while ``Trainer.__init__`` runs).
+    """
+
+    _pipeline: PipelineRunner | None = None
+
+    # -- set-up: before the Trainer (the stage), after packing (the runner) ---------------------------
+
+    def _prepare_pipeline_stage(self, model, args, *, compute_loss_func, streaming: list[str]):
+        """This rank's stage of ``model``, the whole HF model (before ``Trainer.__init__``).
+
+        Refuses what pipeline stages cannot run, naming it; ``streaming``: the trainer arguments that
+        hold streaming datasets (``train_dataset``, ``eval_dataset['x']``, ...). Sets the micro-batches
+        of one optimizer step as ``args.gradient_accumulation_steps`` (the Trainer then hands over that
+        many rows per step)."""
+        plugin = self.distca_plugin
+        stages = plugin.pipeline_parallel_size
+        where = f"DistCATrainer with pipeline_parallel_size={stages}"
+        if model is None or args is None:
+            raise ValueError(f"{where} needs model= (the whole HF model, split here into stages) and args=; "
+                             "model_init is not supported")
+        for setting, used in _refused_settings(args, compute_loss_func=compute_loss_func).items():
+            if used:
+                raise ValueError(f"{where}: {setting} is not supported with pipeline stages; set {_WITHOUT_STAGES} "
+                                 "to use it")
+        if streaming:
+            raise ValueError(f"{where}: {streaming[0]} is a streaming dataset; pipeline stages read map-style "
+                             "datasets (every stage of a pipeline reads the same rows); load it whole")
+        topology = plugin.topology(args.world_size, model=hf_model_of(model))
+        if topology.tensor_parallel != 1:
+            raise ValueError(f"{where}: tensor_parallel_size={topology.tensor_parallel} with pipeline stages is not "
+                             "supported (a stage runs whole layers on one rank); set tensor_parallel_size=1 (give "
+                             "those ranks to data parallelism) or pipeline_parallel_size=1")
+        config = plugin.resolved()
+        self._pipeline_micro_batches = _micro_batches_per_step(
+            config.pipeline_micro_batches, args.gradient_accumulation_steps, stages=stages,
+            schedule=config.pipeline_schedule, where=where)
+        args.gradient_accumulation_steps = self._pipeline_micro_batches
+        return build_stage_module(hf_model_of(model), stage_index=topology.coordinates(args.process_index)[1],
+                                  num_stages=stages)
+
+    def _pipeline_packing_layout(self) -> dict:
+        """What ``PackedDataset.with_layout`` gets besides the ranks: every row exactly ``tokens_per_rank``
+        tokens (the stages exchange fixed shapes), and a step's rows packed (and balanced, if asked)
+        together."""
+        return {"full_rows": True, "step_micro_batches": self._pipeline_micro_batches}
+
+    def _start_pipeline(self) -> None:
+        """The ``PipelineRunner`` of this rank's stage (a collective over the job: it makes the pipeline
+        and data-parallel groups), and the packed datasets as every stage of a pipeline reads them."""
+        where = f"DistCATrainer with pipeline_parallel_size={self.distca_plugin.pipeline_parallel_size}"
+        tokens = {name: dataset.config.tokens_per_rank for name, dataset in self._packed_datasets.items()}
+        if not tokens:
+            raise ValueError(f"{where} needs train_dataset= or eval_dataset=: the shapes the stages exchange come "
+                             "from their packing (PackingConfig.tokens_per_rank)")
+        if len(set(tokens.values())) > 1:
+            raise ValueError(f"{where}: the datasets are packed with different tokens_per_rank ({tokens}); the stages "
+                             "exchange fixed shapes, so pack them all with one")
+        config = self.distca.config
+        topology = self.distca.topology
+        self._pipeline = PipelineRunner(self.model, topology=topology, rank=self.args.process_index,
+                                        schedule=config.pipeline_schedule,
+                                        tokens_per_micro_batch=next(iter(tokens.values())),
+                                        device=self.args.device, timeout_s=config.timeout_s)
+        self._pipeline_pending = []  # the rows of the optimizer step being collected
+        self._pipeline_handle = _PipelineStageHandle(self.model)
+        self.train_dataset = _PipelineRows.of(self.train_dataset, topology, self._pipeline_micro_batches)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {name: _PipelineRows.of(d, topology, 1) for name, d in self.eval_dataset.items()}
+        else:
+            self.eval_dataset = _PipelineRows.of(self.eval_dataset, topology, 1)
+
+    def _lays_out_global_batches(self, dataset) -> bool:
+        # a pipeline's stages read the same rows in the same step: global-batch blocks, even without span_ranks
+        return isinstance(dataset, _PipelineRows) or super()._lays_out_global_batches(dataset)
+
+    # -- a step: its micro-batches through the stages ---------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Collects the step's micro-batches; with the last, runs them through the stages (forward and
+        backward). Returns the step's loss then and 0 before, so that the Trainer's sum over the
+        accumulation steps is the step's loss."""
+        if self._pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._pipeline_pending.append(self._prepare_inputs(inputs))
+        if len(self._pipeline_pending) < self.current_gradient_accumulation_steps:
+            return torch.zeros((), device=self.args.device)
+        micro_batches, self._pipeline_pending = self._pipeline_pending, []
+        loss = self._pipeline.train_step(micro_batches)
+        for micro_batch in micro_batches:
+            self._record_plan(micro_batch)
+        return loss.to(self.args.device, torch.float32)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The stages' forward of one row: the loss only (the logits stay on the last stage)."""
+        if self._pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        loss_sum, count = self._pipeline.eval_step(self._prepare_inputs(inputs))
+        self._add_eval_loss(loss_sum, count)
+        return (loss_sum / count.clamp(min=1)).float(), None, None
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self._pipeline is None:
+            return super()._wrap_model(model, training, dataloader)
+        return self._pipeline_handle  # no DDP: the runner sums the gradients over the stage's data-parallel copies
+
+    def _clip_grad_norm(self, model):
+        if self._pipeline is None:
+            return super()._clip_grad_norm(model)
+        return self._pipeline.clip_grad_norm_(self.args.max_grad_norm)  # the norm over every stage's parameters
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._pipeline is None:
+            return super()._get_grad_norm(model, grad_norm)
+        return float(grad_norm if grad_norm is not None else self._pipeline.grad_norm())
+
+    # -- checkpoints: one weights and one optimizer file per stage; save_model: one whole-model folder -
+
+    def _writes_stage_files(self) -> bool:
+        """The stage's first data-parallel copy writes (its copies hold the same weights and state)."""
+        return self.distca.topology.coordinates(self.args.process_index)[0] == 0
+
+    def _stage_file(self, kind: str) -> str:
+        return _stage_checkpoint_file(kind, stage_index=self._pipeline.stage_index,
+                                      num_stages=self._pipeline.num_stages)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._pipeline is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:  # a checkpoint: this stage's weights, for resuming
+            if self._writes_stage_files():
+                os.makedirs(output_dir, exist_ok=True)
+                torch.save(stage_state_dict(self.model), os.path.join(output_dir, self._stage_file("model")))
+            return
+        # every stage of every pipeline takes part (a gather over the pipeline); the first pipeline writes
+        save_pipeline_model(self.model, output_dir, pipeline_group=self._pipeline.pipeline_group,
+                            is_main_process=self._writes_stage_files())
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._pipeline is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        if self._writes_stage_files():
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._stage_file("optimizer")))
+        if self.args.should_save:  # one schedule for the whole job
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self._pipeline is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = self._checkpoint_file(resume_from_checkpoint, "model")
+        self.model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if self._pipeline is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = self._checkpoint_file(checkpoint, "optimizer")
+        # the plain "cpu": torch.load cannot restore to an indexed CPU device ("cpu:0"), which a process's may be
+        device = self.args.device if self.args.device.type != "cpu" else "cpu"
+        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+
+    def _checkpoint_file(self, checkpoint: str, kind: str) -> str:
+        """This stage's ``kind`` file in ``checkpoint``; a clear error (with the pipeline size the
+        checkpoint was saved with, when it holds stage files) where it has none."""
+        path = os.path.join(checkpoint, self._stage_file(kind))
+        if os.path.isfile(path):
+            return path
+        any_stage = _stage_checkpoint_file(kind, stage_index="*", num_stages="*")
+        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(checkpoint), any_stage)))
+        holds = f"it holds {found}" if found else "it holds no pipeline stage files"
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={checkpoint!r} has no {self._stage_file(kind)} ({holds}): it was not saved by "
+            f"DistCATrainer with pipeline_parallel_size={self._pipeline.num_stages} (a checkpoint holds one file per "
+            "stage); resume with the pipeline size it was saved with")
+
+
+def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int | str) -> str:
+    """The file name of one stage's ``kind`` (``model`` or ``optimizer``) in a checkpoint folder
+    (``"*"`` for both numbers: the glob pattern of every stage's)."""
+    return f"{kind}-pipeline-stage-{stage_index}-of-{num_stages}.pt"
+
+
+def _refused_settings(args, *, compute_loss_func) -> dict[str, bool]:
+    """The settings pipeline stages refuse, each named as the user gives it, with whether it is on."""
+    return {
+        "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
+        "FSDP (TrainingArguments.fsdp)": bool(args.fsdp),
+        # PipelineRunner runs the stages without the Trainer's autocast, and the activations they exchange are
+        # declared in the parameters' dtype
+        "mixed precision (--bf16 / --fp16 autocast; load the model in that dtype instead)":
+            bool(args.bf16 or args.fp16),
+        # the Trainer would load the best checkpoint as a whole model; a checkpoint here holds stage files
+        "load_best_model_at_end": bool(args.load_best_model_at_end),
+        # the stages' loss is PipelineRunner's plain token-weighted cross-entropy: it would be ignored
+        "label_smoothing_factor": bool(args.label_smoothing_factor),
+        "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)": compute_loss_func is not None,
+        # gradient_checkpointing: the older name, an alias of activation_checkpointing in transformers 5
+        "activation checkpointing (TrainingArguments.activation_checkpointing)":
+            bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)),
+    }
+
+
+def _micro_batches_per_step(micro_batches: int | None, accumulation: int, *, stages: int, schedule: str,
+                            where: str) -> int:
+    """Rows per data-parallel rank in one optimizer step: ``pipeline_micro_batches`` when set (the
+    Trainer's ``gradient_accumulation_steps`` then 1 or the same number), else the accumulation steps,
+    at least the stage count (fewer micro-batches than stages leave a stage idle the whole step)."""
+    if micro_batches is None:
+        return max(accumulation, stages)
+    if accumulation not in (1, micro_batches):
+        raise ValueError(f"{where}: pipeline_micro_batches={micro_batches} and gradient_accumulation_steps="
+                         f"{accumulation} disagree: a pipeline runs one step's micro-batches together, so they are one "
+                         "number; set one of them")
+    if schedule == "1f1b" and micro_batches < stages:  # torch's Schedule1F1B refuses fewer
+        raise ValueError(f"{where}: pipeline_schedule='1f1b' needs at least {stages} micro-batches per step, "
+                         f"pipeline_micro_batches is {micro_batches}; raise it or use 'gpipe' / 'cad_1f1b'")
+    return micro_batches
+
+
+class _PipelineStageHandle(torch.nn.Module):
+    """The stage as the Trainer's wrapped model: no DDP around it (``PipelineRunner`` sums the gradients
+    over the stage's data-parallel copies), and no forward of its own (the stages run in the runner)."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.module = stage
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs through DistCATrainer's PipelineRunner (train_step / eval_step), "
+                           "not by calling the wrapped model")
+
+
+class _PipelineRows(torch.utils.data.Dataset):
+    """A ``PackedDataset`` laid out for the data-parallel ranks, as the stages of each pipeline read it.
+
+    Item ``i`` belongs to rank ``i % world_size`` (Accelerate's sharding) and is the row its
+    data-parallel index holds in block ``i // world_size``, so every stage of a pipeline reads the same
+    row in the same step. The blocks are padded with filler rows (``tokens_per_rank`` padding tokens,
+    no labels) to a multiple of ``micro_batches``: every optimizer step runs the same number of
+    micro-batches (the schedules are built for one count).
+
+    Args:
+        packed: the rows, packed for ``topology.data_parallel`` ranks with ``full_rows=True``.
+        topology: the job's ``ParallelTopology``.
+        micro_batches: rows per data-parallel rank and optimizer step (1 for evaluation).
+    """
+
+    def __init__(self, packed: PackedDataset, topology, micro_batches: int):
+        self.packed = packed
+        self.data_parallel = topology.data_parallel
+        self._world_size = topology.world_size
+        self._data_index = [topology.coordinates(rank)[0] for rank in range(topology.world_size)]
+        blocks = len(packed) // self.data_parallel
+        self.blocks = -(-blocks // micro_batches) * micro_batches
+        # GlobalBatchSampler shuffles a step's blocks as one unit: they were packed (and balanced) as one step
+        self.step_blocks = micro_batches
+
+    @classmethod
+    def of(cls, dataset, topology, micro_batches: int):
+        return None if dataset is None else cls(dataset, topology, micro_batches)
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def config(self):
+        return self.packed.config
+
+    @property
+    def report(self):
+        return self.packed.report
+
+    def __len__(self) -> int:
+        return self.blocks * self._world_size
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self):  # IndexError ends iteration by index (``list(rows)``) instead of looping
+            raise IndexError(f"row {index} out of range ({len(self)})")
+        block, rank = divmod(index, self._world_size)
+        row = block * self.data_parallel + self._data_index[rank]
+        if row < len(self.packed):
+            return self.packed[row]
+        tokens = self.packed.config.tokens_per_rank
+        return {"input_ids": [[self.packed.config.pad_token_id] * tokens], "first_position": 0, "last_label": -100,
+                "padding": tokens}
