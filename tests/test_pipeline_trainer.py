@@ -62,6 +62,9 @@ def test_pipeline_rows_give_a_pipelines_stages_the_same_row_and_whole_steps():
     with pytest.raises(IndexError):
         rows[-1]
     assert len(list(rows)) == len(rows)  # iteration by index ends
+    for wrong in (packed.with_layout(4, full_rows=True), packed.with_layout(2, full_rows=False)):
+        with pytest.raises(ValueError, match="packed for the 2 data-parallel ranks with full_rows=True"):
+            _PipelineRows(wrong, topology, micro_batches)
 
 
 class _Host(PipelineTrainerMixin):

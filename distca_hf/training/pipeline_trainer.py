@@ -309,6 +309,9 @@ class _PipelineRows(torch.utils.data.Dataset):
     """
 
     def __init__(self, packed: PackedDataset, topology, micro_batches: int):
+        if packed.world_size != topology.data_parallel or not packed.full_rows:  # the index arithmetic below
+            raise ValueError(f"pipeline rows must be packed for the {topology.data_parallel} data-parallel ranks with "
+                             f"full_rows=True, got world_size={packed.world_size}, full_rows={packed.full_rows}")
         self.packed = packed
         self.data_parallel = topology.data_parallel
         self._world_size = topology.world_size

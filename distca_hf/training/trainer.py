@@ -71,6 +71,7 @@ from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cp
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import GlobalBatchTrainerMixin
 from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .pipeline import pipeline_targets
 from .pipeline_trainer import PipelineTrainerMixin
 from .plugin import DistCAPlugin, model_parallel_sizes
 
@@ -342,10 +343,10 @@ def _data_layout(topology, server_groups: list[list[int]], ranks_per_batch: int)
 
 
 def _label_tokens(inputs) -> torch.Tensor:
-    """Tokens the causal-LM loss trains in ``inputs`` (a 0-d tensor): ``shift_labels`` when given
-    (they include the label across a rank boundary), else ``labels`` shifted by one."""
-    targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
-    return targets.ne(-100).sum()
+    """Tokens the causal-LM loss trains in ``inputs`` (a 0-d tensor): the targets the pipeline stages
+    train too (``shift_labels`` when given, they include the label across a rank boundary, else
+    ``labels`` shifted by one)."""
+    return pipeline_targets(inputs).ne(-100).sum()
 
 
 def _local_documents(inputs) -> tuple[torch.Tensor, torch.Tensor]:
