@@ -349,6 +349,7 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
     from transformers import DataCollatorWithFlattening
     from trl import SFTConfig
 
+    from distca_hf import DistCAPlugin
     from distca_hf.training import DistCASFTTrainer
 
     tokenizer = _tokenizer(_texts())
@@ -363,6 +364,7 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
         ({}, {"model": _model("eager", len(tokenizer))}, "attn_implementation='distca'"),
         ({}, {"data_collator": DataCollatorWithFlattening()}, "drop data_collator"),
         ({}, {"train_dataset": datasets.Dataset.from_dict(documents.to_dict()).to_iterable_dataset()}, "streaming"),
+        ({}, {"distca_plugin": DistCAPlugin(pipeline_parallel_size=2)}, "pipeline stages"),
     ]
     for settings, arguments, message in cases:
         arguments = {"model": _model("distca", len(tokenizer)), "train_dataset": documents, **arguments}

@@ -165,6 +165,11 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         if not isinstance(model, str):
             _prepare_model(model)
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
+        if self.distca_plugin.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"DistCASFTTrainer does not train in pipeline stages (pipeline_parallel_size="
+                f"{self.distca_plugin.pipeline_parallel_size}); use distca_hf.DistCATrainer with the SFT rows (it splits "
+                "the model into stages), or set pipeline_parallel_size=1")
         prepare_training_arguments(args)
         world = args.world_size
         self._layout = None  # known once the server groups exist: until then _prepare_dataset only tokenizes
