@@ -578,7 +578,8 @@ def test_pipeline_bench_arguments_are_checked(capsys, argv, message):
 def _pipeline_results(losses_cad):
     """Results of two rounds as rank 0 writes them; cad_across_stages' losses as given."""
     def method(step_s, loss):
-        return {"step_s": step_s, "loss": loss, "grad_norm": [0.5, 0.6], "rank_own_s": [step_s, step_s]}
+        return {"step_s": step_s, "loss": loss, "grad_norm": [0.5, 0.6], "rank_own_s": [step_s, step_s],
+                "rank_cpu_s": [step_s, step_s]}
     return {"data_parallel": 1, "lengths": [[[[8]], [[2, 2, 2, 2]]]] * 2,
             "methods": {"colocated_1f1b": method([3.0, 4.0], [2.0, 2.5]), "cad_per_stage": method([3.0, 4.4], [2.0, 2.5]),
                         "cad_across_stages": method([2.0, 4.0], losses_cad)}}

@@ -1062,7 +1062,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel", type=int, default=None, metavar="P",
                         help="pipeline stages (world / P data-parallel copies each): torch's stock 1F1B with colocated "
                         "attention against 1F1B with CAD per stage and cad_1f1b (CAD across stages), side by side; "
-                        "see distca_hf/tools/bench_pipeline.py (defaults there: --tokens 4096, --micro-batches 4)")
+                        "see distca_hf/tools/bench_pipeline.py (its defaults: --tokens 6144 --micro-batches 4 --layers 2 "
+                        "--hidden 128 --intermediate 344 --heads 4)")
     parser.add_argument("--micro-batches", type=int, default=None, metavar="M",
                         help="--pipeline-parallel: micro-batches per step, one packed row of --tokens each per copy "
                         "(default 4)")

@@ -51,9 +51,13 @@ METHODS = (("colocated_1f1b", "1f1b", "colocated"), ("cad_per_stage", "1f1b", "d
            ("cad_across_stages", "cad_1f1b", "distca"))
 """``(name, pipeline_schedule, distca mode)`` of every method, the baseline first."""
 
-PIPELINE_DEFAULTS = {"tokens": 4096, "micro_batches": 4, "steps": 5, "warmup": 1, "layers": 4}
-"""Sizes unless given: the skewed rows' long document (4096 tokens, quadratic attention on the CPU)
-dominates its micro-batch, and a run on 2 CPU processes takes well under a minute."""
+PIPELINE_DEFAULTS = {"tokens": 6144, "micro_batches": 4, "steps": 5, "warmup": 1, "layers": 2, "hidden": 128,
+                     "intermediate": 344, "heads": 4, "kv_heads": 2}
+"""Sizes unless given (the bench's other defaults otherwise). Attention's share of a step grows with
+tokens / hidden size, so a narrower model than the data-parallel bench's (hidden 128 in 4 heads, one
+layer per stage) over longer rows lets the skewed rows' long document (6144 tokens: quadratic
+attention on the CPU, about 2x its row's other work in forward + backward) dominate its micro-batch,
+and a run on 2 CPU processes takes about a minute."""
 
 PIPELINE_TARGET = {"skewed": 1.2}
 """Median per-round speedup of cad_across_stages over colocated_1f1b the issue asks for (CPU, 2
@@ -157,13 +161,13 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         with configured(mode=mode):
             _sync(device)
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             loss = runners[schedule].train_step(rows[r])
             _sync(device)
-            mine = time.perf_counter() - start
+            mine, cpu = time.perf_counter() - start, time.process_time() - cpu
             dist.barrier()
             took = time.perf_counter() - start
-        return took, mine, float(loss), float(runners[schedule].grad_norm())
+        return took, (mine, cpu), float(loss), float(runners[schedule].grad_norm())
 
     for method in METHODS:
         for r in range(args.warmup):
@@ -173,12 +177,14 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         for method in turn_order(list(METHODS), i):
             runs[method[0]].append(step(method, args.warmup + i))
     everyone = [None] * world
-    dist.all_gather_object(everyone, {name: [r[1] for r in done] for name, done in runs.items()})
+    dist.all_gather_object(everyone, {name: [r[1] for r in done] for name, done in runs.items()})  # (own, cpu) s
     if rank == 0 and result_path:
         results = {"data_parallel": topology.data_parallel, "lengths": rounds[args.warmup:],
                    "methods": {name: {"step_s": [r[0] for r in done], "loss": [r[2] for r in done],
                                       "grad_norm": [r[3] for r in done],
-                                      "rank_own_s": [e[name] for e in everyone]} for name, done in runs.items()}}
+                                      "rank_own_s": [[t[0] for t in e[name]] for e in everyone],
+                                      "rank_cpu_s": [[t[1] for t in e[name]] for e in everyone]}
+                               for name, done in runs.items()}}
         with open(result_path, "w") as f:
             json.dump(results, f)
     dist.barrier()
@@ -240,6 +246,10 @@ def summarize_pipeline(results: dict, args) -> dict:
         "speedup_vs_cad_per_stage": per_step["cad_per_stage"]["median"],
         "per_step_speedup": per_step,
         "micro_batch_attn_imbalance": micro_batch_imbalance(results["lengths"]),
+        # CPU seconds of a step summed over the ranks (median over rounds): the work itself, which the
+        # step time exceeds by what ranks spend waiting (bubbles, peers, other processes on the cores)
+        "cpu_s_all_ranks": {name: median([sum(r[i] for r in m["rank_cpu_s"]) for i in range(len(m["step_s"]))])
+                            for name, m in methods.items()},
         "check": check_agreement(results, AGREEMENT_RTOL[args.dtype]),
         # the machine's 1-minute load average before and after the run, and its cores: the lockstep
         # schedule meets every rank at every layer, so other processes competing for the cores slow it
@@ -247,7 +257,8 @@ def summarize_pipeline(results: dict, args) -> dict:
         "load_average": results.get("load_average"),
         "cpu_count": os.cpu_count(),
         "steps": {name: {"step_s": m["step_s"], "loss": m["loss"], "grad_norm": m["grad_norm"],
-                         "rank_own_s": m["rank_own_s"]} for name, m in methods.items()},
+                         "rank_own_s": m["rank_own_s"], "rank_cpu_s": m["rank_cpu_s"]}
+                  for name, m in methods.items()},
     }
     # cad_per_stage has no other copy to balance over with one rank per stage: say so in the output
     summary["cad_per_stage_note"] = ("data parallel 1: cad_per_stage runs colocated_1f1b's attention (no other "
@@ -263,7 +274,7 @@ def _default_sizes(args) -> bool:
     from .bench import MODEL_DEFAULTS
 
     return (args.world == 2 and args.pipeline_parallel == 2 and args.device == "cpu"
-            and all(getattr(args, k) == v for k, v in {**PIPELINE_DEFAULTS, **MODEL_DEFAULTS}.items()
+            and all(getattr(args, k) == v for k, v in {**MODEL_DEFAULTS, **PIPELINE_DEFAULTS}.items()
                     if k not in ("steps", "warmup")))
 
 
@@ -280,6 +291,8 @@ def format_pipeline_table(s: dict) -> str:
         ("colocated_1f1b (torch 1F1B, colocated)", f"{s['colocated_1f1b_step_s']:.3f} s"),
         ("cad_per_stage (torch 1F1B, CAD per stage)", f"{s['cad_per_stage_step_s']:.3f} s"),
         ("cad_across_stages (cad_1f1b)", f"{s['cad_across_stages_step_s']:.3f} s"),
+        ("CPU seconds per step, all ranks (colocated / per stage / across)",
+         " / ".join(f"{v:.2f}" for v in s["cpu_s_all_ranks"].values())),
         ("speedup vs colocated_1f1b (min / median / max per round)", ratios(s["per_step_speedup"]["colocated_1f1b"])),
         ("speedup vs cad_per_stage (min / median / max per round)", ratios(s["per_step_speedup"]["cad_per_stage"])),
         ("methods agree (loss, grad norm: max relative diff)",
@@ -308,7 +321,7 @@ def check_pipeline_arguments(args, parser) -> None:
     p = args.pipeline_parallel
     if p < 2:
         parser.error(f"--pipeline-parallel must be >= 2 (stages), got {p}")
-    for name, value in {**PIPELINE_DEFAULTS, **MODEL_DEFAULTS}.items():
+    for name, value in {**MODEL_DEFAULTS, **PIPELINE_DEFAULTS}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.short_docs is None:
