@@ -32,6 +32,19 @@ cad_across_stages; ``per_step_speedup`` gives min / median / max of that ratio a
 cad_per_stage / cad_across_stages. The bench checks itself: every method's step loss and gradient
 norm (over all stages) must agree with the baseline's in every round (fp32: relative 1e-4), else it
 prints the disagreement and exits 1.
+
+Also reported: each rank's CPU seconds per step (``cpu_s_all_ranks``: their sum, median over rounds)
+and the machine's load average. A pipeline's gain is idle time removed; when other processes compete
+for the cores (load above the core count), a rank that waits gives its core away and the idle time
+costs little, while ``cad_1f1b``'s exchanges in every layer of every tick make both ranks wait for
+whichever was descheduled. Measured on the shared 2-core machine at the defaults (load 4-5.5):
+colocated_1f1b 2.25 CPU-s per step over both ranks (0.97 + 1.27: the last stage adds the LM head
+and loss), cad_across_stages 2.66 (1.16 + 1.47), speedup 0.71-1.02x. The 1F1B event model
+(``planning.pipeline.simulate_1f1b``) with those CPU costs gives colocated 1.60 s on idle cores,
+against at least 1.47 s for cad_1f1b (its busiest rank): about 1.08x at best. What limits it: the
+lockstep's CPU overhead (+18%: the per-tick plans, 0.05 s per step and rank, and the dispatch's
+gathers and copies) and the plan balancing attention only, while the last stage's LM head and loss
+keep that rank 25% busier.
 """
 
 from __future__ import annotations
