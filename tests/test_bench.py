@@ -615,7 +615,8 @@ def test_bench_pipeline_cli_json():
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "distca_hf"]
     result = subprocess.run([*cmd, "bench", "--pipeline-parallel", "2", "--tokens", "256", "--short-docs", "8",
                              "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
-                             "--micro-batches", "3", "--rounds", "2", "--warmup", "1", "--json"],
+                             "--micro-batches", "3", "--rounds", "2", "--warmup", "1", "--tolerance", "0.05",
+                             "--json"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -630,5 +631,8 @@ def test_bench_pipeline_cli_json():
         assert len(method["step_s"]) == len(method["loss"]) == len(method["grad_norm"]) == 2
         assert all(loss > 0 for loss in method["loss"])
     assert out["check"]["agree"] and out["check"]["max_loss_rel_diff"] <= 1e-4
+    # a fixed tolerance moves CA-tasks at these sizes (auto would keep every rank's own: identical
+    # arithmetic), so the check compared different computations: their rounding differs
+    assert out["check"]["max_loss_rel_diff"] > 0 or out["check"]["max_grad_norm_rel_diff"] > 0
     assert out["micro_batch_attn_imbalance"] > 1.3  # skewed: a long document in micro-batches 0 and 2
     assert "target" not in out  # not the default sizes

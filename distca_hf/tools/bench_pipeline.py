@@ -254,6 +254,7 @@ def summarize_pipeline(results: dict, args) -> dict:
         "tokens_per_micro_batch": args.tokens,
         "layers": args.layers,
         "rounds": args.steps,
+        "tolerance": args.tolerance,
         **{f"{name}_step_s": median(m["step_s"]) for name, m in methods.items()},
         "speedup": per_step["colocated_1f1b"]["median"],
         "speedup_vs_cad_per_stage": per_step["cad_per_stage"]["median"],
