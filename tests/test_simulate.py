@@ -23,9 +23,10 @@ CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "ulysses", "time_model",
     "hidden_comm_fraction", "planner", "best_baseline", "speedup_vs_best_baseline", "speedup_vs_colocated",
 }
+MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer"}  # contract "memory in plans": every method
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
                "plan_ms_median", "kv_received_tokens_per_layer", "step_time_s", "exposed_comm_s", "tasks_per_server",
-               "smallest_shard_tokens"}
+               "smallest_shard_tokens", "worst_memory_imbalance", "resend_batch_fraction"} | MEMORY_KEYS
 
 
 def _console_script(*args):
@@ -58,12 +59,17 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     out = json.loads(result.stdout)
     assert set(out) == CONTRACT_KEYS
     assert set(out["distca"]) == DISTCA_KEYS
-    assert set(out["colocated"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s"}
+    assert set(out["colocated"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
     assert set(out["wlb"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s", "threshold_tokens",
-                               "tokens_left_waiting"}
+                               "tokens_left_waiting"} | MEMORY_KEYS
     assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "kv_received_tokens_per_layer",
-                                      "step_time_s", "exposed_comm_s"}
-    assert set(out["ulysses"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "step_time_s", "exposed_comm_s"}
+                                      "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
+    assert set(out["ulysses"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "step_time_s",
+                                   "exposed_comm_s"} | MEMORY_KEYS
+    for method in ("colocated", "wlb", "distca", "per_doc_cp", "ulysses"):
+        memory = out[method]["memory_bytes_per_layer"]
+        assert set(memory) == {"max", "mean"} and memory["mean"] <= memory["max"]
+        assert out[method]["memory_imbalance"] >= 1.0
     for method in ("distca", "per_doc_cp"):
         received = out[method]["kv_received_tokens_per_layer"]
         assert set(received) == {"max", "mean"} and 0 <= received["mean"] <= received["max"]
@@ -73,7 +79,7 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert d["attn_imbalance"] <= out["colocated"]["attn_imbalance"] + 1e-9  # a plan never raises the busiest load
     assert 0.0 <= d["moved_query_fraction"] <= 1.0
     assert out["time_model"]["source"].startswith("built-in CUDA default") and out["hidden_comm_fraction"] == 0.0
-    assert out["planner"] == {"tolerance": "auto", "block": 128}
+    assert out["planner"] == {"tolerance": "auto", "block": 128, "backward": "saved", "memory_budget": 2.0}
     steps = {m: out[m]["step_time_s"] for m in ("colocated", "wlb", "per_doc_cp", "ulysses")}
     assert out["best_baseline"] == min(steps, key=steps.get)
     assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])
