@@ -517,3 +517,43 @@ def test_built_in_time_models_follow_the_device_and_the_model_widths():
     # a 128-query shard against 64k keys runs at 53% of the pair rate on the H100 (issue 12)
     pairs = 128 * 65536
     assert h100.attn_s_per_pair * pairs / h100.task_seconds(pairs, 65536) == pytest.approx(0.53, abs=0.01)
+
+
+@settings(max_examples=120, deadline=None)
+@given(pieces=packed_batches(), config=windowed_configs, data=st.data())
+def test_base_pairs_balance_attention_with_the_other_work(pieces, config, data):
+    """With ``base_pairs`` (a rank's work besides attention, in pairs) every query is still computed
+    once from its holder, the bound holds for pairs + base, and the carving's running lower bounds on
+    pairs stay true."""
+    import dataclasses
+
+    base = data.draw(st.lists(st.integers(0, 3000), min_size=pieces.num_ranks, max_size=pieces.num_ranks))
+    config = dataclasses.replace(config, base_pairs=tuple(base))
+    seen = []
+
+    def watch(progress):
+        seen.append(progress.served_at_least())
+        return False
+
+    plan = next(tolerance_plans(pieces, config, (config.tolerance,), give_up=watch))
+    _check_plan(pieces, plan, config, guarantee=False)
+    served = plan.server_pairs()
+    for at_least in seen:
+        assert (served >= at_least).all()
+    total = served + np.asarray(base)
+    longest = int(pieces.end.max())
+    granule = config.block * (longest if config.window is None else min(longest, config.window))
+    # a rank whose base alone is above the mean keeps nothing it can give away
+    assert total.max() <= max((1 + config.tolerance) * total.mean(), max(base)) + granule + 1e-6
+
+
+def test_base_pairs_give_a_rank_without_other_work_more_attention():
+    pieces = DocumentPieces(np.array([0, 1]), np.array([0, 1]), np.array([0, 0]), np.array([100, 100]), 2)
+    plain = plan_tasks(pieces, PlannerConfig(tolerance=0.01)).server_pairs()
+    assert plain[0] == plain[1]  # equal documents: nothing moves
+    bubble = plan_tasks(pieces, PlannerConfig(tolerance=0.01, base_pairs=(4000.0, 0.0))).server_pairs()
+    assert bubble[1] > bubble[0] and abs((bubble[0] + 4000) - bubble[1]) <= 0.02 * (bubble.sum() + 4000) / 2 + 100
+    with pytest.raises(ValueError, match="base_pairs"):
+        PlannerConfig(base_pairs=(1.0, -1.0))
+    with pytest.raises(ValueError, match="base_pairs gives 3 ranks"):
+        plan_tasks(pieces, PlannerConfig(tolerance=0.01, base_pairs=(1.0, 2.0, 3.0)))

@@ -79,6 +79,11 @@ class PlannerConfig:
             times the mean over ranks of their own tokens' activations (a fraction >= 0), or what
             the worst rank keeps in ``resend`` mode when that is more (``BackwardMemory.fits``); ``None``:
             unbounded (the pure planner's default; the ``memory_budget`` setting's default is 2.0).
+        base_pairs: ``[num_ranks]`` the work each rank does in the layer besides attention, in pairs
+            of attention time (``None``: none counted). The carving then balances pairs + base: a
+            rank with less other work (a pipeline bubble in a ``cad_1f1b`` tick runs no linear layers)
+            serves more attention, and the tolerance bounds max/mean of pairs + base. Set by
+            ``pipeline_cost.plan_lockstep_tick``; plain plans balance pairs alone.
     """
 
     tolerance: float | str = 0.02
@@ -90,6 +95,7 @@ class PlannerConfig:
     exposed_comm: float = 1.0
     backward: str = "saved"
     memory_budget: float | None = None
+    base_pairs: tuple[float, ...] | None = None
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
@@ -108,6 +114,11 @@ class PlannerConfig:
             raise ValueError(f"time_model must be a TimeModel, got {self.time_model!r}")
         if not (isinstance(self.exposed_comm, (int, float)) and 0.0 <= self.exposed_comm <= 1.0):
             raise ValueError(f"exposed_comm must be a fraction in [0, 1], got {self.exposed_comm!r}")
+        if self.base_pairs is not None:
+            base = tuple(float(b) for b in self.base_pairs)
+            if not all(np.isfinite(b) and b >= 0 for b in base):
+                raise ValueError(f"base_pairs must be finite numbers >= 0 (one per rank), got {self.base_pairs!r}")
+            object.__setattr__(self, "base_pairs", base)
         if self.servers is not None:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
         if isinstance(self.window, np.integer):
@@ -190,12 +201,13 @@ class CarvingProgress:
         of the window; ``_Carver.move``), so it never ends more than that ``granule`` (and a pair
         for rounding) below the cap."""
         shedder = self._shedder
+        base = shedder.layout.base  # served counts it too; the bound is on pairs
         if rank is None:
-            at_least = np.minimum(np.asarray(shedder.served), shedder.cap) - self._granule
+            at_least = np.minimum(np.asarray(shedder.served), shedder.cap) - self._granule - base
             return np.where(shedder.layout.is_server, np.maximum(at_least, 0.0), 0.0)
         if not shedder.is_server[rank]:
             return 0.0
-        return max(min(shedder.served[rank], shedder.cap) - self._granule, 0.0)
+        return max(min(shedder.served[rank], shedder.cap) - self._granule - base[rank], 0.0)
 
 
 def tolerance_plans(pieces: DocumentPieces, config: PlannerConfig, tolerances, *, give_up=None):
@@ -228,6 +240,12 @@ class _Layout:
         self.pieces, self.config, self.window = pieces, config, config.window
         self.load = np.bincount(pieces.rank, weights=causal_pairs(pieces.start, pieces.end, self.window),
                                 minlength=num_ranks)
+        # work besides attention, in pairs (PlannerConfig.base_pairs): balanced together with the pairs
+        self.base = np.zeros(num_ranks)
+        if config.base_pairs is not None:
+            if len(config.base_pairs) != num_ranks:
+                raise ValueError(f"base_pairs gives {len(config.base_pairs)} ranks, the pieces {num_ranks}")
+            self.base = np.asarray(config.base_pairs, dtype=np.float64)
         self.longest = int(pieces.end.max(initial=0))
         self._by_rank = None
         self._opened: dict[int, list[tuple[int, int, int]]] = {}
@@ -255,7 +273,8 @@ class _Layout:
         return [list(interval) for interval in self._opened[rank]]
 
     def plan(self, tolerance: float, give_up=None) -> Plan | None:
-        num_ranks, servers, load, window = self.pieces.num_ranks, self.servers, self.load, self.window
+        num_ranks, servers, window = self.pieces.num_ranks, self.servers, self.window
+        load = self.load + self.base  # pairs, plus the other work when base_pairs is given
         # Plan to a cap a little inside the tolerance, so that the rare block that cannot be placed
         # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow.
         margin = PLANNING_MARGIN * tolerance if tolerance > 0 else 1e-3
@@ -296,7 +315,8 @@ class _Shedder:
     def __init__(self, layout: _Layout, cap: float, carver: "_Carver", bound: float):
         self.layout, self.cap, self.carver, self.bound = layout, cap, carver, bound
         self.is_server = layout.is_server.tolist()
-        self.served = layout.load.tolist()  # pairs each rank computes so far (Python floats: scalar math is hot)
+        # pairs each rank computes so far, plus its base (Python floats: scalar math is hot)
+        self.served = (layout.load + layout.base).tolist()
         self.was_donor = np.zeros(len(self.served), dtype=bool)
         self.prefix_holders = layout.grouped()[2]
         self.intervals: dict[int, list[list[int]]] = {}

@@ -56,7 +56,7 @@ from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
-           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset",
+           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "tick_base_pairs",
            "held_micro_batches"]
 
 BACKWARD_TO_FORWARD = 2.0
@@ -153,35 +153,60 @@ def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarr
                           kv_start=pieces.kv_start[keep]), doc_ids
 
 
-def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups) -> Plan:
+def tick_base_pairs(pooled: DocumentPieces, time_model: TimeModel, extra_tokens=None) -> tuple[float, ...]:
+    """``[ranks]`` each rank's work besides attention in one layer of a lockstep tick, in pairs of
+    attention time (``PlannerConfig.base_pairs``), the least loaded rank at 0: its tokens' linear
+    layers (none on a bubble) plus ``extra_tokens`` (``[ranks]`` tokens' worth of linear-layer work
+    more, e.g. the last stage's LM head spread over its layers)."""
+    tokens = pooled.tokens().astype(np.float64)
+    if extra_tokens is not None:
+        tokens = tokens + np.asarray(extra_tokens, dtype=np.float64)
+    base = tokens * time_model.linear_s_per_token / time_model.attn_s_per_pair
+    return tuple((base - base.min(initial=0.0)).tolist())
+
+
+def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups, extra_tokens=None) -> Plan:
     """One lockstep tick's plan over ``pooled``, every stage's pieces (all ``P x D`` ranks; a rank in a
     bubble holds nothing, or the runtime's one dummy token). ``rank_groups``: the ranks of each stage
     (its ``D`` data-parallel copies), which hold no document in common.
 
-    The plan is the planner's over the pooled pieces (every rank a server); under
-    ``tolerance="auto"`` (plan by time) it is that or the union of each stage's own plan over its
-    ranks, whichever ``config.time_model`` predicts faster (ties: the pooled one), so a tick is never
-    predicted slower than its stages balanced alone: pooling spreads attention over more servers but
-    also spreads a long document's K/V to more of them, and every holder sends its K/V to each
-    server of its document's shards. The runtime (``runtime.pipeline_schedules``) and ``distca-hf
-    simulate`` both plan ticks here."""
-    plan = plan_tasks(pooled, config)
+    The planner balances attention together with each rank's other work in the tick
+    (``tick_base_pairs``: its linear layers, and ``extra_tokens``), so a rank in a bubble, which runs no
+    linear layers, serves more attention than a rank running its micro-batch. With a numeric
+    tolerance that pooled plan is the tick's. Under ``tolerance="auto"`` (plan by time) the
+    candidates are the pooled plan and the union of each stage's own plan over its ranks, each
+    balanced with and without the other work, and the one ``config.time_model`` predicts fastest is
+    the tick's (ties: the earlier of that order), so a tick is never predicted slower than its
+    stages balanced alone: pooling spreads attention over more servers but also spreads a long
+    document's K/V to more of them, and every holder sends its K/V to each server of its document's
+    shards. The runtime (``runtime.pipeline_schedules``) and ``distca-hf simulate`` both plan ticks
+    here."""
+    base = np.asarray(tick_base_pairs(pooled, config.time_model, extra_tokens))
+    with_base = lambda ranks: dataclasses.replace(config, base_pairs=tuple(base[ranks].tolist()))
+    everyone = np.arange(pooled.num_ranks)
+    plan = plan_tasks(pooled, with_base(everyone))
+    if config.tolerance != "auto" or config.servers is not None:  # (a pool names pooled ranks)
+        return plan
     groups = [np.asarray(g, dtype=np.int64) for g in rank_groups]
     groups = [g for g in groups if np.isin(pooled.rank, g).any()]
-    if config.tolerance != "auto" or len(groups) < 2 or config.servers is not None:  # (a pool names pooled ranks)
-        return plan
-    local, modes = [], set()
-    for group in groups:
-        pieces, doc_ids = rank_subset(pooled, group)
-        own = plan_tasks(pieces, config)
-        local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
-        modes.add(own.backward)
-    # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
-    union = Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks,
-                 tuple(range(pooled.num_ranks)), config.window, "resend" if "resend" in modes else config.backward)
-    if step_seconds(union, pooled, config) < step_seconds(plan, pooled, config):
-        return union
-    return plan
+    candidates = [plan]
+    for balanced in (with_base, lambda ranks: config):
+        if balanced is not with_base:
+            candidates.append(plan_tasks(pooled, config))
+        if len(groups) < 2:
+            continue
+        local, modes = [], set()
+        for group in groups:
+            pieces, doc_ids = rank_subset(pooled, group)
+            own = plan_tasks(pieces, balanced(group))
+            local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
+            modes.add(own.backward)
+        # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
+        candidates.append(Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks,
+                               tuple(range(pooled.num_ranks)), config.window,
+                               "resend" if "resend" in modes else config.backward))
+    seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
+    return candidates[int(np.argmin(seconds))]
 
 
 def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:
