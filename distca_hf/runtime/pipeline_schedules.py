@@ -194,6 +194,18 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                            getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
         return zlib.crc32(repr(layout).encode()) if layout else -1
 
+    def _lm_head_share(self) -> float:
+        """The LM head's linear work per token over one of the stage's decoder layers', divided by the
+        layers of a stage: what the last stage does per token and layer besides its layers, in tokens'
+        worth of a layer's linear work (from the config and this stage's layers, alike on every stage)."""
+        config = self._model_config()
+        layers = [m for m in self._stage.submod.modules() if type(m).__name__.endswith("DecoderLayer")]
+        weights = [sum(p.numel() for p in layer.parameters() if p.dim() > 1) for layer in layers]
+        vocab, hidden = getattr(config, "vocab_size", None), getattr(config, "hidden_size", None)
+        if not layers or not sum(weights) or not vocab or not hidden:
+            return 0.0
+        return vocab * hidden / (sum(weights) / len(weights)) / len(layers)
+
     def _model_config(self):
         config = getattr(self._stage.submod, "config", None)
         if config is None:
@@ -253,6 +265,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
         ticks = {(t.kind, t.slot): t for t in lockstep_1f1b_ticks(p, m)}
         stage_ranks = [[r for r, stage in enumerate(stages) if stage == s] for s in range(p)]
+        lm_head_tokens = self._lm_head_share()
 
         def plan(kind: str, slot: int, *, local: bool = False):
             mb_of = ticks[(kind, slot)].micro_batch_of
@@ -271,7 +284,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                                           span_ranks=config.span_ranks)
             tick_number = next_forward_number()
             planning = dataclasses.replace(config, mode="colocated") if local else config
-            planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks)
+            # the last stage's LM head is linear work its ranks do besides their layers' (per layer of the stage)
+            head = [lm_head_tokens * float(np.sum(x)) if stages[r] == p - 1 and mb_of(p - 1) is not None else 0.0
+                    for r, x in enumerate(lengths)]
+            planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks, extra_tokens=head)
             dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
                                            "none" if local else config.overlap, planner=planner)
             stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
