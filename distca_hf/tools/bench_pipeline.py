@@ -43,8 +43,10 @@ and loss), cad_across_stages 2.66 (1.16 + 1.47), speedup 0.71-1.02x. The 1F1B ev
 (``planning.pipeline.simulate_1f1b``) with those CPU costs gives colocated 1.60 s on idle cores,
 against at least 1.47 s for cad_1f1b (its busiest rank): about 1.08x at best. What limits it: the
 lockstep's CPU overhead (+18%: the per-tick plans, 0.05 s per step and rank, and the dispatch's
-gathers and copies) and the plan balancing attention only, while the last stage's LM head and loss
-keep that rank 25% busier.
+gathers and copies). The ticks' plans now balance attention with each rank's other work (its linear
+layers, none in a bubble, and the last stage's LM head: ``planning.tick_base_pairs``); on the
+machine with nothing else running that measured 1.04-1.05x (and 1.04-1.05x without it: the CPU
+overhead, not the balance, is what is left).
 """
 
 from __future__ import annotations
