@@ -67,13 +67,15 @@ def _case(rank, world, case):
         distca_hf.reset_config()
         return {"error": type(error).__name__, "message": str(error)}
     stats = distca_hf.plan_stats()  # the last tick this rank planned: stage 0 is a bubble in the last forward slot
+    # each micro-batch's plan, in order (the step table reads them): its own documents' pairs on this rank
+    own_pairs = [plan["attn_pairs_local"][rank] for plan in runner.step_plans]
     label_tokens = sum(int(r["labels"][0, 1:].ne(-100).sum()) for r in rows)
     expected = _reference_grads(reference, rows, label_tokens)
     worst = max(float((p.grad - expected[n]).abs().max()) for n, p in stage.named_parameters())
     distca_hf.reset_config()
     return {"stage": stage_index, "stats": {k: stats[k] for k in ("attn_pairs_local", "attn_pairs_served",
                                                                    "moved_query_fraction", "backward")},
-            "worst_grad_error": worst}
+            "worst_grad_error": worst, "own_pairs": own_pairs}
 
 
 def _worker(rank, world, cases):
@@ -98,6 +100,8 @@ def test_cad_1f1b_bubbles_serve_and_refusals_reach_every_rank(tmp_path):
             got = result["value"][index]
             assert "error" not in got, got
             assert got["worst_grad_error"] < 1e-5, (index, rank, got)
+        expected_pairs = [sum(n * (n + 1) // 2 for n in lengths) for lengths in LENGTHS]
+        assert [r["value"][index]["own_pairs"] for r in results] == [expected_pairs] * 2
         bubble = results[0]["value"][index]["stats"]  # rank 0 = stage 0, idle in the last forward slot
         assert bubble["attn_pairs_local"][0] == 1  # its dummy token
         assert bubble["attn_pairs_served"][0] > 1  # ... and it computed others' CA-tasks

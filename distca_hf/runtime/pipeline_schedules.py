@@ -149,12 +149,13 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
     def _bubble(self, context: ForwardContext, *, backward: bool) -> None:
         """Serve the tick's CA-tasks with the stage run on one dummy token (see the module docstring)."""
         dummy, kwargs = self._dummy_inputs()
+        run = self._stage.submod.forward  # not __call__: the dummy is no micro-batch for the module's hooks
         if not backward:
             with torch.no_grad(), pinned_forward(context):
-                self._stage.submod(dummy, **kwargs)
+                run(dummy, **kwargs)
             return
         with torch.enable_grad(), pinned_forward(context):
-            out = self._stage.submod(dummy, **kwargs)
+            out = run(dummy, **kwargs)
         outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])

@@ -139,6 +139,17 @@ class PipelineRunner:
         close_at_exit()  # the groups made here are destroyed before the interpreter shuts down
         self._pipelines: dict = {}  # (micro-batches, evaluating) -> (PipelineStage, schedule)
         self._step_label_tokens = torch.ones((), dtype=torch.float64)
+        # the plan of each micro-batch's forward in the last train_step, as plan_stats() gave it (the step table)
+        self.step_plans: list[dict] = []
+        stage_module.register_forward_hook(self._record_plan)
+
+    def _record_plan(self, module, inputs, output) -> None:
+        from ..runtime import plan_stats
+
+        try:
+            self.step_plans.append(plan_stats())
+        except RuntimeError:  # no distca forward ran (another attention implementation)
+            pass
 
     # -- torch's stages and schedules, one per micro-batch count ------------------------------------
 
@@ -207,6 +218,7 @@ class PipelineRunner:
         if self.data_group is not None:
             dist.all_reduce(label_tokens, group=self.data_group)
         self._step_label_tokens = label_tokens.clamp(min=1)
+        self.step_plans = []
         self.stage_module.train()
         losses = self._run(len(micro_batches), input_ids, position_ids, targets, evaluating=False)
         self._reduce_gradients()

@@ -144,8 +144,9 @@ class PipelineTrainerMixin:
             return torch.zeros((), device=self.args.device)
         micro_batches, self._pipeline_pending = self._pipeline_pending, []
         loss = self._pipeline.train_step(micro_batches)
-        for micro_batch in micro_batches:
-            self._record_plan(micro_batch)
+        plans = self._pipeline.step_plans  # each micro-batch's plan on this stage, in order
+        for index, micro_batch in enumerate(micro_batches):
+            self._record_plan(micro_batch, plans[index] if len(plans) == len(micro_batches) else None)
         return loss.to(self.args.device, torch.float32)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -263,18 +263,21 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             self._record_plan(inputs)
         return loss
 
-    def _record_plan(self, inputs) -> None:
-        """Attention balance of the micro-batch just run, and the tokens of all ranks."""
+    def _record_plan(self, inputs, stats: dict | None = None) -> None:
+        """Attention balance of the micro-batch just run, and the tokens of all ranks; ``stats``: its
+        ``plan_stats()`` when it is not the last plan made (pipeline stages run a step's micro-batches
+        before any is recorded)."""
         lengths, first_positions = _local_documents(inputs)
         # counted as the plan counts them: under the model's window when every layer slides
         window = widest_window(getattr(self.model, "config", None))
         colocated_pairs = causal_pairs(first_positions, first_positions + lengths, window).sum()
         mine = torch.tensor([int(lengths.sum()), int(colocated_pairs)], dtype=torch.int64, device=self.args.device)
         everyone = self.accelerator.gather(mine).view(-1, 2).cpu()
-        try:
-            stats = plan_stats()
-        except RuntimeError:  # no distca forward ran (another attention function registered under its name)
-            stats = {}
+        if stats is None:
+            try:
+                stats = plan_stats()
+            except RuntimeError:  # no distca forward ran (another attention function registered under its name)
+                stats = {}
         if stats.get("dispatched"):
             before, after = stats["attn_pairs_local"], stats["attn_pairs_served"]
         else:  # colocated (or one rank): every rank computes its own documents
