@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from ..config import PIPELINE_SCHEDULES, DistCAConfig, current_config
 from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1f1b_ticks, plan_lockstep_tick,
@@ -54,6 +54,16 @@ from .context import ForwardContext, next_forward_number, pinned_forward, plan_s
 from .forward import CallInputs, plan_batch
 
 __all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule"]
+
+
+def _start(ops: list) -> list:
+    """Start a stage's point-to-point ops (``PipelineStage.get_*_ops``) as one batch; their works."""
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _finish(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batches: int, loss_fn,
@@ -126,22 +136,22 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 if mb is None:
                     self._bubble(plans.forward[tick.slot], backward=False)
                     continue
-                _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
+                _finish(_start(stage.get_fwd_recv_ops(mb)))
                 with pinned_forward(plans.forward[tick.slot]):
                     output = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb],
                                                      save_forward_output=return_outputs)
-                sends.append(_batch_p2p(stage.get_fwd_send_ops(mb), desc="fwd_send"))
+                sends.append(_start(stage.get_fwd_send_ops(mb)))
                 self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
             else:
                 if mb is None:
                     self._bubble(plans.backward_bubbles[tick.slot], backward=True)
                     continue
-                _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
+                _finish(_start(stage.get_bwd_recv_ops(mb)))
                 stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb),
                                          last_backward=mb == self._n_microbatches - 1)
-                sends.append(_batch_p2p(stage.get_bwd_send_ops(mb), desc="bwd_send"))
-        for work in sends:
-            _wait_batch_p2p(work)
+                sends.append(_start(stage.get_bwd_send_ops(mb)))
+        for works in sends:
+            _finish(works)
         self._update_losses(stage, losses)
         if training:
             stage.perform_reduce_grad(1)
