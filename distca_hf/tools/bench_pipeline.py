@@ -182,7 +182,9 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
             mine, cpu = time.perf_counter() - start, time.process_time() - cpu
             dist.barrier()
             took = time.perf_counter() - start
-        return took, (mine, cpu), float(loss), float(runners[schedule].grad_norm())
+        plans = runners[schedule].step_plans  # each micro-batch's plan on this rank
+        moved = statistics.mean(p["moved_query_fraction"] for p in plans) if plans else 0.0
+        return took, (mine, cpu), float(loss), float(runners[schedule].grad_norm()), moved
 
     for method in METHODS:
         for r in range(args.warmup):
@@ -197,6 +199,7 @@ def _worker(rank: int, world: int, args, port: int, result_path: str | None):
         results = {"data_parallel": topology.data_parallel, "lengths": rounds[args.warmup:],
                    "methods": {name: {"step_s": [r[0] for r in done], "loss": [r[2] for r in done],
                                       "grad_norm": [r[3] for r in done],
+                                      "moved_query_fraction": [r[4] for r in done],
                                       "rank_own_s": [[t[0] for t in e[name]] for e in everyone],
                                       "rank_cpu_s": [[t[1] for t in e[name]] for e in everyone]}
                                for name, done in runs.items()}}
@@ -262,6 +265,8 @@ def summarize_pipeline(results: dict, args) -> dict:
         "speedup_vs_cad_per_stage": per_step["cad_per_stage"]["median"],
         "per_step_speedup": per_step,
         "micro_batch_attn_imbalance": micro_batch_imbalance(results["lengths"]),
+        # query tokens computed away from their rank under each method's plans (rank 0's view, median)
+        "moved_query_fraction": {name: median(m.get("moved_query_fraction") or [0.0]) for name, m in methods.items()},
         # CPU seconds of a step summed over the ranks (median over rounds): the work itself, which the
         # step time exceeds by what ranks spend waiting (bubbles, peers, other processes on the cores)
         "cpu_s_all_ranks": {name: median([sum(r[i] for r in m["rank_cpu_s"]) for i in range(len(m["step_s"]))])
