@@ -183,30 +183,30 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
     here."""
     base = np.asarray(tick_base_pairs(pooled, config.time_model, extra_tokens))
     with_base = lambda ranks: dataclasses.replace(config, base_pairs=tuple(base[ranks].tolist()))
-    everyone = np.arange(pooled.num_ranks)
-    plan = plan_tasks(pooled, with_base(everyone))
+    plan = plan_tasks(pooled, with_base(np.arange(pooled.num_ranks)))
     if config.tolerance != "auto" or config.servers is not None:  # (a pool names pooled ranks)
         return plan
     groups = [np.asarray(g, dtype=np.int64) for g in rank_groups]
     groups = [g for g in groups if np.isin(pooled.rank, g).any()]
-    candidates = [plan]
-    for balanced in (with_base, lambda ranks: config):
-        if balanced is not with_base:
-            candidates.append(plan_tasks(pooled, config))
-        if len(groups) < 2:
-            continue
-        local, modes = [], set()
-        for group in groups:
-            pieces, doc_ids = rank_subset(pooled, group)
-            own = plan_tasks(pieces, balanced(group))
-            local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
-            modes.add(own.backward)
-        # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
-        candidates.append(Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks,
-                               tuple(range(pooled.num_ranks)), config.window,
-                               "resend" if "resend" in modes else config.backward))
+    candidates = [plan, plan_tasks(pooled, config)]
+    if len(groups) > 1:
+        candidates += [_union_of_stage_plans(pooled, groups, with_base, config),
+                       _union_of_stage_plans(pooled, groups, lambda ranks: config, config)]
     seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
     return candidates[int(np.argmin(seconds))]
+
+
+def _union_of_stage_plans(pooled: DocumentPieces, groups, config_of, config: PlannerConfig) -> Plan:
+    """Each stage's own plan over its ranks (``config_of(ranks)`` plans it), as one plan over ``pooled``."""
+    local, modes = [], set()
+    for group in groups:
+        pieces, doc_ids = rank_subset(pooled, group)
+        own = plan_tasks(pieces, config_of(group))
+        local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
+        modes.add(own.backward)
+    # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
+    return Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks, tuple(range(pooled.num_ranks)),
+                config.window, "resend" if "resend" in modes else config.backward)
 
 
 def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:

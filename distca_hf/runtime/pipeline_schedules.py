@@ -53,7 +53,7 @@ from .agree import PATH_PLAIN, agree
 from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
 from .forward import CallInputs, plan_batch
 
-__all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule"]
+__all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule", "check_micro_batches"]
 
 
 def _start(ops: list) -> list:
@@ -64,6 +64,15 @@ def _start(ops: list) -> list:
 def _finish(works: list) -> None:
     for work in works:
         work.wait()
+
+
+def check_micro_batches(schedule: str, micro_batches: int, num_stages: int, *, setting: str = "micro_batches") -> None:
+    """Refuse fewer micro-batches per step than stages under ``1f1b`` (torch's ``Schedule1F1B`` warms
+    up one per stage), naming ``setting``; ``gpipe`` and ``cad_1f1b`` run with any number."""
+    if schedule == "1f1b" and micro_batches < num_stages:
+        raise ValueError(f"pipeline_schedule='1f1b' needs at least {num_stages} micro-batches per step (one per "
+                         f"stage), got {setting}={micro_batches}; raise it or use pipeline_schedule='gpipe' or "
+                         "'cad_1f1b'")
 
 
 def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batches: int, loss_fn,
@@ -84,11 +93,7 @@ def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batche
     if schedule == "gpipe":
         return ScheduleGPipe(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
     if schedule == "1f1b":
-        if micro_batches < stage.num_stages:
-            raise ValueError(
-                f"pipeline_schedule='1f1b' needs at least as many micro-batches per step as stages: got "
-                f"{micro_batches} micro-batches for {stage.num_stages} stages; raise the micro-batches per step or "
-                "use pipeline_schedule='gpipe' or 'cad_1f1b'")
+        check_micro_batches(schedule, micro_batches, stage.num_stages)
         return Schedule1F1B(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
     return LockstepCAD1F1B(stage, micro_batches, loss_fn=loss_fn, pooled_group=pooled_group)
 
@@ -329,14 +334,12 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         config = self._model_config()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         device_type = self._stage.device.type
         if torch.is_autocast_enabled(device_type):
             element = torch.tensor([], dtype=torch.get_autocast_dtype(device_type)).element_size()
         else:
             element = next((p.element_size() for p in self._stage.submod.parameters() if p.is_floating_point()), 4)
-        return TokenBytes(q=heads * head_dim * element, kv=kv_heads * 2 * head_dim * element,
-                          o=heads * head_dim * element), heads
+        return TokenBytes.for_model(config.hidden_size, heads, kv_heads, element, getattr(config, "head_dim", None)), heads
 
 
 def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):

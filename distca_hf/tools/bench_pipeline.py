@@ -361,9 +361,12 @@ def check_pipeline_arguments(args, parser) -> None:
     if args.layers % p:
         parser.error(f"--layers {args.layers} must be a multiple of --pipeline-parallel {p}: every stage holds the "
                      "same number of decoder layers")
-    if args.micro_batches < p:
-        parser.error(f"--micro-batches {args.micro_batches} must be at least --pipeline-parallel {p}: torch's 1F1B "
-                     "needs as many micro-batches per step as stages")
+    from ..runtime.pipeline_schedules import check_micro_batches
+
+    try:  # the baseline runs torch's 1F1B
+        check_micro_batches("1f1b", args.micro_batches, p, setting="--micro-batches")
+    except ValueError as e:
+        parser.error(str(e))
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if args.short_docs > args.tokens:

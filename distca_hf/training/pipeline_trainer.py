@@ -41,6 +41,7 @@ import os
 
 import torch
 
+from ..runtime.pipeline_schedules import check_micro_batches
 from .accelerator import hf_model_of
 from .packing import PackedDataset
 from .pipeline import PipelineRunner
@@ -275,9 +276,10 @@ def _micro_batches_per_step(micro_batches: int | None, accumulation: int, *, sta
         raise ValueError(f"{where}: pipeline_micro_batches={micro_batches} and gradient_accumulation_steps="
                          f"{accumulation} disagree: a pipeline runs one step's micro-batches together, so they are one "
                          "number; set one of them")
-    if schedule == "1f1b" and micro_batches < stages:  # torch's Schedule1F1B refuses fewer
-        raise ValueError(f"{where}: pipeline_schedule='1f1b' needs at least {stages} micro-batches per step, "
-                         f"pipeline_micro_batches is {micro_batches}; raise it or use 'gpipe' / 'cad_1f1b'")
+    try:
+        check_micro_batches(schedule, micro_batches, stages, setting="pipeline_micro_batches")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     return micro_batches
 
 
