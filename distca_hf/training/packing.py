@@ -47,7 +47,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import torch
 
 __all__ = ["PackingConfig", "PackingReport", "Piece", "PackedRow", "RankLayout", "PackedDataset", "StreamingPackedDataset",
-           "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "IGNORE_INDEX"]
+           "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "is_streaming", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 """The label of a token that is not trained (``transformers``' ``ignore_index``)."""
@@ -807,3 +807,16 @@ class PackedCollator:
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
                 "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
                 "max_length_q": longest, "max_length_k": longest, "shift_labels": shift_labels}
+
+
+def is_streaming(dataset) -> bool:
+    """Whether ``dataset`` is read as a stream (a torch ``IterableDataset``, ``StreamingPackedDataset``
+    included, or a ``datasets`` streaming dataset) rather than by index."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        return isinstance(dataset, datasets.IterableDataset)
+    except ImportError:
+        return False

@@ -70,7 +70,7 @@ from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cp
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import GlobalBatchTrainerMixin
-from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset
+from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming
 from .pipeline import pipeline_targets
 from .pipeline_trainer import PipelineTrainerMixin
 from .plugin import DistCAPlugin, model_parallel_sizes
@@ -125,10 +125,10 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         for name, dataset in named.items():
             _check_packable(dataset, packing, name)
         if pipelined:  # the Trainer's model is this rank's stage, its optimizer holds the stage's parameters
-            streaming = [_argument_name(name) for name, dataset in named.items() if _is_streaming(dataset)]
+            streaming = [_argument_name(name) for name, dataset in named.items() if is_streaming(dataset)]
             model = self._prepare_pipeline_stage(model, args, compute_loss_func=kwargs.get("compute_loss_func"),
                                                  streaming=streaming)
-        if any(_is_streaming(d) for d in named.values()) and args is not None:
+        if any(is_streaming(d) for d in named.values()) and args is not None:
             # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
             # would concatenate rows of different lengths.
             args.accelerator_config.dispatch_batches = False
@@ -230,7 +230,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             return None
         if isinstance(dataset, (PackedDataset, StreamingPackedDataset)):
             packed = dataset.with_layout(**layout)
-        elif _is_streaming(dataset):
+        elif is_streaming(dataset):
             packed = StreamingPackedDataset(dataset, packing, **layout)
         else:
             packed = PackedDataset(dataset, packing, **layout)
@@ -402,7 +402,7 @@ def _check_has_documents(packed: PackedDataset, name: str) -> None:
 
 
 def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
-    raw = not (_is_streaming(dataset) or isinstance(dataset, PackedDataset))
+    raw = not (is_streaming(dataset) or isinstance(dataset, PackedDataset))
     if raw and hasattr(dataset, "__len__") and len(dataset) == 0:
         # before packing: a datasets.Dataset of no rows may not even have an input_ids column
         raise ValueError(f"DistCATrainer: {_argument_name(name)} has no documents to "
@@ -415,17 +415,6 @@ def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
     elif packing is None:
         raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
                          "or an already packed distca_hf.PackedDataset")
-
-
-def _is_streaming(dataset) -> bool:
-    if isinstance(dataset, (torch.utils.data.IterableDataset, StreamingPackedDataset)):
-        return True
-    try:
-        import datasets
-
-        return isinstance(dataset, datasets.IterableDataset)
-    except ImportError:
-        return False
 
 
 def _prepare_model(model) -> None:

@@ -48,7 +48,7 @@ from trl import SFTConfig, SFTTrainer
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .global_batches import GlobalBatchTrainerMixin
-from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig
+from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, is_streaming
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCASFTTrainer", "SFTPackedCollator", "SFTPackedDataset"]
@@ -158,7 +158,7 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
             raise ValueError("DistCASFTTrainer builds its rows itself (distca_hf.training.SFTPackedCollator: "
                              "documents spanning ranks); drop data_collator=")
         for name, dataset in {"train_dataset": train_dataset, **_named(eval_dataset)}.items():
-            if _is_streaming(dataset):
+            if is_streaming(dataset):
                 raise ValueError(f"DistCASFTTrainer packs map-style datasets; {name} is a streaming "
                                  f"{type(dataset).__name__}. Load it without streaming, or train with "
                                  "distca_hf.DistCATrainer, which packs streams")
@@ -297,12 +297,3 @@ def _named(eval_dataset) -> dict:
     return {} if eval_dataset is None else {"eval_dataset": eval_dataset}
 
 
-def _is_streaming(dataset) -> bool:
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        return True
-    try:
-        import datasets
-
-        return isinstance(dataset, datasets.IterableDataset)
-    except ImportError:
-        return False
