@@ -244,8 +244,7 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
         plan = plan_tasks(pieces, config)
         batches.append(BatchPlan(pieces, plan, kv_received(kv_transfers(plan, pieces), pieces.num_ranks), 1))
     for b in batches:
-        stats = plan_stats_of(7, [b], token_bytes=config.token_bytes, num_heads=heads, backward=backward,
-                              overlap="none")
+        stats = plan_stats_of(7, [b], token_bytes=config.token_bytes, num_heads=heads, overlap="none")
         pieces, plan = b.pieces, b.plan
         local = [sum(int(causal_pairs(int(s), int(e))) for r, s, e in zip(pieces.rank, pieces.start, pieces.end)
                      if r == rank) for rank in range(pieces.num_ranks)]
@@ -259,8 +258,7 @@ def test_plan_stats_of_one_or_two_batches(first, second, config, resend):
                      for rank in range(pieces.num_ranks)]
         assert stats.kv_tokens_received_per_layer == by_server
         assert stats.kv_tokens_received_max == max(by_server[s] for s in plan.servers)
-    both = plan_stats_of(7, batches, token_bytes=config.token_bytes, num_heads=heads, backward=backward,
-                         overlap="pingpong")
+    both = plan_stats_of(7, batches, token_bytes=config.token_bytes, num_heads=heads, overlap="pingpong")
     alone = both.nano_batches
     assert len(alone) == 2 and both.waves == 2 and both.overlap == "pingpong"
     assert both.attn_pairs_local == [x + y for x, y in zip(alone[0].attn_pairs_local, alone[1].attn_pairs_local)]

@@ -108,7 +108,7 @@ class BatchPlan:
 
 
 def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: TokenBytes | None = None,
-                  num_heads: int = 0, backward: str | None = None, overlap: str | None = None) -> PlanStats:
+                  num_heads: int = 0, overlap: str | None = None) -> PlanStats:
     """The one builder of ``PlanStats``: per-rank lists and totals summed over ``batches`` (one
     micro-batch, or ping-pong's two nano-batches, each also reported alone)."""
     local = sum(b.pieces.local_pairs(b.pair_window) for b in batches)
@@ -140,7 +140,7 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     per_batch = ()
     if len(batches) > 1:
         per_batch = tuple(plan_stats_of(number, [b], token_bytes=token_bytes, num_heads=num_heads,
-                                        backward=backward, overlap=overlap) for b in batches)
+                                        overlap=overlap) for b in batches)
     return PlanStats(
         attn_pairs_local=np.asarray(local, dtype=np.int64).tolist(),
         attn_pairs_served=np.asarray(served, dtype=np.int64).tolist(),

@@ -173,8 +173,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
                                    kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
     if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
         return _local_context(number, call_key, inputs, docs, query.device, ranks.longest_document, planned)
-    stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
-                          overlap=overlap)
+    stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, overlap=overlap)
     return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
                           counters=dispatch.counters)
 

@@ -113,8 +113,7 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
             w.name = "nano-batch " + name
         dispatches.append(dispatch)
         planned.append(batch)
-    stats = plan_stats_of(number, planned, token_bytes=token_bytes, num_heads=num_heads, backward=config.backward,
-                          overlap="pingpong")
+    stats = plan_stats_of(number, planned, token_bytes=token_bytes, num_heads=num_heads, overlap="pingpong")
     begin_forward(ForwardContext(number, ("pingpong", number), (), rows.longest_document, stats, counters=counters))
     as_tensor = lambda x: torch.from_numpy(x).to(device)
     return PingPongPlan(split, *dispatches, as_tensor(split.rows_a), as_tensor(split.rows_b),

@@ -306,8 +306,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks, extra_tokens=head)
             dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
                                            "none" if local else config.overlap, planner=planner)
-            stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, backward="resend",
-                                  overlap=config.overlap)
+            stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, overlap=config.overlap)
             return ForwardContext(tick_number, (), (), ranks.longest_document, stats, dispatch=dispatch,
                                   counters=dispatch.counters), mine
 
