@@ -18,7 +18,7 @@ comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)-$(or $(LOCK),latest)))))
 
-.PHONY: setup test test-fast test-latest lock gpu-check demo demo-single kernel-bench bench-sim env clean-venv
+.PHONY: setup test test-fast test-latest lock gpu-check demo demo-single kernel-bench bench-sim env docs clean-venv
 
 setup: $(STAMP)
 
@@ -47,7 +47,7 @@ test: $(STAMP)
 LATEST_VENV ?= .venv-latest
 test-latest:
 	rm -f $(LATEST_VENV)/.installed-*
-	$(MAKE) test VENV=$(LATEST_VENV) LOCK= PIP_INSTALL_FLAGS="--upgrade --upgrade-strategy eager"
+	$(MAKE) test VENV=$(LATEST_VENV) LOCK= EXTRAS=$(EXTRAS),docs PIP_INSTALL_FLAGS="--upgrade --upgrade-strategy eager"
 
 # Rewrite constraints.txt from the env `make test-latest` built (review the diff, then commit it).
 lock:
@@ -90,9 +90,22 @@ demo-single: $(STAMP)
 kernel-bench: $(STAMP)
 	$(BIN)/distca-hf kernel-bench
 
-# The README's simulator table (needs ../shared/data/doc_lengths_*.json).
+# The simulator table of docs/planner.md (needs ../shared/data/doc_lengths_*.json).
 bench-sim: $(STAMP)
-	$(BIN)/python examples/bench_sim.py --update-readme
+	$(BIN)/python examples/bench_sim.py --update-docs
+
+# The documentation site: installs the docs extra (mkdocs, its material theme) into the same virtual
+# env, rewrites the generated pages (settings and CLI references, the supported-models tables), then
+# builds docs/ into site/ in strict mode: any warning (a broken link or anchor, a page left out of
+# the nav) fails.
+DOCS_STAMP := $(VENV)/.docs-installed-$(or $(LOCK),latest)
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet $(if $(LOCK),-c $(LOCK)) -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m distca_hf.tools.docs_reference
+	$(BIN)/mkdocs build --strict
 
 env: $(STAMP)
 	$(BIN)/distca-hf env

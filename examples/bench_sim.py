@@ -1,4 +1,4 @@
-"""The README's simulator table (``make bench-sim``): both shared length samples at 8, 64 and 512
+"""The simulator table of docs/planner.md (``make bench-sim``): both shared length samples at 8, 64 and 512
 ranks and 32k, 128k and 512k tokens per rank; every method timed with the same time model and its
 communication, with none of it hidden and with half hidden (what the planner assumes ``wave`` and
 ``pingpong`` hide, ``runtime.forward.EXPOSED_COMM``), and distca with the fixed tolerance 0.02 beside the
@@ -7,7 +7,7 @@ and the planner's speed targets (64 x 64k and 512 x 128k). All through
 ``distca_hf.tools.simulate.simulate`` with its defaults (tolerance ``auto``, block 128, Llama-3-8B
 bytes and heads, the planner's built-in H100 time model, 50 GB/s per rank).
 
-    python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-readme]
+    python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-docs]
 """
 
 from __future__ import annotations
@@ -127,20 +127,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--update-readme", action="store_true", help="replace the table between the README markers")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="replace the table between the bench-sim markers of docs/planner.md")
     args = parser.parse_args(argv)
     if not (args.data / "doc_lengths_prolong.json").exists():
         parser.error(f"--data: {args.data} has no doc_lengths_*.json (the shared length samples)")
     table = run(args.data, args.batches)
     print(table)
-    if args.update_readme:
-        readme = HERE.parent / "README.md"
-        text = readme.read_text()
+    if args.update_docs:
+        page = HERE.parent / "docs" / "planner.md"
+        text = page.read_text()
         pattern = re.compile(r"(<!-- bench-sim:start -->\n).*?(<!-- bench-sim:end -->)", re.S)
         if not pattern.search(text):
-            parser.error("README.md lacks the <!-- bench-sim:start --> / <!-- bench-sim:end --> markers")
-        readme.write_text(pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text))
-        print(f"updated {readme}", file=sys.stderr)
+            parser.error(f"{page} lacks the <!-- bench-sim:start --> / <!-- bench-sim:end --> markers")
+        page.write_text(pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text))
+        print(f"updated {page}", file=sys.stderr)
     return 0
 
 

@@ -263,7 +263,7 @@ SPREAD_FIELDS = {  # model_type -> config fields beyond the common tiny ones
 
 @pytest.mark.parametrize("model_type", sorted(TESTED_MODEL_TYPES.keys() - set(FAMILIES)))
 def test_more_families_packed_exact(model_type):
-    """Every tested model type beyond the four above (patches.TESTED_MODEL_TYPES, the README's list):
+    """Every tested model type beyond the four above (patches.TESTED_MODEL_TYPES, the list in docs/models.md):
     packed ``position_ids``, logits and every parameter gradient against each document alone (eager).
     Llama 4's layers drop position_ids (documents come from its model's forward) and its chunked
     layers' chunk (5) is shorter than most documents; DeepSeek's value head dim (12) is not q/k's (24)."""

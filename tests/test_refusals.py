@@ -249,19 +249,19 @@ def test_llama4_chunked_layers_under_a_cache_that_dropped_keys():
             model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
 
 
-# ---- the README's "Supported models and features" section is generated from the code that refuses ----
+# ---- the docs' "Supported models and features" section is generated from the code that refuses ----
 
-def test_readme_support_section_is_generated_from_the_tables():
-    """README.md between the supported-models markers is exactly ``support_markdown()`` (FEATURES,
+def test_docs_support_section_is_generated_from_the_tables():
+    """docs/models.md between the supported-models markers is exactly ``support_markdown()`` (FEATURES,
     REFUSALS, patches.TESTED_MODEL_TYPES). To change it, edit distca_hf/hf/support.py or
-    TESTED_MODEL_TYPES and paste ``support_markdown()`` between the markers."""
+    TESTED_MODEL_TYPES and run ``make docs`` (python -m distca_hf.tools.docs_reference)."""
     from pathlib import Path
 
     from distca_hf.hf.support import support_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("<!-- supported-models:start")
-    body = readme[readme.index("\n", start) + 1 : readme.index("<!-- supported-models:end -->")]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    start = page.index("<!-- supported-models:start")
+    body = page[page.index("\n", start) + 1 : page.index("<!-- supported-models:end -->")]
     assert body == support_markdown()
 
 

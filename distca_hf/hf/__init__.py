@@ -1,7 +1,7 @@
 """HF glue: the ``"distca"`` attention and mask functions, their registration with transformers, the
 refusal of models that would ignore them (``model_check``), the document arguments a model's
 forward hands its attention calls (``model_inputs``: families whose layers drop ``position_ids``),
-and the table of what is supported and refused (``support``, the README's section).
+and the table of what is supported and refused (``support``, the documentation's page docs/models.md).
 
 ``import distca_hf`` arranges for ``register()`` to run as soon as transformers has imported the
 interfaces (``distca_hf._after_import``); then ``attn_implementation="distca"`` works in

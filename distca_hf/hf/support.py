@@ -1,4 +1,4 @@
-"""What distca supports and what it refuses, in one place: the README's "Supported models and
+"""What distca supports and what it refuses, in one place: the documentation's "Supported models and
 features" section is ``support_markdown()`` (``tests/test_refusals.py`` checks that they are equal).
 
 - ``TESTED_MODEL_TYPES`` (also ``distca_hf.patches.TESTED_MODEL_TYPES``) are the model types
@@ -58,7 +58,7 @@ class Refusal:
 
     Attributes:
         what: the model, input or feature refused.
-        why: why it cannot be computed exactly (the README's text).
+        why: why it cannot be computed exactly (the documentation's text, docs/models.md).
         raised_in: the module whose code raises the error.
         says: a phrase of the error message (in ``raised_in``'s source and in the raised message).
     """
@@ -115,7 +115,7 @@ FEATURES = (
     Feature("`cu_seq_lens` with batch > 1", "allowed when every row starts a document; a document crossing rows is "
             "refused (below)"),
     Feature("`output_attentions`", "attention weights are never materialised; returns `None` like `sdpa`"),
-    Feature("documents longer than a rank", "with `span_ranks=True` (see Multi-rank use): pieces on several ranks, "
+    Feature("documents longer than a rank", "with `span_ranks=True` (see Documents longer than a rank): pieces on several ranks, "
             "exact"),
 )
 
@@ -159,7 +159,7 @@ def _cell(text: str) -> str:
 
 
 def support_markdown() -> str:
-    """The README's "Supported models and features" tables, from ``FEATURES``, ``REFUSALS`` and
+    """The "Supported models and features" tables of docs/models.md, from ``FEATURES``, ``REFUSALS`` and
     ``TESTED_MODEL_TYPES`` (markdown, ending in a newline)."""
     lines = ["| | status |", "| --- | --- |"]
     lines += [f"| {_cell(f.what)} | {_cell(f.status)} |" for f in FEATURES]

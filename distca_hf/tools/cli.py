@@ -111,7 +111,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """``(distca-hf's parser, the env subcommand's)``; the other subcommands parse their own arguments."""
     parser = argparse.ArgumentParser(prog="distca-hf", description="Core Attention Disaggregation for HF transformers")
     sub = parser.add_subparsers(dest="command", required=True)
-    env = sub.add_parser("env", help="versions, device and usable kernel backends")
+    env = sub.add_parser("env", help="versions, device and usable kernel backends",
+                         description="versions, device and usable kernel backends (paste it into bug reports)")
     env.add_argument("--json", action="store_true", help="print as JSON")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
