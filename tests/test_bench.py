@@ -537,7 +537,7 @@ def test_turns_alternate_so_each_method_runs_first_on_every_batch_equally_often(
 
 
 def test_pipeline_skewed_micro_batches_alternate_one_long_document_and_many_short():
-    from distca_hf.tools.bench_pipeline import micro_batch_imbalance, micro_batch_lengths
+    from distca_hf.tools.bench.pipeline import micro_batch_imbalance, micro_batch_lengths
 
     rounds = micro_batch_lengths("skewed", micro_batches=4, data_parallel=2, tokens=1024, short_docs=4, rounds=2)
     assert len(rounds) == 2 and rounds[0] == rounds[1]
@@ -551,7 +551,7 @@ def test_pipeline_skewed_micro_batches_alternate_one_long_document_and_many_shor
 
 
 def test_pipeline_row_marks_documents_and_their_first_labels():
-    from distca_hf.tools.bench_pipeline import pipeline_row
+    from distca_hf.tools.bench.pipeline import pipeline_row
 
     row = pipeline_row([3, 2], vocab=50, seed=1)
     assert row["position_ids"].tolist() == [[0, 1, 2, 0, 1]]

@@ -147,38 +147,83 @@ def test_old_names_users_imported_still_resolve():
     assert DistCAPeerError is distca_hf.DistCAPeerError
 
 
+def _subpackages() -> list[str]:
+    """Every package inside ``distca_hf`` as a folder path (``"tools/bench"``), nested ones included."""
+    return sorted(str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+
+
 def test_every_subpackage_has_a_front_door_that_names_its_files():
-    for folder in ("planning", "runtime", "kernels", "hf", "training", "tools"):
-        doc = importlib.import_module(f"distca_hf.{folder}").__doc__
+    """Every package of the real tree (subpackages inside subpackages too) has a docstring; each one
+    but ``kernels`` and ``hf`` names every file and every subpackage folder it holds."""
+    assert {"planning", "runtime", "kernels", "hf", "training", "tools", "tools/bench", "training/packing"} <= \
+        set(_subpackages())
+    for folder in _subpackages():
+        doc = importlib.import_module("distca_hf." + folder.replace("/", ".")).__doc__
         assert doc, folder
-        if folder in ("planning", "runtime", "training", "tools"):
-            for path in (PACKAGE / folder).glob("*.py"):
-                if path.stem != "__init__":
-                    assert path.stem in doc, f"distca_hf/{folder}/__init__.py does not describe {path.name}"
+        if folder in ("kernels", "hf"):
+            continue
+        inside = [p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"]
+        inside += [p.parent.name for p in (PACKAGE / folder).glob("*/__init__.py")]
+        missing = [name for name in inside if name not in doc]
+        assert not missing, f"distca_hf/{folder}/__init__.py does not describe {missing}"
 
 
-def _planning_order() -> list[str]:
-    """The planning modules in the order ``planning/__init__``'s docstring lists them."""
+LONGEST = {"tools/bench": 300}
+"""Lines a module may have, by folder (a folder's subfolders included); elsewhere ``LONGEST_ANYWHERE``."""
+LONGEST_ANYWHERE = 650
+
+
+def test_no_module_is_too_long():
+    """A module past the limit holds more than one job: split it by job (as ``tools/bench/`` and
+    ``training/packing/`` are)."""
+    offenders = []
+    for path, parts in _modules():
+        limit = next((n for folder, n in LONGEST.items() if "/".join(parts).startswith(folder + "/")),
+                     LONGEST_ANYWHERE)
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            offenders.append(f"{path.relative_to(REPO)}: {lines} lines (limit {limit})")
+    assert not offenders, "modules too long:\n" + "\n".join(offenders)
+
+
+def test_setup_cfg_installs_every_subpackage():
+    """``setup.cfg`` lists its packages one by one: a new subpackage missing there is left out of the wheel."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    missing = [f"distca_hf.{folder.replace('/', '.')}" for folder in _subpackages()]
+    missing = [name for name in missing if name not in listed]
+    assert not missing, f"setup.cfg [options] packages lacks {missing}"
+
+
+def _room_order(room: str) -> list[str]:
+    """The modules of ``room`` (a folder: ``"planning"``, ``"tools/bench"``) in the order its
+    ``__init__``'s docstring lists them (lines ``    name  what it does``)."""
     import re
 
-    doc = importlib.import_module("distca_hf.planning").__doc__
+    doc = importlib.import_module("distca_hf." + room.replace("/", ".")).__doc__
     return re.findall(r"^ {4}(\w+) {2,}\S", doc, flags=re.M)
 
 
-def _planning_imports() -> dict[str, set[str]]:
-    """``{module: planning modules it imports}`` for every module of ``planning/``, counting every
-    import statement wherever it is (module level, or inside a function or a class)."""
+def _room_imports(room: str) -> dict[str, set[str]]:
+    """``{module: modules of the same room it imports}`` for every module of ``room`` (its front door
+    ``__init__`` and ``__main__`` aside), counting every import statement wherever it is (module
+    level, or inside a function or a class)."""
+    here = tuple(room.split("/"))
+    dotted = ".".join(here)
     graph = {}
     for path, parts in _modules():
-        if parts[0] != "planning" or len(parts) != 2 or parts[1] == "__init__":
+        if parts[:-1] != here or parts[-1] in ("__init__", "__main__"):
             continue
         found = set()
         for target, names, _ in _imported(path, parts):
-            if target == "planning":  # ``from . import x``
-                found |= {n for n in names if (PACKAGE / "planning" / f"{n}.py").exists()}
-            elif target.startswith("planning."):
-                found.add(target.split(".")[1])
-        graph[parts[1]] = found - {parts[1]}
+            if target == dotted:  # ``from . import x``
+                found |= {n for n in names if (PACKAGE.joinpath(*here) / f"{n}.py").exists()}
+            elif target.startswith(dotted + "."):
+                found.add(target.split(".")[len(here)])
+        graph[parts[-1]] = found - {parts[-1]}
     return graph
 
 
@@ -209,13 +254,14 @@ def test_cycle_finder_sees_a_circle():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_planning_room_is_a_straight_line():
-    """No import cycle inside ``planning/`` (function-level imports included), and every module
-    imports only modules listed above it in ``planning/__init__``'s docstring, which lists them all."""
-    graph = _planning_imports()
-    assert _cycle(graph) is None, f"import cycle in planning/: {' -> '.join(_cycle(graph))}"
-    order = _planning_order()
-    assert sorted(order) == sorted(graph), "planning/__init__'s docstring must list every planning module once"
+@pytest.mark.parametrize("room", ["planning", "tools/bench", "training/packing"])
+def test_room_is_a_straight_line(room):
+    """No import cycle inside the room (function-level imports included), and every module imports
+    only modules listed above it in the room's ``__init__`` docstring, which lists them all."""
+    graph = _room_imports(room)
+    assert _cycle(graph) is None, f"import cycle in {room}/: {' -> '.join(_cycle(graph))}"
+    order = _room_order(room)
+    assert sorted(order) == sorted(graph), f"{room}/__init__'s docstring must list every module of {room}/ once"
     place = {name: i for i, name in enumerate(order)}
     late = [f"{m} imports {t}" for m, targets in graph.items() for t in sorted(targets) if place[t] > place[m]]
-    assert not late, "planning modules importing modules listed after them: " + ", ".join(late)
+    assert not late, f"{room} modules importing modules listed after them: " + ", ".join(late)

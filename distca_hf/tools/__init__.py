@@ -2,10 +2,11 @@
 
     cli               the ``distca-hf`` entry point (``env`` and the subcommands below)
     launch            ``distca-hf launch``: accelerate launch with a ``distca:`` section in the config
-    bench             ``distca-hf bench``: multi-process step time, colocated against distca; ``--workload long``:
-                      one document over every rank, distca against per-document CP and Ulysses
-    bench_pipeline    ``distca-hf bench --pipeline-parallel P``: stock 1F1B colocated, CAD per stage and cad_1f1b
-                      side by side on real processes (the trainer's stages and runner)
+    bench/            ``distca-hf bench``: multi-process step time, colocated against distca; ``--workload long``:
+                      one document over every rank, distca against per-document CP and Ulysses;
+                      ``--pipeline-parallel P``: stock 1F1B colocated, CAD per stage and cad_1f1b side by side
+                      on real processes (the trainer's stages and runner). A package, one job a file: its
+                      ``__init__`` lists them
     context_parallel  per-document context parallelism, head-tail balanced: the bench's CP baseline
     ulysses           DeepSpeed Ulysses (ALST) over distca's kernel: the bench's Ulysses baseline
     simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes

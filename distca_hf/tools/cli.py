@@ -5,8 +5,8 @@
     distca-hf simulate       distca against colocated, WLB-LLM, per-document CP and Ulysses on N ranks,
                              one time model with communication (see simulate.py)
     distca-hf profile        measure the time model's constants on this device (see profiling.py)
-    distca-hf bench          multi-process step time, colocated against distca (see bench.py); with
-                             --pipeline-parallel P, pipeline stages (see bench_pipeline.py)
+    distca-hf bench          multi-process step time, colocated against distca (see bench/); with
+                             --pipeline-parallel P, pipeline stages (see bench/pipeline.py)
     distca-hf launch         accelerate launch with a distca: section in the config (see launch.py)
 
 ``python -m distca_hf ...`` runs the same command (e.g. under ``torchrun``).

@@ -1,0 +1,88 @@
+"""``distca-hf bench --pipeline-parallel P``: its flags' defaults and checks, and the run (check,
+launch, summarise, print; exit status 1 when the methods disagree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .model import MODEL_DEFAULTS
+from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
+from .pipeline_reports import format_pipeline_table, summarize_pipeline
+from .pipeline_worker import run_pipeline_rank
+from .workloads import check_workload_names
+
+
+def check_pipeline_arguments(args, parser) -> None:
+    """Fill the defaults of a ``--pipeline-parallel`` run and refuse what it cannot run, naming the flag."""
+    p = args.pipeline_parallel
+    if p < 2:
+        parser.error(f"--pipeline-parallel must be >= 2 (stages), got {p}")
+    for name, value in {**MODEL_DEFAULTS, **PIPELINE_DEFAULTS}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.short_docs is None:
+        args.short_docs = max(1, args.tokens // 256)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
+        args.world = int(os.environ["WORLD_SIZE"])
+    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
+                 "kv_heads", "micro_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.world % p:
+        parser.error(f"--world {args.world} must be a multiple of --pipeline-parallel {p} (data-parallel copies x "
+                     "stages)")
+    if args.layers % p:
+        parser.error(f"--layers {args.layers} must be a multiple of --pipeline-parallel {p}: every stage holds the "
+                     "same number of decoder layers")
+    from ...runtime.pipeline_schedules import check_micro_batches
+
+    try:  # the baseline runs torch's 1F1B
+        check_micro_batches("1f1b", args.micro_batches, p, setting="--micro-batches")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    if args.short_docs > args.tokens:
+        parser.error("--short-docs cannot exceed --tokens")
+    if "," in args.workload:
+        parser.error("--pipeline-parallel runs one workload at a time")
+    if args.workload in UNSUPPORTED:
+        parser.error(f"--pipeline-parallel does not run --workload {args.workload} ({UNSUPPORTED[args.workload]}); "
+                     "use skewed, balanced, mixed or sample:FILE.json")
+    if args.overlap not in ("none", "wave") or args.backward == "both" or args.trace:
+        parser.error("--pipeline-parallel runs one distca setting: --overlap none|wave, --backward saved|resend "
+                     "(cad_1f1b always runs resend), no --trace")
+    for flag, value in (("--global-batches", args.global_batches), ("--long-tokens", args.long_tokens)):
+        if value is not None:
+            parser.error(f"{flag} is not for --pipeline-parallel")
+    if args.no_ulysses:
+        parser.error("--no-ulysses is not for --pipeline-parallel")
+
+
+def run_pipeline_cli(args, parser, *, launch) -> int:
+    """``distca-hf bench --pipeline-parallel P ...`` (``cli.run_cli`` routes here): check, launch,
+    summarise, print; exit status 1 when the methods' losses or gradient norms disagree. ``launch``:
+    ``processes.launch``, or what replaces it on the front door (``run_cli`` passes it on)."""
+    import sys
+
+    check_workload_names(args, parser)
+    check_pipeline_arguments(args, parser)
+    load_before = os.getloadavg()[0]
+    results = launch(run_pipeline_rank, args)
+    if results is None:  # a rank other than 0 under torchrun
+        return 0
+    results["load_average"] = [load_before, os.getloadavg()[0]]
+    summary = summarize_pipeline(results, args)
+    print(json.dumps(summary) if args.json else format_pipeline_table(summary))
+    check = summary["check"]
+    if not check["agree"]:
+        print(f"distca-hf bench --pipeline-parallel: the methods disagree on the same model and rows: step losses "
+              f"differ by up to {check['max_loss_rel_diff']:.3g} and gradient norms by up to "
+              f"{check['max_grad_norm_rel_diff']:.3g} (relative; allowed {check['rtol']:g}); the timings are not "
+              "comparable. Please report this with the command line", file=sys.stderr)
+        return 1
+    return 0

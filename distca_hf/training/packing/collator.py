@@ -1,0 +1,78 @@
+"""Packed row items -> model inputs (``PackedCollator``): what ``DataCollatorWithFlattening(
+return_flash_attn_kwargs=True)`` emits, plus ``shift_labels`` for documents that go on in the next rank's row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dataset import tokens_of
+from .rows import IGNORE_INDEX
+
+
+@dataclass
+class PackedCollator:
+    """Packed row items -> model inputs, one row.
+
+    The pieces of all items are concatenated into one row (the trainer uses one item per rank and
+    forward). Returns what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` emits, plus
+    ``shift_labels``, for a row of ``N`` tokens:
+
+    * ``input_ids``, ``position_ids``, ``labels``, ``shift_labels``: ``[1, N]`` int64. Positions
+      restart at 0 per piece, except that the row's first piece starts at the item's
+      ``first_position`` (it continues a document from the previous rank). ``labels`` are the
+      tokens, -100 where a document starts (nothing precedes the token in its document).
+      ``shift_labels[i]`` is the target of token ``i``: token ``i + 1`` when it belongs to the same
+      document, else -100; for the row's last token, the item's ``last_label`` (the first token of
+      the next rank's row when the document continues there). This is what transformers' causal-LM
+      loss uses when given (every token with a successor in its document is trained once, the rank
+      boundaries included).
+    * ``cu_seq_lens_q`` / ``cu_seq_lens_k``: ``[pieces + 1]`` int32 offsets of the row's local pieces
+      (a continuing piece is the row's first "document", with its local length);
+      ``max_length_q`` / ``max_length_k``: the longest piece (int).
+
+    Items without ``first_position`` / ``last_label`` are whole documents. An item's ``padding``
+    (``PackedDataset(full_rows=True)``) counts its trailing padding tokens: their ``labels`` and
+    ``shift_labels`` are -100.
+    """
+
+    def __call__(self, items: list[dict]) -> dict:
+        pieces: list[list[int]] = []
+        first_position, last_label, padding = 0, IGNORE_INDEX, 0
+        for index, item in enumerate(items):
+            if not isinstance(item, dict) or "input_ids" not in item:
+                raise ValueError("PackedCollator expects items {'input_ids': [piece tokens, ...]} from a "
+                                 f"PackedDataset, got {type(item).__name__}")
+            position, label = int(item.get("first_position", 0)), int(item.get("last_label", IGNORE_INDEX))
+            if position < 0 or (position > 0 and (index > 0 or not item["input_ids"])):
+                raise ValueError(f"PackedCollator: item {index} has first_position={position}; only the row's first "
+                                 "piece can continue a document (first_position > 0), and positions are >= 0")
+            if label != IGNORE_INDEX and (label < 0 or index < len(items) - 1 or not item["input_ids"]):
+                raise ValueError(f"PackedCollator: item {index} has last_label={label}; only the row's last piece can "
+                                 "continue on the next rank, and its label is a token id >= 0")
+            if index == 0:
+                first_position = position
+            last_label = label
+            pieces.extend(tokens_of(p) for p in item["input_ids"])
+            padding = int(item.get("padding", 0))
+            if padding and (index < len(items) - 1 or label != IGNORE_INDEX):
+                raise ValueError(f"PackedCollator: item {index} has padding={padding}; only the row's last item can "
+                                 "end in padding, and padding has no label (last_label -100)")
+        if not pieces or any(len(p) == 0 for p in pieces):
+            raise ValueError("PackedCollator: a row needs at least one piece and no empty piece")
+        lengths = [len(p) for p in pieces]
+        input_ids = torch.tensor([t for p in pieces for t in p], dtype=torch.int64).unsqueeze(0)
+        starts = [first_position] + [0] * (len(pieces) - 1)
+        position_ids = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
+                                  for s, n in zip(starts, lengths)]).unsqueeze(0)
+        labels = input_ids.clone()
+        labels[position_ids == 0] = IGNORE_INDEX
+        if padding:
+            labels[:, -padding:] = IGNORE_INDEX
+        shift_labels = torch.cat([labels[:, 1:], torch.tensor([[last_label]], dtype=torch.int64)], dim=1)
+        cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        longest = max(lengths)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+                "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": longest, "max_length_k": longest, "shift_labels": shift_labels}

@@ -1,0 +1,152 @@
+"""The map-style dataset of packed rows (``PackedDataset``): a document source's lengths packed once
+(``rows.pack_rows``) for a ``RankLayout``, item ``i`` rank ``i % world_size``'s row as the item
+``PackedCollator`` reads; ``tokens_of`` reads one document's token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import RankLayout
+from .rows import IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_positive, pack_rows
+
+
+def _document_lengths(documents) -> list[int]:
+    try:
+        import datasets
+
+        if isinstance(documents, datasets.Dataset):
+            _require_input_ids(documents.column_names)
+            return [len(ids) for batch in documents.iter(batch_size=1024) for ids in batch["input_ids"]]
+    except ImportError:
+        pass
+    return [len(tokens_of(documents[i])) for i in range(len(documents))]
+
+
+def _require_input_ids(columns) -> None:
+    if "input_ids" not in columns:
+        raise ValueError(f"the documents need an 'input_ids' column (token ids), found {list(columns)}; "
+                         "tokenize them first, e.g. with distca_hf.training.load_documents(..., tokenizer=...)")
+
+
+def tokens_of(document) -> list[int]:
+    """The token ids of one document: a list, a tensor or ``{"input_ids": ...}``."""
+    if isinstance(document, dict):
+        _require_input_ids(document.keys())
+        document = document["input_ids"]
+    if isinstance(document, torch.Tensor):
+        document = document.tolist()
+    return list(document)
+
+
+def row_item(row: PackedRow, tokens_of_document, pad_token_id: int, full_row_tokens: int | None = None) -> dict:
+    """A row as the item ``PackedCollator`` reads (a filler for an empty row: one token, or with
+    ``full_row_tokens`` that many padding tokens)."""
+    if not row.pieces:  # starts a document and so carries no label
+        if full_row_tokens:
+            return {"input_ids": [[pad_token_id] * full_row_tokens], "first_position": 0,
+                    "last_label": IGNORE_INDEX, "padding": full_row_tokens}
+        return {"input_ids": [[pad_token_id]], "first_position": 0, "last_label": IGNORE_INDEX}
+
+    def tokens(piece):
+        if piece.document is PADDING:
+            return [pad_token_id] * (piece.end - piece.start)
+        return tokens_of_document(piece.document)[piece.start:piece.end]
+
+    pieces = [tokens(p) for p in row.pieces]
+    last = row.pieces[-1]
+    last_label = (tokens_of_document(last.document)[last.end] if row.continues and last.document is not PADDING
+                  else IGNORE_INDEX)
+    item = {"input_ids": pieces, "first_position": row.first_position, "last_label": last_label}
+    if row.padding_tokens:
+        item["padding"] = row.padding_tokens
+    return item
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Map-style dataset of packed rows, one per rank and forward.
+
+    Args:
+        documents: token-id documents: a ``datasets.Dataset`` with an ``input_ids`` column, or any
+            sequence of token lists / tensors / ``{"input_ids": ...}`` dicts.
+        config: the ``PackingConfig``.
+        world_size: ranks sharing the epoch; the length is a multiple of it.
+        span_ranks: documents span the ranks of a server group (global batches of
+            ``group size * tokens_per_rank`` tokens; see ``training.packing``); ``False``: per rank.
+        server_groups: with ``span_ranks``, the attention-server groups as lists of global ranks
+            (default: one group of all ``world_size`` ranks); must match the groups the attention
+            runtime uses (``DistCAPlugin.attach``).
+        full_rows: every row has exactly ``tokens_per_rank`` tokens: a global batch's free room is
+            filled with padding documents (no labels) at the end of its token stream, and filler rows
+            are ``tokens_per_rank`` padding tokens (pipeline stages exchange fixed shapes).
+        step_micro_batches: micro-batches (rows per rank) of one optimizer step; with
+            ``config.balance_micro_batches`` the global batches of a step (``step_micro_batches`` per
+            server group) are balanced for attention together.
+
+    Item ``i`` is rank ``i % world_size``'s row (``RankLayout``); ``rows`` lists the packed rows in
+    global-batch order (``PackedRow``), ``micro_batches`` their pieces; ``report`` says what
+    packing did. Read it with ``GlobalBatchSampler`` (or in order) when ``span_ranks``.
+    """
+
+    def __init__(self, documents, config: PackingConfig, world_size: int = 1, *, span_ranks: bool = False,
+                 server_groups=None, full_rows: bool = False, step_micro_batches: int = 1):
+        if not isinstance(config, PackingConfig):
+            raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
+        self.documents = documents
+        self.config = config
+        self.full_rows = bool(full_rows)
+        self.step_micro_batches = check_positive("step_micro_batches", step_micro_batches)
+        self._lengths = _document_lengths(documents)
+        self._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
+
+    def _set_layout(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self.rows, report = pack_rows(self._lengths, self.config, group_size=layout.group_size,
+                                      full_rows=self.full_rows,
+                                      step_batches=getattr(self, "step_micro_batches", 1) * layout.num_groups)
+        filler_batches = layout.blocks(report.global_batches) * layout.num_groups - report.global_batches
+        report.filler_micro_batches += filler_batches * layout.group_size
+        self.report = report
+
+    def with_layout(self, world_size: int, *, span_ranks: bool = False, server_groups=None,
+                    full_rows: bool | None = None, step_micro_batches: int | None = None) -> "PackedDataset":
+        """The same documents and config, packed for another layout (see the constructor; ``full_rows``,
+        ``step_micro_batches`` None: as this dataset)."""
+        copy = object.__new__(PackedDataset)
+        copy.__dict__.update(self.__dict__)
+        if full_rows is not None:
+            copy.full_rows = bool(full_rows)
+        if step_micro_batches is not None:
+            copy.step_micro_batches = check_positive("step_micro_batches", step_micro_batches)
+        copy._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
+        return copy
+
+    def with_world_size(self, world_size: int) -> "PackedDataset":
+        """The same packing mode for ``world_size`` ranks (spanning: one server group of all of them)."""
+        return self.with_layout(world_size, span_ranks=self.layout.span_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def micro_batches(self) -> list[list[Piece]]:
+        """Every row's ``(document index, start, end)`` pieces, in global-batch order (``[]``: a filler slot)."""
+        return [list(row.pieces) for row in self.rows]
+
+    def __len__(self) -> int:
+        return self.layout.blocks(self.report.global_batches) * self.layout.world_size
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} out of range ({len(self)})")
+        global_batch, position = self.layout.locate(index % len(self))
+        row_index = global_batch * self.layout.group_size + position
+        row = self.rows[row_index] if row_index < len(self.rows) else PackedRow()
+        return row_item(row, lambda key: tokens_of(self.documents[key]), self.config.pad_token_id,
+                     self.config.tokens_per_rank if getattr(self, "full_rows", False) else None)
+
+    def label_tokens(self) -> int:
+        """Tokens trained to predict their successor over one epoch: ``sum(length - 1)`` over the
+        documents (and chunks), whatever ranks their pieces lie on."""
+        return sum(row.label_tokens for row in self.rows)

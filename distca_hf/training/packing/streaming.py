@@ -1,0 +1,94 @@
+"""Packing a stream of documents on the fly (``StreamingPackedDataset``, for ``datasets`` streaming),
+and ``is_streaming``: whether a dataset is read as a stream rather than by index.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from .dataset import row_item, tokens_of
+from .layout import RankLayout
+from .rows import PackedRow, PackingConfig, PackingReport, global_batch_rows
+
+
+class StreamingPackedDataset(torch.utils.data.IterableDataset):
+    """Iterable dataset that packs a stream of documents on the fly (``datasets`` streaming).
+
+    Every rank reads the whole stream and packs it the same way, then yields the items of every
+    rank in blocks of ``world_size`` (``RankLayout``); the launcher's sharding then gives rank ``r``
+    items ``r, r + W, ...``, its own row of each block. At the end of the stream fillers complete
+    the last block. ``report`` is filled as the stream is read (in the process that iterates: keep
+    ``dataloader_num_workers=0`` to read it). ``config.shuffle`` does not apply: a stream is read in
+    order (shuffle the source, e.g. ``IterableDataset.shuffle(buffer_size=...)``). Arguments as
+    ``PackedDataset``.
+    """
+
+    def __init__(self, documents: Iterable, config: PackingConfig, world_size: int = 1, *,
+                 span_ranks: bool = False, server_groups=None):
+        if not isinstance(config, PackingConfig):
+            raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
+        self.documents = documents
+        self.config = config
+        self.layout = RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups)
+        self.report = PackingReport(config.tokens_per_rank, self.layout.group_size)
+
+    def with_layout(self, world_size: int, *, span_ranks: bool = False, server_groups=None):
+        return StreamingPackedDataset(self.documents, self.config, world_size, span_ranks=span_ranks,
+                                      server_groups=server_groups)
+
+    def with_world_size(self, world_size: int) -> "StreamingPackedDataset":
+        return self.with_layout(world_size, span_ranks=self.layout.span_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.documents, "set_epoch"):
+            self.documents.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch.utils.data
+
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:
+            # every worker would read (and yield) the whole stream: each row num_workers times
+            raise ValueError(
+                f"a streaming packed dataset must be read by one DataLoader worker, got {worker.num_workers} "
+                "(dataloader_num_workers); set dataloader_num_workers to 0 or 1")
+        layout = self.layout
+        report = PackingReport(self.config.tokens_per_rank, layout.group_size)
+        self.report = report
+        # The token lists themselves are the document keys: pieces slice them directly.
+        stream = ((tokens, len(tokens)) for tokens in map(tokens_of, self.documents))
+        block: list[list[PackedRow]] = []
+        for rows in global_batch_rows(stream, self.config, layout.group_size, report):
+            block.append(rows)
+            if len(block) == layout.num_groups:
+                yield from self._block_items(block)
+                block = []
+        if block:
+            report.filler_micro_batches += (layout.num_groups - len(block)) * layout.group_size
+            yield from self._block_items(block)
+
+    def _block_items(self, block: list[list[PackedRow]]) -> Iterator[dict]:
+        """One block's items in rank order (global batches missing at the end of the stream: fillers)."""
+        for rank in range(self.layout.world_size):
+            group, position = self.layout.slot(rank)
+            row = block[group][position] if group < len(block) else PackedRow()
+            yield row_item(row, lambda tokens: tokens, self.config.pad_token_id)
+
+
+def is_streaming(dataset) -> bool:
+    """Whether ``dataset`` is read as a stream (a torch ``IterableDataset``, ``StreamingPackedDataset``
+    included, or a ``datasets`` streaming dataset) rather than by index."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        return isinstance(dataset, datasets.IterableDataset)
+    except ImportError:
+        return False
