@@ -5,7 +5,8 @@
 - the generated pages (settings and CLI references, the supported-models tables) equal what
   ``distca_hf.tools.docs_reference`` generates now (``make docs`` rewrites them);
 - every phrase the troubleshooting page quotes from an error message is still in the package source;
-- every relative link of README.md reaches a file, and an anchor a heading of that file.
+- every relative link of README.md reaches a file, and an anchor a heading of that file;
+- every ``distca-hf SUBCOMMAND --flag`` they write is a flag of that subcommand.
 
 ``make docs`` (mkdocs --strict) checks the links and anchors inside docs/ itself.
 """
@@ -147,3 +148,23 @@ def test_readme_links_reach_their_targets():
         assert target.exists(), f"README.md links to {path}, which does not exist"
         if anchor:
             assert anchor in _anchors(target.read_text(encoding="utf-8")), f"README.md: {path} has no heading #{anchor}"
+
+
+def test_documented_command_flags_exist():
+    """Every ``distca-hf SUBCOMMAND ... --flag`` written in README.md or docs/ names a flag that
+    subcommand's parser takes (a renamed or dropped flag fails here, not in a user's shell)."""
+    from distca_hf.tools import cli
+
+    options = {name: {s for action in parser._actions for s in action.option_strings}  # argparse's own list
+               for name, parser in cli.parsers().items()}
+    commands, unknown = 0, []
+    for path in _documents():
+        text = path.read_text(encoding="utf-8").replace("\\\n", " ")  # shell line continuations
+        for match in re.finditer(r"distca-hf (env|kernel-bench|simulate|profile|bench)((?: +\[?--?[a-z][\w-]*[^`\n|]*)*)",
+                                 text):
+            commands += 1
+            unknown += [(path.name, match.group(1), flag)
+                        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", match.group(2))
+                        if flag not in options[match.group(1)]]
+    assert commands >= 20
+    assert not unknown, f"flags the commands do not take: {unknown}"
