@@ -28,6 +28,15 @@ attention: 192 for q/k, 128 for v); ``out`` then has v's. Backends that take onl
 wider here, which is exact (zero columns add nothing to a score, and give zero output columns,
 which are cut off); ``math`` takes both as they are.
 
+Full tasks: ``full`` (a bool per task, optional) marks tasks whose every query sees every key (no
+mask): the key-split tiles of a CA-task whose keys end before its queries begin (queries ``[a, b)``
+against keys ``[k0, k1)`` with ``k1 <= a + 1``; under a sliding window the caller cuts them so that
+every query's window holds all of them, ``k0 >= b - window``, and no window is applied to them).
+Such a task may have fewer keys than queries. The front door runs the causal tasks and the full
+tasks as two kernel calls over the fused batch (backends take ``causal=False``); ``chunk`` takes
+whole prefixes only. A task's partial ``(out, lse)`` merges with the row's other partials by
+``merge.merge_rows``; its backward takes the merged ``out`` and ``lse``.
+
 Backends, in the order ``auto`` tries them: ``flash_attn`` (CUDA, fp16/bf16, when flash-attn is
 installed), ``torch_cuda`` (PyTorch's own flash varlen ops: CUDA, fp16/bf16, compute capability
 8.0+, no extra install), ``torch_cuda_efficient`` (PyTorch's memory-efficient varlen kernel: CUDA
@@ -54,6 +63,7 @@ from . import math as _math
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from . import torch_cuda_efficient as _torch_cuda_efficient
+from .merge import merge_partials, merge_rows
 
 __all__ = [
     "AttentionVariant",
@@ -65,6 +75,8 @@ __all__ = [
     "varlen_attention_forward",
     "varlen_attention_backward",
     "varlen_causal_attention",
+    "merge_partials",
+    "merge_rows",
 ]
 
 BACKENDS: dict[str, ModuleType] = {
@@ -234,39 +246,132 @@ def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
-def _run_forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, variant):
+def _run_forward(kernel, q, k, v, cu_q, cu_k, max_q, max_k, scale, variant, causal=True):
     """One backend's forward, with v's head dim padded to q's (or q/k's to v's) where the backend
-    takes only one head dim; returns ``out`` with v's head dim."""
+    takes only one head dim; returns ``out`` with v's head dim. ``causal=False``: full tasks."""
     value_dim = v.shape[-1]
+    keywords = {**_variant_keywords(variant), **({} if causal else {"causal": False})}
     if value_dim != q.shape[-1] and not getattr(kernel, "SUPPORTS_VALUE_HEAD_DIM", False):
         width = max(value_dim, q.shape[-1])
         out, lse = kernel.forward(_pad_last(q, width), _pad_last(k, width), _pad_last(v, width), cu_q, cu_k, max_q,
-                                  max_k, scale, **_variant_keywords(variant))
+                                  max_k, scale, **keywords)
         return out[..., :value_dim].contiguous(), lse
-    return kernel.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, **_variant_keywords(variant))
+    return kernel.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, **keywords)
 
 
-def _run_backward(kernel, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant):
+def _run_backward(kernel, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, variant, causal=True):
     """One backend's backward, padded as ``_run_forward`` (zero columns of out and dO add nothing to
     the softmax gradient's row sums); returns gradients shaped like q, k, v."""
     head_dim, value_dim = q.shape[-1], v.shape[-1]
+    keywords = {**_variant_keywords(variant), **({} if causal else {"causal": False})}
     if value_dim != head_dim and not getattr(kernel, "SUPPORTS_VALUE_HEAD_DIM", False):
         width = max(value_dim, head_dim)
         dq, dk, dv = kernel.backward(*(_pad_last(t, width) for t in (dout, q, k, v, out)), lse, cu_q, cu_k, max_q,
-                                     max_k, scale, **_variant_keywords(variant))
+                                     max_k, scale, **keywords)
         return dq[..., :head_dim].contiguous(), dk[..., :head_dim].contiguous(), dv[..., :value_dim].contiguous()
-    return kernel.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, **_variant_keywords(variant))
+    return kernel.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, **keywords)
+
+
+@dataclass(frozen=True)
+class _TaskSubset:
+    """Some tasks of a fused batch as a batch of their own: ``q_rows`` / ``k_rows`` (long, on the
+    batch's device) pick their rows, ``cu_q`` / ``cu_k`` (int32) and the maxima describe them."""
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _full_flags(full, num_tasks: int) -> list[bool] | None:
+    """``full`` as a list of ``num_tasks`` bools, or ``None`` when no task is full."""
+    if full is None:
+        return None
+    flags = [bool(f) for f in (full.tolist() if isinstance(full, torch.Tensor) else full)]
+    if len(flags) != num_tasks:
+        raise ValueError(f"full must hold one flag per task ({num_tasks}), got {len(flags)}")
+    return flags if any(flags) else None
+
+
+def _split_full(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device) -> tuple[_TaskSubset | None, _TaskSubset]:
+    """The causal tasks (``None`` when there are none) and the full tasks, as batches of their own."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    parts = []
+    for want in (False, True):
+        chosen = [i for i, f in enumerate(flags) if f == want]
+        if not chosen:
+            parts.append(None)
+            continue
+        q_len = [cu_q[i + 1] - cu_q[i] for i in chosen]
+        k_len = [cu_k[i + 1] - cu_k[i] for i in chosen]
+        if want and any(lq and not lk for lq, lk in zip(q_len, k_len)):
+            raise ValueError("a full task has queries but no keys; every query of a CA-task must see a key")
+        ranges = lambda starts, lengths: torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        cumulative = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                                                  device=device)
+        parts.append(_TaskSubset(ranges([cu_q[i] for i in chosen], q_len).to(device),
+                                 ranges([cu_k[i] for i in chosen], k_len).to(device),
+                                 cumulative(q_len), cumulative(k_len), max(q_len), max(k_len)))
+    return parts[0], parts[1]
+
+
+def _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, flags, scale, variant):
+    """Forward of a batch holding full tasks: the causal tasks under ``variant``, the full ones
+    unmasked (no window), each set in one kernel call; rows of no task get zeros."""
+    if variant.chunk:
+        raise ValueError("chunked attention (attention_chunk_size) takes whole-prefix CA-tasks only, not full "
+                         "(key-split) tasks")
+    causal_part, full_part = _split_full(cu_seqlens_q, cu_seqlens_k, flags, q.device)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    lse = None
+    for part, causal in ((causal_part, True), (full_part, False)):
+        if part is None:
+            continue
+        o, l = _run_forward(kernel, q.index_select(0, part.q_rows), k.index_select(0, part.k_rows),
+                            v.index_select(0, part.k_rows), part.cu_q, part.cu_k, part.max_q, part.max_k, scale,
+                            variant if causal else AttentionVariant(softcap=variant.softcap), causal)
+        if lse is None:
+            lse = torch.zeros(q.shape[1], q.shape[0], dtype=l.dtype, device=q.device)
+        out.index_copy_(0, part.q_rows, o)
+        lse.index_copy_(1, part.q_rows, l.to(lse.dtype))
+    return out, lse
+
+
+def _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, flags, scale, variant):
+    causal_part, full_part = _split_full(cu_seqlens_q, cu_seqlens_k, flags, q.device)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for part, causal in ((causal_part, True), (full_part, False)):
+        if part is None:
+            continue
+        rows = lambda t: t.index_select(0, part.q_rows)
+        keys = lambda t: t.index_select(0, part.k_rows)
+        pdq, pdk, pdv = _run_backward(kernel, rows(dout), rows(q), keys(k), keys(v), rows(out),
+                                      lse.index_select(1, part.q_rows).contiguous(), part.cu_q, part.cu_k,
+                                      part.max_q, part.max_k, scale,
+                                      variant if causal else AttentionVariant(softcap=variant.softcap), causal)
+        dq.index_add_(0, part.q_rows, pdq.to(dq.dtype))
+        dk.index_add_(0, part.k_rows, pdk.to(dk.dtype))
+        dv.index_add_(0, part.k_rows, pdv.to(dv.dtype))
+    return dq, dk, dv
 
 
 def varlen_attention_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
-    softcap=None, chunk=None
+    softcap=None, chunk=None, full=None
 ):
-    """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded."""
+    """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded.
+    ``full``: ``[num_tasks]`` bools, the tasks whose every query sees every key (see the module
+    docstring), or ``None``."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    flags = _full_flags(full, cu_seqlens_q.numel() - 1)
+    if flags is not None:
+        with torch.no_grad():
+            return _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, flags, scale, variant)
     cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
         if cut is None:
@@ -278,13 +383,22 @@ def varlen_attention_forward(
 
 def varlen_attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None,
-    *, window=None, softcap=None, chunk=None
+    *, window=None, softcap=None, chunk=None, full=None
 ):
     """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
-    (gradients of grouped K/V heads summed over their query heads)."""
+    (gradients of grouped K/V heads summed over their query heads). ``out`` and ``lse`` may be a
+    row's merged ones (``kernels.merge``): each task then gets its share of the gradient."""
     variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    flags = _full_flags(full, cu_seqlens_q.numel() - 1)
+    if flags is not None:
+        if chunk:
+            raise ValueError("chunked attention (attention_chunk_size) takes whole-prefix CA-tasks only, not full "
+                             "(key-split) tasks")
+        with torch.no_grad():
+            return _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, flags, scale,
+                                       variant)
     cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
         if cut is None:

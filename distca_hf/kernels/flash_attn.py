@@ -57,14 +57,14 @@ def _window_kwargs(fn, window: int | None) -> dict:
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
-            softcap=None):
+            softcap=None, causal=True):
     fa = _interface()
     head_dim = q.shape[-1]
     qp, kp, vp = _pad_head_dim(q, k, v)
     fn = fa._flash_attn_varlen_forward
     result = fn(
         qp, kp, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        dropout_p=0.0, softmax_scale=softmax_scale, causal=True, softcap=float(softcap or 0.0), alibi_slopes=None,
+        dropout_p=0.0, softmax_scale=softmax_scale, causal=bool(causal), softcap=float(softcap or 0.0), alibi_slopes=None,
         return_softmax=False, **_window_kwargs(fn, window),
     )
     # flash-attn 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+ (out, lse, S_dmask, rng_state).
@@ -73,7 +73,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None, softcap=None):
+             window=None, softcap=None, causal=True):
     fa = _interface()
     head_dim = q.shape[-1]
     dout_p, qp, kp, vp, out_p = _pad_head_dim(dout.contiguous(), q, k, v, out)
@@ -81,7 +81,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     fn = fa._flash_attn_varlen_backward
     fn(
         dout_p, qp, kp, vp, out_p, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        dropout_p=0.0, softmax_scale=softmax_scale, causal=True, softcap=float(softcap or 0.0), alibi_slopes=None,
+        dropout_p=0.0, softmax_scale=softmax_scale, causal=bool(causal), softcap=float(softcap or 0.0), alibi_slopes=None,
         deterministic=False, rng_state=None, **_window_kwargs(fn, window),
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]

@@ -25,20 +25,23 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int, window: int | None):
+def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int, window: int | None,
+            causal: bool = True):
     """Yield (query rows, key rows, position of the first query row among the task's keys, i.e.
     its own key column, minus the first key row's column). A chunk's key rows end at its last query's
-    column; under a window they start where its first query's window does."""
+    column; under a window they start where its first query's window does. ``causal=False`` (a full
+    task: every query sees every key, no window): the first query's column is the task's last key."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
         span = lk if window is None else min(lk, window)
         rows = max(1, SCORE_ELEMENTS // max(1, num_heads * span))
+        offset = lk - lq if causal else lk - 1  # the key column of the task's first query (bottom-right)
         for first in range(0, lq, rows):
             last = min(lq, first + rows)
-            column = first + lk - lq  # the key column of the chunk's first query (bottom-right)
+            column = first + offset  # the key column of the chunk's first query
             k_lo = 0 if window is None else max(0, column - window + 1)
-            k_hi = last + lk - lq  # keys after the chunk's last query are masked for all its rows
+            k_hi = min(lk, last + offset)  # keys after the chunk's last query are masked for all its rows
             yield slice(cu_q[i] + first, cu_q[i] + last), slice(cu_k[i] + k_lo, cu_k[i] + k_hi), column - k_lo
 
 
@@ -68,13 +71,13 @@ def _probabilities(q, k, scale, column: int, window: int | None, softcap: float 
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
-            softcap=None):
+            softcap=None, causal=True):
     num_heads, num_kv_heads, head_dim, value_dim = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
     out = q.new_empty(q.shape[0], num_heads, value_dim)
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
-    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
+    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window, causal):
         qt = q[qs].to(acc).view(-1, num_kv_heads, groups, head_dim)
         probs, chunk_lse, _ = _probabilities(qt, k[ks].to(acc), softmax_scale, column, window, softcap)
         out[qs] = torch.einsum("hgqk,khd->qhgd", probs, v[ks].to(acc)).reshape(-1, num_heads, value_dim).to(q.dtype)
@@ -83,18 +86,23 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None, softcap=None):
+             window=None, softcap=None, causal=True):
+    """Gradients from the given ``out`` and ``lse`` (not recomputed ones): a key-split task's partial
+    run with the row's merged output and log-sum-exp gets its exact share (see ``kernels.merge``)."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     groups = num_heads // num_kv_heads
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window):
+    for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window, causal):
         grouped = lambda t: t[qs].to(acc).view(-1, num_kv_heads, groups, t.shape[2])
         qt, do, ot = grouped(q), grouped(dout), grouped(out)
         kt, vt = k[ks].to(acc), v[ks].to(acc)
-        probs, _, slope = _probabilities(qt, kt, softmax_scale, column, window, softcap)
+        probs, own_lse, slope = _probabilities(qt, kt, softmax_scale, column, window, softcap)
+        # renormalise by the given log-sum-exp: exp(s - own) exp(own - given) = exp(s - given)
+        given = lse[:, qs].to(acc).view(num_kv_heads, groups, -1)
+        probs = probs * torch.exp(own_lse - given).unsqueeze(-1)
         dp = torch.einsum("qhgd,khd->hgqk", do, vt)
         delta = (do * ot).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, rows, 1]
         ds = probs * (dp - delta) * softmax_scale

@@ -25,6 +25,8 @@ from collections import defaultdict
 
 import torch
 
+from .merge import merge_partials
+
 NAME = "torch_cpu"
 GROUP_SAME_SHAPE = False
 WINDOW_ROWS = 256  # queries per windowed chunk: the band mask is WINDOW_ROWS x (WINDOW_ROWS + window - 1)
@@ -37,13 +39,13 @@ def is_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _shape_groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, group: bool):
+def _shape_groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, group: bool, causal: bool = True):
     """Yield lists of (q_start, k_start) of tasks sharing (lq, lk), with that (lq, lk)."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        if lk < lq:
+        if causal and lk < lq:
             raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
         if lq == 0:
             continue
@@ -118,9 +120,36 @@ def _windowed_backward(dout, q, k, v, out, lse, dq, dk, dv, lq, lk, q0, k0, wind
         dv[k0 + k_lo : k0 + k_hi] += dvb[0].transpose(0, 1)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
+def _full_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
+    """Tasks whose every query sees every key (``causal=False``): one unmasked call each."""
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, False, causal=False):
+        (q0, k0), = starts
+        o, l = _flash_cpu(_gather(q, [q0], lq), _gather(k, [k0], lk), _gather(v, [k0], lk), 0.0, False, scale=scale)
+        _scatter(out, o, [q0], lq)
+        lse[:, q0 : q0 + lq] = l[0]
+    return out, lse
+
+
+def _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, False, causal=False):
+        (q0, k0), = starts
+        rows = [q0]
+        dqb, dkb, dvb = _flash_cpu_backward(
+            _gather(dout, rows, lq), _gather(q, rows, lq), _gather(k, [k0], lk), _gather(v, [k0], lk),
+            _gather(out, rows, lq), _gather_lse(lse, rows, lq).to(_lse_dtype(q.dtype)), 0.0, False, scale=scale)
+        _scatter(dq, dqb, rows, lq)
+        _scatter(dk, dkb, [k0], lk)
+        _scatter(dv, dvb, [k0], lk)
+    return dq, dk, dv
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
+            causal=True):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    if not causal:  # the front door passes no window with full tasks: their keys are inside every window
+        return _full_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
         if window is not None and window < lk:  # the window cuts some query's keys
             (q0, k0), = starts
@@ -135,24 +164,17 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
             o2, l2 = _flash_cpu(
                 qb, _gather(k, prefix_starts, lk - lq), _gather(v, prefix_starts, lk - lq), 0.0, False, scale=softmax_scale
             )
-            o, l = _merge(o, l, o2, l2)
+            o, l = merge_partials([o, o2], [l, l2])
         _scatter(out, o, q_starts, lq)
         for i, s in enumerate(q_starts):
             lse[:, s : s + lq] = l[i]
     return out, lse
 
 
-def _merge(o1, lse1, o2, lse2):
-    """Combine two partial attentions over disjoint key sets (log-sum-exp weighted)."""
-    acc = _lse_dtype(o1.dtype)
-    lse = torch.logaddexp(lse1.to(acc), lse2.to(acc))
-    w1 = torch.exp(lse1.to(acc) - lse).unsqueeze(-1)
-    w2 = torch.exp(lse2.to(acc) - lse).unsqueeze(-1)
-    return (o1.to(acc) * w1 + o2.to(acc) * w2).to(o1.dtype), lse
-
-
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None):
+             window=None, causal=True):
+    if not causal:
+        return _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     dq = torch.empty_like(q)
     # windowed chunks overlap in keys: their dK/dV partials are summed in fp32 (fp64 for fp64)
     acc = _lse_dtype(q.dtype) if window is not None else k.dtype

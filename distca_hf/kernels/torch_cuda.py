@@ -134,11 +134,12 @@ def _window_kwargs(window: int | None) -> dict:
     return {"window_size_left": left, "window_size_right": right}
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
+            causal=True):
     other = fallback(q.shape[-1], window)
     if other is not None:
         return other.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             window=window)
+                             window=window, causal=causal)
     head_dim, total_q = q.shape[-1], q.shape[0]
     lse_shape = (q.shape[1], total_q)
     if total_q == 0:
@@ -146,7 +147,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     qp, kp, vp = (t.contiguous() for t in pad_head_dim(q, k, v))
     cu_q, cu_k = _cu(cu_seqlens_q, q.device), _cu(cu_seqlens_k, q.device)
     out, lse, *_ = _op("_flash_attention_forward")(
-        qp, kp, vp, cu_q, cu_k, max(int(max_seqlen_q), 2), int(max_seqlen_k), 0.0, True, False,
+        qp, kp, vp, cu_q, cu_k, max(int(max_seqlen_q), 2), int(max_seqlen_k), 0.0, bool(causal), False,
         scale=float(softmax_scale), **_window_kwargs(window),
     )
     out = out if out.shape[-1] == head_dim else out[..., :head_dim].contiguous()
@@ -154,11 +155,11 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None):
+             window=None, causal=True):
     other = fallback(q.shape[-1], window)
     if other is not None:
         return other.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, window=window)
+                              softmax_scale, window=window, causal=causal)
     head_dim = q.shape[-1]
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -172,7 +173,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = _op("_flash_attention_backward")(
-        dout_p, qp, kp, vp, out_p, lse, cu_q, cu_k, max_q, int(max_seqlen_k), 0.0, True, rng_state, unused,
+        dout_p, qp, kp, vp, out_p, lse, cu_q, cu_k, max_q, int(max_seqlen_k), 0.0, bool(causal), rng_state, unused,
         scale=float(softmax_scale), **_window_kwargs(window),
     )
     if dq.shape[-1] != head_dim:

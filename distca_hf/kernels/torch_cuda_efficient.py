@@ -33,6 +33,7 @@ from .varlen_layout import packed_lse, pad_head_dim, padded_lse
 
 NAME = "torch_cuda_efficient"
 CAUSAL_FROM_BOTTOM_RIGHT = 2  # sdp::CustomMaskType::CausalFromBottomRight
+NO_MASK = 0  # sdp::CustomMaskType::NoCustomMask: a full task (every query sees every key)
 LSE_ALIGN = 32
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -88,10 +89,11 @@ def lse_width(max_seqlen_q: int) -> int:
     return -(-max_seqlen_q // LSE_ALIGN) * LSE_ALIGN
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
+            causal=True):
     if _windowed_on_math(window):
         return _math.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                             window=window)
+                             window=window, causal=causal)
     total_q, heads, head_dim = q.shape
     if total_q == 0:
         return torch.empty_like(q), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
@@ -100,7 +102,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     out, lse, *_ = _op("_efficient_attention_forward")(
         _as_rows(qp, heads), _as_rows(kp, heads), _as_rows(vp, heads), None, cu_q, cu_k,
-        min(int(max_seqlen_q), total_q), min(int(max_seqlen_k), k.shape[0]), 0.0, CAUSAL_FROM_BOTTOM_RIGHT, True,
+        min(int(max_seqlen_q), total_q), min(int(max_seqlen_k), k.shape[0]), 0.0,
+        CAUSAL_FROM_BOTTOM_RIGHT if causal else NO_MASK, True,
         scale=float(softmax_scale),
     )
     out = out[0]
@@ -110,10 +113,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-             window=None):
+             window=None, causal=True):
     if _windowed_on_math(window):
         return _math.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, window=window)
+                              softmax_scale, window=window, causal=causal)
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if total_q == 0:
@@ -126,7 +129,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dq, dk, dv, _ = _op("_efficient_attention_backward")(
         _as_rows(dout_p, heads), _as_rows(qp, heads), _as_rows(kp, heads), _as_rows(vp, heads), None,
         _as_rows(out_p, heads), cu_q, cu_k, max_q, max_k, padded_lse(lse, cu_q, lse_width(max_q)), 0.0, seed, seed,
-        CAUSAL_FROM_BOTTOM_RIGHT, False, scale=float(softmax_scale),
+        CAUSAL_FROM_BOTTOM_RIGHT if causal else NO_MASK, False, scale=float(softmax_scale),
     )
     dq, dk, dv = dq[0], dk[0], dv[0]
     if dq.shape[-1] != head_dim:

@@ -14,9 +14,13 @@ that no import, at module level or inside a function, closes a circle):
     transfers  the K/V ranges and bytes a plan moves, and the memory it makes ranks hold for backward
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
-    by_time    tolerance="auto": the plan the time model predicts fastest (colocated included) within
-               the memory budget
+    descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
+               ends of every link counted, a document's fan-out bounded
+    by_time    tolerance="auto": the plan the time model predicts fastest (colocated, the descent, the
+               fixed-tolerance carvings) within the memory budget
     planner    ``plan_tasks``, the entry point: by time, or a fixed tolerance, within the memory budget
+    key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
+               rule that makes them (``split_long_prefixes``)
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the
                event models timing a step of it and of torch's stock 1F1B
@@ -26,11 +30,13 @@ that no import, at module level or inside a function, closes a circle):
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,
-                   default_time_model, document_pairs, imbalance, key_start, resolve_time_model, start_with_pairs)
+                   default_time_model, document_pairs, imbalance, key_start, resolve_time_model, start_with_pairs,
+                   tile_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .ranges import concat_ranges
+from .key_split import check_tiles, full_tiles, split_long_prefixes, with_key_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
 from .transfers import BackwardMemory, CommBytes, KVTransfers, backward_memory, comm_bytes, kv_received, kv_transfers
@@ -49,4 +55,5 @@ __all__ = [
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
     "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
+    "check_tiles", "full_tiles", "split_long_prefixes", "with_key_ranges", "tile_pairs",
 ]

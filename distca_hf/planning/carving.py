@@ -40,7 +40,7 @@ import numpy as np
 
 from ..config import setting_problem
 from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, end_with_pairs, key_start,
-                   start_with_pairs)
+                   start_with_pairs, tile_pairs)
 from .pieces import DocumentPieces
 
 __all__ = ["PlannerConfig", "Plan", "tolerance_plans", "CarvingProgress", "colocated_plan", "PLANNING_MARGIN"]
@@ -137,6 +137,9 @@ class Plan:
     prefix ``[0, q_end[i])`` without a sliding ``window``). ``backward``: the backward mode the plan
     runs in (``"saved"`` or ``"resend"``), part of the agreed plan like the tasks (every rank
     computes the same).
+
+    ``k_start`` / ``k_end`` (both or neither): key-split tasks (``planning.key_split``), task ``i`` with
+    only its keys ``[k_start[i], k_end[i])``; ``None`` (every carving's plan): whole prefixes.
     """
 
     source: np.ndarray
@@ -148,17 +151,32 @@ class Plan:
     servers: tuple[int, ...]
     window: int | None = None
     backward: str = "saved"
+    k_start: np.ndarray | None = None
+    k_end: np.ndarray | None = None
+
+    def __post_init__(self):
+        if (self.k_start is None) != (self.k_end is None):
+            raise ValueError("a Plan takes both k_start and k_end (key-split tasks) or neither")
 
     @property
     def num_tasks(self) -> int:
         return int(self.source.size)
 
+    splits_keys = property(lambda self: self.k_start is not None, doc="Whether tasks carry key ranges.")
+
+    def key_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each task's keys ``([num_tasks] k_start, [num_tasks] k_end)``, whole prefixes when none are split."""
+        return (self.k_start, self.k_end) if self.splits_keys else (key_start(self.q_start, self.window), self.q_end)
+
     def pairs(self) -> np.ndarray:
+        if self.splits_keys:
+            return tile_pairs(self.q_start, self.q_end, self.k_start, self.k_end, self.window)
         return causal_pairs(self.q_start, self.q_end, self.window)
 
     def keys(self) -> np.ndarray:
         """``[num_tasks]`` K/V tokens each task's kernel pass covers: ``q_end - key_start(q_start, window)``."""
-        return self.q_end - key_start(self.q_start, self.window)
+        first, end = self.key_ranges()
+        return end - first
 
     def server_pairs(self) -> np.ndarray:
         """``[num_ranks]`` pairs each rank computes as a server under the plan."""
@@ -171,8 +189,9 @@ class Plan:
 
     def subset(self, mask: np.ndarray) -> "Plan":
         """The tasks selected by the boolean ``mask`` ``[num_tasks]``, in plan order."""
+        keys = (None, None) if self.k_start is None else (self.k_start[mask], self.k_end[mask])
         return Plan(self.source[mask], self.server[mask], self.doc[mask], self.q_start[mask], self.q_end[mask],
-                    self.num_ranks, self.servers, self.window, self.backward)
+                    self.num_ranks, self.servers, self.window, self.backward, *keys)
 
 
 class CarvingProgress:

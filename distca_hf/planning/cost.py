@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["causal_pairs", "document_pairs", "key_start", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
+__all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
            "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model"]
 
@@ -51,6 +51,29 @@ def key_start(q_start, window=None):
     if window is None:
         return q_start * 0
     return np.maximum(q_start - window + 1, 0) if not isinstance(q_start, int) else max(q_start - window + 1, 0)
+
+
+def _pairs_below(q_start, q_end, x, window):
+    """Pairs of the queries ``[q_start, q_end)`` with keys before position ``x`` (numpy int64 arrays):
+    query ``t`` sees ``max(0, min(t + 1, x) - key_start(t, window))`` of them."""
+    seen_all = np.clip(x, q_start, q_end)  # queries t < x see all their keys below x
+    head = causal_pairs(q_start, seen_all, window)
+    lo = np.maximum(q_start, x)  # queries t >= x see the keys [key_start(t), x)
+    if window is None:
+        return head + x * np.maximum(q_end - lo, 0)
+    hi = np.minimum(q_end, x + window - 1)  # from t = x + window - 1 on, the window starts at x or later
+    before = lambda n: (lambda m: m * (m + 1) // 2)(np.maximum(n - window, 0))  # sum of key_start(t), t < n
+    return head + np.where(hi > lo, x * (hi - lo) - (before(hi) - before(lo)), 0)
+
+
+def tile_pairs(q_start, q_end, k_start, k_end, window=None):
+    """Pairs of a tile: the queries ``[q_start, q_end)`` of a document against its keys ``[k_start,
+    k_end)`` (a key-split CA-task), bottom-right causal and under a sliding ``window`` as
+    ``causal_pairs``: query ``t`` sees the keys of ``[k_start, k_end)`` in ``[key_start(t, window),
+    t]``. ``tile_pairs(a, b, key_start(a, window), b, window) == causal_pairs(a, b, window)``.
+    Elementwise on int64 arrays (ints are welcome)."""
+    q_start, q_end, k_start, k_end = (np.asarray(x, dtype=np.int64) for x in (q_start, q_end, k_start, k_end))
+    return _pairs_below(q_start, q_end, k_end, window) - _pairs_below(q_start, q_end, k_start, window)
 
 
 def start_with_pairs(q_end: int, pairs: float, window=None) -> float:

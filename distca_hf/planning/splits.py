@@ -54,6 +54,8 @@ def cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
     """Cut the local task that straddles the half of each server's local pairs at that half, so the
     two local waves carry equal work. The cut is ``block`` aligned from the task's start (kernels
     such as flash-attn prefer whole blocks)."""
+    if plan.splits_keys:
+        return plan  # key-split tiles are not cut again (start_with_pairs counts whole prefixes)
     local = plan.source == plan.server
     pairs = np.where(local, plan.pairs(), 0)
     cut_at = np.full(plan.num_tasks, -1, dtype=np.int64)

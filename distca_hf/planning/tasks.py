@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from .cost import causal_pairs, key_start
+from .cost import causal_pairs, key_start, tile_pairs
 from .documents import PackedDocuments
 from .ranges import concat_ranges
 
@@ -79,6 +79,8 @@ class FusedBatch:
         cu_seqlens_q, cu_seqlens_k: ``[num_tasks + 1]`` int32 cumulative row counts.
         max_seqlen_q, max_seqlen_k: longest query shard and K/V prefix (tokens).
         pairs: query-key pairs the batch computes.
+        full: ``[num_tasks]`` bool (CPU) marking full tiles of key-split tasks (every query sees every
+            key: the kernels' ``full``), or ``None`` when every task is bottom-right causal.
     """
 
     q_index: torch.Tensor | None
@@ -88,16 +90,18 @@ class FusedBatch:
     max_seqlen_q: int
     max_seqlen_k: int
     pairs: int
+    full: torch.Tensor | None = None
 
     def to(self, device) -> "FusedBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
         return FusedBatch(
             move(self.q_index), move(self.k_index), move(self.cu_seqlens_q), move(self.cu_seqlens_k),
-            self.max_seqlen_q, self.max_seqlen_k, self.pairs,
+            self.max_seqlen_q, self.max_seqlen_k, self.pairs, self.full,
         )
 
 
-def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | None = None) -> FusedBatch:
+def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | None = None, k_start=None,
+                k_end=None) -> FusedBatch:
     """The one way a list of CA-tasks becomes a varlen batch.
 
     Task ``i`` has queries ``[q_start[i], q_end[i])`` of its document (``[num_tasks]`` int64 arrays)
@@ -105,12 +109,24 @@ def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | 
     ``[key_start(q_start[i], window), q_end[i])``. ``q_index`` / ``k_index`` are the flat rows of the
     query / key pools holding them, task after task (``[sum of shard lengths]`` / ``[sum of K/V
     lengths]`` int64), or ``None`` when the tasks already are the pools, row for row. Tensors go to
-    ``device``.
+    ``device``. ``k_start`` / ``k_end``: key-split tasks' own keys (``planning.key_split``; a task whose
+    keys end before its queries' end is a full tile), else whole prefixes.
     """
     q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     q_lens = q_end - q_start
-    k_lens = q_end - key_start(q_start, window)
     as_tensor = lambda x, dtype: None if x is None else torch.from_numpy(np.ascontiguousarray(x, dtype=dtype)).to(device)
+    if k_start is not None:
+        k_start, k_end = np.asarray(k_start, dtype=np.int64), np.asarray(k_end, dtype=np.int64)
+        k_lens = k_end - k_start
+        full = k_end < q_end
+        return FusedBatch(
+            as_tensor(q_index, np.int64), as_tensor(k_index, np.int64),
+            as_tensor(np.concatenate(([0], np.cumsum(q_lens))), np.int32),
+            as_tensor(np.concatenate(([0], np.cumsum(k_lens))), np.int32),
+            int(q_lens.max(initial=0)), int(k_lens.max(initial=0)),
+            int(tile_pairs(q_start, q_end, k_start, k_end, window).sum()),
+            torch.from_numpy(full) if full.any() else None)
+    k_lens = q_end - key_start(q_start, window)
     return FusedBatch(
         as_tensor(q_index, np.int64),
         as_tensor(k_index, np.int64),

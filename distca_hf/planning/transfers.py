@@ -43,15 +43,17 @@ class KVTransfers:
 
 def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     """The K/V ranges every server must receive to run its tasks of ``plan`` (cut to ``plan.window``),
-    grouped by server, then document, then the holding pieces in their order in ``pieces``."""
-    window = plan.window
+    grouped by server, then document, then the holding pieces in their order in ``pieces``. Key-split
+    tasks (``Plan.k_start``) need only their own keys: a server gets ``[min k_start, max k_end)`` of
+    its tasks of a document."""
     # A task of a document held as one piece, computed where that piece lives, needs no K/V from
     # anyone: drop those first (nearly every task of a packed batch), so what is sorted stays small.
     pieces_of = np.bincount(pieces.doc, minlength=int(plan.doc.max(initial=-1)) + 1)
     holder = np.zeros(pieces_of.size, dtype=np.int64)
     holder[pieces.doc] = pieces.rank  # the holder of every document held as one piece
     keep = (pieces_of[plan.doc] != 1) | (holder[plan.doc] != plan.server)
-    server, doc, q_start, q_end = plan.server[keep], plan.doc[keep], plan.q_start[keep], plan.q_end[keep]
+    k_first, k_end = plan.key_ranges()  # key-split tasks carry their own key ranges
+    server, doc, k_first, k_end = plan.server[keep], plan.doc[keep], k_first[keep], k_end[keep]
 
     # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
     key = server * pieces_of.size + doc
@@ -59,8 +61,8 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     key = key[order]
     first = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1]))) if key.size else np.zeros(0, np.int64)
     need_server, need_doc = server[order][first], doc[order][first]
-    need_end = np.maximum.reduceat(q_end[order], first) if key.size else np.zeros(0, np.int64)
-    need_start = np.minimum.reduceat(key_start(q_start[order], window), first) if key.size else need_end
+    need_end = np.maximum.reduceat(k_end[order], first) if key.size else np.zeros(0, np.int64)
+    need_start = np.minimum.reduceat(k_first[order], first) if key.size else need_end
 
     # Join each need with every piece of its document (pieces grouped by document, as they come
     # when already in document order, which packing gives).

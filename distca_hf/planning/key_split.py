@@ -1,0 +1,174 @@
+"""Key-split CA-tasks (2D tiles): queries ``[a, b)`` of a document against only part of their keys,
+``[k0, k1)``. Pure numpy.
+
+A task whose K/V prefix is long and held on other ranks makes its server receive all of it; a long
+document's first-piece holders then send their K/V to every server of a later shard. Splitting the
+keys instead lets the queries travel to where the early K/V already lives: each tile gives a partial
+output and its log-sum-exp, which merge exactly (``kernels.merge``); backward runs each tile with the
+row's merged output and log-sum-exp, and the dQ partials of a row sum.
+
+Tile shapes the kernels run (``check_tiles`` enforces them; ``plan.window`` is the sliding window):
+
+- *causal*: ``k1 == b`` and ``key_start(a, window) <= k0 <= a``: bottom-right aligned, as a whole
+  CA-task (which is the case ``k0 == key_start(a, window)``);
+- *full*: ``k0 < k1 <= a + 1``: every query sees every key (no mask); under a window also
+  ``k0 >= b - window``, so that the latest query's window still holds the first key.
+
+Any set of tiles that covers every (query, key) pair of every document exactly once gives the
+attention of the whole documents (``check_tiles`` checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .carving import Plan
+from .cost import TokenBytes, key_start
+from .pieces import DocumentPieces
+from .ranges import concat_ranges
+
+__all__ = ["full_tiles", "check_tiles", "split_long_prefixes", "with_key_ranges"]
+
+
+def with_key_ranges(plan: Plan) -> Plan:
+    """``plan`` with explicit key ranges (its whole prefixes when it splits no keys)."""
+    if plan.splits_keys:
+        return plan
+    k_start, k_end = plan.key_ranges()
+    return dataclasses.replace(plan, k_start=np.asarray(k_start, dtype=np.int64).copy(), k_end=plan.q_end.copy())
+
+
+def full_tiles(plan: Plan) -> np.ndarray:
+    """``[num_tasks]`` bool: the tasks whose every query sees every key (full tiles); all False for a
+    plan without key ranges."""
+    if not plan.splits_keys:
+        return np.zeros(plan.num_tasks, dtype=bool)
+    return plan.k_end < plan.q_end
+
+
+def check_tiles(plan: Plan, pieces: DocumentPieces | None = None) -> None:
+    """Raise ``ValueError`` naming the first bad task unless every task of ``plan`` is a causal or a
+    full tile (module docstring) and, with ``pieces``, the tiles cover every (query, key) pair of
+    every document's queries in ``pieces`` exactly once (no pair twice, none missing)."""
+    k_start, k_end = plan.key_ranges()
+    a, b, w = plan.q_start, plan.q_end, plan.window
+    causal = (k_end == b) & (k_start >= key_start(a, w)) & (k_start <= a)
+    full = (k_start < k_end) & (k_end <= a + 1)
+    if w is not None:
+        full &= k_start >= b - w
+    bad = np.flatnonzero(~(causal | full) | (a >= b))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"task {i} (document {int(plan.doc[i])}, queries [{int(a[i])}, {int(b[i])}), keys [{int(k_start[i])}, "
+            f"{int(k_end[i])}), window {w}) is neither a causal tile (keys end at the queries' end and start in "
+            f"[key_start(q_start), q_start]) nor a full tile (keys end by q_start + 1{', start at q_end - window or later' if w else ''})")
+    if pieces is None:
+        return
+    # every query row of every tile, with the keys it sees there
+    lengths = b - a
+    task = np.repeat(np.arange(plan.num_tasks), lengths)
+    t = concat_ranges(a, lengths)
+    lo = np.maximum(k_start[task], key_start(t, w))
+    hi = np.minimum(k_end[task], t + 1)
+    order = np.lexsort((lo, t, plan.doc[task]))
+    doc, t, lo, hi = plan.doc[task][order], t[order], lo[order], hi[order]
+    same = np.zeros(doc.size, dtype=bool)
+    same[1:] = (doc[1:] == doc[:-1]) & (t[1:] == t[:-1])
+    expected_lo = np.where(same, np.concatenate(([0], hi[:-1])), key_start(t, w))
+    last = np.ones(doc.size, dtype=bool)
+    last[:-1] = ~same[1:]
+    wrong = (lo != expected_lo) | (hi <= lo) | (last & (hi != t + 1))
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise ValueError(f"document {int(doc[i])}, query {int(t[i])}: its tiles' keys do not cover [key_start, query] "
+                         f"exactly once (a tile gives keys [{int(lo[i])}, {int(hi[i])}) where [{int(expected_lo[i])}, ...) "
+                         "was expected)")
+    # every query of the pieces, each in some tile (the rows above are distinct per (doc, t) start)
+    have = np.unique(doc[~same] * (int(b.max(initial=0)) + 1) + t[~same])
+    queries = pieces.end - pieces.start
+    want = np.unique(np.repeat(pieces.doc, queries) * (int(b.max(initial=0)) + 1) + concat_ranges(pieces.start, queries))
+    if not np.array_equal(have, want):
+        raise ValueError(f"the tiles cover {have.size} query tokens, the pieces hold {want.size}: a query is lost or "
+                         "invented")
+
+
+def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens: int,
+                        token_bytes: TokenBytes | None = None) -> Plan:
+    """Queries travel to the K/V instead of a long prefix fanning out: a task whose server would
+    receive more than ``max_prefix_tokens`` keys of its prefix from other ranks becomes tiles. It
+    keeps a causal tile ``[a, b) x [c, b)`` on its server, where ``c`` is the start of the K/V piece
+    holding position ``a`` (the task's own piece: its keys are on the source already), and each
+    earlier piece of the prefix, ``[x0, x1)`` held by rank ``h``, becomes a full tile ``[a, b) x [x0,
+    x1)`` served by ``h``, which holds those keys: only the task's queries go there and its partial
+    output and log-sum-exp come back.
+
+    When it wins, in bytes per layer forward (``TokenBytes``: ``q`` per query token, ``o`` per
+    output token, ``kv`` per K/V token): queries travelling to a holder cost ``(b - a)(q + o + lse)``,
+    the prefix travelling costs ``(x1 - x0) kv``. With grouped-query attention ``q + o`` is about 4x
+    ``kv`` (Llama-3-8B: 32 query heads, 8 K/V heads), so queries win when the holder's segment is more
+    than about 4x the shard: late shards of a long document. In backward the queries' side adds dO,
+    the merged out and lse out and dQ back, ``(b - a)(2 o + lse + q)`` against ``(x1 - x0) kv`` for
+    dK/dV back. With ``token_bytes`` a segment is given to its holder only when that is fewer forward
+    bytes (else it stays a full tile on the task's server, which receives those keys as before);
+    without, every segment of a split task goes to its holder. Under a sliding window a segment can
+    be a full tile only when ``x0 >= b - window``; tasks where it is not stay whole. Whole segments
+    only: a holder gets a piece's keys or none, so no server receives more than its share of a
+    long prefix (the keys of the one piece the task's queries live in).
+
+    Returns the plan with key ranges (``Plan.k_start`` / ``k_end``), sorted by server, source,
+    document, queries and keys as plans are; a plan where nothing splits is returned unchanged."""
+    if max_prefix_tokens < 0:
+        raise ValueError(f"max_prefix_tokens must be >= 0, got {max_prefix_tokens}")
+    w = plan.window
+    k_start, k_end = plan.key_ranges()
+    kv_from = np.minimum(pieces.kv_start, pieces.start)
+    by_doc: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, doc, first, end in zip(pieces.rank.tolist(), pieces.doc.tolist(), kv_from.tolist(),
+                                     pieces.end.tolist()):
+        by_doc.setdefault(doc, []).append((first, end, rank))
+    for segments in by_doc.values():
+        segments.sort()
+    rows = []
+    changed = False
+    for i in range(plan.num_tasks):
+        source, server, doc = int(plan.source[i]), int(plan.server[i]), int(plan.doc[i])
+        a, b, k0, k1 = int(plan.q_start[i]), int(plan.q_end[i]), int(k_start[i]), int(k_end[i])
+        whole = (source, server, doc, a, b, k0, k1)
+        segments = [(max(x0, k0), min(x1, k1), h) for x0, x1, h in by_doc.get(doc, ()) if x1 > k0 and x0 < k1]
+        own = [s for s in segments if s[0] <= a < s[1]]
+        foreign = sum(x1 - x0 for x0, x1, h in segments if h != server)
+        if k1 != b or not own or foreign <= max_prefix_tokens:
+            rows.append(whole)
+            continue
+        c = own[0][0]
+        earlier = [(x0, x1, h) for x0, x1, h in segments if x1 <= c]
+        if not earlier or (w is not None and earlier[0][0] < b - w):
+            rows.append(whole)
+            continue
+        tiles = [(source, server, doc, a, b, c, b)]
+        for x0, x1, h in earlier:
+            if token_bytes is not None and (b - a) * (token_bytes.q + token_bytes.o + token_bytes.lse) >= (x1 - x0) * \
+                    token_bytes.kv:
+                h = server  # the prefix is cheaper to bring than the queries to send
+            last = tiles[-1]
+            if len(tiles) > 1 and last[1] == h and last[6] == x0:  # adjacent keys on one server: one tile
+                tiles[-1] = last[:6] + (x1,)
+            else:
+                tiles.append((source, h, doc, a, b, x0, x1))
+        if all(t[1] == server for t in tiles):
+            rows.append(whole)
+            continue
+        rows.extend(tiles)
+        changed = True
+    if not changed:
+        return plan
+    cols = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
+    order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
+    source, server, doc, q_start, q_end, ks, ke = (c[order] for c in cols)
+    split = Plan(source, server, doc, q_start, q_end, plan.num_ranks, plan.servers, plan.window, plan.backward, ks, ke)
+    check_tiles(split)
+    return split
+
