@@ -12,4 +12,5 @@
     simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
     profiling         ``distca-hf profile``: the time model's constants on this device
     kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side
+    docs_reference    the generated pages of docs/ (the settings and command-line references): ``make docs``
 """
