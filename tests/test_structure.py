@@ -1,7 +1,9 @@
 """The package's shape, checked from its source: the folders follow the data path (each stage
 imports only earlier ones; planning has no torch.distributed), process-wide state lives only in
-``distca_hf/state.py``, no module uses another's private names, and the module paths of 0.1 still
-import (with a deprecation warning) as their new homes."""
+``distca_hf/state.py``, no module uses another's private names, the module paths of 0.1 still
+import (with a deprecation warning) as their new homes, every package (nested ones too) has a front
+door naming its files, the rooms that list an order (planning, tools/bench, training/packing) import
+in a straight line, no module outgrows its limit, and setup.cfg installs every package."""
 
 from __future__ import annotations
 
