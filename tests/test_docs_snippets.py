@@ -53,14 +53,31 @@ def test_the_quick_start_and_the_docs_have_runnable_snippets():
     assert any(w.startswith("docs/") for w in where)
 
 
-@pytest.mark.parametrize("where,code", SNIPPETS, ids=[w for w, _ in SNIPPETS])
-def test_runnable_snippet(where, code, tmp_path):
-    """The snippet runs alone, in a fresh interpreter on CPU, from an empty folder."""
+@pytest.fixture(scope="module")
+def snippet_runs(tmp_path_factory):
+    """Every runnable snippet started at once, each in a fresh interpreter on CPU from an empty
+    folder (they overlap on the machine's cores); output goes to files, so no pipe can fill and block."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, f"{where} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    runs = {}
+    for where, code in SNIPPETS:
+        folder = tmp_path_factory.mktemp("snippet")
+        with open(folder / "output.txt", "w") as output:
+            runs[where] = (subprocess.Popen([sys.executable, "-c", code], cwd=folder, env=env, stdout=output,
+                                            stderr=subprocess.STDOUT), folder / "output.txt")
+    yield runs
+    for process, _ in runs.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("where", [w for w, _ in SNIPPETS])
+def test_runnable_snippet(where, snippet_runs):
+    """The snippet runs alone and exits 0."""
+    process, output = snippet_runs[where]
+    code = process.wait(timeout=300)
+    assert code == 0, f"{where} failed (exit {code}):\n{output.read_text()[-6000:]}"
 
 
 def test_generated_pages_are_current():
