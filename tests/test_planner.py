@@ -356,14 +356,17 @@ def _same_plan(a: Plan, b: Plan) -> bool:
        data=st.data())
 def test_auto_plan_is_the_fastest_candidate(pieces, config, model, exposed, data):
     """Giving up carvings on the way never changes the choice: the plan is the candidate (colocated
-    when every holder serves, then each tolerance of AUTO_TOLERANCES, each carved in full by
-    plan_tasks) with the smallest predicted step, the earliest of them on ties."""
+    when every holder serves, then the descent's plan, then each tolerance of AUTO_TOLERANCES, each
+    carved in full by plan_tasks) with the smallest predicted step, the earliest of them on ties."""
+    from distca_hf.planning.descent import descend
+
     pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))) \
         if data.draw(st.booleans()) else None
     auto = PlannerConfig("auto", config.block, pool, config.token_bytes, window=config.window, time_model=model,
                          exposed_comm=exposed)
-    candidates = [plan_tasks(pieces, PlannerConfig(t, config.block, pool, config.token_bytes, window=config.window))
-                  for t in AUTO_TOLERANCES]
+    candidates = [descend(pieces, auto)] + [
+        plan_tasks(pieces, PlannerConfig(t, config.block, pool, config.token_bytes, window=config.window))
+        for t in AUTO_TOLERANCES]
     servers = pool if pool is not None else tuple(range(pieces.num_ranks))
     if np.isin(pieces.rank[pieces.end > pieces.start], servers).all():
         candidates.insert(0, colocated_plan(pieces, servers, window=config.window))

@@ -26,7 +26,8 @@ CONTRACT_KEYS = {
 MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer"}  # contract "memory in plans": every method
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
                "plan_ms_median", "kv_received_tokens_per_layer", "step_time_s", "exposed_comm_s", "tasks_per_server",
-               "smallest_shard_tokens", "worst_memory_imbalance", "resend_batch_fraction"} | MEMORY_KEYS
+               "smallest_shard_tokens", "worst_memory_imbalance", "resend_batch_fraction",
+               "servers_per_long_document"} | MEMORY_KEYS
 
 
 def _console_script(*args):
@@ -79,7 +80,8 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert d["attn_imbalance"] <= out["colocated"]["attn_imbalance"] + 1e-9  # a plan never raises the busiest load
     assert 0.0 <= d["moved_query_fraction"] <= 1.0
     assert out["time_model"]["source"].startswith("built-in CUDA default") and out["hidden_comm_fraction"] == 0.0
-    assert out["planner"] == {"tolerance": "auto", "block": 128, "backward": "saved", "memory_budget": 2.0}
+    assert out["planner"] == {"tolerance": "auto", "block": 128, "backward": "saved", "memory_budget": 2.0,
+                              "auto_planner": "descent"}
     steps = {m: out[m]["step_time_s"] for m in ("colocated", "wlb", "per_doc_cp", "ulysses")}
     assert out["best_baseline"] == min(steps, key=steps.get)
     assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])
@@ -534,3 +536,20 @@ def test_ulysses_unavailable_when_no_degree_deepspeed_accepts_holds_the_longest_
     assert "n/a" in format_table(result)
     with_heads = simulate(np.array([400, 10]), ranks=8, tokens_per_rank=64, batches=2, seed=0, heads=8, kv_heads=2)
     assert with_heads["ulysses"]["degree"] == 8  # 8 heads split over 8 ranks, 2 K/V heads repeated 4 times
+
+
+def test_simulate_measures_the_auto_planner_before_the_descent_beside_it():
+    """``auto_planner="tolerances"`` plans ``tolerance="auto"`` as before the descent (colocated and the
+    fixed-tolerance carvings), on the same batches: the descent is never predicted slower, batch by batch
+    (so on average), and the long documents' servers are counted; a bad name is refused."""
+    lengths = [320 * 1024] + [2048] * 600  # one long document among short ones: it spans ranks
+    kwargs = dict(ranks=32, tokens_per_rank=32768, batches=2, seed=0)
+    new, old = (simulate(lengths, auto_planner=name, **kwargs) for name in ("descent", "tolerances"))
+    assert new["planner"]["auto_planner"] == "descent" and old["planner"]["auto_planner"] == "tolerances"
+    assert new["distca"]["step_time_s"] <= old["distca"]["step_time_s"] * (1 + 1e-12)
+    assert new["distca"]["step_time_s"] < 0.95 * old["distca"]["step_time_s"]  # and here clearly faster
+    fan = new["distca"]["servers_per_long_document"]
+    assert 1 < fan["mean"] <= fan["max"] <= 32
+    with pytest.raises(ValueError, match="auto_planner must be one of"):
+        simulate(lengths, auto_planner="fastest", **kwargs)
+

@@ -40,7 +40,7 @@ from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
 __all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "smallest_degree", "ulysses_degree_ok", "cp_loads",
-           "ulysses_loads", "ulysses_token_bytes", "wlb_steps"]
+           "ulysses_loads", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,3 +221,20 @@ def wlb_steps(batches, ranks: int, tokens_per_rank: int, threshold: int):
                                      np.array(start, dtype=np.int64), np.array(end, dtype=np.int64), ranks),
                       np.array(lengths, dtype=np.int64)))
     return steps, np.array([*queue, *waiting], dtype=np.int64)
+
+
+def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
+    """``[num_ranks]`` K/V tokens each rank receives per layer under per-document CP of the documents
+    that span ranks: a rank holding a piece of such a document gathers all of that document's K/V
+    it does not hold (document length - its own K/V tokens of it), once per document."""
+    if not pieces.num_pieces:
+        return np.zeros(pieces.num_ranks, dtype=np.int64)
+    length = np.zeros(int(pieces.doc.max()) + 1, dtype=np.int64)
+    np.maximum.at(length, pieces.doc, pieces.end)  # a document's pieces tile [0, length)
+    # one entry per (document, rank) that holds some of it, with the K/V tokens it holds
+    holding, which = np.unique(pieces.doc * pieces.num_ranks + pieces.rank, return_inverse=True)
+    held = np.bincount(which, weights=pieces.end - pieces.kv_start).astype(np.int64)
+    doc, rank = holding // pieces.num_ranks, holding % pieces.num_ranks
+    spans = np.bincount(doc, minlength=length.size)[doc] > 1  # held by more than one rank
+    missing = np.where(spans, length[doc] - held, 0)
+    return np.bincount(rank, weights=missing, minlength=pieces.num_ranks).astype(np.int64)

@@ -49,10 +49,11 @@ import numpy as np
 from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
+from .descent import descend
 from .pieces import DocumentPieces
 from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
 
-__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
+__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
@@ -110,9 +111,22 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
-    """The candidate plan with the smallest predicted ``step_seconds``, each in the backward mode that
-    fits ``config.memory_budget``; ties go to the earlier of colocated, then ``AUTO_TOLERANCES`` in
-    order. See the module docstring."""
+    """The plan ``tolerance="auto"`` runs: the fastest predicted of colocated, the descent's plan
+    (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; when only
+    ``resend`` fits, the descent is run again timing ``resend``'s bytes) and the fixed-tolerance
+    carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose). Ties go to the
+    earlier of colocated, the descent, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
+    return _plan_by_candidates(pieces, config, descent=True)
+
+
+def plan_by_tolerances(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+    """The ``"auto"`` plan before the descent (kept to measure the change, ``distca-hf simulate
+    --auto-planner tolerances``): the fastest predicted of colocated and the carvings of
+    ``AUTO_TOLERANCES``, ties to the earlier."""
+    return _plan_by_candidates(pieces, config, descent=False)
+
+
+def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descent: bool) -> Plan:
     servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
     tm = config.time_model
     tokens = pieces.tokens()
@@ -129,8 +143,15 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
         if bound >= best_key[0]:
             return best
-    tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=1)}
-    finished = []  # the carvings finished so far
+    if descent:
+        for mode in dict.fromkeys((config.backward, "resend")):
+            seconds, plan = _judged(descend(pieces, config, backward=mode), pieces, config)
+            if (seconds, 1) < best_key:
+                best, best_key = plan, (seconds, 1)
+            if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
+                break
+    tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
+    finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
     token_counts = tokens.tolist()
 
@@ -143,7 +164,7 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
             running.clear()
             lower = tm.rank_seconds(tokens, progress.served_at_least())
             return (float(lower.max(initial=0.0)), place) > best_key
-        if not finished:  # the first carving: colocated is rarely close enough to be worth the bookkeeping
+        if not finished:  # the first carving after colocated alone: rarely close enough to be worth the bookkeeping
             return False
         sent, received, exposed, served_at_least = running.sent, running.received, config.exposed_comm, \
             progress.served_at_least

@@ -64,9 +64,10 @@ import numpy as np
 from ..config import SETTINGS
 from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, backward_memory, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
-from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, smallest_degree, ulysses_degree_ok, ulysses_loads,
-                                  wlb_steps)
-from ..planning.by_time import loads_seconds, plan_loads
+from ..planning.baselines import (RankLoads, cp_loads, pack_pieces, per_doc_cp_kv_received, smallest_degree,
+                                  ulysses_degree_ok, ulysses_loads, wlb_steps)
+from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
+from ..planning.descent import long_document_servers
 from ..planning.cost import H100_MEASURED, default_time_model
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 
@@ -106,29 +107,17 @@ def cut_to(docs: np.ndarray, total_tokens: int) -> np.ndarray:
     return kept
 
 
-def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
-    """``[num_ranks]`` K/V tokens each rank receives per layer under per-document CP of the documents
-    that span ranks: a rank holding a piece of such a document gathers all of that document's K/V
-    it does not hold (document length - its own K/V tokens of it), once per document."""
-    if not pieces.num_pieces:
-        return np.zeros(pieces.num_ranks, dtype=np.int64)
-    length = np.zeros(int(pieces.doc.max()) + 1, dtype=np.int64)
-    np.maximum.at(length, pieces.doc, pieces.end)  # a document's pieces tile [0, length)
-    # one entry per (document, rank) that holds some of it, with the K/V tokens it holds
-    holding, which = np.unique(pieces.doc * pieces.num_ranks + pieces.rank, return_inverse=True)
-    held = np.bincount(which, weights=pieces.end - pieces.kv_start).astype(np.int64)
-    doc, rank = holding // pieces.num_ranks, holding % pieces.num_ranks
-    spans = np.bincount(doc, minlength=length.size)[doc] > 1  # held by more than one rank
-    missing = np.where(spans, length[doc] - held, 0)
-    return np.bincount(rank, weights=missing, minlength=pieces.num_ranks).astype(np.int64)
+AUTO_PLANNERS = {"descent": plan_tasks, "tolerances": plan_by_tolerances}  # tolerance="auto": now / before the descent
 
 
 def distca_plan(pieces: DocumentPieces, config: PlannerConfig, time_model: TimeModel,
-                hidden_comm_fraction: float) -> Plan:
+                hidden_comm_fraction: float, auto_planner: str = "descent") -> Plan:
     """distca's plan of one batch: the one place the simulator asks the planner. It plans with
     ``config`` under the simulator's own time model and hidden fraction (what ``tolerance="auto"``
-    weighs), so the plan and its timing use one model."""
-    return plan_tasks(pieces, _planning_config(config, time_model, hidden_comm_fraction))
+    weighs), so the plan and its timing use one model. ``auto_planner``: what ``"auto"`` plans with,
+    ``descent`` (the planner's) or ``tolerances`` (``by_time.plan_by_tolerances``, the one before it)."""
+    planning = _planning_config(config, time_model, hidden_comm_fraction)
+    return (AUTO_PLANNERS[auto_planner] if planning.tolerance == "auto" else plan_tasks)(pieces, planning)
 
 
 def _planning_config(config: PlannerConfig, time_model: TimeModel, hidden_comm_fraction: float) -> PlannerConfig:
@@ -166,17 +155,19 @@ def _colocated_memory(pieces: DocumentPieces, token_bytes: TokenBytes, prefix: s
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
              config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED, keep_first: bool = False,
              *, hidden_comm_fraction: float = 0.0, heads: int = 32, kv_heads: int = 8,
-             wlb_threshold: int | None = None):
+             wlb_threshold: int | None = None, auto_planner: str = "descent"):
     """Run the comparison; returns the contract's JSON object (and the first batch's details as
     ``_first`` when ``keep_first``).
 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
-    packing queues a document."""
+    packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
     config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
                                      memory_budget=SETTINGS["memory_budget"].default)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
+    if auto_planner not in AUTO_PLANNERS:
+        raise ValueError(f"auto_planner must be one of {sorted(AUTO_PLANNERS)}, got {auto_planner!r}")
     lengths = np.asarray(lengths, dtype=np.int64)
     threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
     longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
@@ -185,7 +176,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     rng = np.random.default_rng(seed)
     drawn = [draw_batch(lengths, ranks * tokens_per_rank, rng) for _ in range(batches)]
     measured = [_measure_batch(docs, ranks, tokens_per_rank, config, time_model, hidden_comm_fraction, cp_degree,
-                               sp_degree, kv_heads) for docs in drawn]
+                               sp_degree, kv_heads, auto_planner) for docs in drawn]
     wlb_packed, _ = wlb_steps(drawn, ranks, tokens_per_rank, threshold)
     wlb = [{**_timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden_comm_fraction),
             **_colocated_memory(pieces, config.token_bytes, "wlb")} for pieces, _ in wlb_packed]
@@ -207,7 +198,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
                        "bytes_per_s": time_model.bytes_per_s},
         "hidden_comm_fraction": hidden_comm_fraction,
         "planner": {"tolerance": config.tolerance, "block": config.block, "backward": config.backward,
-                    "memory_budget": config.memory_budget},
+                    "memory_budget": config.memory_budget, "auto_planner": auto_planner},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
                       "exposed_comm_s": mean("colo_comm"), **_memory_keys(mean, "colo")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
@@ -228,6 +219,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             **_memory_keys(mean, "dca"),
             "worst_memory_imbalance": float(max(acc["dca_mem_imb"])),
             "resend_batch_fraction": mean("dca_resend"),
+            "servers_per_long_document": {"mean": mean("dca_fan_mean"), "max": float(max(acc["dca_fan_max"]))},
         },
         "per_doc_cp": {
             "degree": cp_degree,
@@ -318,12 +310,12 @@ def _pieces_loads(pieces: DocumentPieces, token_bytes: TokenBytes) -> RankLoads:
 
 def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: PlannerConfig,
                    time_model: TimeModel, hidden: float, cp_degree: int, sp_degree: int | None,
-                   kv_heads: int) -> dict:
+                   kv_heads: int, auto_planner: str = "descent") -> dict:
     """One batch's numbers for every method but WLB (which carries a queue across batches)."""
     total = ranks * tokens_per_rank
     pieces = pack_pieces(docs, ranks, tokens_per_rank)
     start = time.perf_counter()
-    plan = distca_plan(pieces, config, time_model, hidden)
+    plan = distca_plan(pieces, config, time_model, hidden, auto_planner)
     plan_ms = (time.perf_counter() - start) * 1e3
     transfers = kv_transfers(plan, pieces)
     received = kv_received(transfers, ranks)[list(plan.servers)]  # only servers receive K/V
@@ -362,6 +354,7 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         "colo_comm": colo["comm"], "dca_comm": dca["comm"], "cp_comm": cp["comm"], "sp_comm": sp["comm"],
         "tasks_max": float(tasks.max()), "tasks_mean": float(tasks.mean()),
         "shard_min": int((plan.q_end - plan.q_start)[shard].min()) if shard.any() else None,
+        **dict(zip(("dca_fan_mean", "dca_fan_max"), long_document_servers(plan, pieces, tokens_per_rank))),
         **memory, "dca_resend": float(plan.backward == "resend"),
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
     }
@@ -483,6 +476,7 @@ def format_table(result: dict) -> str:
         ("K/V tokens received per layer, distca (max / mean server)", _max_mean(d["kv_received_tokens_per_layer"])),
         ("K/V tokens received per layer, CP of spanning documents (max / mean rank)",
          _max_mean(result["per_doc_cp"]["kv_received_tokens_per_layer"])),
+        ("servers per long document, distca (mean / max)", "{mean:.1f} / {max:.0f}".format(**d["servers_per_long_document"])),
         ("plan time (median)", f"{d['plan_ms_median']:.2f} ms"),
     ]
     for m in METHODS:
@@ -558,6 +552,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the time model's)")
     parser.add_argument("--hidden-comm-fraction", type=float, default=0.0,
                         help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
+    parser.add_argument("--auto-planner", choices=list(AUTO_PLANNERS), default="descent", help="what --tolerance "
+                        "auto plans with: 'descent' (the planner's) or 'tolerances' (the one before it, to compare)")
     parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
                         "(tokens; default tokens-per-rank / 2)")
     pipeline = parser.add_argument_group(
@@ -624,7 +620,7 @@ def run_cli(args, parser) -> int:
     except ValueError as e:
         parser.error(str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s"))
     options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
-               "wlb_threshold": args.wlb_threshold}
+               "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner}
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,
                       keep_first=bool(args.plot), **options)
     if args.plot:

@@ -1,0 +1,433 @@
+"""Planning by time, directly (``tolerance="auto"``'s main candidate): a greedy descent on the predicted
+layer time, both ends of every link counted. Pure numpy and Python; no torch.distributed.
+
+The predicted time of rank ``r`` is the time model's (``by_time.loads_seconds``): its linear layers
+(plus ``PlannerConfig.base_pairs``' other work), the CA-tasks it serves (pairs, keys, one task each),
+and the exposed share of the bytes it **sends** and **receives** (queries out, outputs back, K/V
+from every rank holding part of a task's prefix), plus ``collective_s``. A K/V prefix held on ``k``
+ranks costs each of them one send per server its document's shards go to, so spreading a long
+document over more servers can make its holders, not its servers, the slowest ranks.
+
+How it works. Start colocated. Keep a level ``L``, first a lower bound on any plan (the mean
+compute of the servers, or the busiest rank's linear layers). Repeatedly take the slowest rank ``d``
+(a donor) and move tail shards ``[a, hi)`` of its own latest query interval (most pairs per query
+moved) to a server, each move sized so that after it
+
+- the server is predicted at most ``L``;
+- every other rank that sends K/V for the shard stays within ``L`` once its own movable attention
+  is taken away (a holder that is itself a donor will shed that later; its sends it cannot shed);
+- the donor is predicted faster than before.
+
+The server is the one that takes the largest shard under these rules (the donor's time drops most),
+ties to the fewest bytes, then the lowest rank. Candidates: the ranks that already hold part of the
+document's K/V or already serve it (they receive only what they lack: "prefer servers that already
+hold a prefix"), and the ``LEAST_LOADED`` servers predicted fastest. A shard that continues one
+already on that server (the next tail of the same interval) merges with it, so it costs no new task
+and no new keys. When the slowest rank cannot move anything at level ``L``, ``L`` rises part way
+(``RAISE``) towards it; the descent stops when the slowest rank is within ``CONVERGED`` of ``L``,
+cannot move anything, or holds no own work to move; when every rank is within ``L`` (it starts a
+tenth of the way from the lower bound to colocated, ``START``), ``L`` is lowered half way to the
+lower bound and the descent goes on until a lowered level moves nothing. Every rank but the donors
+ends within ``L``.
+
+Fan-out. A document's servers (the ranks computing some of its queries) never exceed its
+``fan_out_bounds``: the number of servers at which one of its K/V holders, sending its K/V to each,
+would by those sends alone be predicted slower than the whole colocated step. Beyond the bound a
+document's shards go only to servers it already has. (The level rule above is the tighter bound in
+practice: while a holder's sends are the bottleneck a document gains no server.)
+
+What the greedy guarantees, and what it does not. It guarantees every query computed exactly once,
+block-aligned cuts, deterministic plans, at most the fan-out bound per document, ranks outside the
+server pool emptied, and a bounded number of steps (``MAX_MOVES_PER_RANK``). It does not guarantee
+the optimum, nor even a plan faster than colocated: it never undoes a move, never moves work a
+server received (only ranks' own work), and the K/V bytes of a donor that gives away a whole piece
+of a spanning document are counted as if it still needed its prefix (an overestimate). ``by_time``
+therefore judges its plan exactly (``rank_seconds``) against colocated and the fixed-tolerance
+carvings and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+
+import numpy as np
+
+from .carving import Plan, PlannerConfig, colocated_plan
+from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
+from .pieces import DocumentPieces
+from .transfers import rank_bytes
+
+__all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+           "MAX_MOVES_PER_RANK"]
+
+LEAST_LOADED = 3
+"""Servers predicted fastest that each move also tries (beside the document's holders and servers)."""
+
+RAISE = (0.5, 0.03)
+"""When the slowest rank can move nothing at level ``L``, ``L`` rises by the smaller of
+``RAISE[0] * (slowest - L)`` and ``RAISE[1] * L``: gradually, so that every level's moves (and the
+servers a document gains) are decided before the level that needs them."""
+
+CONVERGED = 2e-3
+"""The descent stops when the slowest rank is within this fraction of the level."""
+
+MAX_MOVES_PER_RANK = 64
+"""A cap on the moves (``ranks x`` this, plus 256) and level raises (400): plan time stays bounded."""
+
+HOLDER_CREDIT = 1.0
+"""The share of a donor holder's own movable attention the level rule credits it with (1: all)."""
+
+START = 0.1
+"""The first level: this fraction of the way from the lower bound to the colocated step (starting
+at the lower bound spreads a long document's first shards over many small rooms)."""
+_INTERVALS_TRIED = 3  # a donor whose latest interval cannot move tries its next ones
+
+
+def _holder_time_floor(time: float, own: float, level: float) -> float:
+    """What a rank's time can come down to by moving its own attention away (``own``: that attention
+    less the exposed time of sending its queries out and taking their outputs back), as the level
+    rule sees it: all of it if the rank is above the level (a donor), none otherwise."""
+    return time - HOLDER_CREDIT * own if time > level else time
+
+
+def _bound(budget_s: float, send_s: float) -> float:
+    return math.inf if send_s <= 0 else max(math.floor(budget_s / send_s), 1)
+
+
+class _Descent:
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str):
+        n = pieces.num_ranks
+        self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
+        self.servers = config.servers if config.servers is not None else tuple(range(n))
+        if self.servers[-1] >= n:
+            raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
+        self.is_server = [False] * n
+        for s in self.servers:
+            self.is_server[s] = True
+        tm, tb = config.time_model, config.token_bytes
+        self.attn, self.key_s, self.task_s = tm.attn_s_per_pair, tm.task_key_s, tm.task_s
+        self.q, self.o, self.kv = tb.q, tb.o, tb.kv
+        self.byte_s = config.exposed_comm * COMM_PASSES[backward] / tm.bytes_per_s
+        base = np.zeros(n) if config.base_pairs is None else np.asarray(config.base_pairs, dtype=np.float64)
+        if base.size != n:
+            raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {n}")
+        colocated = colocated_plan(pieces, self.servers, window=self.window)
+        pairs = np.bincount(colocated.server, weights=colocated.pairs(), minlength=n)
+        keys = np.bincount(colocated.server, weights=colocated.keys(), minlength=n)
+        tasks = np.bincount(colocated.server, minlength=n)
+        sent, received = rank_bytes(colocated, pieces, tb)
+        linear = tm.linear_s_per_token * pieces.tokens() + self.attn * base
+        own = self.attn * pairs + self.key_s * keys + self.task_s * tasks
+        # seconds each rank saves by moving all of its own attention still computed at home away:
+        # that attention, less the exposed time of its queries out and outputs back
+        self.own = np.maximum(own - self.byte_s * (self.q + self.o) * pieces.tokens(), 0.0).tolist()
+        self.time = (linear + own + self.byte_s * (sent + received) + tm.collective_s).tolist()
+        self.colocated_step = max(self.time, default=0.0)
+        self.floor0 = (linear + self.byte_s * (sent + received) + tm.collective_s).tolist()
+        servers = list(self.servers)
+        self.lower_bound = max(float((linear + tm.collective_s).max(initial=0.0)),
+                               float(linear[servers].sum() + own.sum()) / len(servers) + tm.collective_s)
+        self.holders = pieces.spanning_holders()
+        # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
+        self.needs: dict[tuple[int, int], list[int]] = {}
+        self.doc_servers: dict[int, set[int]] = {}
+        window = self.window
+        for doc, holders in self.holders.items():
+            self.doc_servers[doc] = set()
+        several = np.isin(pieces.doc, list(self.holders)) & (pieces.end > pieces.start)
+        for rank, doc, start, end in zip(pieces.rank[several].tolist(), pieces.doc[several].tolist(),
+                                         pieces.start[several].tolist(), pieces.end[several].tolist()):
+            first = key_start(start, window)
+            need = self.needs.get((rank, doc))
+            self.needs[(rank, doc)] = [first, end] if need is None else [min(need[0], first), max(need[1], end)]
+            self.doc_servers[doc].add(rank)
+        # each rank's own query intervals [doc, piece start, end], latest end first (tails move first)
+        order = np.lexsort((pieces.doc, -pieces.end, pieces.rank))
+        order = order[pieces.end[order] > pieces.start[order]]
+        self.intervals: list[list[list[int]]] = [[] for _ in range(n)]
+        for rank, doc, start, end in zip(pieces.rank[order].tolist(), pieces.doc[order].tolist(),
+                                         pieces.start[order].tolist(), pieces.end[order].tolist()):
+            self.intervals[rank].append([doc, start, end])
+        self.rows: list[list[int]] = []  # moved tasks [source, server, doc, q_start, q_end]
+        self.opened: set[int] = set()  # ranks whose own intervals changed
+        self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
+        self.bounds: dict[int, float] = {}
+
+    # -- the documents' senders and fan-out -----------------------------------------------------
+
+    def senders(self, doc: int, donor: int, end: int):
+        """``[(rank, kv_start, kv_end)]`` holding the document's K/V: its pieces, or the donor's one
+        piece (which holds all of it, ``[0, end)`` at least)."""
+        return self.holders.get(doc) or ((donor, 0, end),)
+
+    def fan_out_bound(self, doc: int, donor: int, end: int) -> float:
+        bound = self.bounds.get(doc)
+        if bound is None:
+            bound = math.inf
+            for rank, kv_start, kv_end in self.senders(doc, donor, end):
+                budget = self.colocated_step - (self.floor0[rank])
+                bound = min(bound, _bound(budget, self.byte_s * self.kv * (kv_end - kv_start)))
+            bound = max(bound, len(self.doc_servers.get(doc, ())), 1)
+            self.bounds[doc] = bound
+        return bound
+
+    # -- one move ---------------------------------------------------------------------------------
+
+    def effect(self, donor: int, server: int, doc: int, piece_start: int, a: int, b: int):
+        """``(changes, bytes, merged)`` of moving queries ``[a, b)`` (a tail of the donor's interval
+        ``[piece_start, b)``) to ``server``: ``changes`` maps a rank to its added seconds."""
+        window, attn, key_s, task_s, byte_s = self.window, self.attn, self.key_s, self.task_s, self.byte_s
+        pairs = causal_pairs(a, b, window)
+        m = b - a
+        first = key_start(a, window)
+        # the donor: its local task [piece_start, b) becomes [piece_start, a), or goes
+        if a > piece_start:
+            donor_s = -attn * pairs - key_s * m
+        else:
+            donor_s = -attn * pairs - key_s * (b - key_start(piece_start, window)) - task_s
+        moved_bytes = m * (self.q + self.o)
+        donor_s += byte_s * moved_bytes
+        merged = self.merge_at.get((server, donor, doc, b))
+        if merged is not None:
+            server_s = attn * pairs + key_s * (key_start(b, window) - first)
+        else:
+            server_s = attn * pairs + key_s * (b - first) + task_s
+        server_s += byte_s * moved_bytes
+        changes = {donor: donor_s, server: server_s}
+        total = 2 * moved_bytes
+        old = self.needs.get((server, doc))
+        new = (first, b) if old is None else (min(old[0], first), max(old[1], b))
+        if old is None or new[0] != old[0] or new[1] != old[1]:
+            for rank, kv_start, kv_end in self.senders(doc, donor, b):
+                if rank == server:
+                    continue
+                more = max(min(new[1], kv_end) - max(new[0], kv_start), 0)
+                if old is not None:
+                    more -= max(min(old[1], kv_end) - max(old[0], kv_start), 0)
+                if more > 0:
+                    cost = byte_s * more * self.kv
+                    changes[rank] = changes.get(rank, 0.0) + cost
+                    changes[server] += cost
+                    total += 2 * more * self.kv
+        return changes, total, merged
+
+    def acceptable(self, changes, donor: int, server: int, level: float, must_empty: bool) -> bool:
+        time, own = self.time, self.own
+        for rank, add in changes.items():
+            new = time[rank] + add
+            if rank == server:
+                if new > level * (1 + 1e-12):
+                    return False
+            elif rank == donor:
+                if not must_empty and new >= time[donor] * (1 - 1e-12):
+                    return False
+            elif _holder_time_floor(new, own[rank], level) > level * (1 + 1e-12):
+                return False
+        return True
+
+    def best_shard(self, donor: int, server: int, doc: int, piece_start: int, end: int, level: float,
+                   want_pairs: float, must_empty: bool):
+        """The largest tail ``[a, end)`` (cut a multiple of ``block`` from ``piece_start``) that
+        ``server`` may take at ``level``: ``(a, changes, bytes, merged)`` or None."""
+        room = level - self.time[server]
+        if room <= 0:
+            return None
+        window, block, attn = self.window, self.block, self.attn
+        whole = causal_pairs(piece_start, end, window)
+        pairs = min(want_pairs, whole, room / attn) if attn > 0 else min(want_pairs, whole)
+        for _ in range(4):
+            if pairs >= whole:
+                a = piece_start
+            else:
+                a = piece_start + math.ceil((start_with_pairs(end, pairs, window) - piece_start) / block) * block
+                if a >= end:  # less than a block fits: one block (the last one may be shorter)
+                    a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
+            changes, moved, merged = self.effect(donor, server, doc, piece_start, a, end)
+            if self.acceptable(changes, donor, server, level, must_empty):
+                return a, changes, moved, merged
+            over = self.time[server] + changes[server] - level
+            got = causal_pairs(a, end, window)
+            if over <= 0 or got <= 0 or a + block >= end:
+                return None  # another rank's limit, or already the smallest shard
+            # shrink by the share of the server's added time that is over the level
+            pairs = got * max(1.0 - over / changes[server], 0.0) * 0.98
+            if pairs <= 0:
+                return None
+        return None
+
+    def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
+        interval = self.intervals[donor][index]
+        piece_start, b = interval[1], interval[2]
+        for rank, add in changes.items():
+            self.time[rank] += add
+        pairs_s = self.attn * causal_pairs(a, b, self.window)
+        # approximately (block rounding, the task it may drop): what moving the rest would save
+        self.own[donor] = max(self.own[donor] - pairs_s - self.key_s * (b - a) + self.byte_s * (self.q + self.o) * (b - a),
+                              0.0)
+        first = key_start(a, self.window)
+        old = self.needs.get((server, doc))
+        self.needs[(server, doc)] = [first, b] if old is None else [min(old[0], first), max(old[1], b)]
+        self.doc_servers.setdefault(doc, {donor}).add(server)
+        if merged is not None:
+            self.rows[merged][3] = a
+            del self.merge_at[(server, donor, doc, b)]
+        else:
+            merged = len(self.rows)
+            self.rows.append([donor, server, doc, a, b])
+        self.merge_at[(server, donor, doc, a)] = merged
+        intervals = self.intervals[donor]
+        self.opened.add(donor)
+        intervals.pop(index)
+        if a > piece_start:
+            bisect.insort(intervals, [doc, piece_start, a], key=lambda iv: -iv[2])
+
+    # -- the descent --------------------------------------------------------------------------------
+
+    def least_loaded(self, heap, exclude: int, count: int) -> list[int]:
+        """The ``count`` servers predicted fastest, ``exclude`` left out (lazy heap)."""
+        time, found, popped = self.time, [], []
+        while heap and len(found) < count:
+            t, r = heapq.heappop(heap)
+            if t != time[r]:
+                continue
+            popped.append((t, r))
+            if r != exclude:
+                found.append(r)
+        for item in popped:
+            heapq.heappush(heap, item)
+        return found
+
+    def shed(self, donor: int, level: float, heap, must_empty: bool) -> int:
+        """Moves from ``donor`` at ``level``; returns how many."""
+        moves = 0
+        time, intervals = self.time, self.intervals[donor]
+        while intervals and (must_empty or time[donor] > level):
+            move = None
+            for index in range(min(_INTERVALS_TRIED, len(intervals))):
+                doc, piece_start, end = intervals[index]
+                want = math.inf if must_empty or self.attn <= 0 else (time[donor] - level) / self.attn
+                servers = self.doc_servers.get(doc)
+                # the document's servers and holders (they lack the least K/V) with the most room...
+                known = set(servers or ())
+                known.update(rank for rank, _, _ in self.holders.get(doc, ()))
+                known.discard(donor)
+                candidates = set(heapq.nsmallest(LEAST_LOADED, known, key=lambda r: (time[r], r)))
+                # ...and, within the fan-out bound, the servers predicted fastest
+                bound = self.fan_out_bound(doc, donor, end)
+                if must_empty or servers is None or len(servers) < bound:
+                    candidates.update(self.least_loaded(heap, donor, LEAST_LOADED))
+                candidates.discard(donor)
+                best, best_key = None, None
+                for server in sorted(candidates):
+                    if not self.is_server[server]:
+                        continue
+                    shard = self.best_shard(donor, server, doc, piece_start, end, level, want, must_empty)
+                    if shard is None:
+                        continue
+                    a, changes, moved, merged = shard
+                    key = (time[donor] + changes[donor], moved, server)
+                    if best_key is None or key < best_key:
+                        best, best_key = (server, a, changes, merged), key
+                if best is not None:
+                    move = (index, doc, *best)
+                    break
+            if move is None:
+                return moves
+            index, doc, server, a, changes, merged = move
+            self.commit(donor, server, doc, index, a, changes, merged)
+            moves += 1
+            for rank in changes:
+                if self.is_server[rank]:
+                    heapq.heappush(heap, (time[rank], rank))
+        return moves
+
+    def run(self) -> None:
+        n, time = self.n, self.time
+        heap = [(time[r], r) for r in self.servers]  # the least loaded servers
+        heapq.heapify(heap)
+        level = self.lower_bound + START * (self.colocated_step - self.lower_bound)
+        budget = MAX_MOVES_PER_RANK * n + 256
+        # ranks outside the server pool give all their work away first, at a rising level
+        for rank in range(n):
+            if self.is_server[rank] or not self.intervals[rank]:
+                continue
+            raises = 0
+            while self.intervals[rank]:
+                budget -= self.shed(rank, level, heap, must_empty=True)
+                if self.intervals[rank]:
+                    raises += 1
+                    top = max(time[s] for s in self.servers)
+                    level = max(level + RAISE[0] * (top - level), level * (1 + RAISE[1])) if raises < 60 else math.inf
+        raises, lowered = 0, False
+        while budget > 0 and raises < 400:
+            donor = max(range(n), key=time.__getitem__)  # ties: the lowest rank
+            slowest = time[donor]
+            if not self.intervals[donor] or not self.is_server[donor]:
+                return  # nothing the descent may move can make the slowest rank faster
+            if slowest <= level * (1 + 1e-12):
+                # every rank within the level: try a lower one, half way down to the lower bound
+                if slowest - self.lower_bound <= CONVERGED * slowest:
+                    return
+                level, lowered = self.lower_bound + 0.5 * (slowest - self.lower_bound), True
+                continue
+            moved = self.shed(donor, level, heap, must_empty=False)
+            budget -= moved
+            if not moved:
+                if lowered or slowest - level <= CONVERGED * slowest:
+                    return  # a lowered level that moves nothing, or converged
+                level += min(RAISE[0] * (slowest - level), RAISE[1] * level)
+                raises += 1
+
+    def plan(self) -> Plan:
+        p = self.pieces
+        opened = np.zeros(self.n, dtype=bool)
+        opened[list(self.opened)] = True
+        keep = ~opened[p.rank] & (p.end > p.start)  # the pieces of ranks that moved nothing, as they are
+        rows = [[r, r, d, s, e] for r in sorted(self.opened) for d, s, e in self.intervals[r]] + self.rows
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        source, server, doc, q_start, q_end = (np.concatenate((column, extra)) for column, extra in zip(
+            (p.rank[keep], p.rank[keep], p.doc[keep], p.start[keep], p.end[keep]), table.T))
+        order = np.lexsort((q_start, doc, source, server))
+        return Plan(source[order], server[order], doc[order], q_start[order], q_end[order], self.n,
+                    self.servers, self.window)
+
+
+def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan:
+    """The descent's plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
+    (default ``config.backward``); the plan says ``"saved"``, ``by_time`` fits it to the memory budget."""
+    state = _Descent(pieces, config, backward or config.backward)
+    state.run()
+    return state.plan()
+
+
+def document_servers(plan: Plan) -> dict[int, int]:
+    """``{doc: number of ranks computing some of its queries}`` under ``plan``."""
+    pairs = np.unique(plan.doc * plan.num_ranks + plan.server)
+    docs, counts = np.unique(pairs // plan.num_ranks, return_counts=True)
+    return dict(zip(docs.tolist(), counts.tolist()))
+
+
+def long_document_servers(plan: Plan, pieces: DocumentPieces, longer_than: int) -> tuple[float, float]:
+    """``(mean, max)`` over the documents longer than ``longer_than`` tokens of the ranks computing
+    some of their queries under ``plan`` (``(0, 0)`` without such documents)."""
+    length = np.zeros(int(pieces.doc.max(initial=-1)) + 1, dtype=np.int64)
+    np.maximum.at(length, pieces.doc, pieces.end)
+    servers = document_servers(plan)
+    counts = [servers[d] for d in np.flatnonzero(length > longer_than).tolist() if d in servers]
+    return (float(np.mean(counts)), float(max(counts))) if counts else (0.0, 0.0)
+
+
+def fan_out_bounds(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> dict[int, float]:
+    """``{doc: the most servers the descent spreads it to}`` (module docstring: the fan-out at which
+    one of its K/V holders' sends alone would be predicted slower than the colocated step; never
+    below the ranks computing it colocated, nor 1); ``math.inf`` when K/V cost no exposed time."""
+    state = _Descent(pieces, config, backward or config.backward)
+    ends = np.zeros(int(pieces.doc.max(initial=-1)) + 1, dtype=np.int64)
+    np.maximum.at(ends, pieces.doc, pieces.end)
+    bounds = {}
+    for doc, rank in zip(pieces.doc.tolist(), pieces.rank.tolist()):
+        if doc not in bounds:
+            bounds[doc] = state.fan_out_bound(doc, rank, int(ends[doc]))
+    return bounds
