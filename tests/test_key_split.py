@@ -6,6 +6,8 @@ document alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -144,6 +146,23 @@ def test_full_tiles_refuse_chunked_attention_and_keyless_tasks():
         varlen_attention_forward(q, k, k, cu_q, cu_k, 3, 2, None, "math", full=[True, False])
 
 
+def test_a_key_split_plan_refuses_layers_with_another_window_or_chunks():
+    """Full tiles were cut for the plan's window exactly: a layer with a narrower window (which a
+    whole-prefix plan accepts) or attention chunks would be wrong, so it raises naming both."""
+    from types import SimpleNamespace
+
+    from distca_hf.errors import UnsupportedAttentionError
+    from distca_hf.runtime.phases import check_layer_window
+
+    wave = SimpleNamespace(kv_window=8, forward_number=3, merges=True)
+    check_layer_window(wave, 8)
+    with pytest.raises(UnsupportedAttentionError, match="splits CA-tasks along keys for sliding_window=8.*runs "
+                                                        "sliding_window=2"):
+        check_layer_window(wave, 2)
+    with pytest.raises(UnsupportedAttentionError, match="attention_chunk_size=4"):
+        check_layer_window(SimpleNamespace(kv_window=None, forward_number=1, merges=True), None, 4)
+
+
 # ---- the tile checks and the planner rule ----
 
 def test_check_tiles_names_bad_shapes_gaps_and_overlaps():
@@ -192,3 +211,180 @@ def test_split_long_prefixes_keeps_every_pair_once_and_never_adds_key_bytes(leng
     assert (received(after_t) <= received(kv_transfers(plan, pieces))).all()
     if not with_bytes and bound == 0:
         assert after_t.tokens() == 0  # every task's earlier keys are served where they live
+
+
+# ---- key-split plans dispatched on gloo ranks ----
+
+def _slices(doc_lengths, world):
+    """A global stream of documents cut into ``world`` equal slices (documents span ranks): each
+    rank's local piece lengths and first position, and the stream's document of each token."""
+    total = sum(doc_lengths)
+    bounds = [round(r * total / world) for r in range(world + 1)]
+    doc_of = np.repeat(np.arange(len(doc_lengths)), doc_lengths)
+    pos_of = concat_ranges(np.zeros(len(doc_lengths), np.int64), doc_lengths)
+    per_rank, first = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        _, counts = np.unique(doc_of[lo:hi], return_counts=True)
+        per_rank.append(counts.astype(np.int64))
+        first.append(int(pos_of[lo]))
+    return bounds, per_rank, first
+
+
+def _hand_tiles(pieces, window, world, seed):
+    """Random key-split tiles on random servers: every piece's queries cut into shards, each shard's
+    keys into a causal tile and full tiles before it (where the window allows); several tiles of one
+    row may land on one server, in one wave or several."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for rank, doc, s, e in zip(pieces.rank, pieces.doc, pieces.start, pieces.end):
+        cuts = sorted(set(rng.integers(s + 1, e, size=2).tolist())) if e - s > 2 else []
+        for a, b in zip([int(s), *cuts], [*cuts, int(e)]):
+            first = int(key_start(a, window))
+            c = int(rng.integers(first, a + 1))
+            if window is not None and first < b - window:
+                c = first  # a full tile would be cut by the window: the whole prefix
+            rows.append((rank, int(rng.integers(world)), doc, a, b, c, b))
+            inner = sorted(set(rng.integers(first + 1, c, size=2).tolist())) if c - first > 2 else []
+            for x0, x1 in zip([first, *inner], [*inner, c]) if c > first else ():
+                rows.append((rank, int(rng.integers(world)), doc, a, b, x0, x1))
+    cols = np.asarray(rows, dtype=np.int64).T
+    order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
+    return [c[order] for c in cols]
+
+
+def key_split_worker(rank, world, cases):
+    """Every case ``(doc_lengths, window, plan_kind)`` in every overlap (``none``, ``wave``, the
+    ping-pong nodes) and backward mode: this rank's attention output and q/k/v gradients against the
+    global stream's documents each computed alone (explicit fp64 softmax, autograd). Returns the
+    worst errors per run and the plan's key-split facts."""
+    import torch.distributed as dist
+
+    from distca_hf.kernels import AttentionVariant
+    from distca_hf.planning import Plan, PlannerConfig, plan_tasks, stitch_rank_documents
+    from distca_hf.runtime.dispatch import build_dispatch
+    from distca_hf.runtime.pingpong import NanoAttention
+    from distca_hf.runtime.tables import LocalDocuments
+    from distca_hf.runtime.wave_schedule import dispatched_attention
+    from distca_hf.planning.documents import PackedDocuments
+
+    report = []
+    for case, (doc_lengths, window, kind) in enumerate(cases):
+        bounds, per_rank, first = _slices(doc_lengths, world)
+        ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first, span_ranks=True)
+        pieces = ranks.pieces
+        if kind == "hand":
+            cols = _hand_tiles(pieces, window, world, seed=case)
+            plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
+        else:  # the planner's plan, then the rule: every task's earlier pieces served where they live
+            plan = split_long_prefixes(plan_tasks(pieces, PlannerConfig(tolerance=0.05, window=window)), pieces,
+                                       max_prefix_tokens=0)
+        check_tiles(plan, pieces)
+        docs = PackedDocuments.from_lengths(per_rank[rank])
+        local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
+        total, lo, hi = sum(doc_lengths), bounds[rank], bounds[rank + 1]
+        g = torch.Generator().manual_seed(case)
+        gq, gk, gv = (torch.randn(total, h, 8, generator=g, dtype=torch.float64).requires_grad_() for h in (4, 2, 2))
+        weight = torch.randn(total, 4, 8, generator=g, dtype=torch.float64)
+        ref = []
+        for s, n in zip(np.cumsum([0, *doc_lengths[:-1]]), doc_lengths):
+            r = slice(int(s), int(s) + n)
+            scores = torch.einsum("qhd,khd->hqk", gq[r], gk[r].repeat_interleave(2, 1)) * 8 ** -0.5
+            p = torch.arange(n)
+            mask = (p[None, :] <= p[:, None]) & ((p[None, :] > p[:, None] - window) if window else True)
+            ref.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1),
+                                    gv[r].repeat_interleave(2, 1)))
+        ref = torch.cat(ref)
+        ref_grads = [x[lo:hi] for x in torch.autograd.grad((ref * weight).sum(), (gq, gk, gv))]
+        for overlap in ("none", "wave", "pingpong"):
+            for backward in ("saved", "resend"):
+                q, k, v = (x.detach()[lo:hi].float().requires_grad_() for x in (gq, gk, gv))
+                dispatch = build_dispatch(dataclasses.replace(plan, backward=backward), pieces, local, rank, "cpu",
+                                          overlap="wave" if overlap == "wave" else "none", backward_mode=backward,
+                                          timeout_s=60.0, forward_number=case)
+                variant = AttentionVariant(window)
+                if overlap == "pingpong":
+                    nano = NanoAttention(dispatch, 8 ** -0.5, "A", variant=variant)
+                    nano.launch(q, k, v)
+                    nano.serve()
+                    out = nano.finish()
+                else:
+                    out = dispatched_attention(q, k, v, dispatch, 8 ** -0.5, variant=variant)
+                (out * weight[lo:hi].float()).sum().backward()
+                report.append({
+                    "case": case, "overlap": overlap, "backward": backward, "waves": len(dispatch.waves),
+                    "out_err": float((out.detach().double() - ref[lo:hi].detach()).abs().max()),
+                    "grad_err": max(float((x.grad.double() - want).abs().max())
+                                    for x, want in zip((q, k, v), ref_grads)),
+                })
+        dist.barrier()
+        moved_rows = plan.source != plan.server
+        report.append({"case": case, "splits": plan.splits_keys, "full_tiles": int((plan.k_end < plan.q_end).sum()),
+                       "moved_tiles": int(moved_rows.sum())})
+    return report
+
+
+KEY_SPLIT_CASES = {
+    2: [([41, 6, 23], None, "hand"), ([41, 6, 23], 12, "hand"), ([70], None, "rule")],
+    3: [([50, 7, 30, 13], None, "hand"), ([50, 7, 30, 13], 16, "hand"), ([90, 9], None, "rule")],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_key_split_plans_dispatch_exactly(tmp_path, world):
+    """Plans with key-split tiles (random ones on random servers, spanning documents, sliding
+    windows, and the planner's plan split by ``split_long_prefixes``) on gloo ranks, overlap
+    ``none`` / ``wave`` / ping-pong's nodes x ``saved`` / ``resend``: every rank's output and q/k/v
+    gradients equal its rows of each document computed alone (fp32 against fp64: 1e-5)."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(key_split_worker, world, tmp_path, KEY_SPLIT_CASES[world], deadline_s=240)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        runs = [r for r in result["value"] if "overlap" in r]
+        facts = [r for r in result["value"] if "splits" in r]
+        assert len(runs) == 6 * len(KEY_SPLIT_CASES[world])
+        for run in runs:
+            assert run["out_err"] < 1e-5 and run["grad_err"] < 1e-5, (rank, run)
+        assert all(f["splits"] and f["full_tiles"] > 0 and f["moved_tiles"] > 0 for f in facts), facts
+        assert any(r["waves"] > 1 for r in runs if r["overlap"] == "wave")
+
+
+def key_split_model_worker(rank, world, cases):
+    """``workers.span_workers`` with every plan of the forward (micro-batch and ping-pong nano-batches)
+    split by ``split_long_prefixes(max_prefix_tokens=0)`` after the planner: whole models, documents
+    spanning ranks, against each document alone. Returns the reports and the plans that split keys."""
+    from distca_hf.planning import plan_tasks
+    from distca_hf.runtime import forward as runtime_forward
+    from workers import span_workers
+
+    made = {"plans": 0, "split": 0}
+
+    def planner(pieces, config):
+        plan = split_long_prefixes(plan_tasks(pieces, config), pieces, max_prefix_tokens=0)
+        made["plans"] += 1
+        made["split"] += int(plan.splits_keys)
+        return plan
+
+    runtime_forward.plan_batch.__kwdefaults__["planner"] = planner  # the planner every plan_batch uses here
+    return {"reports": span_workers(rank, world, cases), **made}
+
+
+@pytest.mark.distributed
+def test_key_split_plans_train_whole_models_exactly(tmp_path):
+    """Llama (full attention) and Mistral (sliding window) on 2 gloo ranks, documents spanning them,
+    overlap none / wave / pingpong x saved / resend with the planner's plans split along keys: logits
+    and every parameter gradient equal each whole document run alone with eager attention."""
+    from dist_harness import run_ranks
+    from workers import check_forward_bytes, exact_runs
+
+    cases = [("llama", [30, 50, 7, 1, 12], [60, 40], ("none", "wave", "pingpong"), {}),
+             ("mistral", [44, 9, 27], [40, 40], ("none", "wave", "pingpong"), {})]
+    results = run_ranks(key_split_model_worker, 2, tmp_path, cases, env={"DISTCA_TOLERANCE": "0.02"})
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        assert result["value"]["split"] >= 6, result["value"]  # most plans held key-split tiles
+    for family in ("llama", "mistral"):
+        per_family = [{"ok": True, "value": r["value"]["reports"][family]} for r in results]
+        exact_runs(per_family, 7)
+        check_forward_bytes(per_family)  # plan_stats counts the log-sum-exp key-split partials return

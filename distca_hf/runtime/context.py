@@ -122,9 +122,11 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     sent = 0
     if planned:
         # queries out and outputs back per the plan, K/V as the waves really send them; in resend mode
-        # the forward also returns each moved query's log-sum-exp (fp32, one per head)
+        # and with key-split tasks (partials merge at the source) the forward also returns each moved
+        # query's log-sum-exp (fp32, one per head)
         sent = moved * (token_bytes.q + token_bytes.o) + int(received.sum()) * token_bytes.kv
-        sent += sum(b.plan.moved_queries() for b in planned if b.plan.backward == "resend") * num_heads * 4
+        sent += sum(b.plan.moved_queries() for b in planned
+                    if b.plan.backward == "resend" or b.plan.splits_keys) * num_heads * 4
     modes = sorted({b.plan.backward for b in planned})
     # memory held for backward: own activations (query tokens x bytes per token) + what each plan adds
     tokens = sum(b.pieces.tokens() for b in batches)
@@ -192,12 +194,14 @@ def begin_forward(context: ForwardContext) -> ForwardContext:
 
 
 @contextlib.contextmanager
-def pinned_forward(context: ForwardContext):
-    """Every attention call inside the block belongs to ``context`` (planned ahead; it becomes the
-    current forward, so ``plan_stats()`` describes it). Blocks do not nest."""
+def pinned_forward(context: ForwardContext, *, current: bool = True):
+    """Every attention call inside the block belongs to ``context`` (planned ahead). ``current``: it
+    becomes the current forward, so ``plan_stats()`` describes it; ``False`` for a context pinned only
+    for recomputations in a backward (``cad_1f1b``'s backward ticks under activation checkpointing),
+    which leaves ``plan_stats()`` describing the last forward. Blocks do not nest."""
     if STATE.pinned_forward is not None:
         raise RuntimeError("distca: a pinned forward is already in force (pinned_forward blocks do not nest)")
-    STATE.pinned_forward = begin_forward(context)
+    STATE.pinned_forward = begin_forward(context) if current else context
     try:
         yield context
     finally:

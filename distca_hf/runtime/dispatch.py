@@ -16,6 +16,11 @@ used by several tasks or servers are summed). In ``resend`` mode servers keep no
 their own q, k, v, out and log-sum-exp and send them again with dO, trading bytes for flat server
 memory.
 
+A plan may split CA-tasks along keys (``planning.key_split``): a query row then gets several
+partial outputs, which return with their log-sum-exp and merge at the source; backward runs every
+tile with the row's merged output and log-sum-exp (sent with dO in ``saved`` mode, resent in
+``resend`` mode) and sums the row's dQ partials.
+
 The index tables are in ``tables``, the exchange plumbing in ``exchange``, the phases in ``phases``,
 and the schedules that run them in ``wave_schedule`` (overlap ``none`` / ``wave``) and
 ``pingpong``.

@@ -6,6 +6,11 @@ kernel call) -> ``launch_outputs`` (server: outputs back) -> ``place_outputs`` (
 ``launch_grad_inputs`` (source: dO, or in ``resend`` mode q, k, v, out, dO and log-sum-exp) ->
 ``serve_backward`` -> ``launch_grad_outputs`` (server: dQ/dK/dV back) -> ``place_grads`` (source).
 
+Key-split plans (``Wave.merges``): a server returns each row's partial output and log-sum-exp (its
+tasks of a row merged first), the source merges every partial of a row (``merge_outputs``), and
+backward sends dO with the merged output and log-sum-exp (``saved``: the server kept q/k/v only;
+``resend``: the source's resent out and lse are the merged ones); dQ partials of a row are summed.
+
 Shapes: local q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``, v ``[tokens,
 kv_heads, value_head_dim]`` (DeepSeek's MLA: another head dim than q/k), out ``[tokens, heads,
 value_head_dim]``; padding tokens belong to no task and get zero output.
@@ -18,12 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedAttentionError
-from ..kernels import AttentionVariant, varlen_attention_backward, varlen_attention_forward
+from ..kernels import AttentionVariant, merge_rows, varlen_attention_backward, varlen_attention_forward
 from . import timeline
 from .exchange import Pending, split_rows, start_exchange
 from .tables import Wave
 
-__all__ = ["Served", "launch_inputs", "serve_forward", "launch_outputs", "place_outputs", "launch_grad_inputs",
+__all__ = ["Served", "launch_inputs", "serve_forward", "launch_outputs", "place_outputs", "merge_outputs",
+           "launch_grad_inputs",
            "receive_all", "serve_backward", "launch_grad_outputs", "place_grads", "kept_bytes"]
 
 
@@ -53,22 +59,30 @@ class Served:
     f_lse: torch.Tensor
 
 
-def check_layer_window(w: Wave, window: int | None) -> None:
+def check_layer_window(w: Wave, window: int | None, chunk: int | None = None) -> None:
     """A layer may run a sliding window up to the one the wave's K/V were cut to, never wider (its
-    queries would miss keys the plan did not bring)."""
+    queries would miss keys the plan did not bring). Key-split tasks were cut for the plan's window
+    exactly (a full tile is inside every query's window), and not into attention chunks."""
     if w.kv_window is not None and (window is None or window > w.kv_window):
         raise UnsupportedAttentionError(
             f"distca forward {w.forward_number}: a layer asks for sliding_window={window} but this forward's CA-tasks "
             f"carry only the last {w.kv_window} keys of each query (the widest window found in the model's config); "
             "set config.sliding_window / config.layer_types to what the layers use")
+    if getattr(w, "merges", False) and (window != w.kv_window or chunk):
+        raise UnsupportedAttentionError(
+            f"distca forward {w.forward_number}: this forward's plan splits CA-tasks along keys for "
+            f"sliding_window={w.kv_window}, but a layer runs sliding_window={window}"
+            f"{f' with attention_chunk_size={chunk}' if chunk else ''}; key-split tiles hold exactly for the plan's "
+            "window and without attention chunks: plan without key splits for models that mix them")
 
 
 def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
                   variant: AttentionVariant = AttentionVariant()) -> Served:
     """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
     sliding window and softcap, ``variant``)."""
-    check_layer_window(w, variant.window)
+    check_layer_window(w, variant.window, variant.chunk)
     served = w.served
+    want_lse = want_lse or w.merges
     if received is None:
         q_pool, k_pool, v_pool = q, k, v
     else:
@@ -81,9 +95,12 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
             f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
                                                     served.max_seqlen_q, served.max_seqlen_k, scale,
                                                     window=variant.window, softcap=variant.softcap,
-                                                    chunk=variant.chunk)
+                                                    chunk=variant.chunk, full=served.full)
     else:
         f_out, f_lse = fq.new_empty(0, heads, value_dim), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
+    if w.merges:  # several tasks of a row: their partials merged here (a row of no task: 0 and -inf)
+        out_pool, lse_pool = merge_rows(served.q_index, f_out, f_lse.t(), q_pool.shape[0])
+        return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)
     out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy(0, served.q_index, f_out)
     lse_pool = None
     if want_lse:
@@ -113,11 +130,31 @@ def place_outputs(w: Wave, pending: list[Pending], out: torch.Tensor, lse: torch
         lse.index_copy_(0, w.send_q_rows, pending[1].wait()[0])
 
 
-def launch_grad_inputs(w: Wave, dout, resend: tuple | None) -> list[Pending]:
+def merge_outputs(waves_partials, num_local: int):
+    """Forward, source side, key-split plans: every partial of this rank's rows, ``(rows, out, lse)``
+    per wave (its local pool's rows, and each returned exchange's ``send_q_rows``), merged by
+    log-sum-exp into ``(out [num_local, heads, value_dim], lse [num_local, heads])``."""
+    rows, outs, lses = zip(*waves_partials)
+    return merge_rows(torch.cat(rows), torch.cat(outs), torch.cat(lses), num_local)
+
+
+def returned_partials(w: Wave, pending: list[Pending]):
+    """The ``(rows, out, lse)`` partials a wave's servers returned to this rank (key-split plans)."""
+    return w.send_q_rows, pending[0].wait()[0], pending[1].wait()[0]
+
+
+def launch_grad_inputs(w: Wave, dout, resend: tuple | None, merged: tuple | None = None) -> list[Pending]:
     """Backward, source side: send dO of moved queries (``resend``: also q, k, v, out, and the fp32
-    log-sum-exp in a second exchange, from the tuple ``(q, k, v, out, lse)`` of local rows)."""
+    log-sum-exp in a second exchange, from the tuple ``(q, k, v, out, lse)`` of local rows; in
+    ``saved`` mode of a key-split plan, ``merged``: the rows' merged ``(out, lse)``, sent with dO)."""
     rows = lambda t: split_rows(t.index_select(0, w.send_q_rows), w.send_q_counts)
     oshape = tuple(dout.shape[1:])  # dO and out: the value head dim
+    if resend is None and merged is not None:
+        out, lse = merged
+        return [start_exchange(w, [list(p) for p in zip(rows(dout), rows(out))], [w.recv_q_counts, w.recv_q_counts],
+                               [oshape, oshape], "distca backward: sending dO and merged outputs", "backward_inputs"),
+                start_exchange(w, [[x] for x in rows(lse)], [w.recv_q_counts], [(lse.shape[1],)],
+                               "distca backward: sending merged log-sum-exp", "backward_lse")]
     if resend is None:
         return [start_exchange(w, [[x] for x in rows(dout)], [w.recv_q_counts], [oshape],
                                 "distca backward: sending dO to servers", "backward_inputs")]
@@ -138,13 +175,25 @@ def receive_all(pending: list[Pending]) -> list[torch.Tensor]:
     return [t for p in pending for t in p.wait()]
 
 
-def serve_backward(w: Wave, dout, received, saved, scale: float, variant: AttentionVariant = AttentionVariant()):
+def serve_backward(w: Wave, dout, received, saved, scale: float, variant: AttentionVariant = AttentionVariant(),
+                   merged: tuple | None = None):
     """Backward, server side: the wave's fused backward. ``saved`` is ``(fq, k_pool, v_pool, f_out,
     f_lse)`` (``saved`` mode) or the source's ``(q, k, v, out, lse)`` (``resend`` mode, whose
     ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
-    a local wave. Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
+    a local wave. Key-split plans in ``saved`` mode: ``merged`` is this rank's rows' merged ``(out,
+    lse)`` and ``received`` the other sources' dO, out, lse rows (``saved``'s f_out / f_lse, partial,
+    are not used). Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
     served = w.served
-    if w.backward_mode == "saved":
+    if w.backward_mode == "saved" and w.merges:
+        fq, k_pool, v_pool = saved[:3]
+        out, lse = merged
+        if received:
+            rdo, ro, rlse = received
+            dout, out, lse = torch.cat([dout, rdo]), torch.cat([out, ro]), torch.cat([lse, rlse])
+        f_do, f_out = dout.index_select(0, served.q_index), out.index_select(0, served.q_index)
+        f_lse = lse.index_select(0, served.q_index).t().contiguous()
+        pool_rows = w.num_local + sum(w.recv_q_counts)
+    elif w.backward_mode == "saved":
         fq, k_pool, v_pool, f_out, f_lse = saved
         f_do = (torch.cat([dout, received[0]]) if received else dout).index_select(0, served.q_index)
         pool_rows = w.num_local + sum(w.recv_q_counts)
@@ -165,10 +214,11 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
                                                       served.cu_seqlens_k, served.max_seqlen_q,
                                                       served.max_seqlen_k, scale, window=variant.window,
-                                                      softcap=variant.softcap, chunk=variant.chunk)
+                                                      softcap=variant.softcap, chunk=variant.chunk, full=served.full)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
-    dq_pool = fq.new_zeros(pool_rows, *qshape).index_copy(0, served.q_index, fdq)
+    # a key-split plan's tasks of one row each give a dQ partial: summed
+    dq_pool = fq.new_zeros(pool_rows, *qshape).index_add(0, served.q_index, fdq)
     dk_pool = fk.new_zeros(k_pool.shape).index_add(0, served.k_index, fdk)
     dv_pool = fv.new_zeros(v_pool.shape).index_add(0, served.k_index, fdv)
     return dq_pool, dk_pool, dv_pool

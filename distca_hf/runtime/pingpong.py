@@ -39,8 +39,8 @@ from .agree import PATH_PINGPONG, agree
 from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch
 from .forward import plan_batch
-from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs, place_grads,
-                     place_outputs, receive_all, serve_backward, serve_forward)
+from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs, merge_outputs,
+                     place_grads, place_outputs, receive_all, returned_partials, serve_backward, serve_forward)
 from .tables import DispatchCounters
 
 __all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention"]
@@ -147,8 +147,9 @@ class _Flight:
         self.counters = dispatch.counters
         self.scale, self.variant = scale, variant
         self.resend = self.wave.backward_mode == "resend"
+        self.merges = self.wave.merges  # a key-split plan: a row's partials merged in _Finish
         self.inputs = self.outputs = self.grad_inputs = self.grads = None
-        self.lse_local = None
+        self.lse_local = self.merged = None
         self.shapes = self.dtype = self.device = None  # of q, k and v, set by the forward
 
 
@@ -188,8 +189,11 @@ class _Serve(torch.autograd.Function):
         flight.outputs = launch_outputs(w, served)
         out_local = served.out_pool[: w.num_local]
         flight.dtype, flight.device = q.dtype, q.device
-        if flight.resend:
+        if flight.resend or flight.merges:
             flight.lse_local = served.lse_pool[: w.num_local]
+        if flight.merges:  # backward takes the merged out and lse from _Finish (flight.merged)
+            kept = (q, k, v) if flight.resend else (served.fq, served.k_pool, served.v_pool)
+        elif flight.resend:
             kept = (q, k, v, out_local, flight.lse_local)
         else:
             kept = (served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse)
@@ -204,8 +208,11 @@ class _Serve(torch.autograd.Function):
         flight = ctx.flight
         w = flight.wave
         dout = dout.contiguous()
-        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), ctx.saved_tensors, flight.scale,
-                               flight.variant)
+        saved, merged = ctx.saved_tensors, flight.merged
+        if flight.merges and flight.resend:
+            saved, merged = (*saved, *merged), None
+        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), saved, flight.scale, flight.variant, merged)
+        flight.merged = None
         flight.grad_inputs = None
         flight.grads = launch_grad_outputs(w, pools)
         n, nk = w.num_local, w.num_local_kv
@@ -218,11 +225,19 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ticket, out_local, q, k, v, flight: _Flight):
-        out = out_local.clone()
-        lse = flight.lse_local.clone() if flight.resend else None
-        place_outputs(flight.wave, flight.outputs, out, lse)
+        w = flight.wave
+        if flight.merges:
+            rows = torch.arange(w.num_local, device=out_local.device)
+            out, lse = merge_outputs([(rows, out_local, flight.lse_local), returned_partials(w, flight.outputs)],
+                                     w.num_local)
+        else:
+            out = out_local.clone()
+            lse = flight.lse_local.clone() if flight.resend else None
+            place_outputs(w, flight.outputs, out, lse)
         flight.outputs = flight.lse_local = None
-        if flight.resend:
+        if flight.merges and not flight.resend:
+            ctx.save_for_backward(out, lse)
+        elif flight.resend:
             ctx.save_for_backward(q, k, v, out, lse)
         ctx.flight = flight
         return out
@@ -231,7 +246,11 @@ class _Finish(torch.autograd.Function):
     def backward(ctx, dout):
         flight = ctx.flight
         dout = dout.contiguous()
-        flight.grad_inputs = launch_grad_inputs(flight.wave, dout, ctx.saved_tensors if flight.resend else None)
+        saved = ctx.saved_tensors
+        if flight.merges:  # _Serve's backward runs every task with the rows' merged out and lse
+            flight.merged = tuple(saved[-2:])
+        flight.grad_inputs = launch_grad_inputs(flight.wave, dout, saved if flight.resend else None,
+                                                flight.merged if not flight.resend else None)
         # Only the rows of this server's own tasks matter to _Serve's backward: the moved queries'
         # rows of out_local are zeros that _Finish overwrote.
         return dout.new_empty(0), dout, None, None, None, None

@@ -37,7 +37,10 @@ class Wave:
     ``local_only``: no rank sends anything in this wave (the same on every rank), so no collective
     runs. ``kv_window``: the sliding window the tasks' K/V were cut to (``None``: whole prefixes);
     a layer may run a window up to it, never a wider one. ``num_local`` / ``num_local_kv``: rows of the local query / key streams (they differ when a
-    nano-batch holds a cut document's prefix K/V without its queries).
+    nano-batch holds a cut document's prefix K/V without its queries). ``merges``: the plan splits keys
+    (``planning.key_split``), so a query row may get several partial outputs, from this wave's tasks
+    and from other waves and servers: they are merged by log-sum-exp at the source, and backward
+    runs every task with the merged output and log-sum-exp (the same on every rank: the plan is).
     """
 
     world: int
@@ -53,6 +56,7 @@ class Wave:
     served: FusedBatch
     local_only: bool = False
     kv_window: int | None = None
+    merges: bool = False
     group: object = None
     timeout_s: float = 600.0
     backward_mode: str = "saved"
@@ -107,7 +111,7 @@ def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, de
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
                 recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=plan.window,
-                **settings)
+                merges=plan.splits_keys, **settings)
 
 
 def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int):
@@ -161,9 +165,14 @@ def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     seg_start = np.concatenate((local.offsets, kv.start[kv_in]))
     seg_end = np.concatenate((local.offsets + docs.lengths, kv.end[kv_in]))
     seg_row = np.concatenate((docs.k_starts, docs.num_key_tokens + np.cumsum(kv_len) - kv_len))
-    k_rows = _prefix_rows(t_doc, key_start(t_a, window), t_b, seg_doc, seg_start, seg_end, seg_row)
-    return recv_q_counts.tolist(), recv_kv_counts.tolist(), fused_batch(q_index, k_rows, t_a, t_b, device,
-                                                                        window=window)
+    if plan.splits_keys:  # key-split tasks: each its own keys
+        t_k0, t_k1 = plan.k_start[on_me], plan.k_end[on_me]
+        k_rows = _prefix_rows(t_doc, t_k0, t_k1, seg_doc, seg_start, seg_end, seg_row)
+        batch = fused_batch(q_index, k_rows, t_a, t_b, device, window=window, k_start=t_k0, k_end=t_k1)
+    else:
+        k_rows = _prefix_rows(t_doc, key_start(t_a, window), t_b, seg_doc, seg_start, seg_end, seg_row)
+        batch = fused_batch(q_index, k_rows, t_a, t_b, device, window=window)
+    return recv_q_counts.tolist(), recv_kv_counts.tolist(), batch
 
 
 def _prefix_rows(task_doc, task_start, task_end, seg_doc, seg_start, seg_end, seg_row) -> np.ndarray:

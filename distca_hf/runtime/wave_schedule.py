@@ -13,7 +13,8 @@ from ..kernels import AttentionVariant
 
 from .dispatch import Dispatch
 from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs,
-                     place_grads, place_outputs, receive_all, serve_backward, serve_forward)
+                     merge_outputs, place_grads, place_outputs, receive_all, returned_partials, serve_backward,
+                     serve_forward)
 
 __all__ = ["dispatched_attention"]
 
@@ -26,26 +27,36 @@ class _WaveSchedule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, variant: AttentionVariant):
         waves = dispatch.waves
-        resend = waves[0].backward_mode == "resend"
+        resend, merges = waves[0].backward_mode == "resend", waves[0].merges
         if dispatch.backward is not None and not resend:
             raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if resend else None
-        returning, kept = [], []
+        returning, kept, partials = [], [], []
         for i, w in enumerate(waves):
             received = in_flight[i].wait() if i in in_flight else None
             served = serve_forward(w, q, k, v, received, scale, want_lse=resend, variant=variant)
-            out += served.out_pool[: w.num_local]  # rows of other waves' tasks are zero here
-            if resend:
-                lse += served.lse_pool[: w.num_local]
+            if merges:  # a row's partials of every wave and server are merged at the end
+                partials.append((torch.arange(w.num_local, device=q.device), served.out_pool[: w.num_local],
+                                 served.lse_pool[: w.num_local]))
+            else:
+                out += served.out_pool[: w.num_local]  # rows of other waves' tasks are zero here
+                if resend:
+                    lse += served.lse_pool[: w.num_local]
             if not w.local_only:
                 returning.append((w, launch_outputs(w, served)))
             if not resend:
-                kept.append((served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
-        for w, pending in returning:
-            place_outputs(w, pending, out, lse)
+                kept.append((served.fq, served.k_pool, served.v_pool) if merges else
+                            (served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
+        if merges:
+            out, lse = merge_outputs(partials + [returned_partials(w, pending) for w, pending in returning], q.shape[0])
+        else:
+            for w, pending in returning:
+                place_outputs(w, pending, out, lse)
         ctx.dispatch, ctx.scale, ctx.variant, ctx.q_shape = dispatch, scale, variant, q.shape
+        if merges and not resend:  # backward runs every task with the rows' merged out and lse
+            kept.append((out, lse))
         flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
         ctx.save_for_backward(*flat)
         if any(ctx.needs_input_grad[:3]):  # nothing is kept under no_grad
@@ -60,9 +71,11 @@ class _WaveSchedule(torch.autograd.Function):
         dout = dout.contiguous()
         saved = ctx.saved_tensors
         resend = waves[0].backward_mode == "resend"
-        per_wave = (lambda i: saved) if resend else (lambda i: saved[5 * i : 5 * i + 5])
+        merged = tuple(saved[-2:]) if ctx.dispatch.waves[0].merges and not resend else None
+        width = 3 if merged is not None else 5  # tensors kept per wave in saved mode
+        per_wave = (lambda i: saved) if resend else (lambda i: saved[width * i : width * i + width])
         order = list(reversed(range(len(waves))))
-        in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None)
+        in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None, merged)
                      for i in order if not waves[i].local_only}
         dq = dout.new_zeros(ctx.q_shape)
         dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
@@ -71,7 +84,7 @@ class _WaveSchedule(torch.autograd.Function):
         for i in order:
             w = waves[i]
             received = receive_all(in_flight[i]) if i in in_flight else []
-            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant)
+            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant, merged)
             dq += pools[0][: w.num_local]
             dk += pools[1][: w.num_local_kv]
             dv += pools[2][: w.num_local_kv]
