@@ -1,6 +1,7 @@
 """``pipeline_schedule="cad_1f1b"`` at the runtime level: a rank in a pipeline bubble serves the others'
-CA-tasks, the backward runs on its own pooled plan, and what the lockstep cannot run is refused on every
-rank with the same named error (no hang). Training equal to one process, for every schedule, is in
+CA-tasks, the backward runs on its own pooled plan, activation checkpointing's recomputations (reentrant
+or not) join the backward ticks' exchanges, and what the lockstep cannot run is refused on every rank
+with the same named error (no hang). Training equal to one process, for every schedule, is in
 ``test_pipeline_train.py``; the tick table in ``test_pipeline_ticks.py``."""
 
 from __future__ import annotations
@@ -53,11 +54,17 @@ def _case(rank, world, case):
     topology = ParallelTopology(world, pipeline_parallel=2)
     stage_index = topology.coordinates(rank)[1]
     model = tiny_model(case.get("family", "llama"), num_hidden_layers=2, **case.get("config", {}))
-    if case.get("checkpointing") and stage_index == 1:  # one stage only: the refusal must still reach both
-        model.gradient_checkpointing_enable()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")
     stage = build_stage_module(model, stage_index=stage_index, num_stages=2)
+    checkpointing, recomputed = case.get("checkpointing"), []
+    if checkpointing == "one stage" and stage_index == 1:  # the refusal must still reach both stages
+        stage.activation_checkpointing_enable()
+    elif checkpointing in ("reentrant", "non-reentrant"):
+        stage.activation_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
+        for layer in stage.model.layers:  # count the attention calls made while autograd runs: recomputations
+            layer.self_attn.register_forward_pre_hook(
+                lambda *_: recomputed.append(1) if torch._C._current_graph_task_id() != -1 else None)
     runner = PipelineRunner(stage, topology=topology, rank=rank, schedule="cad_1f1b", tokens_per_micro_batch=TOKENS,
                             device="cpu", timeout_s=60.0)
     rows = _rows()
@@ -75,7 +82,7 @@ def _case(rank, world, case):
     distca_hf.reset_config()
     return {"stage": stage_index, "stats": {k: stats[k] for k in ("attn_pairs_local", "attn_pairs_served",
                                                                    "moved_query_fraction", "backward")},
-            "worst_grad_error": worst, "own_pairs": own_pairs}
+            "worst_grad_error": worst, "own_pairs": own_pairs, "recomputed": len(recomputed)}
 
 
 def _worker(rank, world, cases):
@@ -90,12 +97,15 @@ def test_cad_1f1b_bubbles_serve_and_refusals_reach_every_rank(tmp_path):
         # stage 0 holds a sliding layer, stage 1 a full one: local layer 0 differs between the stages
         {"family": "qwen2", "config": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
                                        "use_sliding_window": True}},
-        {"checkpointing": True},
+        {"checkpointing": "one stage"},
+        # activation checkpointing: a backward tick's recomputations join its pooled exchange, bubbles included
+        {"checkpointing": "non-reentrant"},
+        {"checkpointing": "reentrant", "overlap": "wave"},
     ]
     results = run_ranks(_worker, 2, tmp_path, cases, deadline_s=240)
     for r in results:
         assert r["ok"], r.get("traceback", r.get("error"))
-    for index in (0, 1):
+    for index in (0, 1, 4, 5):
         for rank, result in enumerate(results):
             got = result["value"][index]
             assert "error" not in got, got
@@ -106,7 +116,10 @@ def test_cad_1f1b_bubbles_serve_and_refusals_reach_every_rank(tmp_path):
         assert bubble["attn_pairs_local"][0] == 1  # its dummy token
         assert bubble["attn_pairs_served"][0] > 1  # ... and it computed others' CA-tasks
         assert bubble["moved_query_fraction"] > 0 and bubble["backward"] == "resend"
-    for index, message in ((2, "same attention layers"), (3, "gradient checkpointing")):
+        # each stage's one layer recomputed once per micro-batch and once for its backward bubble's dummy token
+        # (one per stage with 2 stages), never without checkpointing
+        assert [r["value"][index]["recomputed"] for r in results] == [len(LENGTHS) + 1 if index > 3 else 0] * 2
+    for index, message in ((2, "same attention layers"), (3, "checkpoint the same")):
         errors = [result["value"][index] for result in results]
         assert all("error" in e for e in errors), errors
         assert any(message in e["message"] for e in errors), errors

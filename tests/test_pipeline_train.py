@@ -235,7 +235,7 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
         weight_decay=0.0,
         max_grad_norm=MAX_NORM, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, eval_strategy="no",
-        dataloader_pin_memory=False)
+        dataloader_pin_memory=False, activation_checkpointing=case.get("checkpointing", False))
     plugin = DistCAPlugin(pipeline_parallel_size=case["pp"], pipeline_schedule=case["schedule"],
                           pipeline_micro_batches=MICRO_BATCHES, timeout_s=60.0)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_documents(),
@@ -248,7 +248,8 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
               "recorded": trainer.recorded, "initial": initial, "trainer": trainer,
-              "balanced_steps": trainer.packing_reports["train"].balanced_steps}
+              "balanced_steps": trainer.packing_reports["train"].balanced_steps,
+              "checkpointed": trainer.model.is_activation_checkpointing}
     if evaluate:
         result["eval"] = trainer.evaluate()
         result["evaluated"] = trainer.evaluated
@@ -274,7 +275,9 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     out = []
     for index, schedule in enumerate(schedules):
-        case = {"pp": 2, "schedule": schedule, "balance": schedule == "gpipe"}  # one run packs balanced steps
+        # one run packs balanced steps; activation checkpointing in cad_1f1b's and in the 4-process run
+        case = {"pp": 2, "schedule": schedule, "balance": schedule == "gpipe",
+                "checkpointing": schedule == "cad_1f1b" or world == 4}
         first = index == 0
         full = _trainer_run(out_dir, case, max_steps=4, save_steps=2 if first and resume_and_save else None,
                             run=schedule, evaluate=first)
@@ -304,7 +307,8 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
         trained = gather_full_state_dict(trainer.model, pipeline_group=trainer._pipeline.pipeline_group)
         result = {"losses": full["losses"], "reference_losses": reference_losses, "norms": full["norms"],
                   "reference_norms": reference_norms, "worst_param_error": None,
-                  "balanced": (case["balance"], full["balanced_steps"])}
+                  "balanced": (case["balance"], full["balanced_steps"]),
+                  "checkpointed": (case["checkpointing"], full["checkpointed"])}
         if trained is not None:
             expected = dict(reference.named_parameters())
             result["worst_param_error"] = max(float((trained[n] - expected[n].detach()).abs().max()) for n in expected)
@@ -349,6 +353,8 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
                 assert got["worst_param_error"] < 1e-5, (schedule, got["worst_param_error"])
             balance, balanced_steps = got["balanced"]
             assert (balanced_steps > 0) == balance, got["balanced"]
+            asked, checkpointed = got["checkpointed"]
+            assert asked == checkpointed == (schedule == "cad_1f1b"), (schedule, got["checkpointed"])
             if index == 0:
                 assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
                 torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(got["full_losses_after_2"]),
@@ -360,7 +366,8 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
 @pytest.mark.distributed
 def test_trainer_in_two_stages_by_two_data_parallel_trains_like_one_process(tmp_path):
     """Four processes: two pipelines whose stages balance attention with their data-parallel copy,
-    documents spanning the copies (the trainer's default with a server group of two)."""
+    documents spanning the copies (the trainer's default with a server group of two), activation
+    checkpointing on (each recomputation plans its attention again with the stage's copies)."""
     results = run_ranks(_trainer_worker, 4, tmp_path, ["1f1b"], str(tmp_path), False, deadline_s=400)
     for result in results:
         assert result["ok"], result.get("traceback", result.get("error"))
@@ -371,6 +378,7 @@ def test_trainer_in_two_stages_by_two_data_parallel_trains_like_one_process(tmp_
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(got["reference_norms"]), rtol=1e-5,
                                    atol=1e-6)
         assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
+        assert got["checkpointed"] == [True, True], got["checkpointed"]
         assert (got["worst_param_error"] is not None) == (rank in (0, 1))  # each pipeline's first stage
         if got["worst_param_error"] is not None:
             assert got["worst_param_error"] < 1e-5, got
@@ -413,8 +421,7 @@ def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
 
     plugin = DistCAPlugin(pipeline_parallel_size=2)
     documents = _documents()
-    refused = [({"activation_checkpointing": True}, {}, "activation checkpointing"),
-               ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor"),
+    refused = [({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor"),
                ({}, {"train_dataset": datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()},
                 "streaming dataset"),
                ({}, {}, r"world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1")]

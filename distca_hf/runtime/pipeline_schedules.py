@@ -22,11 +22,19 @@
   backward of zeros that joins the backward tick's exchanges. The dummy token is one more
   one-token document in the plans; its output and its zero gradients change nothing.
 
+  Activation checkpointing: a backward tick runs under that tick's plan pinned, so a checkpointed
+  layer's recomputation computes its attention in the backward tick's pooled exchange, which every
+  rank of the tick (bubbles included) joins in the same layer order; the backward that follows
+  resends as without checkpointing (torch's reentrant and non-reentrant checkpoints both: either the
+  forward's autograd node runs with the recomputed tensors, or the recomputation's own node, and
+  both run the backward tick's plan). It costs the recomputation's exchange (one forward's bytes)
+  on top of the resend, and needs the same layers checkpointed on every stage (local layer ``j``).
+
   What it requires: the same number of attention layers on every stage, local layer ``j`` of every
-  stage the same attention (scale, window, softcap), one stage per rank (no interleaving), no
-  gradient checkpointing (its recomputation would open forwards out of lockstep), no ``servers``
-  subset. What it costs: stage ``s`` holds up to ``2 (P - s) - 1`` micro-batches' activations
-  (1F1B: ``P - s``), the backward's ``resend`` bytes, and ``overlap="pingpong"`` runs as ``"wave"``.
+  stage the same attention (scale, window, softcap) and the same checkpointing, one stage per rank
+  (no interleaving), no ``servers`` subset. What it costs: stage ``s`` holds up to ``2 (P - s) - 1``
+  micro-batches' activations (1F1B: ``P - s``; activation checkpointing keeps only each layer's
+  input of them), the backward's ``resend`` bytes, and ``overlap="pingpong"`` runs as ``"wave"``.
 
 Loss convention of all three: ``scale_grads=False``; the loss function returns each micro-batch's
 summed token loss divided by the label tokens of the whole step (token-weighted, as one process
@@ -105,11 +113,15 @@ class _StepPlans:
     Attributes:
         forward: per forward slot, the context of that tick's forward on this rank (its micro-batch,
             or the bubble's dummy token); a micro-batch's dispatch carries its backward tick's.
+        backward: per backward slot, this rank's context of that tick's pooled plan (its micro-batch,
+            or the bubble's dummy token), pinned while the tick's backward runs: activation
+            checkpointing's recomputation computes its attention with it.
         backward_bubbles: per backward slot in which this rank is a bubble, a context that computes
             the dummy token locally and runs its backward in the tick's pooled plan.
     """
 
     forward: dict
+    backward: dict
     backward_bubbles: dict
 
 
@@ -149,11 +161,14 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
             else:
                 if mb is None:
-                    self._bubble(plans.backward_bubbles[tick.slot], backward=True)
+                    self._bubble(plans.backward_bubbles[tick.slot], backward=True,
+                                 recompute=plans.backward[tick.slot])
                     continue
                 _finish(_start(stage.get_bwd_recv_ops(mb)))
-                stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb),
-                                         last_backward=mb == self._n_microbatches - 1)
+                # a recomputation's attention (activation checkpointing) joins the tick's exchange
+                with pinned_forward(plans.backward[tick.slot], current=False):
+                    stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb),
+                                             last_backward=mb == self._n_microbatches - 1)
                 sends.append(_start(stage.get_bwd_send_ops(mb)))
         for works in sends:
             _finish(works)
@@ -161,8 +176,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         if training:
             stage.perform_reduce_grad(1)
 
-    def _bubble(self, context: ForwardContext, *, backward: bool) -> None:
-        """Serve the tick's CA-tasks with the stage run on one dummy token (see the module docstring)."""
+    def _bubble(self, context: ForwardContext, *, backward: bool, recompute: ForwardContext | None = None) -> None:
+        """Serve the tick's CA-tasks with the stage run on one dummy token (see the module docstring);
+        ``recompute``: the backward tick's pooled context, pinned for the backward (a checkpointed
+        layer recomputes its attention in the tick's exchange, like the ranks running micro-batches)."""
         dummy, kwargs = self._dummy_inputs()
         run = self._stage.submod.forward  # not __call__: the dummy is no micro-batch for the module's hooks
         if not backward:
@@ -173,7 +190,8 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             out = run(dummy, **kwargs)
         outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+        with pinned_forward(recompute, current=False):
+            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
 
     def _dummy_inputs(self):
         """One token at position 0: token id 0 on the first stage, a zero hidden state elsewhere."""
@@ -183,21 +201,19 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             return torch.zeros(1, 1, dtype=torch.long, device=device), kwargs
         config = self._model_config()
         dtype = next((p.dtype for p in self._stage.submod.parameters() if p.is_floating_point()), torch.float32)
-        return torch.zeros(1, 1, config.hidden_size, dtype=dtype, device=device), kwargs
-
-    def _recomputation_error(self) -> ValueError | None:
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in self._stage.submod.modules()):
-            return ValueError(
-                "pipeline_schedule='cad_1f1b' cannot run with gradient checkpointing: recomputing a layer in the "
-                "backward would open a forward outside the tick's lockstep. Turn gradient_checkpointing off or use "
-                "pipeline_schedule='1f1b'")
-        return None
+        # requires grad like a received hidden state: a reentrant checkpoint recomputes (and joins the tick's
+        # exchange) only when an input requires grad
+        return torch.zeros(1, 1, config.hidden_size, dtype=dtype, device=device, requires_grad=True), kwargs
 
     def _attention_layout(self) -> int:
         """A checksum of what this stage's attention layers compute, in order: their kind (``layer_types``),
-        scale, window, softcap and head shapes. A server computes every rank's CA-tasks of local layer ``j``
-        with its own layer ``j``, so the stages must agree on it (``_read_payloads`` checks)."""
-        layout = []
+        scale, window, softcap and head shapes, and which decoder layers activation checkpointing recomputes.
+        A server computes every rank's CA-tasks of local layer ``j`` with its own layer ``j``, and a recomputed
+        layer joins one more exchange in the backward, so the stages must agree on it (``_read_payloads``
+        checks)."""
+        training = self._stage.submod.training
+        layout = [("checkpointed", [bool(training and getattr(m, "gradient_checkpointing", False) is True)
+                                    for m in self._stage.submod.modules() if type(m).__name__.endswith("DecoderLayer")])]
         for module in self._stage.submod.modules():
             index = getattr(module, "layer_idx", None)
             if index is None or not type(module).__name__.endswith("Attention"):
@@ -208,7 +224,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             layout.append((kind, getattr(module, "scaling", None), getattr(module, "sliding_window", None),
                            getattr(config, "attn_logit_softcapping", None), getattr(module, "head_dim", None),
                            getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
-        return zlib.crc32(repr(layout).encode()) if layout else -1
+        return zlib.crc32(repr(layout).encode()) if len(layout) > 1 else -1
 
     def _lm_head_share(self) -> float:
         """The LM head's linear work per token over one of the stage's decoder layers', divided by the
@@ -250,7 +266,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         """This rank's micro-batches as ``(documents, first_position)`` each, and the payload the
         step's all-gather carries: ``[stage, M, attention layout, then per micro-batch: first_position,
         count, lengths]``."""
-        described, error = [], self._recomputation_error()
+        described, error = [], None
         payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout()]
         for i, kwargs in enumerate(kwarg_mbs if error is None else ()):
             position_ids = (kwargs or {}).get("position_ids")
@@ -325,7 +341,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 local, _ = plan(BACKWARD, b, local=True)
                 local.dispatch.backward = context.dispatch
                 bubbles[b] = local
-        return _StepPlans(forward, bubbles)
+        return _StepPlans(forward, {b: context for b, (context, _) in backward.items()}, bubbles)
 
     def _token_bytes(self) -> tuple[TokenBytes, int]:
         """Bytes of one token's q, k + v and output in the attention layers (for the time model and
@@ -364,9 +380,11 @@ def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):
         raise ValueError(
             f"distca forward {number}: pipeline_schedule='cad_1f1b' runs local attention layer j of every stage "
             f"together, so every stage must hold the same attention layers in the same order (kind, window, scale, "
-            f"heads), but they differ between {groups} (e.g. alternating sliding and full layers with a layer count "
-            "per stage that breaks the pattern, or a stage without attention layers); choose pipeline_parallel_size "
-            "so that each stage gets the same layer pattern, or use pipeline_schedule='1f1b'")
+            f"heads) and checkpoint the same of them, but they differ between {groups} (e.g. alternating sliding and "
+            "full layers with a layer count per stage that breaks the pattern, a stage without attention layers, or "
+            "activation checkpointing on some stages' layers only); choose pipeline_parallel_size so that each stage "
+            "gets the same layer pattern, enable activation checkpointing on every stage alike, or use "
+            "pipeline_schedule='1f1b'")
     missing = sorted(set(range(num_stages)) - set(stages))
     if missing:
         raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' pools every stage's ranks, but no "

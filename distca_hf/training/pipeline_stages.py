@@ -25,6 +25,7 @@ tensors, and distca's attention cannot).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -163,6 +164,19 @@ def _decoder_stack(model) -> nn.Module:
     return stack
 
 
+@contextlib.contextmanager
+def _hf_warnings_off():
+    """transformers' logging at error level inside the block (its verbosity restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 class PipelineStageModule(nn.Module):
     """One stage of an HF causal LM (build it with ``build_stage_module``).
 
@@ -213,6 +227,38 @@ class PipelineStageModule(nn.Module):
         super().train(mode)
         self._causal_lm.training = mode
         return self
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False) -> None:
+        """Activation checkpointing on this stage's decoder layers, as the HF model's own method does it
+        (``transformers.Trainer`` calls it for ``activation_checkpointing=True``). ``every_n_layers``
+        counts this stage's layers from its first, so every stage checkpoints the same local layers (the
+        ``cad_1f1b`` lockstep needs that). ``activation_checkpointing_kwargs`` go to
+        ``torch.utils.checkpoint.checkpoint`` (``use_reentrant``; HF's default is ``False``)."""
+        causal_lm = self._causal_lm
+        enable = getattr(causal_lm, "activation_checkpointing_enable", None)
+        quiet = contextlib.nullcontext() if self.is_first else _hf_warnings_off()
+        with quiet:  # a later stage has no input embeddings to hook: its inputs already require grad
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=every_n_layers,
+                       offload=offload)
+            else:  # transformers releases before the rename
+                causal_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        disable = getattr(self._causal_lm, "activation_checkpointing_disable", None)
+        (disable or self._causal_lm.gradient_checkpointing_disable)()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        """The older name of ``activation_checkpointing_enable``, as on HF models."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.layers)
 
     def _stack_config(self):
         """The config the decoder stack's forward reads: the model's, with ``layer_types`` cut to this

@@ -22,8 +22,11 @@ differs lives here:
 - **checkpoints**: one weights file and one optimizer file per stage (written by the stage's first
   data-parallel copy), resumed with the same pipeline size; ``save_model()`` writes one ordinary
   ``save_pretrained`` folder of the whole model (a gather over each pipeline);
-- **refusals**: what the stages cannot run (DeepSpeed, FSDP, tensor parallelism, autocast, activation
-  checkpointing, streaming datasets, ...) is refused by name before anything is built.
+- **activation checkpointing** (``activation_checkpointing=True``): the Trainer enables it on the stage
+  (``PipelineStageModule.activation_checkpointing_enable``: the stage's own layers, ``every_n_layers``
+  counted from its first), for every schedule (``cad_1f1b``'s recomputations join its backward ticks);
+- **refusals**: what the stages cannot run (DeepSpeed, FSDP, tensor parallelism, autocast, streaming
+  datasets, ...) is refused by name before anything is built.
 
 ``DistCATrainer`` lists this mixin first among its bases; each override here hands over to the next
 class (``super()``) while ``_pipeline`` is ``None``, so without pipeline stages nothing changes. The
@@ -259,9 +262,6 @@ def _refused_settings(args, *, compute_loss_func) -> dict[str, bool]:
         # the stages' loss is PipelineRunner's plain token-weighted cross-entropy: it would be ignored
         "label_smoothing_factor": bool(args.label_smoothing_factor),
         "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)": compute_loss_func is not None,
-        # gradient_checkpointing: the older name, an alias of activation_checkpointing in transformers 5
-        "activation checkpointing (TrainingArguments.activation_checkpointing)":
-            bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)),
     }
 
 
