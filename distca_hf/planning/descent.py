@@ -19,16 +19,17 @@ moved) to a server, each move sized so that after it
 - the donor is predicted faster than before.
 
 The server is the one that takes the largest shard under these rules (the donor's time drops most),
-ties to the fewest bytes, then the lowest rank. Candidates: the ranks that already hold part of the
-document's K/V or already serve it (they receive only what they lack: "prefer servers that already
-hold a prefix"), and the ``LEAST_LOADED`` servers predicted fastest. A shard that continues one
+ties to the fewest bytes, then the lowest rank. Candidates, in this order: the ``LEAST_LOADED``
+fastest of the ranks that already hold part of the document's K/V or already serve it (they receive
+only what they lack: "prefer servers that already hold a prefix"), then the server predicted
+fastest that is new to the document; the first that takes all the donor wants (down to ``L``, or its whole
+interval) ends the search. A shard that continues one
 already on that server (the next tail of the same interval) merges with it, so it costs no new task
 and no new keys. When the slowest rank cannot move anything at level ``L``, ``L`` rises part way
 (``RAISE``) towards it; the descent stops when the slowest rank is within ``CONVERGED`` of ``L``,
-cannot move anything, or holds no own work to move; when every rank is within ``L`` (it starts a
-tenth of the way from the lower bound to colocated, ``START``), ``L`` is lowered half way to the
-lower bound and the descent goes on (rising again from there when stuck). Every rank but the donors
-ends within ``L``.
+cannot move anything, or holds no own work to move; when every rank is within ``L``, ``L`` is
+lowered half way to the lower bound and the descent goes on (rising again from there when stuck).
+Every rank but the donors ends within ``L``.
 
 Fan-out. A document's servers (the ranks computing some of its queries) never exceed its
 ``fan_out_bounds``: for each of its K/V holders, sending ``c`` seconds per server, the smaller of
@@ -66,7 +67,8 @@ __all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_serve
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
-"""Servers predicted fastest that each move also tries (beside the document's holders and servers)."""
+"""Each move tries this many of the document's holders and servers predicted fastest, and the fastest
+server new to the document among this many fastest servers."""
 
 RAISE = (0.5, 0.03)
 """When the slowest rank can move nothing at level ``L``, ``L`` rises by the smaller of
@@ -79,12 +81,6 @@ CONVERGED = 2e-3
 MAX_MOVES_PER_RANK = 64
 """A cap on the moves (``ranks x`` this, plus 256) and level raises (400): plan time stays bounded."""
 
-HOLDER_CREDIT = 1.0
-"""The share of a donor holder's own movable attention the level rule credits it with (1: all)."""
-
-START = 0.0
-"""The first level: this fraction of the way from the lower bound to the colocated step (starting
-at the lower bound spreads a long document's first shards over many small rooms)."""
 FAN_OUT = 2.0
 """A document of ``W`` seconds of attention spread to ``F`` servers costs each of them about ``W / F``
 and a holder of its K/V that sends ``c`` seconds per server ``F c``: their sum is least at
@@ -97,7 +93,7 @@ def _holder_time_floor(time: float, own: float, level: float) -> float:
     """What a rank's time can come down to by moving its own attention away (``own``: that attention
     less the exposed time of sending its queries out and taking their outputs back), as the level
     rule sees it: all of it if the rank is above the level (a donor), none otherwise."""
-    return time - HOLDER_CREDIT * own if time > level else time
+    return time - own if time > level else time
 
 
 class _Descent:
@@ -334,17 +330,16 @@ class _Descent:
                 # the document's servers and holders (they lack the least K/V) with the most room...
                 known = set(servers or ())
                 known.update(rank for rank, _, _ in self.holders.get(doc, ()))
-                known.discard(donor)
-                candidates = set(heapq.nsmallest(LEAST_LOADED, known, key=lambda r: (time[r], r)))
-                # ...and, within the fan-out bound, the servers predicted fastest
+                known = {r for r in known if self.is_server[r] and r != donor}
+                candidates = heapq.nsmallest(LEAST_LOADED, known, key=lambda r: (time[r], r))
+                # ...then, within the fan-out bound, the servers predicted fastest
                 bound = self.fan_out_bound(doc, donor, end)
                 if must_empty or servers is None or len(servers) < bound:
-                    candidates.update(self.least_loaded(heap, donor, LEAST_LOADED))
-                candidates.discard(donor)
+                    # (one is enough: every server new to the document costs its holders the same sends,
+                    # so the one with the most room takes the largest shard)
+                    candidates += [r for r in self.least_loaded(heap, donor, LEAST_LOADED) if r not in known][:1]
                 best, best_key = None, None
-                for server in sorted(candidates):
-                    if not self.is_server[server]:
-                        continue
+                for server in candidates:
                     shard = self.best_shard(donor, server, doc, piece_start, end, level, want, must_empty)
                     if shard is None:
                         continue
@@ -352,6 +347,8 @@ class _Descent:
                     key = (time[donor] + changes[donor], moved, server)
                     if best_key is None or key < best_key:
                         best, best_key = (server, a, changes, merged), key
+                    if a == piece_start or key[0] <= level:  # all it wants: the next ones can only tie
+                        break
                 if best is not None:
                     move = (index, doc, *best)
                     break
@@ -369,7 +366,7 @@ class _Descent:
         n, time = self.n, self.time
         heap = [(time[r], r) for r in self.servers]  # the least loaded servers
         heapq.heapify(heap)
-        level = self.lower_bound + START * (self.colocated_step - self.lower_bound)
+        level = self.lower_bound
         budget = MAX_MOVES_PER_RANK * n + 256
         # ranks outside the server pool give all their work away first, at a rising level
         for rank in range(n):
@@ -377,8 +374,11 @@ class _Descent:
                 continue
             raises = 0
             while self.has_work(rank):
-                budget -= self.shed(rank, level, heap, must_empty=True)
+                moved = self.shed(rank, level, heap, must_empty=True)
+                budget -= moved
                 if self.has_work(rank):
+                    if not moved and level == math.inf:  # (cannot happen: any server takes anything at inf)
+                        raise AssertionError(f"descent: rank {rank} outside the server pool kept work")
                     raises += 1
                     top = max(time[s] for s in self.servers)
                     level = max(level + RAISE[0] * (top - level), level * (1 + RAISE[1])) if raises < 60 else math.inf
