@@ -182,6 +182,20 @@ def test_check_tiles_names_bad_shapes_gaps_and_overlaps():
         Plan(*(np.zeros(1, np.int64) for _ in range(5)), 1, (0,), k_start=np.zeros(1, np.int64))
 
 
+def test_a_server_receives_the_union_of_its_tiles_keys_not_their_hull():
+    """Queries [20, 30) of a document held as [0, 10) [10, 20) [20, 30) on ranks 0, 1, 2: rank 2 keeps
+    keys [0, 10) and [20, 30), rank 1 serves [10, 20); rank 2 receives only [0, 10)."""
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 10)], [(0, 10, 20)], [(0, 20, 30)]])
+    rows = [(0, 0, 0, 0, 10, 0, 10), (1, 1, 0, 10, 20, 0, 20), (2, 1, 0, 20, 30, 10, 20), (2, 2, 0, 20, 30, 20, 30),
+            (2, 2, 0, 20, 30, 0, 10)]
+    source, server, doc, a, b, k0, k1 = (np.array(c, dtype=np.int64) for c in zip(*rows))
+    plan = Plan(source, server, doc, a, b, 3, (0, 1, 2), None, "saved", k0, k1)
+    check_tiles(plan, pieces)
+    t = kv_transfers(plan, pieces)
+    assert sorted(zip(t.source.tolist(), t.server.tolist(), t.start.tolist(), t.end.tolist())) == [(0, 1, 0, 10),
+                                                                                                  (0, 2, 0, 10)]
+
+
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=5), ranks=st.integers(2, 4),
        bound=st.integers(0, 40), with_bytes=st.booleans())

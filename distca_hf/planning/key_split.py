@@ -97,26 +97,29 @@ def check_tiles(plan: Plan, pieces: DocumentPieces | None = None) -> None:
 
 def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens: int,
                         token_bytes: TokenBytes | None = None) -> Plan:
-    """Queries travel to the K/V instead of a long prefix fanning out: a task whose server would
-    receive more than ``max_prefix_tokens`` keys of its prefix from other ranks becomes tiles. It
-    keeps a causal tile ``[a, b) x [c, b)`` on its server, where ``c`` is the start of the K/V piece
-    holding position ``a`` (the task's own piece: its keys are on the source already), and each
-    earlier piece of the prefix, ``[x0, x1)`` held by rank ``h``, becomes a full tile ``[a, b) x [x0,
-    x1)`` served by ``h``, which holds those keys: only the task's queries go there and its partial
-    output and log-sum-exp come back.
+    """Queries travel to the K/V instead of a long prefix fanning out. A whole-prefix task ``[a, b)``
+    whose server would receive more than ``max_prefix_tokens`` keys of its prefix from other ranks
+    may become tiles: a causal tile ``[a, b) x [c, b)`` on its server (``c``: the start of the K/V
+    piece holding position ``a``, the task's own piece), and for each earlier piece of the prefix,
+    ``[x0, x1)`` held by rank ``h``, a full tile ``[a, b) x [x0, x1)`` served by ``h``, which holds those
+    keys: the task's queries go there and its partial output and log-sum-exp come back.
 
-    When it wins, in bytes per layer forward (``TokenBytes``: ``q`` per query token, ``o`` per
-    output token, ``kv`` per K/V token): queries travelling to a holder cost ``(b - a)(q + o + lse)``,
-    the prefix travelling costs ``(x1 - x0) kv``. With grouped-query attention ``q + o`` is about 4x
-    ``kv`` (Llama-3-8B: 32 query heads, 8 K/V heads), so queries win when the holder's segment is more
-    than about 4x the shard: late shards of a long document. In backward the queries' side adds dO,
-    the merged out and lse out and dQ back, ``(b - a)(2 o + lse + q)`` against ``(x1 - x0) kv`` for
-    dK/dV back. With ``token_bytes`` a segment is given to its holder only when that is fewer forward
-    bytes (else it stays a full tile on the task's server, which receives those keys as before);
-    without, every segment of a split task goes to its holder. Under a sliding window a segment can
-    be a full tile only when ``x0 >= b - window``; tasks where it is not stay whole. Whole segments
-    only: a holder gets a piece's keys or none, so no server receives more than its share of a
-    long prefix (the keys of the one piece the task's queries live in).
+    When that wins, in bytes per layer forward (``TokenBytes``): K/V travel once per (holder,
+    server, document) however many of the server's tasks use them, ``(x1 - x0) kv``; queries
+    travelling cost ``Q (q + o + lse)`` for the ``Q`` query tokens of the server's tasks of that
+    document that would send them. With grouped-query attention ``q + o`` is about 4x ``kv``
+    (Llama-3-8B: 32 query heads, 8 K/V heads), so queries win when a holder's piece is more than
+    about 4x the queries a server has of that document: the late shards of a long document, whose
+    first pieces otherwise go to every server of a later shard (the sender is the bottleneck:
+    measured at 512 ranks x 8k tokens with a 333k-token document, the worst rank sends 16.9 GB of K/V
+    per layer under the carving, 1.2 GB after this rule with ``token_bytes``; total 462 -> 132 GB). In
+    backward the queries' side adds dO, the merged out and lse out and dQ back, the prefix's side dK
+    and dV back: about the same ratio. With ``token_bytes`` each (server, document, holder piece)
+    goes to the holder only when that is fewer forward bytes (and the server needs none of its keys for
+    tasks that stay whole), and stays on the server otherwise (as
+    part of the causal tile when adjacent to it, else a full tile whose keys the server receives);
+    without, every such piece goes to its holder. Under a sliding window a piece can be a full tile
+    only when ``x0 >= b - window``; tasks where the earliest is not stay whole.
 
     Returns the plan with key ranges (``Plan.k_start`` / ``k_end``), sorted by server, source,
     document, queries and keys as plans are; a plan where nothing splits is returned unchanged."""
@@ -131,39 +134,58 @@ def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens
         by_doc.setdefault(doc, []).append((first, end, rank))
     for segments in by_doc.values():
         segments.sort()
-    rows = []
-    changed = False
-    for i in range(plan.num_tasks):
-        source, server, doc = int(plan.source[i]), int(plan.server[i]), int(plan.doc[i])
-        a, b, k0, k1 = int(plan.q_start[i]), int(plan.q_end[i]), int(k_start[i]), int(k_end[i])
-        whole = (source, server, doc, a, b, k0, k1)
+    tasks = list(zip(plan.source.tolist(), plan.server.tolist(), plan.doc.tolist(), plan.q_start.tolist(),
+                     plan.q_end.tolist(), np.asarray(k_start).tolist(), np.asarray(k_end).tolist()))
+    # which tasks may split, and the queries each (server, document, holder piece) would send
+    candidates, queries, needed = {}, {}, {}  # needed: keys a server receives anyway for its unsplit tasks
+    for i, (source, server, doc, a, b, k0, k1) in enumerate(tasks):
         segments = [(max(x0, k0), min(x1, k1), h) for x0, x1, h in by_doc.get(doc, ()) if x1 > k0 and x0 < k1]
-        own = [s for s in segments if s[0] <= a < s[1]]
+        own = [x0 for x0, x1, h in segments if x0 <= a < x1]
+        earlier = [seg for seg in segments if own and seg[1] <= own[0]]
         foreign = sum(x1 - x0 for x0, x1, h in segments if h != server)
-        if k1 != b or not own or foreign <= max_prefix_tokens:
-            rows.append(whole)
+        if (k1 != b or not earlier or foreign <= max_prefix_tokens
+                or (w is not None and earlier[0][0] < b - w)):
+            lo, hi = needed.get((server, doc), (k0, k1))
+            needed[(server, doc)] = (min(lo, k0), max(hi, k1))
             continue
-        c = own[0][0]
-        earlier = [(x0, x1, h) for x0, x1, h in segments if x1 <= c]
-        if not earlier or (w is not None and earlier[0][0] < b - w):
-            rows.append(whole)
+        candidates[i] = (own[0], earlier)
+        for x0, x1, h in earlier:
+            if h != server:
+                queries[(server, doc, x0)] = queries.get((server, doc, x0), 0) + b - a
+
+    def goes_to_holder(server, doc, x0, x1, h):
+        if h == server:
+            return False
+        if token_bytes is None:
+            return True
+        lo, hi = needed.get((server, doc), (0, 0))
+        if x0 < hi and lo < x1:
+            return False  # the server receives these keys anyway: sending queries would only add bytes
+        per_query = token_bytes.q + token_bytes.o + token_bytes.lse
+        return queries[(server, doc, x0)] * per_query < (x1 - x0) * token_bytes.kv
+
+    rows = []
+    for i, task in enumerate(tasks):
+        source, server, doc, a, b, k0, k1 = task
+        if i not in candidates:
+            rows.append(task)
+            continue
+        c, earlier = candidates[i]
+        where = [(x0, x1, h if goes_to_holder(server, doc, x0, x1, h) else server) for x0, x1, h in earlier]
+        while where and where[-1][2] == server:  # kept pieces next to the causal tile join it
+            c = where.pop()[0]
+        if not where:
+            rows.append(task)
             continue
         tiles = [(source, server, doc, a, b, c, b)]
-        for x0, x1, h in earlier:
-            if token_bytes is not None and (b - a) * (token_bytes.q + token_bytes.o + token_bytes.lse) >= (x1 - x0) * \
-                    token_bytes.kv:
-                h = server  # the prefix is cheaper to bring than the queries to send
+        for x0, x1, h in where:
             last = tiles[-1]
             if len(tiles) > 1 and last[1] == h and last[6] == x0:  # adjacent keys on one server: one tile
                 tiles[-1] = last[:6] + (x1,)
             else:
                 tiles.append((source, h, doc, a, b, x0, x1))
-        if all(t[1] == server for t in tiles):
-            rows.append(whole)
-            continue
         rows.extend(tiles)
-        changed = True
-    if not changed:
+    if len(rows) == len(tasks):
         return plan
     cols = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
     order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
@@ -171,4 +193,3 @@ def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens
     split = Plan(source, server, doc, q_start, q_end, plan.num_ranks, plan.servers, plan.window, plan.backward, ks, ke)
     check_tiles(split)
     return split
-

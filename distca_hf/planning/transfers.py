@@ -44,8 +44,8 @@ class KVTransfers:
 def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     """The K/V ranges every server must receive to run its tasks of ``plan`` (cut to ``plan.window``),
     grouped by server, then document, then the holding pieces in their order in ``pieces``. Key-split
-    tasks (``Plan.k_start``) need only their own keys: a server gets ``[min k_start, max k_end)`` of
-    its tasks of a document."""
+    tasks (``Plan.k_start``) need only their own keys: a server gets the union of its tasks' key ranges
+    of a document (without: ``[min key_start, max q_end)``)."""
     # A task of a document held as one piece, computed where that piece lives, needs no K/V from
     # anyone: drop those first (nearly every task of a packed batch), so what is sorted stays small.
     pieces_of = np.bincount(pieces.doc, minlength=int(plan.doc.max(initial=-1)) + 1)
@@ -57,9 +57,15 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
 
     # The keys each server needs per document: [min key_start, max q_end) over its tasks of it.
     key = server * pieces_of.size + doc
-    order = np.argsort(key, kind="stable")
+    order = np.argsort(key, kind="stable") if not plan.splits_keys else np.lexsort((k_first, key))
     key = key[order]
     first = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1]))) if key.size else np.zeros(0, np.int64)
+    if plan.splits_keys and key.size:  # key-split tasks: the union of their key ranges, not its hull
+        group = np.cumsum(np.isin(np.arange(key.size), first)) - 1
+        span = int(k_end.max()) + 1  # running max of k_end within a group (offset so groups never mix)
+        reach = np.maximum.accumulate(k_end[order] + group * span) - group * span
+        gap = np.concatenate(([True], k_first[order][1:] > reach[:-1])) | np.isin(np.arange(key.size), first)
+        first = np.flatnonzero(gap)
     need_server, need_doc = server[order][first], doc[order][first]
     need_end = np.maximum.reduceat(k_end[order], first) if key.size else np.zeros(0, np.int64)
     need_start = np.minimum.reduceat(k_first[order], first) if key.size else need_end
