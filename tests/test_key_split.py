@@ -134,6 +134,41 @@ def test_key_split_tiles_through_the_kernels_equal_whole_documents(lengths, wind
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["torch_cuda", "torch_cuda_efficient"])
+def test_full_tiles_reach_the_cuda_ops_unmasked(monkeypatch, name):
+    """No GPU here: the CUDA backends' ops replaced by test_torch_cuda's fakes (the ops' argument
+    checks and mask semantics): a full tile goes to the op with ``is_causal=False`` /
+    ``custom_mask_type=0`` and its partial merges into the whole document's attention. (The fakes
+    recompute their backward from their own forward, so the merged-lse backward is checked on CPU
+    kernels only.)"""
+    import distca_hf.kernels as kernels
+    from test_torch_cuda import FakeEfficient, FakeFlash
+
+    module = getattr(kernels, name)
+    fake = FakeFlash() if name == "torch_cuda" else FakeEfficient(check_lse=False)
+    monkeypatch.setattr(module, "_op", fake.op)
+    monkeypatch.setattr(kernels, "select_backend", lambda device, dtype, backend=None: module)
+    if name == "torch_cuda":
+        monkeypatch.setattr(module, "accepts_window", lambda: True)
+    # one document of 20: queries [0, 12) whole, [12, 20) as keys [6, 20) causal + [0, 6) full (two tiles)
+    a, b = np.array([0, 12, 12]), np.array([12, 20, 20])
+    k0, k1 = np.array([0, 6, 0]), np.array([12, 20, 6])
+    batch = fused_batch(concat_ranges(a, b - a), concat_ranges(k0, k1 - k0), a, b, k_start=k0, k_end=k1)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(20, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    f_out, f_lse = varlen_attention_forward(q[batch.q_index], k[batch.k_index], v[batch.k_index], batch.cu_seqlens_q,
+                                            batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, 0.25,
+                                            full=batch.full)
+    out, _ = merge_rows(batch.q_index, f_out, f_lse.t(), 20)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, 1)) * 0.25
+    mask = torch.ones(20, 20, dtype=torch.bool).tril()
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~mask, float("-inf")), -1),
+                        v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # the ops' lse is fp32
+    if name == "torch_cuda":
+        assert fake.causal == [True, False]
+
+
 def test_full_tiles_refuse_chunked_attention_and_keyless_tasks():
     q, k = torch.randn(3, 2, 4), torch.randn(2, 2, 4)
     cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)

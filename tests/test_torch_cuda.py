@@ -70,13 +70,14 @@ class FakeFlash:
     >= 2.5) or ``padded`` ([tasks, heads, max_q], ROCm and older)."""
 
     def __init__(self, lse_layout="packed", window_args=True):
-        self.lse_layout, self.window_args, self.calls = lse_layout, window_args, []
+        self.lse_layout, self.window_args, self.calls, self.causal = lse_layout, window_args, [], []
 
     def _check(self, q, k, v, cu_q, cu_k, max_q, dropout_p, is_causal, kwargs):
         assert q.dim() == 3 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
         assert all(t.stride(-1) == 1 for t in (q, k, v))
         assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
-        assert dropout_p == 0.0 and is_causal is True and isinstance(kwargs["scale"], float)
+        assert dropout_p == 0.0 and isinstance(is_causal, bool) and isinstance(kwargs["scale"], float)
+        self.causal.append(is_causal)  # False: full tasks of key-split plans (test_key_split)
         assert max_q >= 2  # the decode shortcut (max_q == 1 with GQA) is avoided
         lengths = (cu_q[1:] - cu_q[:-1]).max()
         assert max_q >= int(lengths)
@@ -112,31 +113,33 @@ class FakeFlash:
 
 class FakeEfficient:
     """``aten::_efficient_attention_forward/backward`` on CPU: ``[1, total, heads, dim]``, equal head
-    counts, ``custom_mask_type=2`` (bottom-right causal), per-task lse padded to 32."""
+    counts, ``custom_mask_type=2`` (bottom-right causal; 0: no mask, full tasks of key-split plans),
+    per-task lse padded to 32."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, check_lse=True):
+        self.calls, self.check_lse = [], check_lse
 
     def forward(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type, compute_lse, **kwargs):
         assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] == k.shape[2] == v.shape[2] and bias is None
-        assert custom_mask_type == 2 and compute_lse is True and dropout_p == 0.0 and "window_size" not in kwargs
+        assert custom_mask_type in (0, 2) and compute_lse is True and dropout_p == 0.0 and "window_size" not in kwargs
         assert cu_q.dtype == torch.int32 and max_q <= q.shape[1] and max_k <= k.shape[1]
         self.calls.append("fwd")
-        out, lse = _banded(q[0], k[0], v[0], cu_q, cu_k, kwargs["scale"], -1, 0)
+        out, lse = _banded(q[0], k[0], v[0], cu_q, cu_k, kwargs["scale"], -1, 0 if custom_mask_type else -1)
         width = -(-max_q // 32) * 32
         return out[None], padded_lse(lse, cu_q, width), torch.empty(()), torch.empty(()), max_q, max_k
 
     def backward(self, dout, q, k, v, bias, out, cu_q, cu_k, max_q, max_k, lse, dropout_p, seed, offset,
                  custom_mask_type, bias_requires_grad, **kwargs):
-        assert custom_mask_type == 2 and not bias_requires_grad and dropout_p == 0.0
+        assert custom_mask_type in (0, 2) and not bias_requires_grad and dropout_p == 0.0
         assert q.shape[2] == k.shape[2] and dout.shape == out.shape == q.shape
         assert lse.shape[0] == len(cu_q) - 1 and lse.shape[2] % 32 == 0 and lse.shape[2] >= max_q
-        # the rows the kernel uses hold the forward's lse
-        _, want = _banded(q[0], k[0], v[0], cu_q, cu_k, kwargs["scale"], -1, 0)
-        torch.testing.assert_close(packed_lse(lse, cu_q, q.shape[1]).double(), want, atol=1e-5, rtol=1e-6)
+        right = 0 if custom_mask_type else -1
+        if self.check_lse:  # the rows the kernel uses hold the forward's lse
+            _, want = _banded(q[0], k[0], v[0], cu_q, cu_k, kwargs["scale"], -1, right)
+            torch.testing.assert_close(packed_lse(lse, cu_q, q.shape[1]).double(), want, atol=1e-5, rtol=1e-6)
         self.calls.append("bwd")
         qq, kk, vv = (t[0].detach().requires_grad_() for t in (q, k, v))
-        ref, _ = _banded(qq, kk, vv, cu_q, cu_k, kwargs["scale"], -1, 0)
+        ref, _ = _banded(qq, kk, vv, cu_q, cu_k, kwargs["scale"], -1, right)
         grads = torch.autograd.grad((ref * dout[0]).sum(), (qq, kk, vv))
         return (*(g[None] for g in grads), torch.empty(()))
 
