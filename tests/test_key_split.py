@@ -433,7 +433,13 @@ def test_key_split_plans_train_whole_models_exactly(tmp_path):
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         assert result["value"]["split"] >= 6, result["value"]  # most plans held key-split tiles
-    for family in ("llama", "mistral"):
+    for family, (_, _, slices, _, _) in zip(("llama", "mistral"), cases):
         per_family = [{"ok": True, "value": r["value"]["reports"][family]} for r in results]
         exact_runs(per_family, 7)
         check_forward_bytes(per_family)  # plan_stats counts the log-sum-exp key-split partials return
+        for rank, result in enumerate(per_family):  # the memory formula is what the dispatch keeps
+            for run in result["value"][:-1]:
+                if run["backward"] == "saved" and run["overlap"] in ("none", "pingpong") and run["mode"] == "distca":
+                    own = slices[rank] * (128 + 128 + 128 + 16)  # q, k and v, out, lse per token (fp32, 4 heads)
+                    added = run["stats"]["memory_bytes_per_layer"][rank]
+                    assert run["stats"]["rank_saved_for_backward_bytes"] == 2 * (own + added), (family, rank, run)

@@ -111,10 +111,17 @@ def kv_received(transfers: KVTransfers, num_ranks: int) -> np.ndarray:
 
 def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
                transfers: KVTransfers | None = None) -> CommBytes:
-    """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran."""
+    """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran. Key-split
+    plans return each partial output with its log-sum-exp (counted in ``o``)."""
     moved_q = plan.moved_queries()
     kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces)).tokens()
-    return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * token_bytes.o)
+    return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * _returned(plan, token_bytes))
+
+
+def _returned(plan: Plan, token_bytes: TokenBytes) -> int:
+    """Bytes a moved query token's forward result takes back: its output (and log-sum-exp, which a
+    key-split plan's partials need to merge)."""
+    return token_bytes.o + (token_bytes.lse if plan.splits_keys else 0)
 
 
 def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
@@ -132,9 +139,9 @@ def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     def per_rank(ranks, weights):
         return np.bincount(ranks, weights=weights, minlength=n).astype(np.int64)
 
-    sent = per_rank(source, queries * token_bytes.q) + per_rank(server, queries * token_bytes.o) \
+    sent = per_rank(source, queries * token_bytes.q) + per_rank(server, queries * _returned(plan, token_bytes)) \
         + per_rank(transfers.source, kv)
-    received = per_rank(server, queries * token_bytes.q) + per_rank(source, queries * token_bytes.o) \
+    received = per_rank(server, queries * token_bytes.q) + per_rank(source, queries * _returned(plan, token_bytes)) \
         + per_rank(transfers.server, kv)
     return sent, received
 
@@ -248,7 +255,9 @@ def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     - own activations: ``n x (q + kv + o + lse)`` (``TokenBytes.held``);
     - ``saved``: a rank keeps, per layer, the queries, outputs and log-sum-exp of the tasks it serves
       and a K/V pool of its own rows and those it received: ``s (q + o + lse) + (k + r) kv``, so it
-      adds ``(s - n)(q + o + lse) + (k - n + r) kv``;
+      adds ``(s - n)(q + o + lse) + (k - n + r) kv``; under a key-split plan servers keep only the
+      queries (``s`` counts a row once per tile) and sources their rows' merged out and lse (their
+      own): it adds ``(s - n) q + (k - n + r) kv``;
     - ``resend``: a rank keeps its own q, k, v, out and log-sum-exp, servers nothing: it adds
       ``(k - n) kv``.
 
@@ -271,7 +280,9 @@ def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     if received is None:
         received = kv_received(kv_transfers(plan, pieces), plan.num_ranks)
     served = np.bincount(plan.server, weights=plan.q_end - plan.q_start, minlength=plan.num_ranks).astype(np.int64)
-    per_query = token_bytes.q + token_bytes.o + token_bytes.lse
+    # a key-split plan's servers keep only the queries (backward takes the merged out and lse, which
+    # the sources keep as their own activations)
+    per_query = token_bytes.q + (0 if plan.splits_keys else token_bytes.o + token_bytes.lse)
     return BackwardMemory(own, (served - n) * per_query + (k - n + np.asarray(received, dtype=np.int64)) * token_bytes.kv,
                           floor)
 

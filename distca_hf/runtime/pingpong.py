@@ -237,6 +237,8 @@ class _Finish(torch.autograd.Function):
         flight.outputs = flight.lse_local = None
         if flight.merges and not flight.resend:
             ctx.save_for_backward(out, lse)
+            if ctx.needs_input_grad[1]:  # what _Serve does not keep: the rows' merged out and lse
+                flight.counters.saved_bytes += kept_bytes((out, lse))
         elif flight.resend:
             ctx.save_for_backward(q, k, v, out, lse)
         ctx.flight = flight
