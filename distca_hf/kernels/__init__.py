@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import itertools
 import math as _pymath
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -295,8 +296,24 @@ def _full_flags(full, num_tasks: int) -> list[bool] | None:
     return flags if any(flags) else None
 
 
+_SPLIT_CACHE: dict = {}  # id(cu_seqlens_q) -> (weak cu_q, weak cu_k, flags, split): every layer reuses a batch
+
+
 def _split_full(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device) -> tuple[_TaskSubset | None, _TaskSubset]:
-    """The causal tasks (``None`` when there are none) and the full tasks, as batches of their own."""
+    """The causal tasks (``None`` when there are none) and the full tasks, as batches of their own;
+    cached per batch (its ``cu_seqlens`` tensors), so the layers of a forward read the device's
+    ``cu_seqlens`` and copy row indices once."""
+    hit = _SPLIT_CACHE.get(id(cu_seqlens_q))
+    if hit is not None and hit[0]() is cu_seqlens_q and hit[1]() is cu_seqlens_k and hit[2] == flags:
+        return hit[3]
+    split = _split_full_uncached(cu_seqlens_q, cu_seqlens_k, flags, device)
+    if len(_SPLIT_CACHE) > 64:
+        _SPLIT_CACHE.clear()
+    _SPLIT_CACHE[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), flags, split)
+    return split
+
+
+def _split_full_uncached(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device):
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     parts = []
     for want in (False, True):
