@@ -152,6 +152,8 @@ class _Descent:
         self.listed: dict[int, list[list[int]]] = {}
         self.rows: list[list[int]] = []  # moved tasks [source, server, doc, q_start, q_end]
         self.opened: set[int] = set()  # ranks whose own intervals changed
+        self.kv_key, self.kv_version, self.kv_value = None, -1, None  # kv_sends' last answer
+        self.commits = 0
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
         self.bounds: dict[int, float] = {}
 
@@ -214,7 +216,20 @@ class _Descent:
             server_s = attn * pairs + key_s * (b - first) + task_s
         server_s += byte_s * moved_bytes
         changes = {donor: donor_s, server: server_s}
-        total = 2 * moved_bytes
+        kv_sends, kv_bytes = self.kv_sends(donor, server, doc, first, b)
+        for rank, cost in kv_sends:
+            changes[rank] = changes.get(rank, 0.0) + cost
+            changes[server] += cost
+        return changes, 2 * moved_bytes + kv_bytes, merged
+
+    def kv_sends(self, donor: int, server: int, doc: int, first: int, b: int):
+        """``([(sender, seconds)], bytes)`` of the K/V ``server`` lacks to run keys ``[first, b)`` of
+        ``doc`` (what its need grows by), remembered until the next move: a shard's sizing asks for
+        the same keys several times."""
+        key = (server, doc, first, b)
+        if self.kv_key == key and self.kv_version == self.commits:
+            return self.kv_value
+        byte_s, sends, total = self.byte_s, [], 0
         old = self.needs.get((server, doc))
         new = (first, b) if old is None else (min(old[0], first), max(old[1], b))
         if old is None or new[0] != old[0] or new[1] != old[1]:
@@ -225,11 +240,10 @@ class _Descent:
                 if old is not None:
                     more -= max(min(old[1], kv_end) - max(old[0], kv_start), 0)
                 if more > 0:
-                    cost = byte_s * more * self.kv
-                    changes[rank] = changes.get(rank, 0.0) + cost
-                    changes[server] += cost
+                    sends.append((rank, byte_s * more * self.kv))
                     total += 2 * more * self.kv
-        return changes, total, merged
+        self.kv_key, self.kv_version, self.kv_value = key, self.commits, (sends, total)
+        return sends, total
 
     def acceptable(self, changes, donor: int, server: int, level: float, must_empty: bool) -> bool:
         time, own = self.time, self.own
@@ -276,6 +290,7 @@ class _Descent:
         return None
 
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
+        self.commits += 1
         interval = self.intervals(donor)[index]
         piece_start, b = interval[1], interval[2]
         for rank, add in changes.items():
