@@ -2,12 +2,17 @@
 ranks and 32k, 128k and 512k tokens per rank; every method timed with the same time model and its
 communication, with none of it hidden and with half hidden (what the planner assumes ``wave`` and
 ``pingpong`` hide, ``runtime.forward.EXPOSED_COMM``), and distca with the fixed tolerance 0.02 beside the
-default ``auto``; the K/V each server receives (distca against CP of the documents that span ranks);
-and the planner's speed targets (64 x 64k and 512 x 128k). All through
+default ``auto``; every distca cell twice, new / old: ``auto`` as it plans now (the descent) and as
+it planned before it (``auto_planner="tolerances"``: colocated and the carvings of 0.02, 0.1, 0.3),
+on the same batches, with the worst attention imbalance, the memory imbalance, the batches planned
+in ``resend`` mode and the servers per long document (one longer than a rank's tokens); the K/V each
+server receives (distca against CP of the documents that span ranks); and the planner's speed
+targets (64 x 64k, 512 x 128k and 512 x 512k). ``--untuned`` prints the grid at 64 and 512 ranks on
+length samples the planner was not tuned on (``untuned_samples``). All through
 ``distca_hf.tools.simulate.simulate`` with its defaults (tolerance ``auto``, block 128, Llama-3-8B
 bytes and heads, the planner's built-in H100 time model, 50 GB/s per rank).
 
-    python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-docs]
+    python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-docs] [--untuned]
 """
 
 from __future__ import annotations

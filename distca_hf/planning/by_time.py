@@ -18,10 +18,16 @@ is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers k
 always fits; more bytes, timed so), so ``auto`` weighs a looser carving that fits in ``saved`` mode
 against the tighter ones in ``resend`` mode, colocated included.
 
-The candidates are the colocated plan (when every rank holding work serves) and the fixed-tolerance
-plans of ``AUTO_TOLERANCES``, each exactly ``plan_tasks``' at that tolerance; the chosen one is the
-candidate with the smallest predicted step (ties: colocated, then the tightest tolerance), so it is
-never predicted slower than colocated nor than the fixed-tolerance plan (0.02), under the same model.
+The candidates are the colocated plan (when every rank holding work serves), the descent's plan
+(``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
+counted, a long document's fan-out bounded; when its plan only fits the budget in ``resend`` mode it
+is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
+exactly ``plan_tasks``' at that tolerance; the chosen one is the candidate with the smallest
+predicted step (ties: colocated, the descent, then the tightest tolerance), so it is never
+predicted slower than colocated, than the fixed-tolerance plan (0.02), nor than ``auto`` before the
+descent (``plan_by_tolerances``, kept to measure the change), under the same model. The descent wins
+on nearly every batch of the shared samples (``make bench-sim`` prints both); the carvings stay as a
+floor, and are given up early when the descent is clearly faster (below).
 
 Plan time. A lower bound on every plan that moves anything (the mean attention time of the servers
 plus ``collective_s``) skips the carving altogether when it cannot beat colocated: nearly balanced
@@ -33,8 +39,9 @@ the pairs it is sure to serve (``CarvingProgress.served_at_least``: a server end
 the smaller of what it serves now and the cap, less one block of pairs), plus the
 exposed communication of the bytes that the tasks moved so far already cost it (exact, kept task by
 task by ``transfers.RunningBytes``; a task once moved stays, and the finished plan only adds bytes).
-The first carving is only checked before its first donor (against colocated, which a carving that
-got past the ``bound`` above rarely loses to): watching it would cost more than it saves.
+Without the descent (``plan_by_tolerances``) the first carving is only checked before its first
+donor (against colocated, which a carving that got past the ``bound`` above rarely loses to):
+watching it would cost more than it saves.
 Giving up therefore never changes the choice; it only saves the rest of a losing carving, which is
 most of it when one candidate is clearly faster (the loosest on prolong-like batches, whose long
 documents' K/V dominate). Candidates within a few percent of each other (wlbllm-like batches) are

@@ -2,8 +2,8 @@
 Pure numpy; no torch, no torch.distributed.
 
 - ``tolerance="auto"``: the candidate the time model predicts fastest (``by_time.plan_by_time``:
-  colocated and the carvings of ``AUTO_TOLERANCES``), each in the backward mode that fits
-  ``memory_budget``.
+  colocated, the descent on the predicted time (``descent.descend``) and the carvings of
+  ``AUTO_TOLERANCES``), each in the backward mode that fits ``memory_budget``.
 - a numeric tolerance: that carving (``carving.tolerance_plans``, a hard bound on max/mean - 1 of
   server attention load), in the backward mode in force when it fits ``memory_budget``, else in
   ``resend`` mode (servers keep nothing; ``transfers.fit_memory_budget``).
