@@ -268,7 +268,17 @@ class _Descent:
             return None
         window, block, attn = self.window, self.block, self.attn
         whole = causal_pairs(piece_start, end, window)
-        pairs = min(want_pairs, whole, room / attn) if attn > 0 else min(want_pairs, whole)
+        pairs = min(want_pairs, whole)
+        if attn > 0:
+            # the first guess counts what the shard costs the server besides its pairs: the K/V it
+            # lacks (as for a one-query tail), a task and its keys unless it merges, queries and
+            # outputs at about one query per `end` (or `window`) pairs
+            first = key_start(end - 1, window)
+            kv_cost = sum(cost for rank, cost in self.kv_sends(donor, server, doc, first, end)[0])
+            fixed = kv_cost + (0.0 if (server, donor, doc, end) in self.merge_at else
+                               self.task_s + self.key_s * (end - first))
+            per_pair = attn + self.byte_s * (self.q + self.o) / max(min(end, window or end), 1)
+            pairs = min(pairs, max(room - fixed, 0.0) / per_pair)
         for _ in range(4):
             if pairs >= whole:
                 a = piece_start
@@ -353,8 +363,10 @@ class _Descent:
                     # (one is enough: every server new to the document costs its holders the same sends,
                     # so the one with the most room takes the largest shard)
                     candidates += [r for r in self.least_loaded(heap, donor, LEAST_LOADED) if r not in known][:1]
-                best, best_key = None, None
+                best, best_key, best_pairs = None, None, 0.0
                 for server in candidates:
+                    if self.attn > 0 and (level - time[server]) / self.attn <= best_pairs:
+                        continue  # its room holds fewer pairs than the best shard so far moves
                     shard = self.best_shard(donor, server, doc, piece_start, end, level, want, must_empty)
                     if shard is None:
                         continue
@@ -362,6 +374,7 @@ class _Descent:
                     key = (time[donor] + changes[donor], moved, server)
                     if best_key is None or key < best_key:
                         best, best_key = (server, a, changes, merged), key
+                        best_pairs = causal_pairs(a, end, self.window)
                     if a == piece_start or key[0] <= level:  # all it wants: the next ones can only tie
                         break
                 if best is not None:
