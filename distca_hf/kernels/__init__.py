@@ -58,7 +58,7 @@ from types import ModuleType
 import torch
 
 from ..config import current_config
-from ..state import warn_once
+from ..state import STATE, warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
 from . import torch_cpu as _torch_cpu
@@ -296,20 +296,18 @@ def _full_flags(full, num_tasks: int) -> list[bool] | None:
     return flags if any(flags) else None
 
 
-_SPLIT_CACHE: dict = {}  # id(cu_seqlens_q) -> (weak cu_q, weak cu_k, flags, split): every layer reuses a batch
-
-
 def _split_full(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device) -> tuple[_TaskSubset | None, _TaskSubset]:
     """The causal tasks (``None`` when there are none) and the full tasks, as batches of their own;
     cached per batch (its ``cu_seqlens`` tensors), so the layers of a forward read the device's
     ``cu_seqlens`` and copy row indices once."""
-    hit = _SPLIT_CACHE.get(id(cu_seqlens_q))
+    cache = STATE.kernel_task_splits  # id(cu_seqlens_q) -> (weak cu_q, weak cu_k, flags, split)
+    hit = cache.get(id(cu_seqlens_q))
     if hit is not None and hit[0]() is cu_seqlens_q and hit[1]() is cu_seqlens_k and hit[2] == flags:
         return hit[3]
     split = _split_full_uncached(cu_seqlens_q, cu_seqlens_k, flags, device)
-    if len(_SPLIT_CACHE) > 64:
-        _SPLIT_CACHE.clear()
-    _SPLIT_CACHE[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), flags, split)
+    if len(cache) > 64:
+        cache.clear()
+    cache[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), flags, split)
     return split
 
 
