@@ -309,7 +309,7 @@ def key_split_worker(rank, world, cases):
     import torch.distributed as dist
 
     from distca_hf.kernels import AttentionVariant
-    from distca_hf.planning import Plan, PlannerConfig, plan_tasks, stitch_rank_documents
+    from distca_hf.planning import Plan, PlannerConfig, TimeModel, plan_tasks, stitch_rank_documents
     from distca_hf.runtime.dispatch import build_dispatch
     from distca_hf.runtime.pingpong import NanoAttention
     from distca_hf.runtime.tables import LocalDocuments
@@ -324,6 +324,10 @@ def key_split_worker(rank, world, cases):
         if kind == "hand":
             cols = _hand_tiles(pieces, window, world, seed=case)
             plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
+        elif kind == "auto":  # the auto planner's own tiles (planning.tiles), links dear enough that they pay
+            plan = plan_tasks(pieces, PlannerConfig(
+                tolerance="auto", window=window, key_split=True, token_bytes=TokenBytes(q=128, kv=128, o=128, lse=16),
+                time_model=TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-9, task_s=1e-6, bytes_per_s=1e6)))
         else:  # the planner's plan, then the rule: every task's earlier pieces served where they live
             plan = split_long_prefixes(plan_tasks(pieces, PlannerConfig(tolerance=0.05, window=window)), pieces,
                                        max_prefix_tokens=0)
@@ -373,7 +377,7 @@ def key_split_worker(rank, world, cases):
 
 
 KEY_SPLIT_CASES = {
-    2: [([41, 6, 23], None, "hand"), ([41, 6, 23], 12, "hand"), ([70], None, "rule")],
+    2: [([41, 6, 23], None, "hand"), ([41, 6, 23], 12, "hand"), ([70], None, "rule"), ([41, 6, 23], None, "auto")],
     3: [([50, 7, 30, 13], None, "hand"), ([50, 7, 30, 13], 16, "hand"), ([90, 9], None, "rule")],
 }
 
@@ -382,7 +386,8 @@ KEY_SPLIT_CASES = {
 @pytest.mark.parametrize("world", [2, 3])
 def test_key_split_plans_dispatch_exactly(tmp_path, world):
     """Plans with key-split tiles (random ones on random servers, spanning documents, sliding
-    windows, and the planner's plan split by ``split_long_prefixes``) on gloo ranks, overlap
+    windows, the planner's plan split by ``split_long_prefixes``, and on 2 ranks the tiles
+    ``tolerance="auto"`` itself chose with ``key_split``) on gloo ranks, overlap
     ``none`` / ``wave`` / ping-pong's nodes x ``saved`` / ``resend``: every rank's output and q/k/v
     gradients equal its rows of each document computed alone (fp32 against fp64: 1e-5)."""
     from dist_harness import run_ranks

@@ -14,13 +14,15 @@ that no import, at module level or inside a function, closes a circle):
     transfers  the K/V ranges and bytes a plan moves, and the memory it makes ranks hold for backward
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
+    key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
+               rule that makes them (``split_long_prefixes``)
+    tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full
+               tiles on the holder only where the predicted slowest rank gets faster (``apply_time_tiles``)
     descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
                ends of every link counted, a document's fan-out bounded
     by_time    tolerance="auto": the plan the time model predicts fastest (colocated, the descent, the
                fixed-tolerance carvings) within the memory budget
     planner    ``plan_tasks``, the entry point: by time, or a fixed tolerance, within the memory budget
-    key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
-               rule that makes them (``split_long_prefixes``)
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the
                event models timing a step of it and of torch's stock 1F1B

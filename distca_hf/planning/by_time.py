@@ -29,6 +29,12 @@ descent (``plan_by_tolerances``, kept to measure the change), under the same mod
 on nearly every batch of the shared samples (``make bench-sim`` prints both); the carvings stay as a
 floor, and are given up early when the descent is clearly faster (below).
 
+Key-split tiles (``config.key_split``; the runtime sets it where every layer runs the plan's window
+and no chunks, ``distca-hf simulate`` always): the chosen plan is weighed once more with tiles
+(``tiles.apply_time_tiles``: a prefix transfer becomes full tiles on the keys' holder only where the
+predicted slowest rank gets faster), judged as every candidate (memory budget included) and kept only
+when predicted faster; ties keep the plan without tiles.
+
 Plan time. A lower bound on every plan that moves anything (the mean attention time of the servers
 plus ``collective_s``) skips the carving altogether when it cannot beat colocated: nearly balanced
 steps cost one colocated plan. Otherwise the tolerances are carved (``planner.tolerance_plans``,
@@ -57,6 +63,7 @@ from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .descent import descend
+from .tiles import apply_time_tiles
 from .pieces import DocumentPieces
 from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
 
@@ -149,7 +156,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         bound = max(linear.max(initial=0.0), linear[is_server].min()
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
         if bound >= best_key[0]:
-            return best
+            return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
         for mode in dict.fromkeys((config.backward, "resend")):
             seconds, plan = _judged(descend(pieces, config, backward=mode), pieces, config)
@@ -190,4 +197,17 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         key = (seconds, tie_order[tolerance])
         if key < best_key:
             best, best_key = plan, key
-    return best
+    return _with_tiles(best, best_key[0], pieces, config) if descent else best
+
+
+def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+    """With ``config.key_split``, ``best`` (predicted ``seconds``) with key-split tiles chosen by time
+    (``tiles.apply_time_tiles``) when that is predicted faster, judged as every candidate is (memory
+    budget included); ties keep ``best``."""
+    if not config.key_split:
+        return best
+    tiled = apply_time_tiles(best, pieces, config)
+    if tiled is best:
+        return best
+    tiled_seconds, tiled = _judged(tiled, pieces, config)
+    return tiled if tiled_seconds < seconds else best

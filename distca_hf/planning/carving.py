@@ -84,6 +84,7 @@ class PlannerConfig:
             rank with less other work (a pipeline bubble in a ``cad_1f1b`` tick runs no linear layers)
             serves more attention, and the tolerance bounds max/mean of pairs + base. Set by
             ``pipeline_cost.plan_lockstep_tick``; plain plans balance pairs alone.
+        key_split: ``"auto"`` also weighs its best plan with key-split tiles (``tiles.apply_time_tiles``).
     """
 
     tolerance: float | str = 0.02
@@ -96,6 +97,7 @@ class PlannerConfig:
     backward: str = "saved"
     memory_budget: float | None = None
     base_pairs: tuple[float, ...] | None = None
+    key_split: bool = False
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
@@ -121,6 +123,8 @@ class PlannerConfig:
             object.__setattr__(self, "base_pairs", base)
         if self.servers is not None:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
+        if not isinstance(self.key_split, (bool, np.bool_)):
+            raise ValueError(f"key_split must be True or False, got {self.key_split!r}")
         if isinstance(self.window, np.integer):
             object.__setattr__(self, "window", int(self.window))
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)

@@ -170,7 +170,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
                              o=num_heads * value_head_dim * element, lse=4 * num_heads)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
-                                   kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True)
+                                   kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True,
+                                   key_split=tiles_hold_for(module))
     if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
         return _local_context(number, call_key, inputs, docs, query.device, ranks.longest_document, planned)
     stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, overlap=overlap)
@@ -274,11 +275,20 @@ overlap mode: all of it without overlap; half with ``wave`` or ``pingpong`` (a c
 below the overlap fractions ``distca-hf bench --overlap`` measures)."""
 
 
+def tiles_hold_for(module) -> bool:
+    """Whether key-split tiles are exact for every attention layer of ``module``'s model: all layers of
+    one type (one window: the plan's ``kv_window``) and none chunked (``phases.check_layer_window``
+    refuses a key-split plan for a layer with another window or chunks; this keeps the planner from
+    making one)."""
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None) or ()
+    return len(set(layer_types)) <= 1 and "chunked_attention" not in layer_types
+
+
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
                kv_window: int | None = None, dtype_bytes: int | None = None,
-               local_when_colocated: bool = False, planning_overlap: str | None = None, planner=plan_tasks
-               ) -> tuple[Dispatch | None, BatchPlan]:
+               local_when_colocated: bool = False, planning_overlap: str | None = None, planner=plan_tasks,
+               key_split: bool = False) -> tuple[Dispatch | None, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
     ``context_for_call``; ``dtype_bytes``: bytes of an attention element (default: 2 on CUDA, 4
@@ -289,7 +299,9 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     real token. ``planning_overlap``: the overlap whose exposure ``"auto"`` plans with, when it is not
     the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves). ``planner``:
     ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
-    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``)."""
+    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``). ``key_split``: ``tolerance="auto"`` may weigh
+    key-split tiles (``PlannerConfig.key_split``), for models whose every layer runs ``kv_window`` and
+    no attention chunks (``tiles_hold_for``), and only with ``plan_tasks``."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -305,7 +317,8 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
         plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
-                                                backward=config.backward, memory_budget=config.memory_budget))
+                                                backward=config.backward, memory_budget=config.memory_budget,
+                                                key_split=key_split and planner is plan_tasks))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)

@@ -163,7 +163,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
     config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
-                                     memory_budget=SETTINGS["memory_budget"].default)
+                                     memory_budget=SETTINGS["memory_budget"].default, key_split=True)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
@@ -257,7 +257,7 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
     dtype_bytes`` bytes per token."""
     config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
-                                     memory_budget=SETTINGS["memory_budget"].default)
+                                     memory_budget=SETTINGS["memory_budget"].default, key_split=True)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
@@ -612,7 +612,7 @@ def run_cli(args, parser) -> int:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes,
-                               backward=args.backward, memory_budget=args.memory_budget)
+                               backward=args.backward, memory_budget=args.memory_budget, key_split=True)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
         time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:

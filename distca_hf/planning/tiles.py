@@ -1,0 +1,238 @@
+"""Key-split tiles chosen by time (issue 21 item 2): queries travel to the K/V only where the time
+model says it pays. Pure numpy.
+
+``key_split.split_long_prefixes`` decides by bytes alone, so every full tile of a long document lands
+on the holder of its keys, piling compute there (measured: a pipeline tick at 64 ranks x 64k with a
+333k-token document, 221 ms -> 1066 ms predicted). ``apply_time_tiles`` starts from a plan of whole
+CA-tasks and converts, greedily, one *unit* at a time: a (server ``s``, document, holder piece ``p``
+held by rank ``h != s``) whose K/V ``s`` receives for its tasks of the document. Converting it gives
+each of those tasks a full tile ``[a, b) x p`` served by ``h``, which holds those keys:
+
+- ``s`` no longer receives ``p``'s K/V and computes ``(b - a) |p|`` fewer pairs per task;
+- ``h`` no longer sends them, computes those pairs and runs one more kernel task per tile, receives
+  the tasks' queries and returns a partial output with its log-sum-exp (``q`` in, ``o + lse`` out per
+  query token, unless ``h`` is the queries' own rank);
+- the queries' rank sends them to ``h`` as well and receives the partial.
+
+Each unit's effect on every rank's linear tokens, pairs, keys, tasks and bytes is fixed (K/V are sent
+once per (holder, server, document), so a unit owns its transfer); the greedy takes the slowest rank
+under the time model (``TimeModel.rank_seconds`` + ``comm_seconds``, the formula ``by_time``
+judges plans with, both ends of every link) and applies the unit touching it that lowers the
+predicted maximum most (a unit that leaves the maximum equal while lowering that rank, when ranks
+tie), and stops when no unit lowers it. A unit is eligible only when no task of ``s`` that stays
+whole needs ``p``'s keys (the queries inside ``p`` or before it) and, under a sliding window, when
+every earlier piece of each of its tasks lies inside all of the task's windows (``check_tiles``'
+full-tile shape). The result is judged exactly (``transfers.rank_bytes`` of the tiled plan, which
+also counts the log-sum-exp every partial output of a key-split plan returns with) and returned only
+when its predicted slowest rank is faster than the input's; otherwise the input comes back.
+
+Not done: a full tile served by a third, lightly loaded rank that holds none of the keys (it would
+receive the piece's K/V once and the queries); the holder or the server only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .carving import Plan, PlannerConfig
+from .cost import key_start
+from .key_split import check_tiles, with_key_ranges
+from .pieces import DocumentPieces
+from .transfers import kv_transfers, rank_bytes
+
+__all__ = ["apply_time_tiles", "tile_units"]
+
+
+def _rank_seconds(config: PlannerConfig, backward: str, tokens, pairs, tasks, keys, sent, received):
+    """``by_time.loads_seconds``' compute + exposed communication, for a plan that moves something
+    (``collective_s`` counted), elementwise over rank arrays."""
+    tm = config.time_model
+    return (tm.rank_seconds(tokens, pairs, tasks, keys)
+            + tm.comm_seconds(sent, received, config.exposed_comm, True, backward))
+
+
+def _exact_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> np.ndarray:
+    """``[num_ranks]`` predicted seconds of ``plan`` (``by_time.rank_seconds``' formula)."""
+    sent, received = rank_bytes(plan, pieces, config.token_bytes)
+    tm = config.time_model
+    moves = bool(sent.sum() + received.sum() > 0)
+    return (tm.rank_seconds(pieces.tokens(), plan.server_pairs(), np.bincount(plan.server, minlength=plan.num_ranks),
+                            np.bincount(plan.server, weights=plan.keys(), minlength=plan.num_ranks))
+            + tm.comm_seconds(sent, received, config.exposed_comm, moves, plan.backward))
+
+
+def tile_units(plan: Plan, pieces: DocumentPieces):
+    """The eligible units of a plan of whole CA-tasks (module docstring): a list of
+    ``(server, doc, piece_start, piece_end, holder, tasks)``, ``tasks`` the indices into ``plan``
+    whose keys include the piece, each sorted; and ``segments``: ``{task: [(k0, k1, holder,
+    piece_start), ...]}`` the earlier pieces (clipped to its keys) of every task of a spanning
+    document that can split."""
+    w = plan.window
+    holders = pieces.spanning_holders()
+    if not holders:
+        return [], {}
+    for doc in holders:  # (kv_start, end, rank) by position (kv_start <= start: a piece's K/V begin there)
+        holders[doc] = sorted((kv, e, r) for r, kv, e in holders[doc])
+    spanning = np.isin(plan.doc, np.fromiter(holders, dtype=np.int64))
+    units: dict[tuple[int, int, int], list[int]] = {}
+    blocked: set[tuple[int, int, int]] = set()
+    segments = {}
+    for i in np.flatnonzero(spanning).tolist():
+        s, d, a, b = int(plan.server[i]), int(plan.doc[i]), int(plan.q_start[i]), int(plan.q_end[i])
+        k0 = key_start(a, w)
+        own = next((x0 for x0, x1, h in holders[d] if x0 <= a < x1), None)
+        earlier = [(max(x0, k0), x1, h, x0) for x0, x1, h in holders[d] if x1 > k0 and own is not None and x1 <= own]
+        splittable = bool(earlier) and (w is None or earlier[0][0] >= b - w)
+        if splittable:
+            segments[i] = earlier
+        for x0, x1, h in holders[d]:
+            if h == s or x1 <= k0 or x0 >= b:
+                continue
+            unit = (s, d, x0)
+            if splittable and x1 <= own:
+                units.setdefault(unit, []).append(i)
+            else:  # the server keeps needing these keys for a task that stays whole
+                blocked.add(unit)
+    out = []
+    for (s, d, x0), tasks in units.items():
+        if (s, d, x0) in blocked:
+            continue
+        x1, h = next((e, r) for start, e, r in holders[d] if start == x0)
+        out.append((s, d, x0, x1, h, tasks))
+    out.sort(key=lambda u: u[:3])
+    return out, segments
+
+
+def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+    """``plan`` with key-split tiles where the time model predicts they pay (module docstring), or
+    ``plan`` itself when none does (and for a plan that already splits keys). Deterministic; never
+    predicted slower than ``plan`` (``by_time.step_seconds``, in ``plan.backward``'s mode)."""
+    if plan.splits_keys or plan.num_tasks == 0:
+        return plan
+    units, segments = tile_units(plan, pieces)
+    if not units:
+        return plan
+    base = with_key_ranges(plan)
+    tb, n, backward = config.token_bytes, plan.num_ranks, plan.backward
+    returned = tb.o + tb.lse
+    transfers = kv_transfers(base, pieces)
+    sent, received = rank_bytes(base, pieces, tb, transfers)
+    loads = np.stack([pieces.tokens().astype(np.float64), plan.server_pairs().astype(np.float64),
+                      np.bincount(plan.server, minlength=n).astype(np.float64),
+                      np.bincount(plan.server, weights=base.keys(), minlength=n), sent.astype(np.float64),
+                      received.astype(np.float64)])  # [6, ranks]: tokens, pairs, tasks, keys, sent, received
+    sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
+                                                             transfers.start, transfers.end))):
+        sent_kv.setdefault((src, srv, d), []).append((start, end))
+
+    effects: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def effect(u: int) -> tuple[np.ndarray, np.ndarray]:
+        """Unit ``u``'s fixed effect (ranks ``[k]``, deltas ``[6, k]``), made when first asked for."""
+        if u in effects:
+            return effects[u]
+        s, d, x0, x1, h, tasks = units[u]
+        delta: dict[int, np.ndarray] = {}
+
+        def at(rank):
+            if rank not in delta:
+                delta[rank] = np.zeros(6)
+            return delta[rank]
+
+        kv = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * tb.kv
+        at(s)[5] -= kv
+        at(h)[4] -= kv
+        for i in tasks:
+            a, b, src = int(plan.q_start[i]), int(plan.q_end[i]), int(plan.source[i])
+            width = x1 - max(x0, key_start(a, plan.window))
+            queries = b - a
+            at(s)[1] -= queries * width
+            at(s)[3] -= width
+            at(h)[1] += queries * width
+            at(h)[3] += width
+            at(h)[2] += 1
+            if src != h:
+                at(src)[4] += queries * tb.q
+                at(h)[5] += queries * tb.q
+                at(h)[4] += queries * returned
+                at(src)[5] += queries * returned
+        ranks = np.fromiter(sorted(delta), dtype=np.int64)
+        effects[u] = (ranks, np.stack([delta[r] for r in ranks.tolist()], axis=1))
+        return effects[u]
+
+    touching: dict[int, list[int]] = {}
+    for u, (s, d, x0, x1, h, tasks) in enumerate(units):
+        touching.setdefault(s, []).append(u)
+        touching.setdefault(h, []).append(u)
+    seconds = _rank_seconds(config, backward, *loads)
+    applied = np.zeros(len(units), dtype=bool)
+    while True:
+        r = int(np.argmax(seconds))
+        worst = float(seconds[r])
+        candidates = [u for u in touching.get(r, ()) if not applied[u]]
+        if not candidates:
+            break
+        top = np.argsort(-seconds, kind="stable")[:max(effect(u)[0].size for u in candidates) + 1].tolist()
+        best, best_key = None, (worst, worst)
+        for u in candidates:
+            ranks, change = effect(u)
+            new = _rank_seconds(config, backward, *(loads[:, ranks] + change))
+            mine = float(new[ranks.tolist().index(r)])
+            if mine >= worst:
+                continue
+            inside = set(ranks.tolist())
+            others = next((float(seconds[t]) for t in top if t not in inside), 0.0)
+            key = (max(others, float(new.max())), mine)
+            if key < best_key:
+                best, best_key = u, key
+        if best is None:
+            break
+        ranks, change = effect(best)
+        loads[:, ranks] += change
+        seconds[ranks] = _rank_seconds(config, backward, *loads[:, ranks])
+        applied[best] = True
+    if not applied.any():
+        return plan
+    done = np.flatnonzero(applied).tolist()
+    tiled = _tiled_plan(base, segments, {units[u][:3] for u in done}, [i for u in done for i in units[u][5]])
+    if _exact_seconds(tiled, pieces, config).max() < _exact_seconds(plan, pieces, config).max():
+        return tiled
+    return plan
+
+
+def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
+    """``base`` (explicit key ranges) with every task's converted pieces as full tiles on their
+    holders: kept pieces next to the causal tile join it, other kept ones are full tiles on the server,
+    adjacent tiles on one rank one tile (as ``split_long_prefixes`` builds them). ``touched``: the
+    tasks of the converted units (the others stay as they are)."""
+    columns = (base.source, base.server, base.doc, base.q_start, base.q_end, base.k_start, base.k_end)
+    touched = np.unique(np.asarray(touched, dtype=np.int64))
+    keep = np.ones(base.num_tasks, dtype=bool)
+    keep[touched] = False
+    rows = []
+    for i, task in zip(touched.tolist(), zip(*(c[touched].tolist() for c in columns))):
+        source, server, doc, a, b, k0, k1 = task
+        earlier = segments[i]
+        where = [(x0, x1, h if (server, doc, piece) in converted else server) for x0, x1, h, piece in earlier]
+        c = earlier[-1][1]
+        while where and where[-1][2] == server:
+            c = where.pop()[0]
+        if not where:
+            rows.append(task)
+            continue
+        tiles = [(source, server, doc, a, b, c, b)]
+        for x0, x1, h in where:
+            last = tiles[-1]
+            if len(tiles) > 1 and last[1] == h and last[6] == x0:
+                tiles[-1] = last[:6] + (x1,)
+            else:
+                tiles.append((source, h, doc, a, b, x0, x1))
+        rows.extend(tiles)
+    new = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
+    arr = np.concatenate([np.stack([c[keep] for c in columns]), new], axis=1)
+    order = np.lexsort((arr[5], arr[3], arr[2], arr[0], arr[1]))
+    source, server, doc, q_start, q_end, ks, ke = (c[order] for c in arr)
+    tiled = Plan(source, server, doc, q_start, q_end, base.num_ranks, base.servers, base.window, base.backward, ks, ke)
+    check_tiles(tiled)
+    return tiled

@@ -1,0 +1,102 @@
+"""Key-split tiles chosen by time (``planning.tiles.apply_time_tiles``, issue 21 item 2): the tiled
+plan keeps every (query, key) pair exactly once, is never predicted slower than its input, is
+deterministic, and ``tolerance="auto"`` with ``key_split`` weighs it as one more candidate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, check_tiles, colocated_plan,
+                                plan_tasks, rank_seconds, step_seconds)
+from distca_hf.planning.tiles import apply_time_tiles, tile_units
+
+# a layer where K/V bytes are dear (GQA: K/V per token 4x smaller than Q + O, but the long prefix
+# fans out) and attention is cheap enough that the holders can take the tiles' pairs
+TOKEN_BYTES = TokenBytes(q=64, kv=32, o=64, lse=4)
+CHEAP_LINKS = TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-9, task_s=1e-6, bytes_per_s=1e6)
+
+
+def _stream(lengths, ranks):
+    """A global stream of documents cut into ``ranks`` nearly equal slices (documents span ranks)."""
+    total = sum(lengths)
+    bounds = [round(r * total / ranks) for r in range(ranks + 1)]
+    rows, offset = [[] for _ in range(ranks)], 0
+    for d, n in enumerate(lengths):
+        for r in range(ranks):
+            lo, hi = max(bounds[r], offset), min(bounds[r + 1], offset + n)
+            if hi > lo:
+                rows[r].append((d, lo - offset, hi - offset))
+        offset += n
+    return DocumentPieces.from_rank_lists(rows)
+
+
+def _config(window, tolerance, bytes_per_s, key_split=False):
+    return PlannerConfig(tolerance=tolerance, window=window, token_bytes=TOKEN_BYTES, key_split=key_split,
+                         time_model=dataclasses.replace(CHEAP_LINKS, bytes_per_s=bytes_per_s))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 120), min_size=1, max_size=5), ranks=st.integers(2, 5),
+       window=st.one_of(st.none(), st.integers(4, 60)), tolerance=st.sampled_from([0.0, 0.3, "auto", "colocated"]),
+       bytes_per_s=st.sampled_from([1e5, 1e6, 1e8]))
+def test_time_tiles_keep_every_pair_once_and_are_never_predicted_slower(lengths, ranks, window, tolerance,
+                                                                        bytes_per_s):
+    pieces = _stream(lengths, ranks)
+    config = _config(window, 0.02 if tolerance == "colocated" else tolerance, bytes_per_s)
+    plan = colocated_plan(pieces, window=window) if tolerance == "colocated" else plan_tasks(pieces, config)
+    tiled = apply_time_tiles(plan, pieces, config)
+    check_tiles(tiled, pieces)
+    assert tiled.pairs().sum() == plan.pairs().sum()
+    if tiled is not plan:
+        assert tiled.splits_keys
+        assert step_seconds(tiled, pieces, config) < step_seconds(plan, pieces, config)
+    again = apply_time_tiles(plan, pieces, config)  # deterministic
+    assert (again is plan) == (tiled is plan)
+    if again is not plan:
+        for name in ("source", "server", "doc", "q_start", "q_end", "k_start", "k_end"):
+            assert np.array_equal(getattr(again, name), getattr(tiled, name)), name
+
+
+def test_a_long_prefix_fanning_out_becomes_tiles_on_its_holder_only_while_that_pays():
+    """A 4-rank stream where one long document spans every rank, its last 8 queries on rank 3:
+    colocated, each later rank receives the whole prefix. Dear links: queries travel to the K/V
+    (every moved tile is a full one on its keys' holder) and the slowest rank gets faster. The units
+    are every (later rank, earlier piece) pair."""
+    pieces = _stream([330, 100], 4)
+    dear = _config(None, 0.02, 1e6)
+    plan = colocated_plan(pieces)
+    tiled = apply_time_tiles(plan, pieces, dear)
+    assert tiled is not plan and tiled.splits_keys
+    check_tiles(tiled, pieces)
+    held = {(int(r), int(d)): (int(k), int(e)) for r, d, k, e in zip(pieces.rank, pieces.doc, pieces.kv_start,
+                                                                        pieces.end)}
+    for i in np.flatnonzero(tiled.server != tiled.source):  # every moved tile is a full one on its keys' holder
+        lo, hi = held[(int(tiled.server[i]), int(tiled.doc[i]))]
+        assert tiled.k_end[i] < tiled.q_end[i] and lo <= tiled.k_start[i] < tiled.k_end[i] <= hi
+    before, after = rank_seconds(plan, pieces, dear), rank_seconds(tiled, pieces, dear)
+    assert after.max() < before.max()
+    units, _ = tile_units(plan, pieces)
+    assert {(s, x0) for s, _, x0, _, _, _ in units} == {(s, x0) for s in range(1, 4) for x0 in (0, 108, 215)[:s]}
+
+
+def test_auto_with_key_split_is_one_more_candidate_never_predicted_slower():
+    """``tolerance="auto"`` with ``key_split=True`` plans tiles where they pay and otherwise returns the
+    plan without them: never predicted slower than ``key_split=False``."""
+    pieces = _stream([330, 100], 4)
+    without, with_tiles = (_config(None, "auto", 1e6, key_split=k) for k in (False, True))
+    plain, tiled = plan_tasks(pieces, without), plan_tasks(pieces, with_tiles)
+    assert not plain.splits_keys and tiled.splits_keys
+    check_tiles(tiled, pieces)
+    assert step_seconds(tiled, pieces, with_tiles) < step_seconds(plain, pieces, without)
+    balanced = _stream([50, 50, 50, 50], 4)
+    assert not plan_tasks(balanced, dataclasses.replace(with_tiles)).splits_keys
+
+
+def test_key_split_setting_is_checked():
+    with pytest.raises(ValueError, match="key_split must be True or False"):
+        PlannerConfig(key_split="yes")
