@@ -66,7 +66,7 @@ def untuned_samples(seed: int = 7) -> dict:
 def run(data: Path, batches: int, untuned: bool = False):
     samples = {name: load_lengths(data / f"doc_lengths_{name}.json") for name in ("prolong", "wlbllm")}
     budget = SETTINGS["memory_budget"].default
-    config = PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128, memory_budget=budget)
+    config = PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128, memory_budget=budget, key_split=True)
     fixed = PlannerConfig(tolerance=0.02, block=128, memory_budget=budget)
     grid_rows, memory_rows, target_rows = [], [], []
     model = None

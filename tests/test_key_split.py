@@ -448,3 +448,47 @@ def test_key_split_plans_train_whole_models_exactly(tmp_path):
                     own = slices[rank] * (128 + 128 + 128 + 16)  # q, k and v, out, lse per token (fp32, 4 heads)
                     added = run["stats"]["memory_bytes_per_layer"][rank]
                     assert run["stats"]["rank_saved_for_backward_bytes"] == 2 * (own + added), (family, rank, run)
+
+
+def auto_tiles_model_worker(rank, world, cases):
+    """``workers.span_workers`` with the runtime's own planner (``tolerance="auto"``, which turns
+    ``key_split`` on for these models), counting the plans that came back with key-split tiles."""
+    from distca_hf.planning import plan_tasks
+    from distca_hf.runtime import forward as runtime_forward
+    from workers import span_workers
+
+    made = {"plans": 0, "split": 0}
+
+    def planner(pieces, config):
+        plan = plan_tasks(pieces, config)
+        made["plans"] += 1
+        made["split"] += int(plan.splits_keys)
+        return plan
+
+    # plan_batch weighs tiles with its default planner only: this counting one stands in for it
+    runtime_forward.plan_batch.__kwdefaults__["planner"] = runtime_forward.plan_tasks = planner
+    return {"reports": span_workers(rank, world, cases), **made}
+
+
+@pytest.mark.distributed
+def test_auto_planner_chooses_tiles_and_trains_a_whole_model_exactly(tmp_path):
+    """The runtime's ``tolerance="auto"`` with key-split tiles chosen by time (``planning.tiles``): a
+    Llama on 2 gloo ranks, a document spanning them whose 6 late queries on rank 1 would receive a
+    35-token prefix, under a time model with dear links (so the tiles pay); the plans split keys, and
+    logits and every parameter gradient equal each whole document run alone (overlap none and wave,
+    saved and resend, and colocated)."""
+    import json
+
+    from dist_harness import run_ranks
+    from workers import exact_runs
+
+    model_path = tmp_path / "dear_links.json"
+    model_path.write_text(json.dumps({"linear_s_per_token": 1e-6, "attn_s_per_pair": 1e-9, "task_s": 1e-6,
+                                      "bytes_per_s": 1e6}))
+    cases = [("llama", [41, 6, 23], [35, 35], ("none", "wave"), {})]
+    results = run_ranks(auto_tiles_model_worker, 2, tmp_path, cases,
+                        env={"DISTCA_TOLERANCE": "auto", "DISTCA_TIME_MODEL": str(model_path)})
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        assert result["value"]["split"] >= 4, result["value"]  # every distca run's plan held tiles
+    exact_runs([{"ok": True, "value": r["value"]["reports"]["llama"]} for r in results], 5)

@@ -109,18 +109,24 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
     predicted slower than ``plan`` (``by_time.step_seconds``, in ``plan.backward``'s mode)."""
     if plan.splits_keys or plan.num_tasks == 0:
         return plan
-    units, segments = tile_units(plan, pieces)
-    if not units:
-        return plan
     base = with_key_ranges(plan)
     tb, n, backward = config.token_bytes, plan.num_ranks, plan.backward
     returned = tb.o + tb.lse
     transfers = kv_transfers(base, pieces)
+    if not transfers.source.size:
+        return plan
     sent, received = rank_bytes(base, pieces, tb, transfers)
     loads = np.stack([pieces.tokens().astype(np.float64), plan.server_pairs().astype(np.float64),
                       np.bincount(plan.server, minlength=n).astype(np.float64),
                       np.bincount(plan.server, weights=base.keys(), minlength=n), sent.astype(np.float64),
                       received.astype(np.float64)])  # [6, ranks]: tokens, pairs, tasks, keys, sent, received
+    seconds = _rank_seconds(config, backward, *loads)
+    slowest = int(np.argmax(seconds))
+    if not ((transfers.source == slowest).any() or (transfers.server == slowest).any()):
+        return plan  # no unit touches the slowest rank: none can make it faster (most balanced plans)
+    units, segments = tile_units(plan, pieces)
+    if not units:
+        return plan
     sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
                                                              transfers.start, transfers.end))):
@@ -165,7 +171,6 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
     for u, (s, d, x0, x1, h, tasks) in enumerate(units):
         touching.setdefault(s, []).append(u)
         touching.setdefault(h, []).append(u)
-    seconds = _rank_seconds(config, backward, *loads)
     applied = np.zeros(len(units), dtype=bool)
     while True:
         r = int(np.argmax(seconds))
@@ -173,19 +178,21 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
         candidates = [u for u in touching.get(r, ()) if not applied[u]]
         if not candidates:
             break
-        top = np.argsort(-seconds, kind="stable")[:max(effect(u)[0].size for u in candidates) + 1].tolist()
+        made = [effect(u) for u in candidates]
+        sizes = np.fromiter((m[0].size for m in made), dtype=np.int64, count=len(made))
+        ranks = np.concatenate([m[0] for m in made])
+        new = _rank_seconds(config, backward, *(loads[:, ranks] + np.concatenate([m[1] for m in made], axis=1)))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        mine = new[ranks == r]  # every candidate touches r once
+        highest = np.maximum.reduceat(new, starts)
+        top = np.argsort(-seconds, kind="stable")[:int(sizes.max()) + 1].tolist()
         best, best_key = None, (worst, worst)
-        for u in candidates:
-            ranks, change = effect(u)
-            new = _rank_seconds(config, backward, *(loads[:, ranks] + change))
-            mine = float(new[ranks.tolist().index(r)])
-            if mine >= worst:
-                continue
-            inside = set(ranks.tolist())
+        for c in np.flatnonzero(mine < worst).tolist():
+            inside = set(ranks[starts[c]:starts[c] + sizes[c]].tolist())
             others = next((float(seconds[t]) for t in top if t not in inside), 0.0)
-            key = (max(others, float(new.max())), mine)
+            key = (max(others, float(highest[c])), float(mine[c]))
             if key < best_key:
-                best, best_key = u, key
+                best, best_key = candidates[c], key
         if best is None:
             break
         ranks, change = effect(best)
