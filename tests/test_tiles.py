@@ -80,7 +80,7 @@ def test_a_long_prefix_fanning_out_becomes_tiles_on_its_holder_only_while_that_p
         assert tiled.k_end[i] < tiled.q_end[i] and lo <= tiled.k_start[i] < tiled.k_end[i] <= hi
     before, after = rank_seconds(plan, pieces, dear), rank_seconds(tiled, pieces, dear)
     assert after.max() < before.max()
-    units, _ = tile_units(plan, pieces)
+    units = tile_units(plan, pieces)
     assert {(s, x0) for s, _, x0, _, _, _ in units} == {(s, x0) for s in range(1, 4) for x0 in (0, 108, 215)[:s]}
 
 

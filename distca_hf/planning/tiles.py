@@ -38,6 +38,7 @@ from .carving import Plan, PlannerConfig
 from .cost import key_start
 from .key_split import check_tiles, with_key_ranges
 from .pieces import DocumentPieces
+from .ranges import concat_ranges
 from .transfers import kv_transfers, rank_bytes
 
 __all__ = ["apply_time_tiles", "tile_units"]
@@ -63,44 +64,68 @@ def _exact_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) ->
 
 def tile_units(plan: Plan, pieces: DocumentPieces):
     """The eligible units of a plan of whole CA-tasks (module docstring): a list of
-    ``(server, doc, piece_start, piece_end, holder, tasks)``, ``tasks`` the indices into ``plan``
-    whose keys include the piece, each sorted; and ``segments``: ``{task: [(k0, k1, holder,
-    piece_start), ...]}`` the earlier pieces (clipped to its keys) of every task of a spanning
-    document that can split."""
+    ``(server, doc, piece_start, piece_end, holder, tasks)`` sorted by server, document and piece,
+    ``tasks`` the indices into ``plan`` (ascending) whose keys include the piece."""
     w = plan.window
-    holders = pieces.spanning_holders()
-    if not holders:
-        return [], {}
-    for doc in holders:  # (kv_start, end, rank) by position (kv_start <= start: a piece's K/V begin there)
-        holders[doc] = sorted((kv, e, r) for r, kv, e in holders[doc])
-    spanning = np.isin(plan.doc, np.fromiter(holders, dtype=np.int64))
-    units: dict[tuple[int, int, int], list[int]] = {}
-    blocked: set[tuple[int, int, int]] = set()
-    segments = {}
-    for i in np.flatnonzero(spanning).tolist():
-        s, d, a, b = int(plan.server[i]), int(plan.doc[i]), int(plan.q_start[i]), int(plan.q_end[i])
+    several = np.bincount(pieces.doc)[pieces.doc] > 1 if pieces.num_pieces else np.zeros(0, dtype=bool)
+    if not several.any():
+        return []
+    # the pieces of spanning documents by (document, position): K/V [x0, x1) on rank h
+    order = np.lexsort((pieces.kv_start[several], pieces.doc[several]))
+    p_doc, p_x0, p_x1, p_rank = (x[several][order] for x in (pieces.doc, pieces.kv_start, pieces.end, pieces.rank))
+    # every (task of a spanning document, piece of that document) pair
+    task = np.flatnonzero(np.isin(plan.doc, p_doc))
+    lo = np.searchsorted(p_doc, plan.doc[task], side="left")
+    counts = np.searchsorted(p_doc, plan.doc[task], side="right") - lo
+    pair_task = np.repeat(task, counts)
+    piece = concat_ranges(lo, counts)
+    a, b, s = plan.q_start[pair_task], plan.q_end[pair_task], plan.server[pair_task]
+    k0 = key_start(a, w)
+    x0, x1, h = p_x0[piece], p_x1[piece], p_rank[piece]
+    # each task's own piece (holding its first query) starts at `own`; the pieces wholly before it are
+    # "earlier", and a task can split when it has some and (under a window) the first lies inside
+    # every query's window
+    own = np.full(plan.num_tasks, np.iinfo(np.int64).max)
+    holds = (x0 <= a) & (a < x1)
+    own[pair_task[holds]] = x0[holds]
+    earlier = (x1 > k0) & (x1 <= own[pair_task])
+    splittable = np.zeros(plan.num_tasks, dtype=bool)
+    splittable[pair_task[earlier]] = True
+    if w is not None:
+        first = np.full(plan.num_tasks, np.iinfo(np.int64).max)
+        np.minimum.at(first, pair_task[earlier], np.maximum(x0, k0)[earlier])
+        splittable &= first >= plan.q_end - w
+    needed = (h != s) & (x1 > k0) & (x0 < b)  # the server receives some of the piece's keys for the task
+    ok = needed & earlier & splittable[pair_task]
+    key = (s * (int(p_doc.max()) + 1) + plan.doc[pair_task]) * (int(p_x1.max()) + 1) + x0
+    blocked = np.unique(key[needed & ~ok])  # a task that stays whole keeps needing them
+    ok &= ~np.isin(key, blocked)
+    pick = np.flatnonzero(ok)
+    pick = pick[np.lexsort((pair_task[pick], key[pick]))]
+    units = []
+    if pick.size:
+        bounds = np.flatnonzero(np.concatenate(([True], key[pick][1:] != key[pick][:-1], [True])))
+        for first_pair, end_pair in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            j = int(pick[first_pair])
+            units.append((int(s[j]), int(plan.doc[pair_task[j]]), int(x0[j]), int(x1[j]), int(h[j]),
+                          pair_task[pick[first_pair:end_pair]].tolist()))
+    return units
+
+
+def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
+    """``{task: [(k0, k1, holder, piece_start), ...]}``: the pieces wholly before each task's own
+    piece, clipped to its keys, by position."""
+    w, holders, out = plan.window, {}, {}
+    for i in tasks:
+        d, a = int(plan.doc[i]), int(plan.q_start[i])
+        if d not in holders:
+            mine = np.flatnonzero(pieces.doc == d)
+            holders[d] = sorted(zip(pieces.kv_start[mine].tolist(), pieces.end[mine].tolist(),
+                                    pieces.rank[mine].tolist()))
         k0 = key_start(a, w)
-        own = next((x0 for x0, x1, h in holders[d] if x0 <= a < x1), None)
-        earlier = [(max(x0, k0), x1, h, x0) for x0, x1, h in holders[d] if x1 > k0 and own is not None and x1 <= own]
-        splittable = bool(earlier) and (w is None or earlier[0][0] >= b - w)
-        if splittable:
-            segments[i] = earlier
-        for x0, x1, h in holders[d]:
-            if h == s or x1 <= k0 or x0 >= b:
-                continue
-            unit = (s, d, x0)
-            if splittable and x1 <= own:
-                units.setdefault(unit, []).append(i)
-            else:  # the server keeps needing these keys for a task that stays whole
-                blocked.add(unit)
-    out = []
-    for (s, d, x0), tasks in units.items():
-        if (s, d, x0) in blocked:
-            continue
-        x1, h = next((e, r) for start, e, r in holders[d] if start == x0)
-        out.append((s, d, x0, x1, h, tasks))
-    out.sort(key=lambda u: u[:3])
-    return out, segments
+        own = next(x0 for x0, x1, h in holders[d] if x0 <= a < x1)
+        out[i] = [(max(x0, k0), x1, h, x0) for x0, x1, h in holders[d] if k0 < x1 <= own]
+    return out
 
 
 def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
@@ -124,7 +149,7 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
     slowest = int(np.argmax(seconds))
     if not ((transfers.source == slowest).any() or (transfers.server == slowest).any()):
         return plan  # no unit touches the slowest rank: none can make it faster (most balanced plans)
-    units, segments = tile_units(plan, pieces)
+    units = tile_units(plan, pieces)
     if not units:
         return plan
     sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
@@ -202,7 +227,8 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
     if not applied.any():
         return plan
     done = np.flatnonzero(applied).tolist()
-    tiled = _tiled_plan(base, segments, {units[u][:3] for u in done}, [i for u in done for i in units[u][5]])
+    touched = sorted({i for u in done for i in units[u][5]})
+    tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
     if _exact_seconds(tiled, pieces, config).max() < _exact_seconds(plan, pieces, config).max():
         return tiled
     return plan
