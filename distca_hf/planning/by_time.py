@@ -206,7 +206,7 @@ def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: Plan
     budget included); ties keep ``best``."""
     if not config.key_split:
         return best
-    tiled = apply_time_tiles(best, pieces, config)
+    tiled = apply_time_tiles(best, pieces, config, judge=False)  # judged below, as every candidate
     if tiled is best:
         return best
     tiled_seconds, tiled = _judged(tiled, pieces, config)

@@ -128,10 +128,11 @@ def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
     return out
 
 
-def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, judge: bool = True) -> Plan:
     """``plan`` with key-split tiles where the time model predicts they pay (module docstring), or
     ``plan`` itself when none does (and for a plan that already splits keys). Deterministic; never
-    predicted slower than ``plan`` (``by_time.step_seconds``, in ``plan.backward``'s mode)."""
+    predicted slower than ``plan`` (``by_time.step_seconds``, in ``plan.backward``'s mode).
+    ``judge=False`` skips that final exact comparison (``by_time`` judges every candidate itself)."""
     if plan.splits_keys or plan.num_tasks == 0:
         return plan
     base = with_key_ranges(plan)
@@ -229,7 +230,7 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) 
     done = np.flatnonzero(applied).tolist()
     touched = sorted({i for u in done for i in units[u][5]})
     tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
-    if _exact_seconds(tiled, pieces, config).max() < _exact_seconds(plan, pieces, config).max():
+    if not judge or _exact_seconds(tiled, pieces, config).max() < _exact_seconds(plan, pieces, config).max():
         return tiled
     return plan
 
