@@ -31,6 +31,7 @@ A stage whose own code raises re-raises its error; its peers, waiting for it, ra
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 from typing import Sequence
 
@@ -249,9 +250,13 @@ class PipelineRunner:
         losses: list = []
         run = schedule.eval if evaluating else schedule.step
         args = (input_ids,) if self.is_first else ()
+        # the losses are all a step needs: without return_outputs=False the last stage would keep every
+        # micro-batch's logits ([tokens, vocab] each) until the step ends and concatenate them
+        keep = {} if evaluating or "return_outputs" not in inspect.signature(run).parameters else \
+            {"return_outputs": False}
         try:
             run(*args, position_ids=position_ids, target=targets if self.is_last else None,
-                losses=losses if self.is_last else None)
+                losses=losses if self.is_last else None, **keep)
         except Exception as error:
             if isinstance(error, (DistCAPeerError, DistCATimeoutError)):
                 raise
