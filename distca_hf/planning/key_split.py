@@ -29,7 +29,7 @@ from .cost import TokenBytes, key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["full_tiles", "check_tiles", "split_long_prefixes", "with_key_ranges"]
+__all__ = ["full_tiles", "check_tiles", "task_tiles", "split_long_prefixes", "with_key_ranges"]
 
 
 def with_key_ranges(plan: Plan) -> Plan:
@@ -93,6 +93,28 @@ def check_tiles(plan: Plan, pieces: DocumentPieces | None = None) -> None:
     if not np.array_equal(have, want):
         raise ValueError(f"the tiles cover {have.size} query tokens, the pieces hold {want.size}: a query is lost or "
                          "invented")
+
+
+def task_tiles(task: tuple, causal_start: int, where) -> list[tuple]:
+    """The tiles of a whole-prefix task ``task`` = ``(source, server, doc, a, b, k0, k1)`` whose earlier
+    prefix pieces ``where`` = ``[(x0, x1, rank)]`` (in key order, before ``causal_start``) are computed
+    on ``rank``: a causal tile ``[a, b) x [causal_start, b)`` on the server, which the pieces the server
+    keeps next to it join, and a full tile per piece elsewhere (adjacent pieces on one rank make one).
+    ``[task]`` when every piece stays on the server. Rows as ``task``."""
+    source, server, doc, a, b = task[:5]
+    where, c = list(where), causal_start
+    while where and where[-1][2] == server:  # kept pieces next to the causal tile join it
+        c = where.pop()[0]
+    if not where:
+        return [task]
+    tiles = [(source, server, doc, a, b, c, b)]
+    for x0, x1, h in where:
+        last = tiles[-1]
+        if len(tiles) > 1 and last[1] == h and last[6] == x0:  # adjacent keys on one rank: one tile
+            tiles[-1] = last[:6] + (x1,)
+        else:
+            tiles.append((source, h, doc, a, b, x0, x1))
+    return tiles
 
 
 def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens: int,
@@ -172,19 +194,7 @@ def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens
             continue
         c, earlier = candidates[i]
         where = [(x0, x1, h if goes_to_holder(server, doc, x0, x1, h) else server) for x0, x1, h in earlier]
-        while where and where[-1][2] == server:  # kept pieces next to the causal tile join it
-            c = where.pop()[0]
-        if not where:
-            rows.append(task)
-            continue
-        tiles = [(source, server, doc, a, b, c, b)]
-        for x0, x1, h in where:
-            last = tiles[-1]
-            if len(tiles) > 1 and last[1] == h and last[6] == x0:  # adjacent keys on one server: one tile
-                tiles[-1] = last[:6] + (x1,)
-            else:
-                tiles.append((source, h, doc, a, b, x0, x1))
-        rows.extend(tiles)
+        rows.extend(task_tiles(task, c, where))
     if len(rows) == len(tasks):
         return plan
     cols = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T

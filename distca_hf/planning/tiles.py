@@ -36,7 +36,7 @@ import numpy as np
 
 from .carving import Plan, PlannerConfig
 from .cost import key_start
-from .key_split import check_tiles, with_key_ranges
+from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .transfers import kv_transfers, rank_bytes
@@ -246,23 +246,10 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     keep[touched] = False
     rows = []
     for i, task in zip(touched.tolist(), zip(*(c[touched].tolist() for c in columns))):
-        source, server, doc, a, b, k0, k1 = task
+        server, doc = task[1], task[2]
         earlier = segments[i]
         where = [(x0, x1, h if (server, doc, piece) in converted else server) for x0, x1, h, piece in earlier]
-        c = earlier[-1][1]
-        while where and where[-1][2] == server:
-            c = where.pop()[0]
-        if not where:
-            rows.append(task)
-            continue
-        tiles = [(source, server, doc, a, b, c, b)]
-        for x0, x1, h in where:
-            last = tiles[-1]
-            if len(tiles) > 1 and last[1] == h and last[6] == x0:
-                tiles[-1] = last[:6] + (x1,)
-            else:
-                tiles.append((source, h, doc, a, b, x0, x1))
-        rows.extend(tiles)
+        rows.extend(task_tiles(task, earlier[-1][1], where))
     new = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
     arr = np.concatenate([np.stack([c[keep] for c in columns]), new], axis=1)
     order = np.lexsort((arr[5], arr[3], arr[2], arr[0], arr[1]))
