@@ -100,3 +100,20 @@ def test_auto_with_key_split_is_one_more_candidate_never_predicted_slower():
 def test_key_split_setting_is_checked():
     with pytest.raises(ValueError, match="key_split must be True or False"):
         PlannerConfig(key_split="yes")
+
+
+def test_a_pipeline_tick_keeps_each_stage_plans_tiles():
+    """A ``cad_1f1b`` tick weighs the union of each stage's own plan (``pipeline_cost``): the tiles of a
+    stage plan that splits keys stay tiles in it (every pair once), as in the stage's plan."""
+    import numpy as np
+
+    from distca_hf.planning.pipeline_cost import _union_of_stage_plans, pool_pieces
+
+    stage = _stream([330, 100], 4)
+    config = _config(None, "auto", 1e6, key_split=True)
+    assert plan_tasks(stage, config).splits_keys  # the stage plan alone tiles
+    pooled = pool_pieces([(stage, 0), (stage, 4)], 8)
+    union = _union_of_stage_plans(pooled, [np.arange(4), np.arange(4, 8)], lambda ranks: config, config)
+    assert union.splits_keys
+    check_tiles(union, pooled)
+    assert union.pairs().sum() == 2 * plan_tasks(stage, config).pairs().sum()

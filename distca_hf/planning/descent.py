@@ -118,7 +118,10 @@ class _Descent:
         keys = np.bincount(colocated.server, weights=colocated.keys(), minlength=n)
         tasks = np.bincount(colocated.server, minlength=n)
         sent, received = rank_bytes(colocated, pieces, tb)
-        linear = tm.linear_s_per_token * pieces.tokens() + self.attn * base
+        # base_pairs already hold each rank's linear layers (and any other work), relative to the least
+        # loaded rank's: the tokens' linear layers are not counted again, only that common level
+        tokens_s = tm.linear_s_per_token * pieces.tokens()
+        linear = tokens_s if config.base_pairs is None else self.attn * base + tokens_s.min(initial=0.0)
         own = self.attn * pairs + self.key_s * keys + self.task_s * tasks
         # seconds each rank saves by moving all of its own attention still computed at home away:
         # that attention, less the exposed time of its queries out and outputs back

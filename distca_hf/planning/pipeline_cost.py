@@ -198,15 +198,20 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
 
 def _union_of_stage_plans(pooled: DocumentPieces, groups, config_of, config: PlannerConfig) -> Plan:
     """Each stage's own plan over its ranks (``config_of(ranks)`` plans it), as one plan over ``pooled``."""
-    local, modes = [], set()
+    local, modes, splits = [], set(), False
     for group in groups:
         pieces, doc_ids = rank_subset(pooled, group)
         own = plan_tasks(pieces, config_of(group))
-        local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end))
+        # key ranges are positions in a document: they carry over as they are (whole prefixes where unsplit)
+        local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end,
+                      *(np.asarray(k, dtype=np.int64) for k in own.key_ranges())))
         modes.add(own.backward)
+        splits = splits or own.splits_keys
+    source, server, doc, q_start, q_end, k_start, k_end = (np.concatenate(column) for column in zip(*local))
     # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
-    return Plan(*(np.concatenate(column) for column in zip(*local)), pooled.num_ranks, tuple(range(pooled.num_ranks)),
-                config.window, "resend" if "resend" in modes else config.backward)
+    return Plan(source, server, doc, q_start, q_end, pooled.num_ranks, tuple(range(pooled.num_ranks)), config.window,
+                "resend" if "resend" in modes else config.backward,
+                k_start=k_start if splits else None, k_end=k_end if splits else None)
 
 
 def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:
