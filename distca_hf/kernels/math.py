@@ -21,7 +21,8 @@ def is_available(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What attention accumulates ``dtype`` inputs in: fp64 for fp64, else fp32 (also the merge's)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -74,7 +75,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
             softcap=None, causal=True):
     num_heads, num_kv_heads, head_dim, value_dim = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     groups = num_heads // num_kv_heads
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     out = q.new_empty(q.shape[0], num_heads, value_dim)
     lse = torch.empty(num_heads, q.shape[0], dtype=acc, device=q.device)
     for qs, ks, column in _chunks(cu_seqlens_q, cu_seqlens_k, num_heads, window, causal):
@@ -91,7 +92,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     run with the row's merged output and log-sum-exp gets its exact share (see ``kernels.merge``)."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     groups = num_heads // num_kv_heads
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)

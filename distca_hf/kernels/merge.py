@@ -21,11 +21,9 @@ from typing import Sequence
 
 import torch
 
+from .math import accumulation_dtype
+
 __all__ = ["merge_partials", "merge_rows"]
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def merge_rows(rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_rows: int
@@ -38,7 +36,7 @@ def merge_rows(rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_row
     if rows.dim() != 1 or rows.shape[0] != out.shape[0] or lse.shape != out.shape[:-1]:
         raise ValueError(f"merge_rows takes rows [partials], out [partials, *heads, dim] and lse [partials, *heads], "
                          f"got {tuple(rows.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
-    acc = _accumulation_dtype(lse.dtype)
+    acc = accumulation_dtype(lse.dtype)
     lse = lse.to(acc)
     shape = (num_rows, *lse.shape[1:])
     index = rows.view(-1, *([1] * (lse.dim() - 1))).expand_as(lse)
@@ -49,7 +47,7 @@ def merge_rows(rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_row
     total = torch.zeros(shape, dtype=acc, device=lse.device).index_add_(0, rows, weight)
     merged_lse = top + torch.log(total)  # log 0 = -inf: a row with no visible key
     share = weight / torch.where(total > 0, total, torch.ones_like(total))[rows]
-    merged_out = torch.zeros((num_rows, *out.shape[1:]), dtype=_accumulation_dtype(out.dtype), device=out.device)
+    merged_out = torch.zeros((num_rows, *out.shape[1:]), dtype=accumulation_dtype(out.dtype), device=out.device)
     merged_out.index_add_(0, rows, out.to(merged_out.dtype) * share.unsqueeze(-1))
     return merged_out.to(out.dtype), merged_lse
 

@@ -82,7 +82,6 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
     sliding window and softcap, ``variant``)."""
     check_layer_window(w, variant.window, variant.chunk)
     served = w.served
-    want_lse = want_lse or w.merges
     if received is None:
         q_pool, k_pool, v_pool = q, k, v
     else:

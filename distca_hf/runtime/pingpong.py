@@ -241,6 +241,8 @@ class _Finish(torch.autograd.Function):
                 flight.counters.saved_bytes += kept_bytes((out, lse))
         elif flight.resend:
             ctx.save_for_backward(q, k, v, out, lse)
+            if flight.merges and ctx.needs_input_grad[1]:  # _Serve kept q, k, v only: the merged out and lse
+                flight.counters.saved_bytes += kept_bytes((out, lse))
         ctx.flight = flight
         return out
 
