@@ -226,6 +226,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                            getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
         return zlib.crc32(repr(layout).encode()) if len(layout) > 1 else -1
 
+    @functools.cached_property
     def _lm_head_share(self) -> float:
         """The LM head's linear work per token over one of the stage's decoder layers', divided by the
         layers of a stage: what the last stage does per token and layer besides its layers, in tokens'
@@ -297,7 +298,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
         ticks = {(t.kind, t.slot): t for t in lockstep_1f1b_ticks(p, m)}
         stage_ranks = [[r for r, stage in enumerate(stages) if stage == s] for s in range(p)]
-        lm_head_tokens = self._lm_head_share()
+        lm_head_tokens = self._lm_head_share  # the model's: computed once
 
         def plan(kind: str, slot: int, *, local: bool = False):
             mb_of = ticks[(kind, slot)].micro_batch_of

@@ -138,11 +138,12 @@ class PipelineRunner:
         from ..runtime.shutdown import close_at_exit
 
         close_at_exit()  # the groups made here are destroyed before the interpreter shuts down
-        self._pipelines: dict = {}  # (micro-batches, evaluating) -> (PipelineStage, schedule)
+        self._pipelines: dict = {}  # (micro-batches, evaluating) -> (PipelineStage, schedule, step keywords)
         self._step_label_tokens = torch.ones((), dtype=torch.float64)
-        # the plan of each micro-batch's forward in the last train_step, as plan_stats() gave it (the step table)
+        # the plan of each micro-batch's forward in the last train_step, as plan_stats() gave it (the step table;
+        # recorded by a forward hook that lives as long as train_step runs: not in evaluation, nor for another
+        # runner of the same stage)
         self.step_plans: list[dict] = []
-        stage_module.register_forward_hook(self._record_plan)
 
     def _record_plan(self, module, inputs, output) -> None:
         from ..runtime import plan_stats
@@ -175,7 +176,11 @@ class PipelineRunner:
             else:
                 schedule = build_pipeline_schedule(stage, schedule=self.schedule, micro_batches=micro_batches,
                                                    loss_fn=self._loss)
-            self._pipelines[key] = (stage, schedule)
+            # a training step needs the losses only: with torch's default return_outputs=True the last stage
+            # would keep every micro-batch's logits ([tokens, vocab] each) until the step ends and concatenate
+            # them (torch releases without the argument keep none)
+            takes = not evaluating and "return_outputs" in inspect.signature(schedule.step).parameters
+            self._pipelines[key] = (stage, schedule, {"return_outputs": False} if takes else {})
         return self._pipelines[key]
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -221,7 +226,11 @@ class PipelineRunner:
         self._step_label_tokens = label_tokens.clamp(min=1)
         self.step_plans = []
         self.stage_module.train()
-        losses = self._run(len(micro_batches), input_ids, position_ids, targets, evaluating=False)
+        recording = self.stage_module.register_forward_hook(self._record_plan)
+        try:
+            losses = self._run(len(micro_batches), input_ids, position_ids, targets, evaluating=False)
+        finally:
+            recording.remove()
         self._reduce_gradients()
         local = torch.stack([loss.detach().to(torch.float64) for loss in losses]).sum() if losses else \
             torch.zeros((), dtype=torch.float64, device=self.device)
@@ -246,17 +255,13 @@ class PipelineRunner:
         return summed, label_tokens.to(self.device)
 
     def _run(self, micro_batches: int, input_ids, position_ids, targets, *, evaluating: bool) -> list:
-        stage, schedule = self._pipeline(micro_batches, evaluating=evaluating)
+        stage, schedule, keywords = self._pipeline(micro_batches, evaluating=evaluating)
         losses: list = []
         run = schedule.eval if evaluating else schedule.step
         args = (input_ids,) if self.is_first else ()
-        # the losses are all a step needs: without return_outputs=False the last stage would keep every
-        # micro-batch's logits ([tokens, vocab] each) until the step ends and concatenate them
-        keep = {} if evaluating or "return_outputs" not in inspect.signature(run).parameters else \
-            {"return_outputs": False}
         try:
             run(*args, position_ids=position_ids, target=targets if self.is_last else None,
-                losses=losses if self.is_last else None, **keep)
+                losses=losses if self.is_last else None, **keywords)
         except Exception as error:
             if isinstance(error, (DistCAPeerError, DistCATimeoutError)):
                 raise
