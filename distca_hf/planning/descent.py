@@ -110,6 +110,8 @@ class _Descent:
         self.attn, self.key_s, self.task_s = tm.attn_s_per_pair, tm.task_key_s, tm.task_s
         self.q, self.o, self.kv = tb.q, tb.o, tb.kv
         self.byte_s = config.exposed_comm * COMM_PASSES[backward] / tm.bytes_per_s
+        self.qo = self.q + self.o  # bytes of a moved query: in, and its output back
+        self.qo_s = self.byte_s * self.qo
         base = np.zeros(n) if config.base_pairs is None else np.asarray(config.base_pairs, dtype=np.float64)
         if base.size != n:
             raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {n}")
@@ -133,6 +135,7 @@ class _Descent:
         self.lower_bound = max(float((linear + tm.collective_s).max(initial=0.0)),
                                float(linear[servers].sum() + own.sum()) / len(servers) + tm.collective_s)
         self.holders = pieces.spanning_holders()
+        self.holder_ranks = {doc: tuple(rank for rank, _, _ in holders) for doc, holders in self.holders.items()}
         # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
         self.needs: dict[tuple[int, int], list[int]] = {}
         self.doc_servers: dict[int, set[int]] = {}
@@ -202,19 +205,22 @@ class _Descent:
         """``(changes, bytes, merged)`` of moving queries ``[a, b)`` (a tail of the donor's interval
         ``[piece_start, b)``) to ``server``: ``changes`` maps a rank to its added seconds."""
         window, attn, key_s, task_s, byte_s = self.window, self.attn, self.key_s, self.task_s, self.byte_s
-        pairs = causal_pairs(a, b, window)
         m = b - a
-        first = key_start(a, window)
+        if window is None:  # causal_pairs and key_start, inlined: the descent's hottest lines
+            pairs, first, piece_first, last_first = (b * (b + 1) - a * (a + 1)) // 2, 0, 0, 0
+        else:
+            pairs, first = causal_pairs(a, b, window), key_start(a, window)
+            piece_first, last_first = key_start(piece_start, window), key_start(b, window)
         # the donor: its local task [piece_start, b) becomes [piece_start, a), or goes
         if a > piece_start:
             donor_s = -attn * pairs - key_s * m
         else:
-            donor_s = -attn * pairs - key_s * (b - key_start(piece_start, window)) - task_s
-        moved_bytes = m * (self.q + self.o)
+            donor_s = -attn * pairs - key_s * (b - piece_first) - task_s
+        moved_bytes = m * self.qo
         donor_s += byte_s * moved_bytes
         merged = self.merge_at.get((server, donor, doc, b))
         if merged is not None:
-            server_s = attn * pairs + key_s * (key_start(b, window) - first)
+            server_s = attn * pairs + key_s * (last_first - first)
         else:
             server_s = attn * pairs + key_s * (b - first) + task_s
         server_s += byte_s * moved_bytes
@@ -230,35 +236,39 @@ class _Descent:
         ``doc`` (what its need grows by), remembered until the next move: a shard's sizing asks for
         the same keys several times."""
         key = (server, doc, first, b)
-        if self.kv_key == key and self.kv_version == self.commits:
+        if self.kv_version == self.commits and self.kv_key == key:
             return self.kv_value
-        byte_s, sends, total = self.byte_s, [], 0
+        byte_s, kv, sends, total = self.byte_s, self.kv, [], 0
         old = self.needs.get((server, doc))
-        new = (first, b) if old is None else (min(old[0], first), max(old[1], b))
-        if old is None or new[0] != old[0] or new[1] != old[1]:
-            for rank, kv_start, kv_end in self.senders(doc, donor, b):
+        if old is None:
+            lo, hi = first, b
+        else:
+            lo, hi = (old[0] if old[0] < first else first), (old[1] if old[1] > b else b)
+        if old is None or lo != old[0] or hi != old[1]:
+            for rank, kv_start, kv_end in self.holders.get(doc) or ((donor, 0, b),):  # self.senders
                 if rank == server:
                     continue
-                more = max(min(new[1], kv_end) - max(new[0], kv_start), 0)
+                more = (hi if hi < kv_end else kv_end) - (lo if lo > kv_start else kv_start)
                 if old is not None:
-                    more -= max(min(old[1], kv_end) - max(old[0], kv_start), 0)
+                    had = (old[1] if old[1] < kv_end else kv_end) - (old[0] if old[0] > kv_start else kv_start)
+                    more = (more if more > 0 else 0) - (had if had > 0 else 0)
                 if more > 0:
-                    sends.append((rank, byte_s * more * self.kv))
-                    total += 2 * more * self.kv
+                    sends.append((rank, byte_s * more * kv))
+                    total += 2 * more * kv
         self.kv_key, self.kv_version, self.kv_value = key, self.commits, (sends, total)
         return sends, total
 
     def acceptable(self, changes, donor: int, server: int, level: float, must_empty: bool) -> bool:
-        time, own = self.time, self.own
+        time, own, top = self.time, self.own, level * (1 + 1e-12)
         for rank, add in changes.items():
             new = time[rank] + add
             if rank == server:
-                if new > level * (1 + 1e-12):
+                if new > top:
                     return False
             elif rank == donor:
                 if not must_empty and new >= time[donor] * (1 - 1e-12):
                     return False
-            elif _holder_time_floor(new, own[rank], level) > level * (1 + 1e-12):
+            elif (new - own[rank] if new > level else new) > top:  # _holder_time_floor, inlined
                 return False
         return True
 
@@ -270,17 +280,20 @@ class _Descent:
         if room <= 0:
             return None
         window, block, attn = self.window, self.block, self.attn
-        whole = causal_pairs(piece_start, end, window)
+        whole = (end * (end + 1) - piece_start * (piece_start + 1)) // 2 if window is None else \
+            causal_pairs(piece_start, end, window)
         pairs = min(want_pairs, whole)
         if attn > 0:
             # the first guess counts what the shard costs the server besides its pairs: the K/V it
             # lacks (as for a one-query tail), a task and its keys unless it merges, queries and
             # outputs at about one query per `end` (or `window`) pairs
-            first = key_start(end - 1, window)
-            kv_cost = sum(cost for rank, cost in self.kv_sends(donor, server, doc, first, end)[0])
+            first = key_start(end - 1, window) if window is not None else 0
+            kv_cost = 0
+            for _, cost in self.kv_sends(donor, server, doc, first, end)[0]:
+                kv_cost += cost
             fixed = kv_cost + (0.0 if (server, donor, doc, end) in self.merge_at else
                                self.task_s + self.key_s * (end - first))
-            per_pair = attn + self.byte_s * (self.q + self.o) / max(min(end, window or end), 1)
+            per_pair = attn + self.qo_s / max(min(end, window or end), 1)
             pairs = min(pairs, max(room - fixed, 0.0) / per_pair)
         for _ in range(4):
             if pairs >= whole:
@@ -348,18 +361,23 @@ class _Descent:
     def shed(self, donor: int, level: float, heap, must_empty: bool) -> int:
         """Moves from ``donor`` at ``level``; returns how many."""
         moves = 0
-        time, intervals = self.time, self.intervals(donor)
+        time, intervals, is_server = self.time, self.intervals(donor), self.is_server
         while intervals and (must_empty or time[donor] > level):
             move = None
             for index in range(min(_INTERVALS_TRIED, len(intervals))):
                 doc, piece_start, end = intervals[index]
                 want = math.inf if must_empty or self.attn <= 0 else (time[donor] - level) / self.attn
-                servers = self.doc_servers.get(doc)
+                servers, holders = self.doc_servers.get(doc), self.holder_ranks.get(doc)
                 # the document's servers and holders (they lack the least K/V) with the most room...
-                known = set(servers or ())
-                known.update(rank for rank, _, _ in self.holders.get(doc, ()))
-                known = {r for r in known if self.is_server[r] and r != donor}
-                candidates = heapq.nsmallest(LEAST_LOADED, known, key=lambda r: (time[r], r))
+                if servers or holders:
+                    known = set(servers) if servers else set()
+                    if holders:
+                        known.update(holders)
+                    known = [r for r in sorted(known) if is_server[r] and r != donor]
+                    # (the LEAST_LOADED fastest, ties to the lowest rank: a stable sort of ranks in order)
+                    candidates = sorted(known, key=time.__getitem__)[:LEAST_LOADED]
+                else:
+                    known, candidates = (), []
                 # ...then, within the fan-out bound, the servers predicted fastest
                 bound = self.fan_out_bound(doc, donor, end)
                 if must_empty or servers is None or len(servers) < bound:
