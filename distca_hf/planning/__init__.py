@@ -14,6 +14,8 @@ that no import, at module level or inside a function, closes a circle):
     transfers  the K/V ranges and bytes a plan moves, and the memory it makes ranks hold for backward
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
+    rank_time  a plan's predicted seconds per rank: the one home of the time formula the judges, the
+               descent, the tiles and the simulator use (``base_pairs``' other work included)
     key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
                rule that makes them (``split_long_prefixes``)
     tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full
@@ -45,7 +47,8 @@ from .transfers import BackwardMemory, CommBytes, KVTransfers, backward_memory, 
 from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
-from .by_time import AUTO_TOLERANCES, loads_seconds, plan_by_time, plan_loads, rank_seconds, step_seconds
+from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
+from .by_time import AUTO_TOLERANCES, plan_by_time
 from .pipeline_cost import plan_lockstep_tick
 
 __all__ = [
@@ -55,7 +58,7 @@ __all__ = [
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
-    "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "rank_documents", "split_document", "split_nano_batches",
+    "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "other_seconds", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
     "check_tiles", "full_tiles", "split_long_prefixes", "with_key_ranges", "tile_pairs",
 ]

@@ -1,9 +1,10 @@
 """Planning by time (``tolerance="auto"``): the plan the time model predicts fastest, colocated
 included, so work moves only while the move pays.
 
-A plan's predicted layer time (forward + backward) on rank ``r`` is
+A plan's predicted layer time (forward + backward) on rank ``r`` is ``rank_time.rank_seconds``' (the
+formula's one home, shared with the descent, the tiles and ``distca-hf simulate``):
 
-    linear_s_per_token * (query tokens r holds)
+    other work: linear_s_per_token * (query tokens r holds), or PlannerConfig.base_pairs' work
     + sum over the CA-tasks r serves of task_seconds(pairs, keys)     (TimeModel.task_seconds)
     + exposed_comm * passes * (bytes r sends + bytes r receives) / bytes_per_s
     + collective_s, when anything crosses ranks
@@ -11,7 +12,9 @@ A plan's predicted layer time (forward + backward) on rank ``r`` is
 and the step is the slowest rank's. Bytes are one layer's forward (``transfers.rank_bytes``: Q out,
 O back, K/V from its holder); ``passes`` (``cost.COMM_PASSES``) is 2 in ``saved`` mode (the
 backward moves as many again: dO out, dQ and dK/dV back) and 3 in ``resend`` mode (q, k/v and out
-travel again with dO). ``exposed_comm`` is the fraction the overlap mode does not hide.
+travel again with dO). ``exposed_comm`` is the fraction the overlap mode does not hide. The
+judges, the bounds below and the descent count ``base_pairs`` alike, so a pipeline tick's
+candidates are judged with the work its ranks do besides attention.
 
 Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in ``saved`` mode
 is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep nothing, which
@@ -40,7 +43,7 @@ plus ``collective_s``) skips the carving altogether when it cannot beat colocate
 steps cost one colocated plan. Otherwise the tolerances are carved (``planner.tolerance_plans``,
 sharing what does not depend on the tolerance) in ``CARVING_ORDER``, loosest first, and a carving
 is given up as soon as a sound lower bound on its finished plan's predicted step reaches the best
-candidate's so far (it could at best tie, and would lose the tie): every rank's linear time, plus
+candidate's so far (it could at best tie, and would lose the tie): every rank's other work, plus
 the pairs it is sure to serve (``CarvingProgress.served_at_least``: a server ends with at least
 the smaller of what it serves now and the cap, less one block of pairs), plus the
 exposed communication of the bytes that the tasks moved so far already cost it (exact, kept task by
@@ -59,13 +62,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .descent import descend
 from .tiles import apply_time_tiles
 from .pieces import DocumentPieces
-from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
+from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
+from .transfers import RunningBytes, fit_memory_budget, kv_received, kv_transfers
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -77,44 +80,6 @@ CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1]
 """The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
 loosest first (the cheapest carving, and the winner when K/V bytes dominate), then the planner's
 default (never skipped unless proven slower), then the ones between."""
-
-
-def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None) -> RankLoads:
-    """Per-rank work of ``plan`` on ``pieces``: every rank's own query tokens through the linear
-    layers, the pairs, keys and tasks it serves, the bytes it sends and receives in a layer's forward."""
-    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
-    n = pieces.num_ranks
-    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
-                     np.bincount(plan.server, weights=plan.keys(), minlength=n),
-                     np.bincount(plan.server, minlength=n), sent, received)
-
-
-def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float, backward: str = "saved"):
-    """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
-    backward, of any method's ``loads`` (the planner's and the simulator's one time formula):
-    compute = linear per token + the kernel's pairs, keys and tasks; communication = the fraction
-    ``exposed_comm`` of ``COMM_PASSES[backward] x (sent + received) / bytes_per_s`` plus
-    ``collective_s`` when anything crosses ranks. The step is the slowest rank's ``compute + exposed``."""
-    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys)
-    moves = bool(loads.sent.sum() + loads.received.sum() > 0)
-    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves, backward)
-
-
-def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
-                 transfers: KVTransfers | None = None) -> np.ndarray:
-    """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
-    ``plan`` in its backward mode (see the module docstring); ``config`` gives the time model, token
-    bytes and ``exposed_comm``."""
-    compute, exposed = loads_seconds(plan_loads(plan, pieces, config.token_bytes, transfers), config.time_model,
-                                     config.exposed_comm, plan.backward)
-    return compute + exposed
-
-
-def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
-                 transfers: KVTransfers | None = None) -> float:
-    """The predicted layer time of the slowest rank under ``plan``."""
-    return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
@@ -144,6 +109,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
     tm = config.time_model
     tokens = pieces.tokens()
+    other = other_seconds(tokens, config)  # every rank's linear layers (or base_pairs' other work)
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
@@ -151,9 +117,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config)
         best_key = (seconds, 0)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
-        linear = tm.linear_s_per_token * tokens
         # any plan that moves work: its busiest server computes at least the mean attention
-        bound = max(linear.max(initial=0.0), linear[is_server].min()
+        bound = max(other.max(initial=0.0), other[is_server].min()
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
@@ -167,23 +132,23 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
-    token_counts = tokens.tolist()
+    other_list = other.tolist()
 
     def give_up(progress: CarvingProgress) -> bool:
         """Whether the carving's finished plan is sure to lose to ``best``: some rank's time is at
-        least its linear layers, the pairs it is sure to serve and the exposed communication of the
-        bytes that the tasks moved so far already cost it."""
+        least its other work (``rank_time.other_seconds``), the pairs it is sure to serve and the
+        exposed communication of the bytes that the tasks moved so far already cost it."""
         place = tie_order[progress.tolerance]
         if not progress.moved:  # before the first donor: no bytes yet
             running.clear()
-            lower = tm.rank_seconds(tokens, progress.served_at_least())
+            lower = tm.rank_seconds(tokens, progress.served_at_least(), other_s=other)
             return (float(lower.max(initial=0.0)), place) > best_key
         if not finished:  # the first carving after colocated alone: rarely close enough to be worth the bookkeeping
             return False
         sent, received, exposed, served_at_least = running.sent, running.received, config.exposed_comm, \
             progress.served_at_least
         for rank in running.add(progress.moved):  # only these ranks' bounds grew
-            lower = tm.rank_seconds(token_counts[rank], served_at_least(rank)) + tm.comm_seconds(
+            lower = tm.rank_seconds(0, served_at_least(rank), other_s=other_list[rank]) + tm.comm_seconds(
                 sent[rank], received[rank], exposed)
             if (lower, place) > best_key:
                 return True

@@ -203,12 +203,13 @@ class TimeModel:
         if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
             raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
 
-    def rank_seconds(self, tokens, pairs, tasks=0, keys=0):
+    def rank_seconds(self, tokens, pairs, tasks=0, keys=0, *, other_s=None):
         """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks
         totalling ``pairs`` pairs, ``keys`` K/V tokens and ``tasks`` tasks (the sum of their
-        ``task_seconds``); works on scalars and numpy arrays alike."""
-        return (self.linear_s_per_token * tokens + self.attn_s_per_pair * pairs + self.task_key_s * keys
-                + self.task_s * tasks)
+        ``task_seconds``); works on scalars and numpy arrays alike. ``other_s``: seconds of the work
+        besides attention that replace the tokens' linear layers (``rank_time.other_seconds``)."""
+        other = self.linear_s_per_token * tokens if other_s is None else other_s
+        return other + self.attn_s_per_pair * pairs + self.task_key_s * keys + self.task_s * tasks
 
     def comm_seconds(self, sent, received, exposed_comm: float = 1.0, moves: bool = True, backward: str = "saved"):
         """Exposed communication time of a layer, forward + backward, for a rank that sends ``sent``

@@ -1,10 +1,11 @@
 """Planning by time, directly (``tolerance="auto"``'s main candidate): a greedy descent on the predicted
 layer time, both ends of every link counted. Pure numpy and Python; no torch.distributed.
 
-The predicted time of rank ``r`` is the time model's (``by_time.loads_seconds``): its linear layers
-(plus ``PlannerConfig.base_pairs``' other work), the CA-tasks it serves (pairs, keys, one task each),
-and the exposed share of the bytes it **sends** and **receives** (queries out, outputs back, K/V
-from every rank holding part of a task's prefix), plus ``collective_s``. A K/V prefix held on ``k``
+The predicted time of rank ``r`` is the time model's (``rank_time.loads_seconds``): its other work
+(``rank_time.other_seconds``: the linear layers, or ``PlannerConfig.base_pairs``), the CA-tasks it
+serves (pairs, keys, one task each), and the exposed share of the bytes it **sends** and **receives**
+(queries out, outputs back, K/V from every rank holding part of a task's prefix), plus
+``collective_s``. A K/V prefix held on ``k``
 ranks costs each of them one send per server its document's shards go to, so spreading a long
 document over more servers can make its holders, not its servers, the slowest ranks.
 
@@ -61,7 +62,7 @@ import numpy as np
 from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
-from .transfers import rank_bytes
+from .rank_time import loads_seconds, other_seconds, plan_loads
 
 __all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
@@ -112,25 +113,19 @@ class _Descent:
         self.byte_s = config.exposed_comm * COMM_PASSES[backward] / tm.bytes_per_s
         self.qo = self.q + self.o  # bytes of a moved query: in, and its output back
         self.qo_s = self.byte_s * self.qo
-        base = np.zeros(n) if config.base_pairs is None else np.asarray(config.base_pairs, dtype=np.float64)
-        if base.size != n:
-            raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {n}")
         colocated = colocated_plan(pieces, self.servers, window=self.window)
-        pairs = np.bincount(colocated.server, weights=colocated.pairs(), minlength=n)
-        keys = np.bincount(colocated.server, weights=colocated.keys(), minlength=n)
-        tasks = np.bincount(colocated.server, minlength=n)
-        sent, received = rank_bytes(colocated, pieces, tb)
-        # base_pairs already hold each rank's linear layers (and any other work), relative to the least
-        # loaded rank's: the tokens' linear layers are not counted again, only that common level
-        tokens_s = tm.linear_s_per_token * pieces.tokens()
-        linear = tokens_s if config.base_pairs is None else self.attn * base + tokens_s.min(initial=0.0)
-        own = self.attn * pairs + self.key_s * keys + self.task_s * tasks
+        loads = plan_loads(colocated, pieces, tb)
+        # the one time formula (rank_time): other work (the linear layers, or base_pairs'), the
+        # attention each rank computes at home, the exposed bytes of the pieces' prefixes, collective_s
+        linear = other_seconds(loads.tokens, config)
+        compute, exposed = loads_seconds(loads, tm, config.exposed_comm, backward, other_s=linear, moves=True)
+        own = tm.rank_seconds(0, loads.pairs, loads.tasks, loads.keys, other_s=0.0)
         # seconds each rank saves by moving all of its own attention still computed at home away:
         # that attention, less the exposed time of its queries out and outputs back
-        self.own = np.maximum(own - self.byte_s * (self.q + self.o) * pieces.tokens(), 0.0).tolist()
-        self.time = (linear + own + self.byte_s * (sent + received) + tm.collective_s).tolist()
+        self.own = np.maximum(own - self.byte_s * (self.q + self.o) * loads.tokens, 0.0).tolist()
+        self.time = (compute + exposed).tolist()
         self.colocated_step = max(self.time, default=0.0)
-        self.floor0 = (linear + self.byte_s * (sent + received) + tm.collective_s).tolist()
+        self.floor0 = (linear + exposed).tolist()
         servers = list(self.servers)
         self.lower_bound = max(float((linear + tm.collective_s).max(initial=0.0)),
                                float(linear[servers].sum() + own.sum()) / len(servers) + tm.collective_s)
@@ -201,36 +196,6 @@ class _Descent:
 
     # -- one move ---------------------------------------------------------------------------------
 
-    def effect(self, donor: int, server: int, doc: int, piece_start: int, a: int, b: int):
-        """``(changes, bytes, merged)`` of moving queries ``[a, b)`` (a tail of the donor's interval
-        ``[piece_start, b)``) to ``server``: ``changes`` maps a rank to its added seconds."""
-        window, attn, key_s, task_s, byte_s = self.window, self.attn, self.key_s, self.task_s, self.byte_s
-        m = b - a
-        if window is None:  # causal_pairs and key_start, inlined: the descent's hottest lines
-            pairs, first, piece_first, last_first = (b * (b + 1) - a * (a + 1)) // 2, 0, 0, 0
-        else:
-            pairs, first = causal_pairs(a, b, window), key_start(a, window)
-            piece_first, last_first = key_start(piece_start, window), key_start(b, window)
-        # the donor: its local task [piece_start, b) becomes [piece_start, a), or goes
-        if a > piece_start:
-            donor_s = -attn * pairs - key_s * m
-        else:
-            donor_s = -attn * pairs - key_s * (b - piece_first) - task_s
-        moved_bytes = m * self.qo
-        donor_s += byte_s * moved_bytes
-        merged = self.merge_at.get((server, donor, doc, b))
-        if merged is not None:
-            server_s = attn * pairs + key_s * (last_first - first)
-        else:
-            server_s = attn * pairs + key_s * (b - first) + task_s
-        server_s += byte_s * moved_bytes
-        changes = {donor: donor_s, server: server_s}
-        kv_sends, kv_bytes = self.kv_sends(donor, server, doc, first, b)
-        for rank, cost in kv_sends:
-            changes[rank] = changes.get(rank, 0.0) + cost
-            changes[server] += cost
-        return changes, 2 * moved_bytes + kv_bytes, merged
-
     def kv_sends(self, donor: int, server: int, doc: int, first: int, b: int):
         """``([(sender, seconds)], bytes)`` of the K/V ``server`` lacks to run keys ``[first, b)`` of
         ``doc`` (what its need grows by), remembered until the next move: a shard's sizing asks for
@@ -258,43 +223,45 @@ class _Descent:
         self.kv_key, self.kv_version, self.kv_value = key, self.commits, (sends, total)
         return sends, total
 
-    def acceptable(self, changes, donor: int, server: int, level: float, must_empty: bool) -> bool:
-        time, own, top = self.time, self.own, level * (1 + 1e-12)
-        for rank, add in changes.items():
-            new = time[rank] + add
-            if rank == server:
-                if new > top:
-                    return False
-            elif rank == donor:
-                if not must_empty and new >= time[donor] * (1 - 1e-12):
-                    return False
-            elif (new - own[rank] if new > level else new) > top:  # _holder_time_floor, inlined
-                return False
-        return True
-
     def best_shard(self, donor: int, server: int, doc: int, piece_start: int, end: int, level: float,
                    want_pairs: float, must_empty: bool):
         """The largest tail ``[a, end)`` (cut a multiple of ``block`` from ``piece_start``) that
-        ``server`` may take at ``level``: ``(a, changes, bytes, merged)`` or None."""
-        room = level - self.time[server]
+        ``server`` may take at ``level``: ``(a, changes, bytes, merged)`` or None. ``changes`` maps a
+        rank to the seconds the move adds to it, ``bytes`` is what the move puts on the wire and
+        ``merged`` the row of the server's task it continues (None: a new task).
+
+        A move is acceptable when ``server`` stays within ``level``, the donor gets faster (unless
+        ``must_empty``) and every other rank that sends K/V for it stays within ``level`` once its own
+        movable attention is taken away (``_holder_time_floor``). (One function on purpose: the
+        descent's hot path, called a few times per move.)"""
+        time = self.time
+        room = level - time[server]
         if room <= 0:
             return None
-        window, block, attn = self.window, self.block, self.attn
+        window, block, attn, key_s, task_s, byte_s = self.window, self.block, self.attn, self.key_s, self.task_s, \
+            self.byte_s
         whole = (end * (end + 1) - piece_start * (piece_start + 1)) // 2 if window is None else \
             causal_pairs(piece_start, end, window)
         pairs = min(want_pairs, whole)
+        merged = self.merge_at.get((server, donor, doc, end))  # the server's task this shard would continue
+        sends = None
         if attn > 0:
             # the first guess counts what the shard costs the server besides its pairs: the K/V it
             # lacks (as for a one-query tail), a task and its keys unless it merges, queries and
             # outputs at about one query per `end` (or `window`) pairs
             first = key_start(end - 1, window) if window is not None else 0
+            sends = self.kv_sends(donor, server, doc, first, end)
             kv_cost = 0
-            for _, cost in self.kv_sends(donor, server, doc, first, end)[0]:
+            for _, cost in sends[0]:
                 kv_cost += cost
-            fixed = kv_cost + (0.0 if (server, donor, doc, end) in self.merge_at else
-                               self.task_s + self.key_s * (end - first))
+            fixed = kv_cost + (0.0 if merged is not None else task_s + key_s * (end - first))
             per_pair = attn + self.qo_s / max(min(end, window or end), 1)
             pairs = min(pairs, max(room - fixed, 0.0) / per_pair)
+        if window is not None:
+            piece_first, last_first = key_start(piece_start, window), key_start(end, window)
+        elif sends is None:
+            sends = self.kv_sends(donor, server, doc, 0, end)
+        top = level * (1 + 1e-12)
         for _ in range(4):
             if pairs >= whole:
                 a = piece_start
@@ -302,15 +269,59 @@ class _Descent:
                 a = piece_start + math.ceil((start_with_pairs(end, pairs, window) - piece_start) / block) * block
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
-            changes, moved, merged = self.effect(donor, server, doc, piece_start, a, end)
-            if self.acceptable(changes, donor, server, level, must_empty):
-                return a, changes, moved, merged
-            over = self.time[server] + changes[server] - level
-            got = causal_pairs(a, end, window)
+            # what the move adds to the donor and the server, before K/V
+            m = end - a
+            if window is None:  # causal_pairs and key_start, inlined: the descent's hottest lines
+                got, first = (end * (end + 1) - a * (a + 1)) // 2, 0
+                kv_sends, kv_bytes = sends  # the same keys [0, end) whatever the cut
+            else:
+                got, first = causal_pairs(a, end, window), key_start(a, window)
+                kv_sends, kv_bytes = self.kv_sends(donor, server, doc, first, end)
+            # the donor: its local task [piece_start, end) becomes [piece_start, a), or goes
+            if a > piece_start:
+                donor_s = -attn * got - key_s * m
+            else:
+                donor_s = -attn * got - key_s * (end - (piece_first if window is not None else 0)) - task_s
+            moved_bytes = m * self.qo
+            donor_s += byte_s * moved_bytes
+            if merged is not None:
+                server_s = attn * got + key_s * ((last_first if window is not None else 0) - first)
+            else:
+                server_s = attn * got + key_s * (end - first) + task_s
+            server_s += byte_s * moved_bytes
+            others = None  # the other senders of K/V: {rank: seconds}
+            for rank, cost in kv_sends:
+                if rank == donor:
+                    donor_s += cost
+                else:
+                    if others is None:
+                        others = {}
+                    others[rank] = others.get(rank, 0.0) + cost
+                server_s += cost
+            # acceptable?
+            over = time[server] + server_s - level
+            if time[server] + server_s > top:
+                ok = False
+            elif not must_empty and time[donor] + donor_s >= time[donor] * (1 - 1e-12):
+                ok = False
+            else:
+                ok = True
+                if others is not None:
+                    own = self.own
+                    for rank, add in others.items():
+                        new = time[rank] + add
+                        if (new - own[rank] if new > level else new) > top:  # _holder_time_floor
+                            ok = False
+                            break
+            if ok:
+                changes = {donor: donor_s, server: server_s}
+                if others is not None:
+                    changes.update(others)
+                return a, changes, 2 * moved_bytes + kv_bytes, merged
             if over <= 0 or got <= 0 or a + block >= end:
                 return None  # another rank's limit, or already the smallest shard
             # shrink by the share of the server's added time that is over the level
-            pairs = got * max(1.0 - over / changes[server], 0.0) * 0.98
+            pairs = got * max(1.0 - over / server_s, 0.0) * 0.98
             if pairs <= 0:
                 return None
         return None

@@ -6,7 +6,7 @@ is one row of ``T`` tokens on each of the ``D`` pipelines, i.e. ``D x T`` tokens
 (``baselines.pack_pieces``; a document crossing a row continues on the next pipeline's row and
 attends to its whole prefix, as inside a stage's data-parallel group with ``span_ranks``). A stage
 holds ``layers / P`` layers. Every method is timed with the same ``TimeModel`` and the same
-communication rules as ``distca-hf simulate``'s other methods (``by_time.loads_seconds``: compute
+communication rules as ``distca-hf simulate``'s other methods (``rank_time.loads_seconds``: compute
 plus the exposed share of the bytes a rank sends and receives, plus ``collective_s`` when anything
 moves); forward and backward are split by ``forward_backward_models``.
 
@@ -47,13 +47,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import RankLoads, pack_pieces
-from .by_time import loads_seconds, plan_loads, step_seconds
 from .cost import COMM_PASSES, TimeModel, imbalance
 from .micro_batches import balance_micro_batches
 from .pieces import DocumentPieces
 from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
                        simulate_lockstep)
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
+from .rank_time import loads_seconds, plan_loads, step_seconds
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
            "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "tick_base_pairs",
@@ -74,7 +74,7 @@ PIPELINE_METHODS = ("colocated_1f1b", "balanced_micro_batches", "cad_per_stage",
 def forward_backward_models(time_model: TimeModel, backward: str = "saved") -> tuple[TimeModel, TimeModel]:
     """``(forward, backward)``: ``time_model`` (a layer's forward + backward) split into the forward's
     and the backward's share (``BACKWARD_TO_FORWARD``) for loads timed in ``backward`` mode
-    (``by_time.loads_seconds(..., backward)``): compute constants times ``1 / 3`` and ``2 / 3``; of the
+    (``rank_time.loads_seconds(..., backward)``): compute constants times ``1 / 3`` and ``2 / 3``; of the
     ``COMM_PASSES[backward]`` passes of bytes the forward moves one and the backward the rest
     (``bytes_per_s`` scaled to match); ``collective_s`` halved for each. The two add up to
     ``time_model`` for any loads in that mode."""
@@ -192,7 +192,10 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
     if len(groups) > 1:
         candidates += [_union_of_stage_plans(pooled, groups, with_base, config),
                        _union_of_stage_plans(pooled, groups, lambda ranks: config, config)]
-    seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
+    # judged with every rank's other work in the tick (its linear layers, none in a bubble, and
+    # extra_tokens), whichever way each candidate was balanced
+    judge = with_base(np.arange(pooled.num_ranks))
+    seconds = [step_seconds(candidate, pooled, judge) for candidate in candidates]
     return candidates[int(np.argmin(seconds))]
 
 

@@ -14,10 +14,10 @@ each of those tasks a full tile ``[a, b) x p`` served by ``h``, which holds thos
   query token, unless ``h`` is the queries' own rank);
 - the queries' rank sends them to ``h`` as well and receives the partial.
 
-Each unit's effect on every rank's linear tokens, pairs, keys, tasks and bytes is fixed (K/V are sent
-once per (holder, server, document), so a unit owns its transfer); the greedy takes the slowest rank
-under the time model (``TimeModel.rank_seconds`` + ``comm_seconds``, the formula ``by_time``
-judges plans with, both ends of every link) and applies the unit touching it that lowers the
+Each unit's effect on every rank's pairs, keys, tasks and bytes is fixed (K/V are sent once per
+(holder, server, document), so a unit owns its transfer); the greedy takes the slowest rank under
+the time model (``rank_time.loads_seconds``, the formula ``by_time`` judges plans with, other work
+such as ``base_pairs`` included, both ends of every link) and applies the unit touching it that lowers the
 predicted maximum most (a unit that leaves the maximum equal while lowering that rank, when ranks
 tie), and stops when no unit lowers it. A unit is eligible only when no task of ``s`` that stays
 whole needs ``p``'s keys (the queries inside ``p`` or before it) and, under a sliding window, when
@@ -34,32 +34,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
 from .cost import key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
+from .rank_time import loads_seconds, other_seconds, rank_seconds
 from .transfers import kv_transfers, rank_bytes
 
 __all__ = ["apply_time_tiles", "tile_units"]
 
 
-def _rank_seconds(config: PlannerConfig, backward: str, tokens, pairs, tasks, keys, sent, received):
-    """``by_time.loads_seconds``' compute + exposed communication, for a plan that moves something
-    (``collective_s`` counted), elementwise over rank arrays."""
-    tm = config.time_model
-    return (tm.rank_seconds(tokens, pairs, tasks, keys)
-            + tm.comm_seconds(sent, received, config.exposed_comm, True, backward))
-
-
-def _exact_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> np.ndarray:
-    """``[num_ranks]`` predicted seconds of ``plan`` (``by_time.rank_seconds``' formula)."""
-    sent, received = rank_bytes(plan, pieces, config.token_bytes)
-    tm = config.time_model
-    moves = bool(sent.sum() + received.sum() > 0)
-    return (tm.rank_seconds(pieces.tokens(), plan.server_pairs(), np.bincount(plan.server, minlength=plan.num_ranks),
-                            np.bincount(plan.server, weights=plan.keys(), minlength=plan.num_ranks))
-            + tm.comm_seconds(sent, received, config.exposed_comm, moves, plan.backward))
+def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
+    """``rank_time.loads_seconds``' compute + exposed communication of ranks whose other work is
+    ``other`` (seconds), in a plan that moves something (``collective_s`` counted), elementwise over
+    rank arrays."""
+    compute, exposed = loads_seconds(RankLoads(None, pairs, keys, tasks, sent, received), config.time_model,
+                                     config.exposed_comm, backward, other_s=other, moves=True)
+    return compute + exposed
 
 
 def tile_units(plan: Plan, pieces: DocumentPieces):
@@ -131,7 +124,7 @@ def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
 def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, judge: bool = True) -> Plan:
     """``plan`` with key-split tiles where the time model predicts they pay (module docstring), or
     ``plan`` itself when none does (and for a plan that already splits keys). Deterministic; never
-    predicted slower than ``plan`` (``by_time.step_seconds``, in ``plan.backward``'s mode).
+    predicted slower than ``plan`` (``rank_time.step_seconds``, in ``plan.backward``'s mode).
     ``judge=False`` skips that final exact comparison (``by_time`` judges every candidate itself)."""
     if plan.splits_keys or plan.num_tasks == 0:
         return plan
@@ -142,10 +135,10 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, 
     if not transfers.source.size:
         return plan
     sent, received = rank_bytes(base, pieces, tb, transfers)
-    loads = np.stack([pieces.tokens().astype(np.float64), plan.server_pairs().astype(np.float64),
+    loads = np.stack([other_seconds(pieces.tokens(), config), plan.server_pairs().astype(np.float64),
                       np.bincount(plan.server, minlength=n).astype(np.float64),
                       np.bincount(plan.server, weights=base.keys(), minlength=n), sent.astype(np.float64),
-                      received.astype(np.float64)])  # [6, ranks]: tokens, pairs, tasks, keys, sent, received
+                      received.astype(np.float64)])  # [6, ranks]: other work (s), pairs, tasks, keys, sent, received
     seconds = _rank_seconds(config, backward, *loads)
     slowest = int(np.argmax(seconds))
     if not ((transfers.source == slowest).any() or (transfers.server == slowest).any()):
@@ -230,7 +223,7 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, 
     done = np.flatnonzero(applied).tolist()
     touched = sorted({i for u in done for i in units[u][5]})
     tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
-    if not judge or _exact_seconds(tiled, pieces, config).max() < _exact_seconds(plan, pieces, config).max():
+    if not judge or rank_seconds(tiled, pieces, config).max() < rank_seconds(plan, pieces, config).max():
         return tiled
     return plan
 

@@ -1,0 +1,85 @@
+"""A plan's predicted time per rank: the one home of the formula that the planner's judges
+(``by_time``), the descent, the time-chosen tiles and ``distca-hf simulate`` all use. Pure numpy.
+
+A rank's time in one layer (forward + backward) is
+
+    other work                                              (``other_seconds``)
+    + the kernel's pairs, keys and tasks it serves          (``TimeModel.rank_seconds``)
+    + exposed * passes * (bytes sent + received) / bytes_per_s + collective_s, when anything moves
+                                                            (``TimeModel.comm_seconds``)
+
+Other work is the rank's tokens through the linear layers, ``linear_s_per_token * tokens``, or,
+with ``PlannerConfig.base_pairs`` (a pipeline tick: a bubble runs no linear layers, the last stage
+also the LM head's share), ``attn_s_per_pair * base_pairs`` above the least loaded rank's linear
+layers: the base already holds each rank's linear layers relative to that rank's
+(``pipeline_cost.tick_base_pairs``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .baselines import RankLoads
+from .carving import Plan, PlannerConfig
+from .cost import TimeModel, TokenBytes
+from .pieces import DocumentPieces
+from .transfers import KVTransfers, rank_bytes
+
+__all__ = ["other_seconds", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
+
+
+def other_seconds(tokens, config: PlannerConfig) -> np.ndarray:
+    """``[ranks]`` seconds of every rank's work besides attention in one layer, forward + backward
+    (module docstring): ``tokens`` (``[ranks]``, the queries each rank holds) through the linear
+    layers, or ``config.base_pairs`` when given."""
+    tm = config.time_model
+    linear = tm.linear_s_per_token * np.asarray(tokens, dtype=np.float64)
+    if config.base_pairs is None:
+        return linear
+    base = np.asarray(config.base_pairs, dtype=np.float64)
+    if base.shape != linear.shape:
+        raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {linear.size}")
+    return tm.attn_s_per_pair * base + linear.min(initial=0.0)
+
+
+def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
+               transfers: KVTransfers | None = None) -> RankLoads:
+    """Per-rank work of ``plan`` on ``pieces``: every rank's own query tokens through the linear
+    layers, the pairs, keys and tasks it serves, the bytes it sends and receives in a layer's forward."""
+    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
+    n = pieces.num_ranks
+    return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
+                     np.bincount(plan.server, weights=plan.keys(), minlength=n),
+                     np.bincount(plan.server, minlength=n), sent, received)
+
+
+def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float, backward: str = "saved", *,
+                  other_s=None, moves: bool | None = None):
+    """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
+    backward, of any method's ``loads`` (the planner's and the simulator's one time formula):
+    compute = other work (``other_s``, ``[ranks]`` seconds; default the linear layers of
+    ``loads.tokens``) + the kernel's pairs, keys and tasks; communication = the fraction
+    ``exposed_comm`` of ``COMM_PASSES[backward] x (sent + received) / bytes_per_s`` plus
+    ``collective_s`` when anything crosses ranks (``moves``; default: whether ``loads`` move any
+    byte, pass it for a subset of a plan's ranks). The step is the slowest rank's ``compute + exposed``."""
+    compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys, other_s=other_s)
+    if moves is None:
+        moves = bool(loads.sent.sum() + loads.received.sum() > 0)
+    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves, backward)
+
+
+def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
+                 transfers: KVTransfers | None = None) -> np.ndarray:
+    """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
+    ``plan`` in its backward mode (module docstring, ``config.base_pairs`` included); ``config``
+    gives the time model, token bytes and ``exposed_comm``."""
+    loads = plan_loads(plan, pieces, config.token_bytes, transfers)
+    other = None if config.base_pairs is None else other_seconds(loads.tokens, config)
+    compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward, other_s=other)
+    return compute + exposed
+
+
+def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
+                 transfers: KVTransfers | None = None) -> float:
+    """The predicted layer time of the slowest rank under ``plan``."""
+    return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))
