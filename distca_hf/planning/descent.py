@@ -153,8 +153,6 @@ class _Descent:
         self.listed: dict[int, list[list[int]]] = {}
         self.rows: list[list[int]] = []  # moved tasks [source, server, doc, q_start, q_end]
         self.opened: set[int] = set()  # ranks whose own intervals changed
-        self.kv_key, self.kv_version, self.kv_value = None, -1, None  # kv_sends' last answer
-        self.commits = 0
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
         self.bounds: dict[int, float] = {}
 
@@ -198,11 +196,7 @@ class _Descent:
 
     def kv_sends(self, donor: int, server: int, doc: int, first: int, b: int):
         """``([(sender, seconds)], bytes)`` of the K/V ``server`` lacks to run keys ``[first, b)`` of
-        ``doc`` (what its need grows by), remembered until the next move: a shard's sizing asks for
-        the same keys several times."""
-        key = (server, doc, first, b)
-        if self.kv_version == self.commits and self.kv_key == key:
-            return self.kv_value
+        ``doc`` (what its need grows by)."""
         byte_s, kv, sends, total = self.byte_s, self.kv, [], 0
         old = self.needs.get((server, doc))
         if old is None:
@@ -220,7 +214,6 @@ class _Descent:
                 if more > 0:
                     sends.append((rank, byte_s * more * kv))
                     total += 2 * more * kv
-        self.kv_key, self.kv_version, self.kv_value = key, self.commits, (sends, total)
         return sends, total
 
     def best_shard(self, donor: int, server: int, doc: int, piece_start: int, end: int, level: float,
@@ -234,7 +227,7 @@ class _Descent:
         ``must_empty``) and every other rank that sends K/V for it stays within ``level`` once its own
         movable attention is taken away (``_holder_time_floor``). (One function on purpose: the
         descent's hot path, called a few times per move.)"""
-        time = self.time
+        time, sqrt = self.time, math.sqrt
         room = level - time[server]
         if room <= 0:
             return None
@@ -242,7 +235,7 @@ class _Descent:
             self.byte_s
         whole = (end * (end + 1) - piece_start * (piece_start + 1)) // 2 if window is None else \
             causal_pairs(piece_start, end, window)
-        pairs = min(want_pairs, whole)
+        pairs = whole if whole < want_pairs else want_pairs  # min(want_pairs, whole)
         merged = self.merge_at.get((server, donor, doc, end))  # the server's task this shard would continue
         sends = None
         if attn > 0:
@@ -256,7 +249,10 @@ class _Descent:
                 kv_cost += cost
             fixed = kv_cost + (0.0 if merged is not None else task_s + key_s * (end - first))
             per_pair = attn + self.qo_s / max(min(end, window or end), 1)
-            pairs = min(pairs, max(room - fixed, 0.0) / per_pair)
+            fits = room - fixed
+            fits = (fits if fits > 0.0 else 0.0) / per_pair
+            if fits < pairs:
+                pairs = fits
         if window is not None:
             piece_first, last_first = key_start(piece_start, window), key_start(end, window)
         elif sends is None:
@@ -266,7 +262,11 @@ class _Descent:
             if pairs >= whole:
                 a = piece_start
             else:
-                a = piece_start + math.ceil((start_with_pairs(end, pairs, window) - piece_start) / block) * block
+                if window is None:  # start_with_pairs(end, pairs), inlined
+                    real = (-1.0 + sqrt(max(1.0 + 4.0 * (end * (end + 1) - 2.0 * pairs), 0.0))) / 2.0
+                else:
+                    real = start_with_pairs(end, pairs, window)
+                a = piece_start + math.ceil((real - piece_start) / block) * block
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
             # what the move adds to the donor and the server, before K/V
@@ -327,7 +327,6 @@ class _Descent:
         return None
 
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
-        self.commits += 1
         interval = self.intervals(donor)[index]
         piece_start, b = interval[1], interval[2]
         for rank, add in changes.items():
@@ -355,16 +354,21 @@ class _Descent:
 
     # -- the descent --------------------------------------------------------------------------------
 
-    def least_loaded(self, heap, exclude: int, count: int) -> list[int]:
-        """The ``count`` servers predicted fastest, ``exclude`` left out (lazy heap)."""
-        time, found, popped = self.time, [], []
-        while heap and len(found) < count:
-            t, r = heapq.heappop(heap)
+    def new_server(self, heap, exclude: int, count: int, known) -> int | None:
+        """The first of the ``count`` servers predicted fastest (``exclude`` left out) that is not in
+        ``known``, or None (lazy heap: stale entries are dropped as they surface)."""
+        time, popped, seen, found = self.time, [], 0, None
+        while heap and seen < count:
+            t, r = heap[0]
             if t != time[r]:
+                heapq.heappop(heap)
                 continue
-            popped.append((t, r))
             if r != exclude:
-                found.append(r)
+                seen += 1
+                if r not in known:
+                    found = r
+                    break
+            popped.append(heapq.heappop(heap))
         for item in popped:
             heapq.heappush(heap, item)
         return found
@@ -394,7 +398,9 @@ class _Descent:
                 if must_empty or servers is None or len(servers) < bound:
                     # (one is enough: every server new to the document costs its holders the same sends,
                     # so the one with the most room takes the largest shard)
-                    candidates += [r for r in self.least_loaded(heap, donor, LEAST_LOADED) if r not in known][:1]
+                    new = self.new_server(heap, donor, LEAST_LOADED, known)
+                    if new is not None:
+                        candidates.append(new)
                 best, best_key, best_pairs = None, None, 0.0
                 for server in candidates:
                     if self.attn > 0 and (level - time[server]) / self.attn <= best_pairs:
