@@ -248,7 +248,8 @@ class _Descent:
             for _, cost in sends[0]:
                 kv_cost += cost
             fixed = kv_cost + (0.0 if merged is not None else task_s + key_s * (end - first))
-            per_pair = attn + self.qo_s / max(min(end, window or end), 1)
+            span = end if not window or end <= window else window  # min(end, window or end): keys of the last query
+            per_pair = attn + self.qo_s / (span if span > 1 else 1)
             fits = room - fixed
             fits = (fits if fits > 0.0 else 0.0) / per_pair
             if fits < pairs:
@@ -263,7 +264,8 @@ class _Descent:
                 a = piece_start
             else:
                 if window is None:  # start_with_pairs(end, pairs), inlined
-                    real = (-1.0 + sqrt(max(1.0 + 4.0 * (end * (end + 1) - 2.0 * pairs), 0.0))) / 2.0
+                    real = 1.0 + 4.0 * (end * (end + 1) - 2.0 * pairs)
+                    real = (-1.0 + sqrt(real if real > 0.0 else 0.0)) / 2.0
                 else:
                     real = start_with_pairs(end, pairs, window)
                 a = piece_start + math.ceil((real - piece_start) / block) * block
@@ -393,7 +395,8 @@ class _Descent:
                     candidates = sorted(known, key=time.__getitem__)[:LEAST_LOADED]
                 else:
                     known, candidates = (), []
-                # ...then, within the fan-out bound, the servers predicted fastest
+                # ...then, within the fan-out bound, the servers predicted fastest (the bound is fixed
+                # when first asked for: ask every time, as the order it is first asked in matters)
                 bound = self.fan_out_bound(doc, donor, end)
                 if must_empty or servers is None or len(servers) < bound:
                     # (one is enough: every server new to the document costs its holders the same sends,
@@ -412,7 +415,8 @@ class _Descent:
                     key = (time[donor] + changes[donor], moved, server)
                     if best_key is None or key < best_key:
                         best, best_key = (server, a, changes, merged), key
-                        best_pairs = causal_pairs(a, end, self.window)
+                        best_pairs = (end * (end + 1) - a * (a + 1)) // 2 if self.window is None else \
+                            causal_pairs(a, end, self.window)
                     if a == piece_start or key[0] <= level:  # all it wants: the next ones can only tie
                         break
                 if best is not None:
