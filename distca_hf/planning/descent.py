@@ -329,15 +329,19 @@ class _Descent:
         return None
 
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
-        interval = self.intervals(donor)[index]
-        piece_start, b = interval[1], interval[2]
+        intervals, window = self.intervals(donor), self.window
+        piece_start, b = intervals[index][1], intervals[index][2]
+        time = self.time
         for rank, add in changes.items():
-            self.time[rank] += add
-        pairs_s = self.attn * causal_pairs(a, b, self.window)
+            time[rank] += add
+        if window is None:  # causal_pairs and key_start, inlined
+            pairs, first = (b * (b + 1) - a * (a + 1)) // 2, 0
+        else:
+            pairs, first = causal_pairs(a, b, window), key_start(a, window)
+        pairs_s = self.attn * pairs
         # approximately (block rounding, the task it may drop): what moving the rest would save
         self.own[donor] = max(self.own[donor] - pairs_s - self.key_s * (b - a) + self.byte_s * (self.q + self.o) * (b - a),
                               0.0)
-        first = key_start(a, self.window)
         old = self.needs.get((server, doc))
         self.needs[(server, doc)] = [first, b] if old is None else [min(old[0], first), max(old[1], b)]
         self.doc_servers.setdefault(doc, {donor}).add(server)
@@ -348,7 +352,6 @@ class _Descent:
             merged = len(self.rows)
             self.rows.append([donor, server, doc, a, b])
         self.merge_at[(server, donor, doc, a)] = merged
-        intervals = self.intervals(donor)
         self.opened.add(donor)
         intervals.pop(index)
         if a > piece_start:
