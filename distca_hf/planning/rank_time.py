@@ -39,7 +39,7 @@ def other_seconds(tokens, config: PlannerConfig) -> np.ndarray:
     base = np.asarray(config.base_pairs, dtype=np.float64)
     if base.shape != linear.shape:
         raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {linear.size}")
-    return tm.attn_s_per_pair * base + linear.min(initial=0.0)
+    return tm.attn_s_per_pair * base + (linear.min() if linear.size else 0.0)
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
