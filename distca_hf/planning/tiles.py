@@ -95,14 +95,14 @@ def tile_units(plan: Plan, pieces: DocumentPieces):
     ok &= ~np.isin(key, blocked)
     pick = np.flatnonzero(ok)
     pick = pick[np.lexsort((pair_task[pick], key[pick]))]
-    units = []
-    if pick.size:
-        bounds = np.flatnonzero(np.concatenate(([True], key[pick][1:] != key[pick][:-1], [True])))
-        for first_pair, end_pair in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            j = int(pick[first_pair])
-            units.append((int(s[j]), int(plan.doc[pair_task[j]]), int(x0[j]), int(x1[j]), int(h[j]),
-                          pair_task[pick[first_pair:end_pair]].tolist()))
-    return units
+    if not pick.size:
+        return []
+    bounds = np.flatnonzero(np.concatenate(([True], key[pick][1:] != key[pick][:-1], [True])))
+    first = pick[bounds[:-1]]  # each unit's first (task, piece) pair
+    tasks = pair_task[pick].tolist()  # (Python lists from here: a unit's tasks are a slice)
+    heads = zip(s[first].tolist(), plan.doc[pair_task[first]].tolist(), x0[first].tolist(), x1[first].tolist(),
+                h[first].tolist(), bounds[:-1].tolist(), bounds[1:].tolist())
+    return [(server, doc, start, end, holder, tasks[lo:hi]) for server, doc, start, end, holder, lo, hi in heads]
 
 
 def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
