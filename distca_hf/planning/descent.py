@@ -62,7 +62,7 @@ import numpy as np
 from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
-from .rank_time import loads_seconds, other_seconds, plan_loads
+from .rank_time import other_seconds, plan_loads
 
 __all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
@@ -115,17 +115,18 @@ class _Descent:
         self.qo_s = self.byte_s * self.qo
         colocated = colocated_plan(pieces, self.servers, window=self.window)
         loads = plan_loads(colocated, pieces, tb)
-        # the one time formula (rank_time): other work (the linear layers, or base_pairs'), the
-        # attention each rank computes at home, the exposed bytes of the pieces' prefixes, collective_s
+        # rank_time's formula: other work (the linear layers, or base_pairs'), the attention each rank
+        # computes at home, the exposed bytes of the pieces' prefixes and collective_s, summed in the
+        # descent's own order (its moves add byte_s-timed bytes: the same sums, the same roundings)
         linear = other_seconds(loads.tokens, config)
-        compute, exposed = loads_seconds(loads, tm, config.exposed_comm, backward, other_s=linear, moves=True)
         own = tm.rank_seconds(0, loads.pairs, loads.tasks, loads.keys, other_s=0.0)
+        moved = self.byte_s * (loads.sent + loads.received)
         # seconds each rank saves by moving all of its own attention still computed at home away:
         # that attention, less the exposed time of its queries out and outputs back
         self.own = np.maximum(own - self.byte_s * (self.q + self.o) * loads.tokens, 0.0).tolist()
-        self.time = (compute + exposed).tolist()
+        self.time = (linear + own + moved + tm.collective_s).tolist()
         self.colocated_step = max(self.time, default=0.0)
-        self.floor0 = (linear + exposed).tolist()
+        self.floor0 = (linear + moved + tm.collective_s).tolist()
         servers = list(self.servers)
         self.lower_bound = max(float((linear + tm.collective_s).max(initial=0.0)),
                                float(linear[servers].sum() + own.sum()) / len(servers) + tm.collective_s)
