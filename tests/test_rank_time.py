@@ -24,14 +24,12 @@ MODEL = TimeModel(linear_s_per_token=1.0, attn_s_per_pair=0.5, task_s=3.0, bytes
 
 
 def _reference_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> np.ndarray:
-    """``[ranks]`` the time formula written out: other work (``base_pairs`` pairs of attention time
-    above the least loaded rank's linear layers, or each rank's own tokens' linear layers), the
-    pairs, keys and tasks it serves, and the exposed share of the bytes it moves plus the collective
-    when anything moves."""
+    """``[ranks]`` the time formula written out: other work (``base_pairs`` pairs of attention time,
+    or each rank's own tokens' linear layers), the pairs, keys and tasks it serves, and the exposed
+    share of the bytes it moves plus the collective when anything moves."""
     tm, loads = config.time_model, plan_loads(plan, pieces, config.token_bytes)
-    tokens = pieces.tokens().astype(np.float64)
-    other = tm.linear_s_per_token * tokens if config.base_pairs is None else \
-        tm.attn_s_per_pair * np.asarray(config.base_pairs) + tm.linear_s_per_token * tokens.min()
+    other = tm.linear_s_per_token * pieces.tokens() if config.base_pairs is None else \
+        tm.attn_s_per_pair * np.asarray(config.base_pairs)
     passes = {"saved": 2.0, "resend": 3.0}[plan.backward]
     moved = loads.sent + loads.received
     comm = config.exposed_comm * passes * moved / tm.bytes_per_s + (tm.collective_s if moved.sum() > 0 else 0.0)
@@ -40,15 +38,15 @@ def _reference_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
 
 
 def test_rank_seconds_count_base_pairs_by_hand():
-    """``test_planner.test_rank_seconds_by_hand``'s plan with other work: rank 0 does 6 pairs' worth
-    of it, rank 1 none; the least loaded rank (rank 1, 2 tokens) sets the linear level both share."""
+    """``test_planner.test_rank_seconds_by_hand``'s plan with other work instead of the tokens' linear
+    layers: 6 pairs' worth of it on rank 0, 40 on rank 1."""
     pieces = DocumentPieces.from_rank_lists([[10], [1, 1]])
     plan = Plan(source=np.array([0, 0, 1, 1]), server=np.array([0, 1, 1, 1]), doc=np.array([0, 0, 1, 2]),
                 q_start=np.array([0, 7, 0, 0]), q_end=np.array([7, 10, 1, 1]), num_ranks=2, servers=(0, 1))
     config = PlannerConfig("auto", token_bytes=TokenBytes(2, 4, 2), time_model=MODEL, exposed_comm=0.5,
-                           base_pairs=(6.0, 0.0))
-    rank0 = 6 / 2 + 2 + 28 / 2 + 3 + 7 / 4 + 0.5 * 2 * 52 / 4 + 7
-    rank1 = 0 / 2 + 2 + (27 + 1 + 1) / 2 + 3 * 3 + (10 + 1 + 1) / 4 + 0.5 * 2 * 52 / 4 + 7
+                           base_pairs=(6.0, 40.0))
+    rank0 = 6 / 2 + 28 / 2 + 3 + 7 / 4 + 0.5 * 2 * 52 / 4 + 7
+    rank1 = 40 / 2 + (27 + 1 + 1) / 2 + 3 * 3 + (10 + 1 + 1) / 4 + 0.5 * 2 * 52 / 4 + 7
     assert rank_seconds(plan, pieces, config).tolist() == pytest.approx([rank0, rank1])
     assert step_seconds(plan, pieces, config) == pytest.approx(max(rank0, rank1))
     with pytest.raises(ValueError, match="base_pairs gives 3 ranks"):
@@ -92,7 +90,7 @@ def test_lockstep_tick_is_judged_with_the_lm_head_share():
     pooled = pool_pieces([(stage0, 0), (stage1, 2)], 4)
     extra = [0.0, 0.0, 3000.0, 3000.0]
     tick = plan_lockstep_tick(pooled, config, rank_groups=[range(0, 2), range(2, 4)], extra_tokens=extra)
-    tokens = pooled.tokens() + np.asarray(extra)
+    tokens = pooled.tokens() + np.asarray(extra)  # the linear work, counted from the least loaded rank's
     base = (tokens - tokens.min()) * model.linear_s_per_token / model.attn_s_per_pair
     judge = dataclasses.replace(config, base_pairs=tuple(base.tolist()))
     tick_s = _reference_seconds(tick, pooled, judge).max()

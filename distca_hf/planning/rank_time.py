@@ -10,9 +10,11 @@ A rank's time in one layer (forward + backward) is
 
 Other work is the rank's tokens through the linear layers, ``linear_s_per_token * tokens``, or,
 with ``PlannerConfig.base_pairs`` (a pipeline tick: a bubble runs no linear layers, the last stage
-also the LM head's share), ``attn_s_per_pair * base_pairs`` above the least loaded rank's linear
-layers: the base already holds each rank's linear layers relative to that rank's
-(``pipeline_cost.tick_base_pairs``).
+also the LM head's share), ``attn_s_per_pair * base_pairs``: the base is that work itself, in pairs
+of attention time. A tick's base (``pipeline_cost.tick_base_pairs``) is counted from its least loaded
+rank's, so its times are that much below the absolute ones, on every rank alike: the plans of a
+batch compare as they would absolutely (the judges' maxima move together), and the descent plans
+exactly as it did before the judges counted the base.
 """
 
 from __future__ import annotations
@@ -31,15 +33,15 @@ __all__ = ["other_seconds", "plan_loads", "loads_seconds", "rank_seconds", "step
 def other_seconds(tokens, config: PlannerConfig) -> np.ndarray:
     """``[ranks]`` seconds of every rank's work besides attention in one layer, forward + backward
     (module docstring): ``tokens`` (``[ranks]``, the queries each rank holds) through the linear
-    layers, or ``config.base_pairs`` when given."""
+    layers, or ``config.base_pairs`` pairs of attention time when given."""
     tm = config.time_model
-    linear = tm.linear_s_per_token * np.asarray(tokens, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
     if config.base_pairs is None:
-        return linear
+        return tm.linear_s_per_token * tokens
     base = np.asarray(config.base_pairs, dtype=np.float64)
-    if base.shape != linear.shape:
-        raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {linear.size}")
-    return tm.attn_s_per_pair * base + (linear.min() if linear.size else 0.0)
+    if base.shape != tokens.shape:
+        raise ValueError(f"base_pairs gives {base.size} ranks, the pieces {tokens.size}")
+    return tm.attn_s_per_pair * base
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
