@@ -5,9 +5,9 @@ The predicted time of rank ``r`` is the time model's (``rank_time.loads_seconds`
 (``rank_time.other_seconds``: the linear layers, or ``PlannerConfig.base_pairs``), the CA-tasks it
 serves (pairs, keys, one task each), and the exposed share of the bytes it **sends** and **receives**
 (queries out, outputs back, K/V from every rank holding part of a task's prefix), plus
-``collective_s``. A K/V prefix held on ``k``
-ranks costs each of them one send per server its document's shards go to, so spreading a long
-document over more servers can make its holders, not its servers, the slowest ranks.
+``collective_s``. A K/V prefix held on ``k`` ranks costs each of them one send per server its
+document's shards go to, so spreading a long document over more servers can make its holders, not
+its servers, the slowest ranks.
 
 How it works. Start colocated. Keep a level ``L``, first a lower bound on any plan (the mean
 compute of the servers, or the busiest rank's linear layers). Repeatedly take the slowest rank ``d``
@@ -88,13 +88,6 @@ and a holder of its K/V that sends ``c`` seconds per server ``F c``: their sum i
 ``F = sqrt(W / c)``; the fan-out bound allows ``FAN_OUT`` times that."""
 
 _INTERVALS_TRIED = 3  # a donor whose latest interval cannot move tries its next ones
-
-
-def _holder_time_floor(time: float, own: float, level: float) -> float:
-    """What a rank's time can come down to by moving its own attention away (``own``: that attention
-    less the exposed time of sending its queries out and taking their outputs back), as the level
-    rule sees it: all of it if the rank is above the level (a donor), none otherwise."""
-    return time - own if time > level else time
 
 
 class _Descent:
@@ -205,7 +198,7 @@ class _Descent:
         else:
             lo, hi = (old[0] if old[0] < first else first), (old[1] if old[1] > b else b)
         if old is None or lo != old[0] or hi != old[1]:
-            for rank, kv_start, kv_end in self.holders.get(doc) or ((donor, 0, b),):  # self.senders
+            for rank, kv_start, kv_end in self.senders(doc, donor, b):
                 if rank == server:
                     continue
                 more = (hi if hi < kv_end else kv_end) - (lo if lo > kv_start else kv_start)
@@ -226,8 +219,10 @@ class _Descent:
 
         A move is acceptable when ``server`` stays within ``level``, the donor gets faster (unless
         ``must_empty``) and every other rank that sends K/V for it stays within ``level`` once its own
-        movable attention is taken away (``_holder_time_floor``). (One function on purpose: the
-        descent's hot path, called a few times per move.)"""
+        movable attention is taken away: what its time can come down to by moving its own attention
+        away (``self.own``: that attention less the exposed time of its queries out and outputs back),
+        as the level rule sees it, all of it if the rank is above the level (a donor), none otherwise.
+        (One function on purpose: the descent's hot path, called a few times per move.)"""
         time, sqrt = self.time, math.sqrt
         room = level - time[server]
         if room <= 0:
@@ -313,7 +308,7 @@ class _Descent:
                     own = self.own
                     for rank, add in others.items():
                         new = time[rank] + add
-                        if (new - own[rank] if new > level else new) > top:  # _holder_time_floor
+                        if (new - own[rank] if new > level else new) > top:  # its floor (docstring)
                             ok = False
                             break
             if ok:
