@@ -17,9 +17,9 @@ each of those tasks a full tile ``[a, b) x p`` served by ``h``, which holds thos
 Each unit's effect on every rank's pairs, keys, tasks and bytes is fixed (K/V are sent once per
 (holder, server, document), so a unit owns its transfer); the greedy takes the slowest rank under
 the time model (``rank_time.loads_seconds``, the formula ``by_time`` judges plans with, other work
-such as ``base_pairs`` included, both ends of every link) and applies the unit touching it that lowers the
-predicted maximum most (a unit that leaves the maximum equal while lowering that rank, when ranks
-tie), and stops when no unit lowers it. A unit is eligible only when no task of ``s`` that stays
+such as ``base_pairs`` included, both ends of every link) and applies the unit touching it that
+lowers the predicted maximum most (a unit that leaves the maximum equal while lowering that rank,
+when ranks tie), and stops when no unit lowers it. A unit is eligible only when no task of ``s`` that stays
 whole needs ``p``'s keys (the queries inside ``p`` or before it) and, under a sliding window, when
 every earlier piece of each of its tasks lies inside all of the task's windows (``check_tiles``'
 full-tile shape). The result is judged exactly (``transfers.rank_bytes`` of the tiled plan, which
