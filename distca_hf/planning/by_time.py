@@ -22,10 +22,14 @@ The candidates are the colocated plan (when every rank holding work serves), the
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
 counted, a long document's fan-out bounded; when its plan only fits the budget in ``resend`` mode it
 is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
-exactly ``plan_tasks``' at that tolerance; the chosen one is the candidate with the smallest
-predicted step (ties: colocated, the descent, then the tightest tolerance), so it is never
-predicted slower than colocated, than the fixed-tolerance plan (0.02), nor than ``auto`` before the
-descent (``plan_by_tolerances``, kept to measure the change), under the same model. The descent wins
+exactly ``plan_tasks``' at that tolerance, and the CP-shaped plan (``zigzag.zigzag_plan``: every
+document spanning ranks zigzagged over its holders as per-document CP would, the others colocated;
+built only when ``zigzag.zigzag_lower_bound`` says it could win, which on the shared and untuned
+samples it never does); the chosen one is the candidate with the smallest
+predicted step (ties: colocated, the descent, the tightest tolerance, then the CP-shaped plan), so
+it is never predicted slower than colocated, than the fixed-tolerance plan (0.02), than CP of the
+documents as packed, nor than ``auto`` before the descent (``plan_by_tolerances``, kept to measure
+the change), under the same model. The descent wins
 on nearly every batch of the shared samples (``make bench-sim`` prints both); the carvings stay as a
 floor, and are given up early when the descent is clearly faster (below).
 
@@ -64,6 +68,7 @@ from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, toler
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .descent import descend
 from .tiles import apply_time_tiles
+from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
 
@@ -77,6 +82,10 @@ CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1]
 """The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
 loosest first (the cheapest carving, and the winner when K/V bytes dominate), then the planner's
 default (never skipped unless proven slower), then the ones between."""
+
+
+ZIGZAG_PLACE = len(AUTO_TOLERANCES) + 2
+"""The CP-shaped candidate's place in the tie order (``zigzag.zigzag_plan``): after the carvings."""
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
@@ -164,6 +173,13 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                 best, best_key = plan, (seconds, 1)
             if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
                 break
+        # the CP-shaped candidate, built and judged only when a sound bound on it could win
+        zigzag = (zigzag_plan(pieces, servers, window=config.window, block=config.block)
+                  if (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
+        if zigzag is not None:
+            seconds, plan = _judged(zigzag, pieces, config)
+            if (seconds, ZIGZAG_PLACE) < best_key:
+                best, best_key = plan, (seconds, ZIGZAG_PLACE)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
