@@ -1,7 +1,9 @@
 """The CP-shaped candidate (``planning.zigzag``, issue 21): per-document zigzag CP over a document's
 holders as CA-tasks computes every query exactly once with exactly its causal keys, has CP's shape
 (holder ``i`` serves chunks ``i`` and ``2c - 1 - i``, checked against ``baselines.head_tail_chunks``),
-its lower bound is sound, and ``tolerance="auto"`` is never predicted slower than it."""
+its lower bound is sound, and ``tolerance="auto"`` is never predicted slower than it. The same for
+the tile grid (``planning.tile_grid``: a dominant long document as key-split tiles placed by time),
+which wins on a batch like the untuned sample's 1M-token one."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ from hypothesis import strategies as st
 
 from distca_hf.planning import DocumentPieces, PlannerConfig, TimeModel, TokenBytes, plan_tasks, step_seconds
 from distca_hf.planning.baselines import head_tail_chunks, pack_pieces
+from distca_hf.tools.simulate import cut_to
 from distca_hf.planning.by_time import _judged
+from distca_hf.planning import by_time, tile_grid
+from distca_hf.planning.cost import H100_MEASURED, LLAMA3_8B_BYTES
+from distca_hf.planning.key_split import check_tiles
 from distca_hf.planning.zigzag import zigzag_lower_bound, zigzag_plan
 from test_planner import batches_with_key_only_prefixes, packed_batches, time_models
 
@@ -24,8 +30,13 @@ def _brute_force_keys(plan, pieces: DocumentPieces, window) -> None:
     the keys ``[max(0, t - window + 1), t]`` (each task's kernel applies the bottom-right causal mask
     to its keys): counted (document, query, key) by (document, query, key), no formula shared with the planner."""
     seen: dict[tuple[int, int], list[int]] = {}
-    for source, doc, a, b in zip(plan.source.tolist(), plan.doc.tolist(), plan.q_start.tolist(), plan.q_end.tolist()):
-        k0, k1 = (0, b) if window is None else (max(0, a - window + 1), b)
+    if plan.k_start is not None:  # key-split tiles carry their keys
+        key_ranges = zip(plan.k_start.tolist(), plan.k_end.tolist())
+    else:
+        key_ranges = ((0 if window is None else max(0, a - window + 1), b)
+                      for a, b in zip(plan.q_start.tolist(), plan.q_end.tolist()))
+    for source, doc, a, b, (k0, k1) in zip(plan.source.tolist(), plan.doc.tolist(), plan.q_start.tolist(),
+                                           plan.q_end.tolist(), key_ranges):
         for t in range(a, b):
             holder = [r for r, d, s, e in zip(pieces.rank.tolist(), pieces.doc.tolist(), pieces.start.tolist(),
                                               pieces.end.tolist()) if d == doc and s <= t < e]
@@ -112,3 +123,73 @@ def test_auto_takes_the_cp_shaped_plan_where_it_is_fastest():
     zigzag = zigzag_plan(pieces, block=1)
     assert zigzag.server_pairs().tolist() == [588, 588]
     assert step_seconds(plan_tasks(pieces, config), pieces, config) <= step_seconds(zigzag, pieces, config)
+
+
+@st.composite
+def long_document_batches(draw):
+    """Short documents around one long document that spans several ranks (``LONG`` and ``DOMINANT``
+    set to 0 by the tests below, every spanning document is tiled)."""
+    ranks = draw(st.integers(2, 6))
+    budget = draw(st.integers(8, 48))
+    long = draw(st.integers(budget + 1, ranks * budget))
+    before = draw(st.lists(st.integers(1, 30), max_size=4))
+    after = draw(st.lists(st.integers(1, 30), max_size=8))
+    docs = np.asarray([*before, long, *after], dtype=np.int64)
+    docs = cut_to(docs, ranks * budget) if docs.sum() > ranks * budget else docs
+    return pack_pieces(docs, ranks, budget)
+
+
+def _every_document_tiled(function):
+    """Run ``function`` with ``tile_grid``'s gates off (every spanning document tiled)."""
+    saved = tile_grid.LONG, tile_grid.DOMINANT
+    tile_grid.LONG, tile_grid.DOMINANT = 0.0, 0.0
+    try:
+        return function()
+    finally:
+        tile_grid.LONG, tile_grid.DOMINANT = saved
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.one_of(long_document_batches(), packed_batches()), block=blocks, model=time_models,
+       exposed=st.sampled_from([0.0, 1.0]), budget=st.sampled_from([None, 0.5]))
+def test_tile_grid_computes_every_query_once_and_auto_is_never_slower(pieces, block, model, exposed, budget):
+    config = PlannerConfig("auto", block, None, TokenBytes(8, 4, 8, 4), time_model=model, exposed_comm=exposed,
+                           memory_budget=budget, key_split=True)
+    grid = _every_document_tiled(lambda: tile_grid.tile_grid_plan(pieces, config))
+    if grid is None:
+        return
+    check_tiles(grid, pieces)
+    _brute_force_keys(grid, pieces, None)
+    assert (grid.q_end > grid.q_start).all()
+    # cuts inside a piece sit at multiples of `block` from its start
+    for d, s in zip(grid.doc.tolist(), grid.q_start.tolist()):
+        inside = (pieces.doc == d) & (pieces.start < s) & (s < pieces.end)
+        assert all((s - pieces.start[inside]) % block == 0)
+    grid_seconds, _ = by_time._judged(grid, pieces, config)
+    chosen = _every_document_tiled(lambda: plan_tasks(pieces, config))
+    assert step_seconds(chosen, pieces, config) <= grid_seconds * (1 + 1e-12)
+
+
+def _one_dominant_document():
+    """A 512k-token document among short ones (lognormal, median 1k tokens) on 32 ranks of 32k tokens:
+    the untuned sample's 1M-token batch, at half the scale."""
+    rng = np.random.default_rng(3)
+    short = np.clip(rng.lognormal(np.log(1024), 0.8, 2000), 16, 65536).astype(np.int64)
+    docs = np.concatenate((short[:300], [1 << 19], short[300:]))
+    return pack_pieces(cut_to(docs, 32 * 32768), 32, 32768)
+
+
+def test_tile_grid_wins_where_a_long_document_dominates(monkeypatch):
+    """With the long document's late queries balanced as whole-prefix tasks, every server of them
+    receives its whole prefix; as tiles, far less: auto with the grid is predicted faster than
+    without it (and than every other candidate)."""
+    pieces = _one_dominant_document()
+    config = PlannerConfig("auto", 128, None, LLAMA3_8B_BYTES, time_model=H100_MEASURED, memory_budget=2.0,
+                           key_split=True)
+    grid = tile_grid.tile_grid_plan(pieces, config)
+    assert grid is not None and grid.splits_keys
+    check_tiles(grid, pieces)
+    with_grid = step_seconds(plan_tasks(pieces, config), pieces, config)
+    monkeypatch.setattr(by_time, "tile_grid_plan", lambda *args, **kwargs: None)
+    without = step_seconds(plan_tasks(pieces, config), pieces, config)
+    assert with_grid < 0.99 * without

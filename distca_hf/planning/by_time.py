@@ -25,8 +25,12 @@ is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUT
 exactly ``plan_tasks``' at that tolerance, and the CP-shaped plan (``zigzag.zigzag_plan``: every
 document spanning ranks zigzagged over its holders as per-document CP would, the others colocated;
 built only when ``zigzag.zigzag_lower_bound`` says it could win, which on the shared and untuned
-samples it never does); the chosen one is the candidate with the smallest
-predicted step (ties: colocated, the descent, the tightest tolerance, then the CP-shaped plan), so
+samples it never does), and with ``config.key_split`` the tile grid (``tile_grid.tile_grid_plan``:
+a long document that holds most of the batch's pairs cut into key-split tiles placed by time, so a
+server of its late queries no longer receives its whole prefix; built only for such batches, the
+1M-token one of ``examples/bench_sim.py --untuned``); the chosen one is the candidate with the smallest
+predicted step (ties: colocated, the descent, the tightest tolerance, the CP-shaped plan, then the
+tile grid), so
 it is never predicted slower than colocated, than the fixed-tolerance plan (0.02), than CP of the
 documents as packed, nor than ``auto`` before the descent (``plan_by_tolerances``, kept to measure
 the change), under the same model. The descent wins
@@ -67,6 +71,7 @@ from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .descent import descend
+from .tile_grid import tile_grid_plan
 from .tiles import apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
@@ -86,6 +91,9 @@ default (never skipped unless proven slower), then the ones between."""
 
 ZIGZAG_PLACE = len(AUTO_TOLERANCES) + 2
 """The CP-shaped candidate's place in the tie order (``zigzag.zigzag_plan``): after the carvings."""
+
+GRID_PLACE = ZIGZAG_PLACE + 1
+"""The tile grid's place in the tie order (``tile_grid.tile_grid_plan``): last."""
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
@@ -180,6 +188,11 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(zigzag, pieces, config)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
+        grid = tile_grid_plan(pieces, config) if config.key_split else None  # None unless a long document dominates
+        if grid is not None:
+            seconds, plan = _judged(grid, pieces, config)
+            if (seconds, GRID_PLACE) < best_key:
+                best, best_key = plan, (seconds, GRID_PLACE)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
