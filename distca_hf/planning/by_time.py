@@ -181,14 +181,17 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                 best, best_key = plan, (seconds, 1)
             if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
                 break
-        # the CP-shaped candidate, built and judged only when a sound bound on it could win
+        # the CP-shaped candidate, built and judged only when a sound bound on it could win (not in
+        # pipeline ticks, whose base_pairs it does not weigh)
         zigzag = (zigzag_plan(pieces, servers, window=config.window, block=config.block)
-                  if (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
+                  if config.base_pairs is None
+                  and (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
         if zigzag is not None:
             seconds, plan = _judged(zigzag, pieces, config)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
-        grid = tile_grid_plan(pieces, config) if config.key_split else None  # None unless a long document dominates
+        # None unless a long document dominates (nor in pipeline ticks, whose base_pairs it does not weigh)
+        grid = tile_grid_plan(pieces, config) if config.key_split and config.base_pairs is None else None
         if grid is not None:
             seconds, plan = _judged(grid, pieces, config)
             if (seconds, GRID_PLACE) < best_key:
