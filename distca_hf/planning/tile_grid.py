@@ -140,9 +140,9 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
         received.add((s, doc, group))
         rows.append((source, s, doc, a, b, k0, k1))
 
-    keep = local
-    local_rows = np.stack([pieces.rank[keep], pieces.rank[keep], pieces.doc[keep], pieces.start[keep],
-                           pieces.end[keep], np.zeros(int(keep.sum()), dtype=np.int64), pieces.end[keep]])
+    # the other documents' tasks: whole prefixes where their queries live
+    local_rows = np.stack([pieces.rank[local], pieces.rank[local], pieces.doc[local], pieces.start[local],
+                           pieces.end[local], np.zeros(int(local.sum()), dtype=np.int64), pieces.end[local]])
     cols = np.concatenate((local_rows, np.asarray(rows, dtype=np.int64).reshape(-1, 7).T), axis=1)
     order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
     source, server, doc, q_start, q_end, k_start, k_end = (c[order] for c in cols)
