@@ -13,6 +13,8 @@ length samples the planner was not tuned on (``untuned_samples``). All through
 bytes and heads, the planner's built-in H100 time model, 50 GB/s per rank).
 
     python examples/bench_sim.py [--data ../shared/data] [--batches 6] [--update-docs] [--untuned]
+
+``--untuned`` generates its samples (seeded) and needs no ``--data``.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ def untuned_samples(seed: int = 7) -> dict:
     return {"lognormal": lognormal, "pareto": pareto, "1M+short": np.concatenate(([1 << 20], short))}
 
 
-def run(data: Path, batches: int, untuned: bool = False):
-    samples = {name: load_lengths(data / f"doc_lengths_{name}.json") for name in ("prolong", "wlbllm")}
+def run(data: Path | None, batches: int, untuned: bool = False):
+    """The tables (``data``: the folder of the shared length samples; not read with ``untuned``,
+    whose samples are generated)."""
+    samples = untuned_samples() if untuned else {name: load_lengths(data / f"doc_lengths_{name}.json")
+                                                 for name in ("prolong", "wlbllm")}
     budget = SETTINGS["memory_budget"].default
     config = PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128, memory_budget=budget, key_split=True)
     fixed = PlannerConfig(tolerance=0.02, block=128, memory_budget=budget)
@@ -72,7 +77,6 @@ def run(data: Path, batches: int, untuned: bool = False):
     model = None
     grid = GRID
     if untuned:
-        samples = untuned_samples()
         grid = [(r, t) for r in (64, 512) for t in (32768, 131072)]
     for name, lengths in samples.items():
         for ranks, tokens in grid:
@@ -161,9 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--untuned", action="store_true", help="print the grid on length samples the planner was "
                         "not tuned on (lognormal, Pareto, one 1M-token document among short ones), 64 and 512 ranks")
     args = parser.parse_args(argv)
-    if not (args.data / "doc_lengths_prolong.json").exists():
+    if not args.untuned and not (args.data / "doc_lengths_prolong.json").exists():  # --untuned generates its own
         parser.error(f"--data: {args.data} has no doc_lengths_*.json (the shared length samples)")
-    table = run(args.data, args.batches, untuned=args.untuned)
+    table = run(None if args.untuned else args.data, args.batches, untuned=args.untuned)
     print(table)
     if args.untuned:
         return 0

@@ -188,3 +188,17 @@ def test_timing_repeats_are_checked(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):
         example.parse_args(["--output_dir", str(tmp_path), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_bench_sim_untuned_runs_without_the_shared_samples(tmp_path, monkeypatch, capsys):
+    """``bench_sim.py --untuned`` generates its length samples: a missing ``--data`` is no error there
+    (it is for the shared grid)."""
+    import bench_sim
+
+    calls = []
+    monkeypatch.setattr(bench_sim, "run", lambda data, batches, untuned=False: calls.append((data, untuned)) or "table")
+    assert bench_sim.main(["--untuned", "--data", str(tmp_path / "missing")]) == 0
+    assert calls == [(None, True)] and "table" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_sim.main(["--data", str(tmp_path / "missing")])
+    assert "doc_lengths" in capsys.readouterr().err

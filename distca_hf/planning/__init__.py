@@ -22,8 +22,12 @@ that no import, at module level or inside a function, closes a circle):
                tiles on the holder only where the predicted slowest rank gets faster (``apply_time_tiles``)
     descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
                ends of every link counted, a document's fan-out bounded
+    zigzag     per-document context parallelism (zigzag chunks over a document's holders) as CA-tasks:
+               the CP-shaped candidate of tolerance="auto"
+    tile_grid  a dominant long document as a grid of key-split tiles placed by time: the candidate of
+               tolerance="auto" whose bytes do not grow with the document's prefix
     by_time    tolerance="auto": the plan the time model predicts fastest (colocated, the descent, the
-               fixed-tolerance carvings) within the memory budget
+               fixed-tolerance carvings, the CP-shaped plan, the tile grid) within the memory budget
     planner    ``plan_tasks``, the entry point: by time, or a fixed tolerance, within the memory budget
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the

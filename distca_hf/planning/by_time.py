@@ -25,10 +25,18 @@ The candidates are the colocated plan (when every rank holding work serves), the
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
 counted, a long document's fan-out bounded; when its plan only fits the budget in ``resend`` mode it
 is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
-exactly ``plan_tasks``' at that tolerance; the chosen one is the candidate with the smallest
-predicted step (ties: colocated, the descent, then the tightest tolerance), so it is never
-predicted slower than colocated, than the fixed-tolerance plan (0.02), nor than ``auto`` before the
-descent (``plan_by_tolerances``, kept to measure the change), under the same model. The descent wins
+exactly ``plan_tasks``' at that tolerance, and the CP-shaped plan (``zigzag.zigzag_plan``: every
+document spanning ranks zigzagged over its holders as per-document CP would, the others colocated;
+built only when ``zigzag.zigzag_lower_bound`` says it could win, which on the shared and untuned
+samples it never does), and with ``config.key_split`` the tile grid (``tile_grid.tile_grid_plan``:
+a long document that holds most of the batch's pairs cut into key-split tiles placed by time, so a
+server of its late queries no longer receives its whole prefix; built only for such batches, the
+1M-token one of ``examples/bench_sim.py --untuned``); the chosen one is the candidate with the smallest
+predicted step (ties: colocated, the descent, the tightest tolerance, the CP-shaped plan, then the
+tile grid), so
+it is never predicted slower than colocated, than the fixed-tolerance plan (0.02), than CP of the
+documents as packed, nor than ``auto`` before the descent (``plan_by_tolerances``, kept to measure
+the change), under the same model. The descent wins
 on nearly every batch of the shared samples (``make bench-sim`` prints both); the carvings stay as a
 floor, and are given up early when the descent is clearly faster (below).
 
@@ -65,7 +73,9 @@ import numpy as np
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
 from .descent import descend
+from .tile_grid import tile_grid_plan
 from .tiles import apply_time_tiles
+from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .transfers import RunningBytes, fit_memory_budget, kv_received, kv_transfers
@@ -80,6 +90,13 @@ CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1]
 """The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
 loosest first (the cheapest carving, and the winner when K/V bytes dominate), then the planner's
 default (never skipped unless proven slower), then the ones between."""
+
+
+ZIGZAG_PLACE = len(AUTO_TOLERANCES) + 2
+"""The CP-shaped candidate's place in the tie order (``zigzag.zigzag_plan``): after the carvings."""
+
+GRID_PLACE = ZIGZAG_PLACE + 1
+"""The tile grid's place in the tie order (``tile_grid.tile_grid_plan``): last."""
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
@@ -129,6 +146,21 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                 best, best_key = plan, (seconds, 1)
             if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
                 break
+        # the CP-shaped candidate, built and judged only when a sound bound on it could win (not in
+        # pipeline ticks, whose base_pairs it does not weigh)
+        zigzag = (zigzag_plan(pieces, servers, window=config.window, block=config.block)
+                  if config.base_pairs is None
+                  and (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
+        if zigzag is not None:
+            seconds, plan = _judged(zigzag, pieces, config)
+            if (seconds, ZIGZAG_PLACE) < best_key:
+                best, best_key = plan, (seconds, ZIGZAG_PLACE)
+        # None unless a long document dominates (nor in pipeline ticks, whose base_pairs it does not weigh)
+        grid = tile_grid_plan(pieces, config) if config.key_split and config.base_pairs is None else None
+        if grid is not None:
+            seconds, plan = _judged(grid, pieces, config)
+            if (seconds, GRID_PLACE) < best_key:
+                best, best_key = plan, (seconds, GRID_PLACE)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
