@@ -492,3 +492,48 @@ def test_auto_planner_chooses_tiles_and_trains_a_whole_model_exactly(tmp_path):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         assert result["value"]["split"] >= 4, result["value"]  # every distca run's plan held tiles
     exact_runs([{"ok": True, "value": r["value"]["reports"]["llama"]} for r in results], 5)
+
+
+def test_the_kernels_run_causal_and_full_tiles_on_slices_of_the_fused_batch(monkeypatch):
+    """``fused_batch`` puts the causal tasks first and the full tiles after them (rows reordered
+    alike), so the front door hands each backend call slices of the fused q / k / v (and dO / out in
+    backward), never copies; full flags out of that order are refused by name."""
+    import distca_hf.kernels as kernels
+
+    # one document of 20: queries [12, 20) as a full tile [0, 6) given before its causal tile [6, 20)
+    a, b, k0, k1 = np.array([12, 0, 12]), np.array([20, 12, 20]), np.array([0, 0, 6]), np.array([6, 12, 20])
+    batch = fused_batch(concat_ranges(a, b - a), concat_ranges(k0, k1 - k0), a, b, k_start=k0, k_end=k1)
+    assert batch.full.tolist() == [False, False, True] and batch.causal_rows == (20, 26)
+    assert batch.q_index.tolist() == [*range(12), *range(12, 20), *range(12, 20)]
+    assert batch.k_index.tolist() == [*range(12), *range(6, 20), *range(6)]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(20, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    fq, fk, fv = q[batch.q_index], k[batch.k_index], v[batch.k_index]
+    backend = kernels.BACKENDS["torch_cpu"]
+    seen = []
+
+    def storages(*tensors):
+        seen.append([t.untyped_storage().data_ptr() for t in tensors])
+
+    forward, backward = backend.forward, backend.backward
+    monkeypatch.setattr(backend, "forward", lambda q, k, v, *rest, **kw: storages(q, k, v) or forward(q, k, v, *rest,
+                                                                                                      **kw))
+    monkeypatch.setattr(backend, "backward", lambda do, q, k, v, out, *rest, **kw: storages(do, q, k, v, out) or
+                        backward(do, q, k, v, out, *rest, **kw))
+    args = (batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k, None, "torch_cpu")
+    f_out, f_lse = varlen_attention_forward(fq, fk, fv, *args, full=batch.full, causal_rows=batch.causal_rows)
+    dout = torch.randn(f_out.shape, generator=g, dtype=torch.float64)
+    varlen_attention_backward(dout, fq, fk, fv, f_out, f_lse, *args, full=batch.full)  # rows read from cu_seqlens
+    fused = [t.untyped_storage().data_ptr() for t in (fq, fk, fv)]
+    assert seen[:2] == [fused, fused]  # forward: causal half, full half
+    grads = [t.untyped_storage().data_ptr() for t in (dout, fq, fk, fv, f_out)]
+    assert seen[2:] == [grads, grads]
+    out, _ = merge_rows(batch.q_index, f_out, f_lse.t(), 20)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, 1)) * 8 ** -0.5
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~torch.ones(20, 20, dtype=torch.bool).tril(),
+                                                                         float("-inf")), -1), v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="full tasks must follow the causal ones"):
+        varlen_attention_forward(fq, fk, fv, *args, full=[False, True, False])
+    with pytest.raises(ValueError, match="causal_rows .* disagree"):
+        varlen_attention_forward(fq, fk, fv, *args, full=batch.full, causal_rows=(12, 12))
