@@ -1,6 +1,6 @@
 """Key-split CA-tasks (2D tiles, issue 21 item 2): the log-sum-exp merge against whole attention, the
 tile pair count, tiles through the CPU kernels (partials merged, backward with the merged out and
-lse) against whole documents, the tile checks, the planner rule ``split_long_prefixes``, and on
+lse) against whole documents, the tile checks, and on
 spawned gloo ranks the dispatch of key-split plans in every overlap and backward mode against each
 document alone."""
 
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.kernels import merge_partials, merge_rows, varlen_attention_backward, varlen_attention_forward
-from distca_hf.planning import (DocumentPieces, Plan, TokenBytes, check_tiles, colocated_plan, fused_batch, key_start,
-                                kv_transfers, split_long_prefixes, tile_pairs)
+from distca_hf.planning import (DocumentPieces, Plan, TokenBytes, check_tiles, fused_batch, key_start, kv_transfers,
+                                tile_pairs)
 from distca_hf.planning.ranges import concat_ranges
 from kernel_refs import weighted_grads
 
@@ -198,7 +198,7 @@ def test_a_key_split_plan_refuses_layers_with_another_window_or_chunks():
         check_layer_window(SimpleNamespace(kv_window=None, forward_number=1, merges=True), None, 4)
 
 
-# ---- the tile checks and the planner rule ----
+# ---- the tile checks ----
 
 def test_check_tiles_names_bad_shapes_gaps_and_overlaps():
     pieces = DocumentPieces.from_rank_lists([[10]])
@@ -229,37 +229,6 @@ def test_a_server_receives_the_union_of_its_tiles_keys_not_their_hull():
     t = kv_transfers(plan, pieces)
     assert sorted(zip(t.source.tolist(), t.server.tolist(), t.start.tolist(), t.end.tolist())) == [(0, 1, 0, 10),
                                                                                                   (0, 2, 0, 10)]
-
-
-@settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=5), ranks=st.integers(2, 4),
-       bound=st.integers(0, 40), with_bytes=st.booleans())
-def test_split_long_prefixes_keeps_every_pair_once_and_never_adds_key_bytes(lengths, ranks, bound, with_bytes):
-    """On a global stream of documents cut into equal rank slices (documents span ranks): the split
-    plan covers every pair exactly once, holders serve their own keys, and no server receives more
-    K/V than before (the shards' queries travel instead)."""
-    total = sum(lengths)
-    per = -(-total // ranks)
-    rows, pos, doc = [[] for _ in range(ranks)], 0, 0
-    for d, n in enumerate(lengths):
-        for start in range(0, n):
-            r = min((pos + start) // per, ranks - 1)
-            if rows[r] and rows[r][-1][0] == d:
-                rows[r][-1] = (d, rows[r][-1][1], start + 1)
-            else:
-                rows[r].append((d, start, start + 1))
-        pos += n
-    pieces = DocumentPieces.from_rank_lists(rows)
-    plan = colocated_plan(pieces)
-    split = split_long_prefixes(plan, pieces, max_prefix_tokens=bound,
-                                token_bytes=TokenBytes(q=8, kv=4, o=8, lse=1) if with_bytes else None)
-    check_tiles(split, pieces)
-    assert split.pairs().sum() == plan.pairs().sum()
-    received = lambda t: np.bincount(t.server, weights=t.end - t.start, minlength=ranks)
-    after_t = kv_transfers(split, pieces)
-    assert (received(after_t) <= received(kv_transfers(plan, pieces))).all()
-    if not with_bytes and bound == 0:
-        assert after_t.tokens() == 0  # every task's earlier keys are served where they live
 
 
 # ---- key-split plans dispatched on gloo ranks ----
@@ -302,8 +271,8 @@ def _hand_tiles(pieces, window, world, seed):
 
 
 def key_split_worker(rank, world, cases):
-    """Every case ``(doc_lengths, window, plan_kind)`` in every overlap (``none``, ``wave``, the
-    ping-pong nodes) and backward mode: this rank's attention output and q/k/v gradients against the
+    """Every case ``(doc_lengths, window, plan_kind)`` (``hand`` or ``auto``) in every overlap
+    (``none``, ``wave``, the ping-pong nodes) and backward mode: this rank's attention output and q/k/v gradients against the
     global stream's documents each computed alone (explicit fp64 softmax, autograd). Returns the
     worst errors per run and the plan's key-split facts."""
     import torch.distributed as dist
@@ -324,13 +293,10 @@ def key_split_worker(rank, world, cases):
         if kind == "hand":
             cols = _hand_tiles(pieces, window, world, seed=case)
             plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
-        elif kind == "auto":  # the auto planner's own tiles (planning.tiles), links dear enough that they pay
+        else:  # the auto planner's own tiles (planning.tiles), links dear enough that they pay
             plan = plan_tasks(pieces, PlannerConfig(
                 tolerance="auto", window=window, key_split=True, token_bytes=TokenBytes(q=128, kv=128, o=128, lse=16),
                 time_model=TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-9, task_s=1e-6, bytes_per_s=1e6)))
-        else:  # the planner's plan, then the rule: every task's earlier pieces served where they live
-            plan = split_long_prefixes(plan_tasks(pieces, PlannerConfig(tolerance=0.05, window=window)), pieces,
-                                       max_prefix_tokens=0)
         check_tiles(plan, pieces)
         docs = PackedDocuments.from_lengths(per_rank[rank])
         local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
@@ -377,8 +343,8 @@ def key_split_worker(rank, world, cases):
 
 
 KEY_SPLIT_CASES = {
-    2: [([41, 6, 23], None, "hand"), ([41, 6, 23], 12, "hand"), ([70], None, "rule"), ([41, 6, 23], None, "auto")],
-    3: [([50, 7, 30, 13], None, "hand"), ([50, 7, 30, 13], 16, "hand"), ([90, 9], None, "rule")],
+    2: [([41, 6, 23], None, "hand"), ([41, 6, 23], 12, "hand"), ([70], None, "hand"), ([41, 6, 23], None, "auto")],
+    3: [([50, 7, 30, 13], None, "hand"), ([50, 7, 30, 13], 16, "hand"), ([60, 10, 30], None, "auto")],
 }
 
 
@@ -386,8 +352,7 @@ KEY_SPLIT_CASES = {
 @pytest.mark.parametrize("world", [2, 3])
 def test_key_split_plans_dispatch_exactly(tmp_path, world):
     """Plans with key-split tiles (random ones on random servers, spanning documents, sliding
-    windows, the planner's plan split by ``split_long_prefixes``, and on 2 ranks the tiles
-    ``tolerance="auto"`` itself chose with ``key_split``) on gloo ranks, overlap
+    windows, and the tiles ``tolerance="auto"`` itself chose with ``key_split``) on gloo ranks, overlap
     ``none`` / ``wave`` / ping-pong's nodes x ``saved`` / ``resend``: every rank's output and q/k/v
     gradients equal its rows of each document computed alone (fp32 against fp64: 1e-5)."""
     from dist_harness import run_ranks
@@ -405,39 +370,53 @@ def test_key_split_plans_dispatch_exactly(tmp_path, world):
 
 
 def key_split_model_worker(rank, world, cases):
-    """``workers.span_workers`` with every plan of the forward (micro-batch and ping-pong nano-batches)
-    split by ``split_long_prefixes(max_prefix_tokens=0)`` after the planner: whole models, documents
-    spanning ranks, against each document alone. Returns the reports and the plans that split keys."""
+    """``workers.span_workers`` with the runtime's own planner (``tolerance="auto"``, which turns
+    ``key_split`` on for these models, ping-pong's nano-batches included), counting per overlap the
+    plans made and those that came back with key-split tiles."""
+    from distca_hf.config import current_config
     from distca_hf.planning import plan_tasks
     from distca_hf.runtime import forward as runtime_forward
     from workers import span_workers
 
-    made = {"plans": 0, "split": 0}
+    made = {}  # overlap -> [plans, key-split plans]
 
     def planner(pieces, config):
-        plan = split_long_prefixes(plan_tasks(pieces, config), pieces, max_prefix_tokens=0)
-        made["plans"] += 1
-        made["split"] += int(plan.splits_keys)
+        plan = plan_tasks(pieces, config)
+        count = made.setdefault(current_config().overlap, [0, 0])
+        count[0] += 1
+        count[1] += int(plan.splits_keys)
         return plan
 
-    runtime_forward.plan_batch.__kwdefaults__["planner"] = planner  # the planner every plan_batch uses here
-    return {"reports": span_workers(rank, world, cases), **made}
+    # plan_batch weighs tiles with its default planner only: this counting one stands in for it
+    runtime_forward.plan_batch.__kwdefaults__["planner"] = runtime_forward.plan_tasks = planner
+    return {"reports": span_workers(rank, world, cases), "made": made}
 
 
 @pytest.mark.distributed
 def test_key_split_plans_train_whole_models_exactly(tmp_path):
-    """Llama (full attention) and Mistral (sliding window) on 2 gloo ranks, documents spanning them,
-    overlap none / wave / pingpong x saved / resend with the planner's plans split along keys: logits
-    and every parameter gradient equal each whole document run alone with eager attention."""
+    """The runtime's ``tolerance="auto"`` choosing key-split tiles by time (``planning.tiles``) under a
+    time model with dear links, so that they pay: Llama (full attention) and Mistral (sliding window)
+    on 2 gloo ranks, documents spanning them, overlap none / wave / pingpong (both nano-batches tiled)
+    x saved / resend: the plans split keys, and logits and every parameter gradient equal each whole
+    document run alone with eager attention; plan_stats' bytes are what the ranks sent."""
+    import json
+
     from dist_harness import run_ranks
     from workers import check_forward_bytes, exact_runs
 
-    cases = [("llama", [30, 50, 7, 1, 12], [60, 40], ("none", "wave", "pingpong"), {}),
-             ("mistral", [44, 9, 27], [40, 40], ("none", "wave", "pingpong"), {})]
-    results = run_ranks(key_split_model_worker, 2, tmp_path, cases, env={"DISTCA_TOLERANCE": "0.02"})
+    model_path = tmp_path / "dear_links.json"
+    model_path.write_text(json.dumps({"linear_s_per_token": 1e-6, "attn_s_per_pair": 1e-9, "task_s": 1e-6,
+                                      "bytes_per_s": 1e6}))
+    cases = [("llama", [56, 20, 18], [47, 47], ("none", "wave", "pingpong"), {}),
+             ("mistral", [52, 15, 21], [44, 44], ("none", "wave", "pingpong"), {})]
+    results = run_ranks(key_split_model_worker, 2, tmp_path, cases,
+                        env={"DISTCA_TOLERANCE": "auto", "DISTCA_TIME_MODEL": str(model_path)})
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
-        assert result["value"]["split"] >= 6, result["value"]  # most plans held key-split tiles
+        made = result["value"]["made"]
+        for overlap, at_least in (("none", 4), ("wave", 4), ("pingpong", 8)):
+            # both families x both backward modes held tiles (ping-pong: in both nano-batches)
+            assert made[overlap][1] >= at_least, (overlap, made)
     for family, (_, _, slices, _, _) in zip(("llama", "mistral"), cases):
         per_family = [{"ok": True, "value": r["value"]["reports"][family]} for r in results]
         exact_runs(per_family, 7)
@@ -448,50 +427,6 @@ def test_key_split_plans_train_whole_models_exactly(tmp_path):
                     own = slices[rank] * (128 + 128 + 128 + 16)  # q, k and v, out, lse per token (fp32, 4 heads)
                     added = run["stats"]["memory_bytes_per_layer"][rank]
                     assert run["stats"]["rank_saved_for_backward_bytes"] == 2 * (own + added), (family, rank, run)
-
-
-def auto_tiles_model_worker(rank, world, cases):
-    """``workers.span_workers`` with the runtime's own planner (``tolerance="auto"``, which turns
-    ``key_split`` on for these models), counting the plans that came back with key-split tiles."""
-    from distca_hf.planning import plan_tasks
-    from distca_hf.runtime import forward as runtime_forward
-    from workers import span_workers
-
-    made = {"plans": 0, "split": 0}
-
-    def planner(pieces, config):
-        plan = plan_tasks(pieces, config)
-        made["plans"] += 1
-        made["split"] += int(plan.splits_keys)
-        return plan
-
-    # plan_batch weighs tiles with its default planner only: this counting one stands in for it
-    runtime_forward.plan_batch.__kwdefaults__["planner"] = runtime_forward.plan_tasks = planner
-    return {"reports": span_workers(rank, world, cases), **made}
-
-
-@pytest.mark.distributed
-def test_auto_planner_chooses_tiles_and_trains_a_whole_model_exactly(tmp_path):
-    """The runtime's ``tolerance="auto"`` with key-split tiles chosen by time (``planning.tiles``): a
-    Llama on 2 gloo ranks, a document spanning them whose 6 late queries on rank 1 would receive a
-    35-token prefix, under a time model with dear links (so the tiles pay); the plans split keys, and
-    logits and every parameter gradient equal each whole document run alone (overlap none and wave,
-    saved and resend, and colocated)."""
-    import json
-
-    from dist_harness import run_ranks
-    from workers import exact_runs
-
-    model_path = tmp_path / "dear_links.json"
-    model_path.write_text(json.dumps({"linear_s_per_token": 1e-6, "attn_s_per_pair": 1e-9, "task_s": 1e-6,
-                                      "bytes_per_s": 1e6}))
-    cases = [("llama", [41, 6, 23], [35, 35], ("none", "wave"), {})]
-    results = run_ranks(auto_tiles_model_worker, 2, tmp_path, cases,
-                        env={"DISTCA_TOLERANCE": "auto", "DISTCA_TIME_MODEL": str(model_path)})
-    for rank, result in enumerate(results):
-        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
-        assert result["value"]["split"] >= 4, result["value"]  # every distca run's plan held tiles
-    exact_runs([{"ok": True, "value": r["value"]["reports"]["llama"]} for r in results], 5)
 
 
 def test_the_kernels_run_causal_and_full_tiles_on_slices_of_the_fused_batch(monkeypatch):
