@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.kernels import merge_partials, merge_rows, varlen_attention_backward, varlen_attention_forward
-from distca_hf.planning import (DocumentPieces, Plan, TokenBytes, check_tiles, fused_batch, key_start, kv_transfers,
-                                tile_pairs)
+from distca_hf.planning import (DocumentPieces, KVTransfers, Plan, TokenBytes, check_tiles, comm_bytes, fused_batch,
+                                key_start, kv_transfers, query_sends, tile_pairs)
+from distca_hf.planning.transfers import rank_bytes
 from distca_hf.planning.ranges import concat_ranges
 from kernel_refs import weighted_grads
 
@@ -231,6 +232,47 @@ def test_a_server_receives_the_union_of_its_tiles_keys_not_their_hull():
                                                                                                   (0, 2, 0, 10)]
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4), window=st.one_of(st.none(), st.integers(2, 40)),
+       ranks=st.integers(2, 4), data=st.data())
+def test_a_query_row_goes_once_to_each_server_of_its_tiles(lengths, window, ranks, data):
+    """``query_sends``: every (source, server, query row) of the moved tiles exactly once (brute
+    force), each moved tile inside its send; ``comm_bytes`` and ``rank_bytes`` count those rows, once
+    out (q) and once back (o + lse), however many tiles of a row a server runs."""
+    tiles = _random_tiles(lengths, window, data)
+    source_of = {}
+    rows = []
+    for d, a, b, k0, k1 in tiles:
+        source = source_of.setdefault((d, a), data.draw(st.integers(0, ranks - 1)))
+        rows.append((source, data.draw(st.integers(0, ranks - 1)), d, a, b, k0, k1))
+    cols = np.asarray(rows, dtype=np.int64).T
+    order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
+    source, server, doc, a, b, k0, k1 = (c[order] for c in cols)
+    plan = Plan(source, server, doc, a, b, ranks, tuple(range(ranks)), window, "saved", k0, k1)
+    sends = query_sends(plan)
+    want = {(s, v, d, t) for s, v, d, x, y in zip(source, server, doc, a, b) if s != v for t in range(x, y)}
+    got = [(s, v, d, t) for s, v, d, x, y in zip(sends.source, sends.server, sends.doc, sends.start, sends.end)
+           for t in range(x, y)]
+    assert sorted(got) == sorted(want) and sends.tokens() == len(want)
+    for i in range(plan.num_tasks):
+        j = sends.of_task[i]
+        if source[i] == server[i]:
+            assert j == -1
+        else:
+            assert (sends.source[j], sends.server[j], sends.doc[j]) == (source[i], server[i], doc[i])
+            assert sends.start[j] <= a[i] and b[i] <= sends.end[j]
+    tb = TokenBytes(q=8, kv=4, o=6, lse=1)
+    none = KVTransfers(*(np.zeros(0, dtype=np.int64) for _ in range(5)))
+    pieces = DocumentPieces.from_rank_lists([lengths])
+    counted = comm_bytes(plan, pieces, tb, none)
+    assert (counted.q, counted.o) == (len(want) * 8, len(want) * 7)
+    sent, received = rank_bytes(plan, pieces, tb, none)
+    for r in range(ranks):
+        out = sum(1 for s, v, _, _ in want if s == r)
+        back = sum(1 for s, v, _, _ in want if v == r)
+        assert (sent[r], received[r]) == (out * 8 + back * 7, back * 8 + out * 7)
+
+
 # ---- key-split plans dispatched on gloo ranks ----
 
 def _slices(doc_lengths, world):
@@ -272,13 +314,13 @@ def _hand_tiles(pieces, window, world, seed):
 
 def key_split_worker(rank, world, cases):
     """Every case ``(doc_lengths, window, plan_kind)`` (``hand`` or ``auto``) in every overlap
-    (``none``, ``wave``, the ping-pong nodes) and backward mode: this rank's attention output and q/k/v gradients against the
-    global stream's documents each computed alone (explicit fp64 softmax, autograd). Returns the
-    worst errors per run and the plan's key-split facts."""
+    (``none``, ``wave``, the ping-pong nodes) and backward mode: this rank's attention output and q/k/v
+    gradients against the global stream's documents each computed alone (explicit fp64 softmax,
+    autograd). Returns the worst errors per run and the plan's key-split facts."""
     import torch.distributed as dist
 
     from distca_hf.kernels import AttentionVariant
-    from distca_hf.planning import Plan, PlannerConfig, TimeModel, plan_tasks, stitch_rank_documents
+    from distca_hf.planning import Plan, PlannerConfig, TimeModel, comm_bytes, plan_tasks, stitch_rank_documents
     from distca_hf.runtime.dispatch import build_dispatch
     from distca_hf.runtime.pingpong import NanoAttention
     from distca_hf.runtime.tables import LocalDocuments
@@ -295,7 +337,7 @@ def key_split_worker(rank, world, cases):
             plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
         else:  # the auto planner's own tiles (planning.tiles), links dear enough that they pay
             plan = plan_tasks(pieces, PlannerConfig(
-                tolerance="auto", window=window, key_split=True, token_bytes=TokenBytes(q=128, kv=128, o=128, lse=16),
+                tolerance="auto", window=window, key_split=True, token_bytes=TOKEN_BYTES,
                 time_model=TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-9, task_s=1e-6, bytes_per_s=1e6)))
         check_tiles(plan, pieces)
         docs = PackedDocuments.from_lengths(per_rank[rank])
@@ -329,8 +371,11 @@ def key_split_worker(rank, world, cases):
                 else:
                     out = dispatched_attention(q, k, v, dispatch, 8 ** -0.5, variant=variant)
                 (out * weight[lo:hi].float()).sum().backward()
+                forward_bytes = sum(n for kind, n in dispatch.counters.bytes_sent.items() if kind.startswith("forward"))
                 report.append({
                     "case": case, "overlap": overlap, "backward": backward, "waves": len(dispatch.waves),
+                    "forward_bytes": forward_bytes, "queries_sent": dispatch.queries_sent,
+                    "kv_sent": int(dispatch.kv_received.sum()),
                     "out_err": float((out.detach().double() - ref[lo:hi].detach()).abs().max()),
                     "grad_err": max(float((x.grad.double() - want).abs().max())
                                     for x, want in zip((q, k, v), ref_grads)),
@@ -338,8 +383,12 @@ def key_split_worker(rank, world, cases):
         dist.barrier()
         moved_rows = plan.source != plan.server
         report.append({"case": case, "splits": plan.splits_keys, "full_tiles": int((plan.k_end < plan.q_end).sum()),
-                       "moved_tiles": int(moved_rows.sum())})
+                       "moved_tiles": int(moved_rows.sum()), "moved_tile_rows": plan.moved_queries(),
+                       "planned_bytes": comm_bytes(plan, pieces, TOKEN_BYTES).total})
     return report
+
+
+TOKEN_BYTES = TokenBytes(q=128, kv=128, o=128, lse=16)  # the workers' fp32 q/k/v: 4 heads (2 K/V heads) of 8
 
 
 KEY_SPLIT_CASES = {
@@ -354,7 +403,9 @@ def test_key_split_plans_dispatch_exactly(tmp_path, world):
     """Plans with key-split tiles (random ones on random servers, spanning documents, sliding
     windows, and the tiles ``tolerance="auto"`` itself chose with ``key_split``) on gloo ranks, overlap
     ``none`` / ``wave`` / ping-pong's nodes x ``saved`` / ``resend``: every rank's output and q/k/v
-    gradients equal its rows of each document computed alone (fp32 against fp64: 1e-5)."""
+    gradients equal its rows of each document computed alone (fp32 against fp64: 1e-5), and the
+    forward's bytes are what the planner and plan_stats count, a query row going once to a server
+    however many of its tiles that server runs."""
     from dist_harness import run_ranks
 
     results = run_ranks(key_split_worker, world, tmp_path, KEY_SPLIT_CASES[world], deadline_s=240)
@@ -367,6 +418,18 @@ def test_key_split_plans_dispatch_exactly(tmp_path, world):
             assert run["out_err"] < 1e-5 and run["grad_err"] < 1e-5, (rank, run)
         assert all(f["splits"] and f["full_tiles"] > 0 and f["moved_tiles"] > 0 for f in facts), facts
         assert any(r["waves"] > 1 for r in runs if r["overlap"] == "wave")
+    # bytes: what the ranks sent in forward is the planner's count (comm_bytes, one wave) and plan_stats'
+    # formula (the waves' query sends and K/V); some row had two tiles on one server, and went once
+    runs = list(zip(*([r for r in result["value"] if "overlap" in r] for result in results)))
+    facts = {f["case"]: f for f in results[0]["value"] if "splits" in f}
+    for per_rank in runs:
+        run = per_rank[0]
+        sent = sum(r["forward_bytes"] for r in per_rank)
+        assert sent == run["queries_sent"] * (128 + 128 + 16) + run["kv_sent"] * 128, run
+        if run["overlap"] != "wave":
+            assert sent == facts[run["case"]]["planned_bytes"], run
+    assert any(run[0]["overlap"] == "none" and run[0]["queries_sent"] < facts[run[0]["case"]]["moved_tile_rows"]
+               for run in runs)
 
 
 def key_split_model_worker(rank, world, cases):

@@ -41,7 +41,8 @@ from .ranges import concat_ranges
 from .key_split import check_tiles, full_tiles, with_key_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
-from .transfers import BackwardMemory, CommBytes, KVTransfers, backward_memory, comm_bytes, kv_received, kv_transfers
+from .transfers import (BackwardMemory, CommBytes, KVTransfers, QuerySends, backward_memory, comm_bytes, kv_received,
+                        kv_transfers, query_sends)
 from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
@@ -57,5 +58,5 @@ __all__ = [
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
     "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
-    "check_tiles", "full_tiles", "with_key_ranges", "tile_pairs",
+    "check_tiles", "full_tiles", "with_key_ranges", "tile_pairs", "QuerySends", "query_sends",
 ]
