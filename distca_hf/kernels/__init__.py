@@ -314,7 +314,8 @@ def _halves(cu_seqlens_q, cu_seqlens_k, flags: list[bool], causal_rows) -> _Halv
     if cu_seqlens_q.device.type == "cpu" and (rows, keys) != (int(cu_seqlens_q[num_causal]),
                                                              int(cu_seqlens_k[num_causal])):
         raise ValueError(f"causal_rows {(rows, keys)} disagree with cu_seqlens, whose first {num_causal} (causal) "
-                         f"tasks hold {int(cu_seqlens_q[num_causal])} query and {int(cu_seqlens_k[num_causal])} key rows")
+                         f"tasks hold {int(cu_seqlens_q[num_causal])} query and {int(cu_seqlens_k[num_causal])} "
+                         "key rows")
     cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     return _Halves(num_causal, rows, keys, cu_q[:num_causal + 1], cu_k[:num_causal + 1], cu_q[num_causal:] - rows,
                    cu_k[num_causal:] - keys)
