@@ -44,9 +44,6 @@ class DistCAState:
         pinned_forward: a ``ForwardContext`` planned ahead (a tick of ``pipeline_schedule="cad_1f1b"``)
             that every attention call made meanwhile uses instead of opening one
             (``runtime.context.pinned_forward``).
-        kernel_task_splits: ``kernels``' cache of a fused batch's causal and full tasks (key-split
-            CA-tasks), keyed by ``id`` of its ``cu_seqlens_q`` (weak references check it is the same
-            batch), so the layers of a forward split it once.
     """
 
     code_settings: dict = field(default_factory=dict)
@@ -62,7 +59,6 @@ class DistCAState:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     exit_hook_registered: bool = False
     pinned_forward: object = None
-    kernel_task_splits: dict = field(default_factory=dict)
 
 
 STATE = DistCAState()

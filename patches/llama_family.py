@@ -158,7 +158,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     from distca_hf.config import current_config
     from distca_hf.hf import refuse_unsupported, widest_window
     from distca_hf.planning import TokenBytes
-    from distca_hf.runtime.forward import CallInputs
+    from distca_hf.runtime.forward import CallInputs, tiles_hold_for
     from distca_hf.runtime.pingpong import plan_pingpong
 
     for layer in layers:
@@ -171,7 +171,8 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
     return plan_pingpong(docs, error, token_bytes, inputs_embeds.device, heads, first_position,
-                         kv_window=widest_window(config), dtype_bytes=inputs_embeds.element_size())
+                         kv_window=widest_window(config), dtype_bytes=inputs_embeds.element_size(),
+                         key_split=tiles_hold_for(layers[0].self_attn))
 
 
 def _run_layer(layer, plan, rope, h_a, h_b):

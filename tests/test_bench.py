@@ -270,13 +270,23 @@ def _record_worker_arguments(monkeypatch) -> dict:
     """A dict that receives the arguments the bench hands its processes (none are started)."""
     seen = {}
 
-    def fake_worker(rank, world, args, port, path):  # stands in for the processes: records the sizes
+    def fake_launch(worker, args):  # stands in for the processes: records the sizes
+        assert worker is bench.run_rank
         seen.update(vars(args))
         raise SystemExit(0)
 
-    monkeypatch.setattr(bench, "_worker", fake_worker)
-    monkeypatch.setattr("torch.multiprocessing.start_processes", lambda fn, args, **kw: fn(0, *args))
+    monkeypatch.setattr(bench.processes, "launch", fake_launch)
     return seen
+
+
+def test_the_front_door_takes_no_test_hooks():
+    """``run_cli`` / ``run_pipeline_cli`` take the parsed flags and the parser only; tests replace
+    ``processes.launch`` (or ``demo_data.demo_document_lengths``) in its module instead."""
+    import inspect
+
+    for run in (bench.run_cli, bench.run_pipeline_cli):
+        assert list(inspect.signature(run).parameters) == ["args", "parser"], run
+    assert not hasattr(bench, "_worker")
 
 
 def test_quick_fills_only_what_is_not_given(monkeypatch):
@@ -468,7 +478,7 @@ def test_demo_arguments_are_checked(monkeypatch, capsys, argv, message):
     from distca_hf.tools.cli import main
 
     # 12 x 2 x 8192 tokens of documents (stands in for the demo's: no tokenizer to train)
-    monkeypatch.setattr(bench, "demo_document_lengths", lambda: ([8192] * 24, 0))
+    monkeypatch.setattr(bench.demo_data, "demo_document_lengths", lambda: ([8192] * 24, 0))
     with pytest.raises(SystemExit):
         main(["bench", *argv])
     assert message in capsys.readouterr().err
@@ -476,7 +486,7 @@ def test_demo_arguments_are_checked(monkeypatch, capsys, argv, message):
 
 def test_demo_takes_the_demos_model_unless_given(monkeypatch):
     seen = _record_worker_arguments(monkeypatch)
-    monkeypatch.setattr(bench, "demo_document_lengths", lambda: ([100] * 10, 0))
+    monkeypatch.setattr(bench.demo_data, "demo_document_lengths", lambda: ([100] * 10, 0))
     for argv, expected in [([], dict(bench.DEMO_MODEL, steps=3, warmup=1, tokens=8192, demo_global_batches=1)),
                            (["--hidden", "128", "--layers", "3", "--steps", "2", "--tokens", "100"],
                             dict(bench.DEMO_MODEL, hidden=128, layers=3, steps=2, tokens=100, demo_global_batches=5))]:
@@ -589,7 +599,7 @@ def _pipeline_results(losses_cad):
 def test_pipeline_bench_fails_loudly_when_the_methods_disagree(monkeypatch, capsys):
     import json
 
-    monkeypatch.setattr(bench, "launch", lambda worker, args: _pipeline_results([2.0, 2.5 * (1 + 1e-6)]))
+    monkeypatch.setattr(bench.processes, "launch", lambda worker, args: _pipeline_results([2.0, 2.5 * (1 + 1e-6)]))
     assert bench.main(["--pipeline-parallel", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["check"]["agree"] and out["check"]["max_loss_rel_diff"] == pytest.approx(1e-6)
@@ -597,7 +607,7 @@ def test_pipeline_bench_fails_loudly_when_the_methods_disagree(monkeypatch, caps
     assert out["per_step_speedup"]["colocated_1f1b"] == {"min": 1.0, "median": 1.25, "max": 1.5}
     assert out["speedup"] == 1.25 and out["speedup_vs_cad_per_stage"] == pytest.approx(1.3)
     assert out["colocated_1f1b_step_s"] == 3.5 and out["cad_across_stages_step_s"] == 3.0
-    monkeypatch.setattr(bench, "launch", lambda worker, args: _pipeline_results([2.0, 2.6]))
+    monkeypatch.setattr(bench.processes, "launch", lambda worker, args: _pipeline_results([2.0, 2.6]))
     assert bench.main(["--pipeline-parallel", "2"]) == 1
     captured = capsys.readouterr()
     assert "methods agree" in captured.out and "NO" in captured.out

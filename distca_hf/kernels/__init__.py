@@ -32,9 +32,11 @@ Full tasks: ``full`` (a bool per task, optional) marks tasks whose every query s
 mask): the key-split tiles of a CA-task whose keys end before its queries begin (queries ``[a, b)``
 against keys ``[k0, k1)`` with ``k1 <= a + 1``; under a sliding window the caller cuts them so that
 every query's window holds all of them, ``k0 >= b - window``, and no window is applied to them).
-Such a task may have fewer keys than queries. The front door runs the causal tasks and the full
-tasks as two kernel calls over the fused batch (backends take ``causal=False``); ``chunk`` takes
-whole prefixes only. A task's partial ``(out, lse)`` merges with the row's other partials by
+Such a task may have fewer keys than queries. Full tasks come after every causal task (as
+``planning.fused_batch`` orders a key-split batch), so the front door runs the causal tasks and the
+full tasks as two kernel calls on slices of the fused batch, no copy (backends take
+``causal=False``); ``max_seqlen_q/k`` of the batch bound both calls. ``chunk`` takes whole prefixes
+only. A task's partial ``(out, lse)`` merges with the row's other partials by
 ``merge.merge_rows``; its backward takes the merged ``out`` and ``lse``.
 
 Backends, in the order ``auto`` tries them: ``flash_attn`` (CUDA, fp16/bf16, when flash-attn is
@@ -51,14 +53,13 @@ from __future__ import annotations
 
 import itertools
 import math as _pymath
-import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from ..config import current_config
-from ..state import STATE, warn_once
+from ..state import warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
 from . import torch_cpu as _torch_cpu
@@ -273,19 +274,6 @@ def _run_backward(kernel, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, sca
     return kernel.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, **keywords)
 
 
-@dataclass(frozen=True)
-class _TaskSubset:
-    """Some tasks of a fused batch as a batch of their own: ``q_rows`` / ``k_rows`` (long, on the
-    batch's device) pick their rows, ``cu_q`` / ``cu_k`` (int32) and the maxima describe them."""
-
-    q_rows: torch.Tensor
-    k_rows: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-
-
 def _full_flags(full, num_tasks: int) -> list[bool] | None:
     """``full`` as a list of ``num_tasks`` bools, or ``None`` when no task is full."""
     if full is None:
@@ -296,89 +284,98 @@ def _full_flags(full, num_tasks: int) -> list[bool] | None:
     return flags if any(flags) else None
 
 
-def _split_full(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device) -> tuple[_TaskSubset | None, _TaskSubset]:
-    """The causal tasks (``None`` when there are none) and the full tasks, as batches of their own;
-    cached per batch (its ``cu_seqlens`` tensors), so the layers of a forward read the device's
-    ``cu_seqlens`` and copy row indices once."""
-    cache = STATE.kernel_task_splits  # id(cu_seqlens_q) -> (weak cu_q, weak cu_k, flags, split)
-    hit = cache.get(id(cu_seqlens_q))
-    if hit is not None and hit[0]() is cu_seqlens_q and hit[1]() is cu_seqlens_k and hit[2] == flags:
-        return hit[3]
-    split = _split_full_uncached(cu_seqlens_q, cu_seqlens_k, flags, device)
-    if len(cache) > 64:
-        cache.clear()
-    cache[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), flags, split)
-    return split
+@dataclass(frozen=True)
+class _Halves:
+    """A fused batch whose causal tasks (the first ``num_causal``) come before its full ones, as two
+    batches of their own: ``causal_rows`` / ``causal_keys`` rows of q / k belong to the causal tasks,
+    the rest to the full ones, so each half is a slice of the batch's tensors (no copy). ``cu_*``
+    (int32, on the batch's device) describe each half; the batch's maxima bound both."""
+
+    num_causal: int
+    causal_rows: int
+    causal_keys: int
+    cu_q_causal: torch.Tensor
+    cu_k_causal: torch.Tensor
+    cu_q_full: torch.Tensor
+    cu_k_full: torch.Tensor
 
 
-def _split_full_uncached(cu_seqlens_q, cu_seqlens_k, flags: list[bool], device):
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    parts = []
-    for want in (False, True):
-        chosen = [i for i, f in enumerate(flags) if f == want]
-        if not chosen:
-            parts.append(None)
-            continue
-        q_len = [cu_q[i + 1] - cu_q[i] for i in chosen]
-        k_len = [cu_k[i + 1] - cu_k[i] for i in chosen]
-        if want and any(lq and not lk for lq, lk in zip(q_len, k_len)):
-            raise ValueError("a full task has queries but no keys; every query of a CA-task must see a key")
-        ranges = lambda starts, lengths: torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        cumulative = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
-                                                  device=device)
-        parts.append(_TaskSubset(ranges([cu_q[i] for i in chosen], q_len).to(device),
-                                 ranges([cu_k[i] for i in chosen], k_len).to(device),
-                                 cumulative(q_len), cumulative(k_len), max(q_len), max(k_len)))
-    return parts[0], parts[1]
+def _halves(cu_seqlens_q, cu_seqlens_k, flags: list[bool], causal_rows) -> _Halves:
+    """The batch's causal and full halves. ``causal_rows``: ``(query rows, key rows)`` of the causal
+    tasks, as ``FusedBatch.causal_rows`` carries them, or ``None`` to read them from ``cu_seqlens``
+    (a device synchronisation when those live on a GPU)."""
+    num_causal = flags.index(True)
+    if not all(flags[num_causal:]):
+        raise ValueError("full tasks must follow the causal ones (planning.fused_batch orders a key-split batch "
+                         f"so); got full={flags}")
+    if causal_rows is None:
+        causal_rows = (int(cu_seqlens_q[num_causal]), int(cu_seqlens_k[num_causal]))
+    rows, keys = (int(x) for x in causal_rows)
+    if cu_seqlens_q.device.type == "cpu" and (rows, keys) != (int(cu_seqlens_q[num_causal]),
+                                                             int(cu_seqlens_k[num_causal])):
+        raise ValueError(f"causal_rows {(rows, keys)} disagree with cu_seqlens, whose first {num_causal} (causal) "
+                         f"tasks hold {int(cu_seqlens_q[num_causal])} query and {int(cu_seqlens_k[num_causal])} "
+                         "key rows")
+    cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    return _Halves(num_causal, rows, keys, cu_q[:num_causal + 1], cu_k[:num_causal + 1], cu_q[num_causal:] - rows,
+                   cu_k[num_causal:] - keys)
 
 
-def _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, flags, scale, variant):
-    """Forward of a batch holding full tasks: the causal tasks under ``variant``, the full ones
-    unmasked (no window), each set in one kernel call; rows of no task get zeros."""
+def _check_full_keys(halves: _Halves, cu_seqlens_q, cu_seqlens_k) -> None:
+    if cu_seqlens_q.device.type != "cpu":
+        return  # checked on the host only (as _check), never at the cost of a device synchronisation
+    q_len, k_len = (torch.diff(c[halves.num_causal:]) for c in (cu_seqlens_q, cu_seqlens_k))
+    if bool(((q_len > 0) & (k_len == 0)).any()):
+        raise ValueError("a full task has queries but no keys; every query of a CA-task must see a key")
+
+
+def _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, flags, causal_rows, scale,
+                       variant):
+    """Forward of a batch holding full tasks after its causal ones: the causal half under
+    ``variant``, the full half unmasked (no window), each in one kernel call on slices of q, k, v."""
     if variant.chunk:
         raise ValueError("chunked attention (attention_chunk_size) takes whole-prefix CA-tasks only, not full "
                          "(key-split) tasks")
-    causal_part, full_part = _split_full(cu_seqlens_q, cu_seqlens_k, flags, q.device)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    lse = None
-    for part, causal in ((causal_part, True), (full_part, False)):
-        if part is None:
-            continue
-        o, l = _run_forward(kernel, q.index_select(0, part.q_rows), k.index_select(0, part.k_rows),
-                            v.index_select(0, part.k_rows), part.cu_q, part.cu_k, part.max_q, part.max_k, scale,
-                            variant if causal else AttentionVariant(softcap=variant.softcap), causal)
-        if lse is None:
-            lse = torch.zeros(q.shape[1], q.shape[0], dtype=l.dtype, device=q.device)
-        out.index_copy_(0, part.q_rows, o)
-        lse.index_copy_(1, part.q_rows, l.to(lse.dtype))
-    return out, lse
+    h = _halves(cu_seqlens_q, cu_seqlens_k, flags, causal_rows)
+    _check_full_keys(h, cu_seqlens_q, cu_seqlens_k)
+    r, n = h.causal_rows, h.causal_keys
+    parts = []
+    if h.num_causal:
+        parts.append(_run_forward(kernel, q[:r], k[:n], v[:n], h.cu_q_causal, h.cu_k_causal, max_q, max_k, scale,
+                                  variant))
+    parts.append(_run_forward(kernel, q[r:], k[n:], v[n:], h.cu_q_full, h.cu_k_full, max_q, max_k, scale,
+                              AttentionVariant(softcap=variant.softcap), causal=False))
+    if len(parts) == 1:
+        return parts[0]
+    (out, lse), (full_out, full_lse) = parts
+    return torch.cat([out, full_out]), torch.cat([lse, full_lse.to(lse.dtype)], dim=1)
 
 
-def _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, flags, scale, variant):
-    causal_part, full_part = _split_full(cu_seqlens_q, cu_seqlens_k, flags, q.device)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for part, causal in ((causal_part, True), (full_part, False)):
-        if part is None:
-            continue
-        rows = lambda t: t.index_select(0, part.q_rows)
-        keys = lambda t: t.index_select(0, part.k_rows)
-        pdq, pdk, pdv = _run_backward(kernel, rows(dout), rows(q), keys(k), keys(v), rows(out),
-                                      lse.index_select(1, part.q_rows).contiguous(), part.cu_q, part.cu_k,
-                                      part.max_q, part.max_k, scale,
-                                      variant if causal else AttentionVariant(softcap=variant.softcap), causal)
-        dq.index_add_(0, part.q_rows, pdq.to(dq.dtype))
-        dk.index_add_(0, part.k_rows, pdk.to(dk.dtype))
-        dv.index_add_(0, part.k_rows, pdv.to(dv.dtype))
-    return dq, dk, dv
+def _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, flags,
+                        causal_rows, scale, variant):
+    h = _halves(cu_seqlens_q, cu_seqlens_k, flags, causal_rows)
+    r, n = h.causal_rows, h.causal_keys
+    parts = []
+    if h.num_causal:
+        parts.append(_run_backward(kernel, dout[:r], q[:r], k[:n], v[:n], out[:r], lse[:, :r].contiguous(),
+                                   h.cu_q_causal, h.cu_k_causal, max_q, max_k, scale, variant))
+    parts.append(_run_backward(kernel, dout[r:], q[r:], k[n:], v[n:], out[r:], lse[:, r:].contiguous(), h.cu_q_full,
+                               h.cu_k_full, max_q, max_k, scale, AttentionVariant(softcap=variant.softcap),
+                               causal=False))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat([c, f.to(c.dtype)]) for c, f in zip(*parts))
 
 
 def varlen_attention_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None, *, window=None,
-    softcap=None, chunk=None, full=None
+    softcap=None, chunk=None, full=None, causal_rows=None
 ):
     """Forward of a fused CA-task batch. Returns ``(out, lse)``; no autograd graph is recorded.
-    ``full``: ``[num_tasks]`` bools, the tasks whose every query sees every key (see the module
-    docstring), or ``None``."""
+    ``full``: ``[num_tasks]`` bools, the tasks whose every query sees every key, after every causal
+    task (see the module docstring), or ``None``. ``causal_rows``: ``(query rows, key rows)`` of the
+    causal tasks (``FusedBatch.causal_rows``), so that the halves are found without reading a GPU's
+    ``cu_seqlens``; ``None``: read from them."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
@@ -386,7 +383,8 @@ def varlen_attention_forward(
     flags = _full_flags(full, cu_seqlens_q.numel() - 1)
     if flags is not None:
         with torch.no_grad():
-            return _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, flags, scale, variant)
+            return _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                      int(max_seqlen_k), flags, causal_rows, scale, variant)
     cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
         if cut is None:
@@ -398,11 +396,12 @@ def varlen_attention_forward(
 
 def varlen_attention_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, backend=None,
-    *, window=None, softcap=None, chunk=None, full=None
+    *, window=None, softcap=None, chunk=None, full=None, causal_rows=None
 ):
     """Backward of ``varlen_attention_forward``: returns ``(dq, dk, dv)`` shaped like q, k, v
     (gradients of grouped K/V heads summed over their query heads). ``out`` and ``lse`` may be a
-    row's merged ones (``kernels.merge``): each task then gets its share of the gradient."""
+    row's merged ones (``kernels.merge``): each task then gets its share of the gradient. ``full``
+    and ``causal_rows``: as the forward's."""
     variant = AttentionVariant(window, softcap, chunk)
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -412,8 +411,8 @@ def varlen_attention_backward(
             raise ValueError("chunked attention (attention_chunk_size) takes whole-prefix CA-tasks only, not full "
                              "(key-split) tasks")
         with torch.no_grad():
-            return _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, flags, scale,
-                                       variant)
+            return _backward_with_full(kernel, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                       int(max_seqlen_q), int(max_seqlen_k), flags, causal_rows, scale, variant)
     cut = chunk_tasks(cu_seqlens_q, cu_seqlens_k, chunk) if chunk else None
     with torch.no_grad():
         if cut is None:

@@ -17,7 +17,7 @@ that no import, at module level or inside a function, closes a circle):
     rank_time  a plan's predicted seconds per rank: the one home of the time formula the judges, the
                descent, the tiles and the simulator use (``base_pairs``' other work included)
     key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
-               rule that makes them (``split_long_prefixes``)
+               tiles of one task given where its earlier prefix pieces are computed (``task_tiles``)
     tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full
                tiles on the holder only where the predicted slowest rank gets faster (``apply_time_tiles``)
     descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
@@ -44,10 +44,11 @@ from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .ranges import concat_ranges
-from .key_split import check_tiles, full_tiles, split_long_prefixes, with_key_ranges
+from .key_split import check_tiles, full_tiles, with_key_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
-from .transfers import BackwardMemory, CommBytes, KVTransfers, backward_memory, comm_bytes, kv_received, kv_transfers
+from .transfers import (BackwardMemory, CommBytes, KVTransfers, QuerySends, backward_memory, comm_bytes, kv_received,
+                        kv_transfers, query_sends)
 from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
@@ -64,5 +65,5 @@ __all__ = [
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
     "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "other_seconds", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
-    "check_tiles", "full_tiles", "split_long_prefixes", "with_key_ranges", "tile_pairs",
+    "check_tiles", "full_tiles", "with_key_ranges", "tile_pairs", "QuerySends", "query_sends",
 ]

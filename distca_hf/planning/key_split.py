@@ -25,11 +25,11 @@ import dataclasses
 import numpy as np
 
 from .carving import Plan
-from .cost import TokenBytes, key_start
+from .cost import key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["full_tiles", "check_tiles", "task_tiles", "split_long_prefixes", "with_key_ranges"]
+__all__ = ["full_tiles", "check_tiles", "task_tiles", "with_key_ranges"]
 
 
 def with_key_ranges(plan: Plan) -> Plan:
@@ -115,91 +115,3 @@ def task_tiles(task: tuple, causal_start: int, where) -> list[tuple]:
         else:
             tiles.append((source, h, doc, a, b, x0, x1))
     return tiles
-
-
-def split_long_prefixes(plan: Plan, pieces: DocumentPieces, *, max_prefix_tokens: int,
-                        token_bytes: TokenBytes | None = None) -> Plan:
-    """Queries travel to the K/V instead of a long prefix fanning out. A whole-prefix task ``[a, b)``
-    whose server would receive more than ``max_prefix_tokens`` keys of its prefix from other ranks
-    may become tiles: a causal tile ``[a, b) x [c, b)`` on its server (``c``: the start of the K/V
-    piece holding position ``a``, the task's own piece), and for each earlier piece of the prefix,
-    ``[x0, x1)`` held by rank ``h``, a full tile ``[a, b) x [x0, x1)`` served by ``h``, which holds those
-    keys: the task's queries go there and its partial output and log-sum-exp come back.
-
-    When that wins, in bytes per layer forward (``TokenBytes``): K/V travel once per (holder,
-    server, document) however many of the server's tasks use them, ``(x1 - x0) kv``; queries
-    travelling cost ``Q (q + o + lse)`` for the ``Q`` query tokens of the server's tasks of that
-    document that would send them. With grouped-query attention ``q + o`` is about 4x ``kv``
-    (Llama-3-8B: 32 query heads, 8 K/V heads), so queries win when a holder's piece is more than
-    about 4x the queries a server has of that document: the late shards of a long document, whose
-    first pieces otherwise go to every server of a later shard (the sender is the bottleneck:
-    measured at 512 ranks x 8k tokens with a 333k-token document, the worst rank sends 16.9 GB of K/V
-    per layer under the carving, 1.2 GB after this rule with ``token_bytes``; total 462 -> 132 GB). In
-    backward the queries' side adds dO, the merged out and lse out and dQ back, the prefix's side dK
-    and dV back: about the same ratio. With ``token_bytes`` each (server, document, holder piece)
-    goes to the holder only when that is fewer forward bytes (and the server needs none of its keys for
-    tasks that stay whole), and stays on the server otherwise (as
-    part of the causal tile when adjacent to it, else a full tile whose keys the server receives);
-    without, every such piece goes to its holder. Under a sliding window a piece can be a full tile
-    only when ``x0 >= b - window``; tasks where the earliest is not stay whole.
-
-    Returns the plan with key ranges (``Plan.k_start`` / ``k_end``), sorted by server, source,
-    document, queries and keys as plans are; a plan where nothing splits is returned unchanged."""
-    if max_prefix_tokens < 0:
-        raise ValueError(f"max_prefix_tokens must be >= 0, got {max_prefix_tokens}")
-    w = plan.window
-    k_start, k_end = plan.key_ranges()
-    kv_from = np.minimum(pieces.kv_start, pieces.start)
-    by_doc: dict[int, list[tuple[int, int, int]]] = {}
-    for rank, doc, first, end in zip(pieces.rank.tolist(), pieces.doc.tolist(), kv_from.tolist(),
-                                     pieces.end.tolist()):
-        by_doc.setdefault(doc, []).append((first, end, rank))
-    for segments in by_doc.values():
-        segments.sort()
-    tasks = list(zip(plan.source.tolist(), plan.server.tolist(), plan.doc.tolist(), plan.q_start.tolist(),
-                     plan.q_end.tolist(), np.asarray(k_start).tolist(), np.asarray(k_end).tolist()))
-    # which tasks may split, and the queries each (server, document, holder piece) would send
-    candidates, queries, needed = {}, {}, {}  # needed: keys a server receives anyway for its unsplit tasks
-    for i, (source, server, doc, a, b, k0, k1) in enumerate(tasks):
-        segments = [(max(x0, k0), min(x1, k1), h) for x0, x1, h in by_doc.get(doc, ()) if x1 > k0 and x0 < k1]
-        own = [x0 for x0, x1, h in segments if x0 <= a < x1]
-        earlier = [seg for seg in segments if own and seg[1] <= own[0]]
-        foreign = sum(x1 - x0 for x0, x1, h in segments if h != server)
-        if (k1 != b or not earlier or foreign <= max_prefix_tokens
-                or (w is not None and earlier[0][0] < b - w)):
-            lo, hi = needed.get((server, doc), (k0, k1))
-            needed[(server, doc)] = (min(lo, k0), max(hi, k1))
-            continue
-        candidates[i] = (own[0], earlier)
-        for x0, x1, h in earlier:
-            if h != server:
-                queries[(server, doc, x0)] = queries.get((server, doc, x0), 0) + b - a
-
-    def goes_to_holder(server, doc, x0, x1, h):
-        if h == server:
-            return False
-        if token_bytes is None:
-            return True
-        lo, hi = needed.get((server, doc), (0, 0))
-        if x0 < hi and lo < x1:
-            return False  # the server receives these keys anyway: sending queries would only add bytes
-        per_query = token_bytes.q + token_bytes.o + token_bytes.lse
-        return queries[(server, doc, x0)] * per_query < (x1 - x0) * token_bytes.kv
-
-    rows = []
-    for i, task in enumerate(tasks):
-        source, server, doc, a, b, k0, k1 = task
-        if i not in candidates:
-            rows.append(task)
-            continue
-        c, earlier = candidates[i]
-        where = [(x0, x1, h if goes_to_holder(server, doc, x0, x1, h) else server) for x0, x1, h in earlier]
-        rows.extend(task_tiles(task, c, where))
-    if len(rows) == len(tasks):
-        return plan
-    cols = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
-    order = np.lexsort((cols[5], cols[3], cols[2], cols[0], cols[1]))
-    source, server, doc, q_start, q_end, ks, ke = (c[order] for c in cols)
-    split = Plan(source, server, doc, q_start, q_end, plan.num_ranks, plan.servers, plan.window, plan.backward, ks, ke)
-    check_tiles(split)
-    return split

@@ -80,7 +80,10 @@ class FusedBatch:
         max_seqlen_q, max_seqlen_k: longest query shard and K/V prefix (tokens).
         pairs: query-key pairs the batch computes.
         full: ``[num_tasks]`` bool (CPU) marking full tiles of key-split tasks (every query sees every
-            key: the kernels' ``full``), or ``None`` when every task is bottom-right causal.
+            key: the kernels' ``full``), which come after every causal task, or ``None`` when every
+            task is bottom-right causal.
+        causal_rows: ``(query rows, key rows)`` of the causal tasks when ``full`` is given (the
+            kernels' ``causal_rows``: where the fused tensors' full half starts), else ``None``.
     """
 
     q_index: torch.Tensor | None
@@ -91,12 +94,13 @@ class FusedBatch:
     max_seqlen_k: int
     pairs: int
     full: torch.Tensor | None = None
+    causal_rows: tuple[int, int] | None = None
 
     def to(self, device) -> "FusedBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
         return FusedBatch(
             move(self.q_index), move(self.k_index), move(self.cu_seqlens_q), move(self.cu_seqlens_k),
-            self.max_seqlen_q, self.max_seqlen_k, self.pairs, self.full,
+            self.max_seqlen_q, self.max_seqlen_k, self.pairs, self.full, self.causal_rows,
         )
 
 
@@ -110,7 +114,9 @@ def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | 
     query / key pools holding them, task after task (``[sum of shard lengths]`` / ``[sum of K/V
     lengths]`` int64), or ``None`` when the tasks already are the pools, row for row. Tensors go to
     ``device``. ``k_start`` / ``k_end``: key-split tasks' own keys (``planning.key_split``; a task whose
-    keys end before its queries' end is a full tile), else whole prefixes.
+    keys end before its queries' end is a full tile), else whole prefixes; the batch then holds the
+    causal tasks first and the full tiles after them (``FusedBatch.full``), with ``q_index`` /
+    ``k_index`` reordered alike (the given order otherwise).
     """
     q_start, q_end = np.asarray(q_start, dtype=np.int64), np.asarray(q_end, dtype=np.int64)
     q_lens = q_end - q_start
@@ -119,13 +125,24 @@ def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | 
         k_start, k_end = np.asarray(k_start, dtype=np.int64), np.asarray(k_end, dtype=np.int64)
         k_lens = k_end - k_start
         full = k_end < q_end
+        causal_rows = None
+        if full.any():
+            # causal tasks first, then full ones (each in the given order), so that the kernels run
+            # each kind on a slice of the fused tensors
+            order = np.argsort(full, kind="stable")
+            q_index = _reordered_rows(q_index, q_lens, order)
+            k_index = _reordered_rows(k_index, k_lens, order)
+            q_start, q_end, k_start, k_end, q_lens, k_lens, full = (x[order] for x in (q_start, q_end, k_start, k_end,
+                                                                                        q_lens, k_lens, full))
+            causal = ~full
+            causal_rows = (int(q_lens[causal].sum()), int(k_lens[causal].sum()))
         return FusedBatch(
             as_tensor(q_index, np.int64), as_tensor(k_index, np.int64),
             as_tensor(np.concatenate(([0], np.cumsum(q_lens))), np.int32),
             as_tensor(np.concatenate(([0], np.cumsum(k_lens))), np.int32),
             int(q_lens.max(initial=0)), int(k_lens.max(initial=0)),
             int(tile_pairs(q_start, q_end, k_start, k_end, window).sum()),
-            torch.from_numpy(full) if full.any() else None)
+            torch.from_numpy(full) if full.any() else None, causal_rows)
     k_lens = q_end - key_start(q_start, window)
     return FusedBatch(
         as_tensor(q_index, np.int64),
@@ -136,6 +153,14 @@ def fused_batch(q_index, k_index, q_start, q_end, device=None, *, window: int | 
         int(k_lens.max(initial=0)),
         int(causal_pairs(q_start, q_end, window).sum()),
     )
+
+
+def _reordered_rows(index, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The rows of ``index`` (``[sum of lengths]``, task after task; ``None``: the rows themselves)
+    with its tasks' segments in ``order``."""
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    positions = concat_ranges(starts[order], lengths[order])
+    return positions if index is None else np.asarray(index, dtype=np.int64)[positions]
 
 
 def fuse_tasks(tasks: Sequence[CATask], docs: PackedDocuments, device=None) -> FusedBatch:

@@ -4,7 +4,9 @@ Pure numpy. A server needs, for each document it serves, the K/V prefix ``[0, ma
 tasks of that document (under a sliding window, ``[min key_start(q_start), max q_end)``: the keys
 before the window of its earliest query are never seen); each K/V token is sent once per (source rank, server) pair, from the rank
 that holds it, however many of the server's tasks use it. Queries go from their rank to the server
-when the two differ, and outputs come back the same way.
+when the two differ, each query row once per (source, server) however many of the server's key-split
+tiles use it (``query_sends``), and outputs come back the same way (a row's partials merged on the
+server first).
 
 It also holds the memory formula (``backward_memory``): what a plan makes each rank keep for
 attention's backward in one layer, beside its own tokens' activations.
@@ -22,7 +24,8 @@ from .cost import TokenBytes, imbalance, key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "kv_received", "CommBytes", "comm_bytes", "rank_bytes", "RunningBytes",
+__all__ = ["KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
+           "rank_bytes", "RunningBytes",
            "BackwardMemory", "backward_memory", "fit_memory_budget"]
 
 
@@ -90,6 +93,51 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
     return KVTransfers(source[send], server[send], need_doc[need_idx][send], start[send], end[send])
 
 
+@dataclass(frozen=True, eq=False)
+class QuerySends:
+    """Query ranges to send (arrays ``[num_sends]``, int64): queries ``[start, end)`` of document
+    ``doc`` go from ``source`` (where they live) to ``server``; ``of_task`` (``[num_tasks]``) is the
+    send that holds each task's queries (``-1``: a task computed on its queries' own rank)."""
+
+    source: np.ndarray
+    server: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    of_task: np.ndarray
+
+    def tokens(self) -> int:
+        return int((self.end - self.start).sum())
+
+
+def query_sends(plan: Plan) -> QuerySends:
+    """The query rows ``plan`` moves, each row once per (source, server) pair (the one home of the
+    rule): a server's key-split tiles of one query row (``Plan.k_start``) share the row it received,
+    and return one output for it (their partials merged there). Whole-prefix tasks never share a query,
+    so each moved one is a send of its own, in plan order; a key-split plan's sends are the union of
+    the moved tiles' query ranges per (server, source, document), in that order, then by position."""
+    moved = np.flatnonzero(plan.source != plan.server)
+    of_task = np.full(plan.num_tasks, -1, dtype=np.int64)
+    source, server, doc, start, end = (x[moved] for x in (plan.source, plan.server, plan.doc, plan.q_start,
+                                                          plan.q_end))
+    if not plan.splits_keys or not moved.size:
+        of_task[moved] = np.arange(moved.size)
+        return QuerySends(source, server, doc, start, end, of_task)
+    order = np.lexsort((start, doc, source, server))
+    source, server, doc, start, end, moved = (x[order] for x in (source, server, doc, start, end, moved))
+    group_starts = np.ones(moved.size, dtype=bool)
+    group_starts[1:] = (server[1:] != server[:-1]) | (source[1:] != source[:-1]) | (doc[1:] != doc[:-1])
+    group = np.cumsum(group_starts) - 1
+    span = int(end.max()) + 1  # running max of the ends within a group (offset so groups never mix)
+    reach = np.maximum.accumulate(end + group * span) - group * span
+    new = group_starts.copy()
+    new[1:] |= start[1:] >= reach[:-1]  # a range that overlaps none before it in its group starts a send
+    first = np.flatnonzero(new)
+    of_task[moved] = np.cumsum(new) - 1
+    return QuerySends(source[first], server[first], doc[first], start[first], np.maximum.reduceat(end, first),
+                      of_task)
+
+
 @dataclass(frozen=True)
 class CommBytes:
     """Bytes crossing ranks in one layer's forward under a plan."""
@@ -111,9 +159,10 @@ def kv_received(transfers: KVTransfers, num_ranks: int) -> np.ndarray:
 
 def comm_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
                transfers: KVTransfers | None = None) -> CommBytes:
-    """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran. Key-split
-    plans return each partial output with its log-sum-exp (counted in ``o``)."""
-    moved_q = plan.moved_queries()
+    """Bytes of one layer's forward; pass ``transfers`` when ``kv_transfers`` already ran. Queries and
+    outputs per ``query_sends``; key-split plans return each row's partial output with its log-sum-exp
+    (counted in ``o``)."""
+    moved_q = query_sends(plan).tokens()
     kv_tokens = (transfers if transfers is not None else kv_transfers(plan, pieces)).tokens()
     return CommBytes(q=moved_q * token_bytes.q, kv=kv_tokens * token_bytes.kv, o=moved_q * _returned(plan, token_bytes))
 
@@ -127,12 +176,11 @@ def _returned(plan: Plan, token_bytes: TokenBytes) -> int:
 def rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
                transfers: KVTransfers | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(sent, received)``, each ``[num_ranks]`` int64: the bytes every rank sends and receives in
-    one layer's forward under ``plan`` (Q out and O back for moved tasks, K/V from the holder to the
-    server). Both sum to ``comm_bytes(...).total``."""
+    one layer's forward under ``plan`` (Q out and O back per ``query_sends``, K/V from the holder to
+    the server). Both sum to ``comm_bytes(...).total``."""
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
-    moved = plan.source != plan.server
-    queries = (plan.q_end - plan.q_start)[moved]
-    source, server = plan.source[moved], plan.server[moved]
+    sends = query_sends(plan)
+    queries, source, server = sends.end - sends.start, sends.source, sends.server
     kv = (transfers.end - transfers.start) * token_bytes.kv
     n = plan.num_ranks
 

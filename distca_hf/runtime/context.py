@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..planning import DocumentPieces, FusedBatch, Plan, TokenBytes, backward_memory, imbalance
+from ..planning import DocumentPieces, FusedBatch, Plan, TokenBytes, backward_memory, imbalance, query_sends
 from ..state import STATE
 from .dispatch import Dispatch
 from .tables import DispatchCounters
@@ -45,7 +45,7 @@ class PlanStats:
             nano-batches differ.
         waves: exchanges per layer and direction (``wave``: up to 4; ping-pong: one per nano-batch).
         tasks: CA-tasks in the plan, all ranks.
-        moved_query_fraction: query tokens computed away from their rank / all query tokens.
+        moved_query_fraction: query tokens sent away from their rank (each row once per server) / all query tokens.
         kv_tokens_received_per_layer: ``[ranks]`` K/V tokens each server receives in one layer (the
             memory a plan adds on a server besides the queries); ``kv_tokens_received_max`` /
             ``_mean``: over the servers.
@@ -94,6 +94,9 @@ class BatchPlan:
         kv_received: ``[ranks]`` K/V tokens each server receives per layer (all the dispatch's waves).
         waves: exchanges per layer and direction.
         window: the sliding window pairs are counted under (the plan's, when there is one).
+        queries_sent: query tokens crossing ranks per layer as the dispatch's waves send them (a
+            key-split row whose tiles fall in two waves goes in each); ``None``: ``query_sends`` of
+            the plan.
     """
 
     pieces: DocumentPieces
@@ -101,6 +104,7 @@ class BatchPlan:
     kv_received: np.ndarray | None = None
     waves: int = 0
     window: int | None = None
+    queries_sent: int | None = None
 
     @property
     def pair_window(self) -> int | None:
@@ -115,17 +119,18 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     served = sum(b.plan.server_pairs() if b.plan is not None else b.pieces.local_pairs(b.pair_window)
                  for b in batches)
     planned = [b for b in batches if b.plan is not None]
-    moved = sum(b.plan.moved_queries() for b in planned)
+    sent_queries = [b.queries_sent if b.queries_sent is not None else query_sends(b.plan).tokens() for b in planned]
+    moved = sum(sent_queries)
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)
     ranks = batches[0].pieces.num_ranks
     received = sum((b.kv_received for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
     sent = 0
     if planned:
-        # queries out and outputs back per the plan, K/V as the waves really send them; in resend mode
-        # and with key-split tasks (partials merge at the source) the forward also returns each moved
-        # query's log-sum-exp (fp32, one per head)
+        # queries out and outputs back, K/V, as the waves really send them; in resend mode and with
+        # key-split tasks (partials merge at the source) the forward also returns each moved query
+        # row's log-sum-exp (fp32, one per head)
         sent = moved * (token_bytes.q + token_bytes.o) + int(received.sum()) * token_bytes.kv
-        sent += sum(b.plan.moved_queries() for b in planned
+        sent += sum(n for n, b in zip(sent_queries, planned)
                     if b.plan.backward == "resend" or b.plan.splits_keys) * num_heads * 4
     modes = sorted({b.plan.backward for b in planned})
     # memory held for backward: own activations (query tokens x bytes per token) + what each plan adds

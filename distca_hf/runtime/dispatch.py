@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planning import DocumentPieces, Plan, kv_received, kv_transfers, wave_plans
+from ..planning import DocumentPieces, Plan, kv_received, kv_transfers, query_sends, wave_plans
 from .tables import DispatchCounters, LocalDocuments, Wave, build_wave
 
 __all__ = ["Dispatch", "build_dispatch"]
@@ -53,6 +53,7 @@ class Dispatch:
     counters: DispatchCounters
     overlap: str = "none"
     kv_received: np.ndarray | None = None  # [ranks] K/V tokens each server receives per layer, all waves
+    queries_sent: int = 0  # query tokens crossing ranks per layer, all ranks and waves (planning.query_sends)
     backward: "Dispatch | None" = None
     """The dispatch the backward runs, when it is planned apart from the forward's (``None``: the same).
     ``pipeline_schedule="cad_1f1b"`` pools a backward tick's CA-tasks over the micro-batches that run
@@ -75,14 +76,15 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
     the model's layers) tasks carry only the K/V it sees."""
     counters = counters if counters is not None else DispatchCounters()
     named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
-    waves, received = [], np.zeros(plan.num_ranks, dtype=np.int64)
+    waves, received, queries_sent = [], np.zeros(plan.num_ranks, dtype=np.int64), 0
     for name, sub in named:
-        transfers = kv_transfers(sub, pieces)
+        transfers, sends = kv_transfers(sub, pieces), query_sends(sub)
         received += kv_received(transfers, plan.num_ranks)
-        wave = build_wave(sub, transfers, local, rank, device, counters=counters, name=name, **settings)
+        queries_sent += sends.tokens()  # a row whose tiles fall in two waves is sent in each
+        wave = build_wave(sub, transfers, local, rank, device, sends=sends, counters=counters, name=name, **settings)
         # A wave runs no collective when nothing crosses ranks in it (the same on every rank: the
         # plan is), with any overlap: a colocated plan ("auto" on a balanced step) costs no
         # all-to-all; a local task may still need K/V of its document held on another rank.
         wave.local_only = sub.moved_queries() == 0 and transfers.tokens() == 0
         waves.append(wave)
-    return Dispatch(waves, counters, overlap, received)
+    return Dispatch(waves, counters, overlap, received, queries_sent)

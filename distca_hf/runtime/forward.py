@@ -326,4 +326,5 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=block, group=group, timeout_s=config.timeout_s,
                               backward_mode=plan.backward, forward_number=number)
-    return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves))
+    return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves),
+                               queries_sent=dispatch.queries_sent)

@@ -94,7 +94,8 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
             f_out, f_lse = varlen_attention_forward(fq, fk, fv, served.cu_seqlens_q, served.cu_seqlens_k,
                                                     served.max_seqlen_q, served.max_seqlen_k, scale,
                                                     window=variant.window, softcap=variant.softcap,
-                                                    chunk=variant.chunk, full=served.full)
+                                                    chunk=variant.chunk, full=served.full,
+                                                    causal_rows=served.causal_rows)
     else:
         f_out, f_lse = fq.new_empty(0, heads, value_dim), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
     if w.merges:  # several tasks of a row: their partials merged here (a row of no task: 0 and -inf)
@@ -213,7 +214,8 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
                                                       served.cu_seqlens_k, served.max_seqlen_q,
                                                       served.max_seqlen_k, scale, window=variant.window,
-                                                      softcap=variant.softcap, chunk=variant.chunk, full=served.full)
+                                                      softcap=variant.softcap, chunk=variant.chunk, full=served.full,
+                                                      causal_rows=served.causal_rows)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
     # a key-split plan's tasks of one row each give a dQ partial: summed

@@ -76,7 +76,7 @@ class PingPongPlan:
 
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
                   num_heads: int, first_position: int = 0, *, kv_window: int | None = None,
-                  dtype_bytes: int | None = None) -> PingPongPlan:
+                  dtype_bytes: int | None = None, key_split: bool = False) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
     (a collective: each rank sends its first position and document lengths, as the attention
     function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
@@ -84,7 +84,9 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     ``span_ranks``, a row's last document that continues on the next rank stays whole in A). Opens
     the forward whose ``distca_hf.plan_stats()`` sums both nano-batches. ``kv_window``: the widest
     sliding window of the model's layers (see ``runtime.forward.context_for_call``); ``dtype_bytes``:
-    bytes of an attention element (see ``plan_batch``)."""
+    bytes of an attention element (see ``plan_batch``); ``key_split``: ``tolerance="auto"`` may weigh
+    key-split tiles for both nano-batches (``runtime.forward.tiles_hold_for`` of the model's attention
+    layers decides, as for a forward without ping-pong)."""
     config = current_config()
     number = next_forward_number()
     if error is None:
@@ -108,7 +110,8 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
         # each nano-batch's dispatch runs without waves; the other nano-batch's compute hides its
         # communication, which "auto" counts as ping-pong's exposure
         dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters,
-                                     kv_window=kv_window, dtype_bytes=dtype_bytes, planning_overlap="pingpong")
+                                     kv_window=kv_window, dtype_bytes=dtype_bytes, planning_overlap="pingpong",
+                                     key_split=key_split)
         for w in dispatch.waves:
             w.name = "nano-batch " + name
         dispatches.append(dispatch)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..planning import FusedBatch, KVTransfers, PackedDocuments, Plan, concat_ranges, fused_batch, key_start
+from ..planning import (FusedBatch, KVTransfers, PackedDocuments, Plan, QuerySends, concat_ranges, fused_batch,
+                        key_start, query_sends)
 
 __all__ = ["DispatchCounters", "LocalDocuments", "Wave", "build_wave"]
 
@@ -100,12 +101,15 @@ class LocalDocuments:
         return self.docs.k_starts[local] + positions - self.offsets[local]
 
 
-def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, **settings) -> Wave:
+def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device, *,
+               sends: QuerySends | None = None, **settings) -> Wave:
     """Index tables of ``plan`` for ``rank``, whose documents are ``local``; ``kv`` is
-    ``kv_transfers(plan, pieces)``. ``settings`` are ``Wave``'s optional fields."""
+    ``kv_transfers(plan, pieces)``, ``sends`` ``query_sends(plan)`` (made here when not given).
+    ``settings`` are ``Wave``'s optional fields."""
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
-    send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, kv, local, rank)
-    recv_q_counts, recv_kv_counts, served = _server_tables(plan, kv, local, rank, device)
+    sends = sends if sends is not None else query_sends(plan)
+    send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, sends, kv, local, rank)
+    recv_q_counts, recv_kv_counts, served = _server_tables(plan, sends, kv, local, rank, device)
     docs = local.docs
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
@@ -114,14 +118,14 @@ def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, de
                 merges=plan.splits_keys, **settings)
 
 
-def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int):
-    """Local query rows of this rank's moved tasks and K/V rows of its transfers, by destination
-    (in plan / transfer order, which is by destination)."""
-    moved_out = (plan.source == rank) & (plan.server != rank)
-    lengths = (plan.q_end - plan.q_start)[moved_out]
-    first = local.query_rows(local.local_index(plan.doc[moved_out]), plan.q_start[moved_out])
+def _source_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalDocuments, rank: int):
+    """Local query rows of this rank's query sends and K/V rows of its transfers, by destination
+    (in send / transfer order, which is by destination)."""
+    out = sends.source == rank
+    lengths = (sends.end - sends.start)[out]
+    first = local.query_rows(local.local_index(sends.doc[out]), sends.start[out])
     send_q_rows = concat_ranges(first, lengths)
-    send_q_counts = np.bincount(plan.server[moved_out], weights=lengths, minlength=plan.num_ranks)
+    send_q_counts = np.bincount(sends.server[out], weights=lengths, minlength=plan.num_ranks)
 
     kv_out = kv.source == rank
     kv_len = (kv.end - kv.start)[kv_out]
@@ -130,16 +134,21 @@ def _source_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     return send_q_rows, send_q_counts.astype(np.int64).tolist(), send_kv_rows, send_kv_counts.astype(np.int64).tolist()
 
 
-def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, device):
+def _server_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalDocuments, rank: int, device):
     """Rows this server receives from each source, and its fused batch over the pools ``[local rows]
     ++ [received rows, by source]``. A task's K/V prefix (cut to ``plan.window``) may come in several
-    segments: its document's piece on this rank and the ranges received from every other holder."""
+    segments: its document's piece on this rank and the ranges received from every other holder. A
+    received task's queries are rows of its send (several key-split tiles of a row share them)."""
     window = plan.window
     world, docs = plan.num_ranks, local.docs
     on_me = plan.server == rank
-    remote = on_me & (plan.source != rank)
-    q_len = plan.q_end - plan.q_start
-    recv_q_counts = np.bincount(plan.source[remote], weights=q_len[remote], minlength=world).astype(np.int64)
+    q_in = np.flatnonzero(sends.server == rank)
+    # the received buffer is grouped by source in rank order; within a source, in send order
+    q_in = q_in[np.argsort(sends.source[q_in], kind="stable")]
+    q_in_len = sends.end[q_in] - sends.start[q_in]
+    recv_q_counts = np.bincount(sends.source[q_in], weights=q_in_len, minlength=world).astype(np.int64)
+    send_row = np.zeros(sends.source.size, dtype=np.int64)  # first pool row of each send received here
+    send_row[q_in] = docs.num_query_tokens + np.cumsum(q_in_len) - q_in_len
     kv_in = np.flatnonzero(kv.server == rank)
     # the received buffer is grouped by source in rank order; within a source, in transfer order
     kv_in = kv_in[np.argsort(kv.source[kv_in], kind="stable")]
@@ -147,16 +156,13 @@ def _server_tables(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int
     recv_kv_counts = np.bincount(kv.source[kv_in], weights=kv_len, minlength=world).astype(np.int64)
 
     # Query rows of the tasks this rank serves, in plan order (local tasks index the local stream;
-    # received ones follow it, grouped by source in rank order as the plan is).
+    # received ones the rows of their send, which follow it).
     t_src, t_doc, t_a, t_b = plan.source[on_me], plan.doc[on_me], plan.q_start[on_me], plan.q_end[on_me]
     is_local = t_src == rank
     q_first = np.zeros(t_src.size, dtype=np.int64)
     q_first[is_local] = local.query_rows(local.local_index(t_doc[is_local]), t_a[is_local])
-    r_order = np.argsort(t_src[~is_local], kind="stable")
-    r_len = (t_b - t_a)[~is_local][r_order]
-    received_first = np.empty(r_len.size, dtype=np.int64)
-    received_first[r_order] = docs.num_query_tokens + np.cumsum(r_len) - r_len
-    q_first[~is_local] = received_first
+    t_send = sends.of_task[on_me][~is_local]
+    q_first[~is_local] = send_row[t_send] + t_a[~is_local] - sends.start[t_send]
     q_index = concat_ranges(q_first, t_b - t_a)
 
     # K/V segments a server can read: the local pieces, then each received range (pool rows after

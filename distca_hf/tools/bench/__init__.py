@@ -113,7 +113,6 @@ from .processes import init_process, launch
 from .summaries import TARGETS, per_batch_minimum, per_step_ratios, summarize, summarize_demo, summarize_long
 from .tables import format_long_table, format_table
 from .worker import run_rank, turn_order
-from .worker import run_rank as _worker  # the process entry under its name before the split: replaced here in tests
 from .workloads import (ALONE, BALANCED_SHIFT, WORKLOADS, balanced_batch, check_workload_names, default_long_tokens,
                         demo_lengths, drawn_batches, long_documents, sample_lengths, skewed_batch, workload_batches)
 
@@ -133,10 +132,7 @@ __all__ = [
 
 
 def main(argv=None) -> int:
-    """``distca-hf bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status. The process
-    entry (``_worker``), ``launch`` and ``demo_document_lengths`` are the ones this module holds when
-    called: replacing them here (``monkeypatch.setattr(bench, "launch", ...)``) reaches the run."""
+    """``distca-hf bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
-    return run_cli(parser.parse_args(argv), parser, worker=_worker, launch=launch,
-                   demo_document_lengths=demo_document_lengths)
+    return run_cli(parser.parse_args(argv), parser)
 

@@ -11,11 +11,13 @@ import argparse
 import json
 import os
 
+from . import demo_data, processes
 from .demo_data import DEMO_MODEL, DEMO_ROUNDS, demo_packing_config
 from .model import MODEL_DEFAULTS
 from .pipeline_cli import run_pipeline_cli
 from .summaries import summarize, summarize_demo, summarize_long
 from .tables import format_long_table, format_table
+from .worker import run_rank
 from .workloads import check_workload_names, default_long_tokens, long_documents
 
 
@@ -119,15 +121,16 @@ def _check_long(args, parser) -> None:
         args.ulysses_skipped = ulysses_unavailable(args.world, args.heads, args.kv_heads)
 
 
-def _check_demo(args, parser, demo_document_lengths) -> None:
+def _check_demo(args, parser) -> None:
     """``--workload demo``: the demo's documents (tokenized here, once: the ranks get the lengths, from
-    ``demo_document_lengths()``), their packing for ``--world`` ranks of ``--tokens``, and ``--global-batches``."""
+    ``demo_data.demo_document_lengths()``), their packing for ``--world`` ranks of ``--tokens``, and
+    ``--global-batches``."""
     if args.workload != "demo":
         if args.global_batches is not None:
             parser.error("--global-batches is for --workload demo")
         return
     try:
-        args.demo_lengths, args.demo_pad_token_id = demo_document_lengths()
+        args.demo_lengths, args.demo_pad_token_id = demo_data.demo_document_lengths()
     except ImportError as e:
         parser.error(f"--workload demo: {e}")
     from ...training.packing import pack_rows
@@ -143,12 +146,11 @@ def _check_demo(args, parser, demo_document_lengths) -> None:
         args.demo_global_batches = args.global_batches
 
 
-def run_cli(args, parser, *, worker, launch, demo_document_lengths) -> int:
-    """Fill the defaults of ``args`` and check them (``parser.error`` names a bad flag), run every rank,
-    print the table or the JSON; the exit status. The front door (``distca_hf.tools.bench.main``) passes
-    the process entry ``worker`` (``worker.run_rank``), ``launch`` (``processes.launch``) and
-    ``demo_document_lengths`` (``demo_data``) as it holds them when called, so that a test or a user can
-    replace them there."""
+def run_cli(args, parser) -> int:
+    """Fill the defaults of ``args`` and check them (``parser.error`` names a bad flag), run every rank
+    (``processes.launch`` of ``worker.run_rank``), print the table or the JSON; the exit status.
+    ``processes.launch`` and ``demo_data.demo_document_lengths`` are read from their modules when
+    called, so a test replaces them there (``monkeypatch.setattr(bench.processes, "launch", ...)``)."""
     import torch
 
     if args.device == "auto":
@@ -157,7 +159,7 @@ def run_cli(args, parser, *, worker, launch, demo_document_lengths) -> int:
         parser.error("--device cuda: no CUDA device is available")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.pipeline_parallel is not None:  # pipeline stages: their own methods and sizes
-        return run_pipeline_cli(args, parser, launch=launch)
+        return run_pipeline_cli(args, parser)
     if args.micro_batches is not None:
         parser.error("--micro-batches is for --pipeline-parallel")
     if args.workload == "demo":  # the demo's model and rounds, unless given
@@ -192,8 +194,8 @@ def run_cli(args, parser, *, worker, launch, demo_document_lengths) -> int:
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
         args.world = int(os.environ["WORLD_SIZE"])
     _check_long(args, parser)
-    _check_demo(args, parser, demo_document_lengths)
-    results = launch(worker, args)
+    _check_demo(args, parser)
+    results = processes.launch(run_rank, args)
     if results is None:  # a rank other than 0 under torchrun
         return 0
     if args.workload == "long":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+from . import processes
 from .model import MODEL_DEFAULTS
 from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
 from .pipeline_reports import format_pipeline_table, summarize_pipeline
@@ -63,16 +64,16 @@ def check_pipeline_arguments(args, parser) -> None:
         parser.error("--no-ulysses is not for --pipeline-parallel")
 
 
-def run_pipeline_cli(args, parser, *, launch) -> int:
+def run_pipeline_cli(args, parser) -> int:
     """``distca-hf bench --pipeline-parallel P ...`` (``cli.run_cli`` routes here): check, launch,
-    summarise, print; exit status 1 when the methods' losses or gradient norms disagree. ``launch``:
-    ``processes.launch``, or what replaces it on the front door (``run_cli`` passes it on)."""
+    summarise, print; exit status 1 when the methods' losses or gradient norms disagree. The ranks run
+    by ``processes.launch``, read from its module when called (a test's seam)."""
     import sys
 
     check_workload_names(args, parser)
     check_pipeline_arguments(args, parser)
     load_before = os.getloadavg()[0]
-    results = launch(run_pipeline_rank, args)
+    results = processes.launch(run_pipeline_rank, args)
     if results is None:  # a rank other than 0 under torchrun
         return 0
     results["load_average"] = [load_before, os.getloadavg()[0]]
