@@ -62,10 +62,11 @@ import numpy as np
 from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
-from .descent import descend
-from .tiles import apply_time_tiles
+from .descent import descend_within_memory
+from .tiles import apply_memory_tiles, apply_time_tiles
 from .pieces import DocumentPieces
-from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
+from .transfers import (KVTransfers, RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers,
+                        rank_bytes)
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -118,10 +119,22 @@ def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
-    """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget."""
+    """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
+    a ``saved`` plan over it runs in ``resend`` mode, or (``config.key_split``) with the key-split
+    tiles that bring it within (``tiles.apply_memory_tiles``) when that is predicted faster."""
     transfers = kv_transfers(plan, pieces)
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
-    return step_seconds(fitting, pieces, config, transfers), fitting
+    seconds = step_seconds(fitting, pieces, config, transfers)
+    if fitting.backward != plan.backward and config.key_split:
+        tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
+        if tiled is not plan:
+            tiled_transfers = kv_transfers(tiled, pieces)
+            received = kv_received(tiled_transfers, pieces.num_ranks)
+            if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget):
+                tiled_seconds = step_seconds(tiled, pieces, config, tiled_transfers)
+                if tiled_seconds < seconds:
+                    return tiled_seconds, tiled
+    return seconds, fitting
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
@@ -159,11 +172,12 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
         for mode in dict.fromkeys((config.backward, "resend")):
-            seconds, plan = _judged(descend(pieces, config, backward=mode), pieces, config)
+            plan, refused = descend_within_memory(pieces, config, backward=mode)
+            seconds, plan = _judged(plan, pieces, config)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
-            if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
-                break
+            if plan.backward == mode and not refused:  # it fits the memory budget in the mode its bytes
+                break  # were timed in, and the budget cost it no move: resend's bytes would only add
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)

@@ -61,9 +61,9 @@ import numpy as np
 from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
-from .transfers import rank_bytes
+from .transfers import backward_memory, rank_bytes
 
-__all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+__all__ = ["descend", "descend_within_memory", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
@@ -159,6 +159,16 @@ class _Descent:
         self.commits = 0
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
         self.bounds: dict[int, float] = {}
+        # Memory (saved mode under a budget): what every rank holds for backward in one layer
+        # (``transfers.backward_memory``), kept move by move; a move may not take a server past the
+        # budget's limit (``memory_move_room``). None: unbounded (resend mode keeps nothing on servers).
+        self.held = None
+        self.memory_refused = False  # whether the limit cut or refused a move the time alone allowed
+        if backward == "saved" and config.memory_budget is not None:
+            memory = backward_memory(colocated, pieces, tb, backward="saved")
+            self.held = memory.held.astype(np.float64).tolist()
+            self.held_total, self.memory_budget, self.memory_floor = sum(self.held), config.memory_budget, memory.floor
+            self.query_bytes = tb.q + tb.o + tb.lse  # what a server keeps per query it serves (a source, less)
 
     def intervals(self, rank: int) -> list[list[int]]:
         """The rank's own intervals still at home, ``[doc, piece start, end]``, latest end first."""
@@ -289,6 +299,10 @@ class _Descent:
                 a = piece_start + math.ceil((start_with_pairs(end, pairs, window) - piece_start) / block) * block
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
+            if self.held is not None and not must_empty:  # (a rank outside the pool must empty, come what may)
+                a = self.memory_cut(donor, server, doc, piece_start, a, end)
+                if a is None:
+                    return None
             changes, moved, merged = self.effect(donor, server, doc, piece_start, a, end)
             if self.acceptable(changes, donor, server, level, must_empty):
                 return a, changes, moved, merged
@@ -302,10 +316,33 @@ class _Descent:
                 return None
         return None
 
+    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int):
+        """The cut ``a`` of a tail ``[a, end)`` moved up by whole blocks until ``server`` holds at most
+        the memory limit after taking it (the queries it keeps, ``query_bytes`` each, and the K/V it
+        lacks); ``None`` when not one block fits (the K/V alone may not)."""
+        kv_bytes = self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] / 2  # received, not sent
+        # the limit after the move: (1 + budget) x the mean held, which the received K/V raise (the
+        # queries only change hands), or the floor
+        limit = max((1 + self.memory_budget) * (self.held_total + kv_bytes) / self.n, self.memory_floor)
+        room = limit * (1 + 1e-12) - self.held[server] - kv_bytes
+        fits = math.floor(room / self.query_bytes) if room >= 0 else -1  # queries the server may keep
+        if end - a <= fits:
+            return a
+        self.memory_refused = True
+        if fits < 1:
+            return None
+        cut = piece_start + math.ceil((end - fits - piece_start) / self.block) * self.block
+        return cut if cut < end else None
+
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
-        self.commits += 1
         interval = self.intervals(donor)[index]
         piece_start, b = interval[1], interval[2]
+        if self.held is not None:  # before the needs grow: the K/V the server lacks until now
+            kept, kv_bytes = (b - a) * self.query_bytes, self.kv_sends(donor, server, doc, key_start(a, self.window), b)[1] / 2
+            self.held[donor] -= kept
+            self.held[server] += kept + kv_bytes
+            self.held_total += kv_bytes
+        self.commits += 1
         for rank, add in changes.items():
             self.time[rank] += add
         pairs_s = self.attn * causal_pairs(a, b, self.window)
@@ -464,9 +501,17 @@ def _sort_order(keys) -> np.ndarray:
 def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan:
     """The descent's plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
     (default ``config.backward``); the plan says ``"saved"``, ``by_time`` fits it to the memory budget."""
+    return descend_within_memory(pieces, config, backward=backward)[0]
+
+
+def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *,
+                          backward: str | None = None) -> tuple[Plan, bool]:
+    """``(descend's plan, refused)``: ``refused`` says whether ``config.memory_budget`` cut or refused
+    a move that the time alone allowed (in ``saved`` mode; never in ``resend`` mode, which the budget
+    does not bound): only then can an unbounded ``resend`` descent be faster."""
     state = _Descent(pieces, config, backward or config.backward)
     state.run()
-    return state.plan()
+    return state.plan(), state.memory_refused
 
 
 def document_servers(plan: Plan) -> dict[int, int]:

@@ -35,13 +35,13 @@ from __future__ import annotations
 import numpy as np
 
 from .carving import Plan, PlannerConfig
-from .cost import key_start
+from .cost import TokenBytes, key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
-from .transfers import kv_transfers, rank_bytes
+from .transfers import backward_memory, kv_received, kv_transfers, rank_bytes
 
-__all__ = ["apply_time_tiles", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, tokens, pairs, tasks, keys, sent, received):
@@ -257,3 +257,79 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     tiled = Plan(source, server, doc, q_start, q_end, base.num_ranks, base.servers, base.window, base.backward, ks, ke)
     check_tiles(tiled)
     return tiled
+
+
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float) -> Plan:
+    """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
+    memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
+    stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
+    the unit's queries instead (``q`` bytes per query row of a tile, ``transfers.backward_memory``),
+    so K/V that would pile on one server stay spread over the ranks that hold them.
+
+    Greedy: the rank furthest over the limit takes the unit that drops the most of its received
+    K/V among those whose holder stays within the limit (the limit is ``(1 + budget)`` x the mean
+    held, which every unit changes: recomputed each time); a rank no unit helps is left as it is.
+    The plan comes back with explicit key ranges whether or not a unit was applied (a key-split
+    plan's servers keep only the queries, no outputs: ``transfers.backward_memory``), or unchanged
+    for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
+    (``by_time`` then runs the step in ``resend`` mode); it is not timed here (``by_time`` judges it
+    against the ``resend`` plan)."""
+    if plan.splits_keys or plan.num_tasks == 0 or plan.backward != "saved":
+        return plan
+    base = with_key_ranges(plan)
+    transfers = kv_transfers(base, pieces)
+    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=kv_received(transfers, plan.num_ranks))
+    held = memory.held.astype(np.float64)
+    total, n = float(held.sum()), held.size
+
+    def limit(total_held: float) -> float:
+        return max((1.0 + budget) * total_held / n, float(memory.floor)) * (1 + 1e-12)
+
+    if held.max(initial=0.0) <= limit(total):
+        return base
+    units = tile_units(plan, pieces)
+    sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
+                                                             transfers.start, transfers.end))):
+        sent_kv.setdefault((src, srv, d), []).append((start, end))
+    by_server: dict[int, list[int]] = {}
+    for u, unit in enumerate(units):
+        by_server.setdefault(unit[0], []).append(u)
+
+    def change(u: int) -> tuple[float, float]:
+        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)``."""
+        s, d, x0, x1, h, tasks = units[u]
+        drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
+        return float(drop), float(sum(int(plan.q_end[i] - plan.q_start[i]) for i in tasks) * token_bytes.q)
+
+    applied = np.zeros(len(units), dtype=bool)
+    stuck: set[int] = set()
+    while True:
+        over = [r for r in np.flatnonzero(held > limit(total)).tolist() if r not in stuck]
+        if not over:
+            break
+        r = max(over, key=lambda rank: (held[rank], -rank))
+        best, best_key = None, None
+        for u in by_server.get(r, ()):
+            if applied[u]:
+                continue
+            drop, add = change(u)
+            h = units[u][4]
+            if drop <= 0 or held[h] + add > limit(total - drop + add):
+                continue
+            key = (-drop, add, u)
+            if best_key is None or key < best_key:
+                best, best_key = u, key
+        if best is None:
+            stuck.add(r)
+            continue
+        drop, add = change(best)
+        held[r] -= drop
+        held[units[best][4]] += add
+        total += add - drop
+        applied[best] = True
+    if not applied.any():
+        return base
+    done = np.flatnonzero(applied).tolist()
+    touched = sorted({i for u in done for i in units[u][5]})
+    return _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
