@@ -62,7 +62,7 @@ import numpy as np
 from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
-from .descent import descend_within_memory
+from .descent import descend, descend_within_memory
 from .tiles import apply_memory_tiles, apply_time_tiles
 from .pieces import DocumentPieces
 from .transfers import (KVTransfers, RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers,
@@ -118,14 +118,16 @@ def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
     return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))
 
 
-def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
+def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
+            memory_tiles: bool = False) -> tuple[float, Plan]:
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
-    a ``saved`` plan over it runs in ``resend`` mode, or (``config.key_split``) with the key-split
-    tiles that bring it within (``tiles.apply_memory_tiles``) when that is predicted faster."""
+    a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
+    with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
+    predicted faster."""
     transfers = kv_transfers(plan, pieces)
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
     seconds = step_seconds(fitting, pieces, config, transfers)
-    if fitting.backward != plan.backward and config.key_split:
+    if memory_tiles and fitting.backward != plan.backward and config.key_split:
         tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
@@ -161,7 +163,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
-        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config)
+        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config,
+                                memory_tiles=descent)
         best_key = (seconds, 0)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         linear = tm.linear_s_per_token * tokens
@@ -171,13 +174,18 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
-        for mode in dict.fromkeys((config.backward, "resend")):
-            plan, refused = descend_within_memory(pieces, config, backward=mode)
-            seconds, plan = _judged(plan, pieces, config)
+        free = descend(pieces, config, backward=config.backward)
+        candidates = [(free, True)]  # (plan, whether memory tiles may keep it in saved mode)
+        if fit_memory_budget(free, pieces, config).backward != config.backward:
+            # over the memory budget: within it by construction where a saved plan can fit, and in resend mode
+            held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved").held.mean())
+            if _saved_may_fit(pieces, config, held_mean):
+                candidates.append((_bounded_descent(pieces, config, held_mean), True))
+            candidates.append((descend(pieces, config, backward="resend"), False))
+        for candidate, memory_tiles in candidates:
+            seconds, plan = _judged(candidate, pieces, config, memory_tiles=memory_tiles)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
-            if plan.backward == mode and not refused:  # it fits the memory budget in the mode its bytes
-                break  # were timed in, and the budget cost it no move: resend's bytes would only add
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
     finished = [] if not descent else [None]  # the carvings finished so far (the descent's plan counts)
     running = RunningBytes(pieces, config.token_bytes, config.window)
@@ -212,6 +220,36 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if key < best_key:
             best, best_key = plan, key
     return _with_tiles(best, best_key[0], pieces, config) if descent else best
+
+
+def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> bool:
+    """Whether a ``saved`` plan within ``config.memory_budget`` is worth looking for: the colocated
+    plan, with the key-split tiles that bring its ranks within the budget where they can
+    (``config.key_split``; ``tiles.apply_memory_tiles``), fits against a mean of at least ``held_mean``
+    (the unbounded descent's). When it does not, the ranks holding late pieces of long documents keep
+    more of their prefixes' K/V than any move of queries takes away (the descent only adds to other
+    ranks), and only ``resend`` mode fits: the bounded descent and the memory tiles of the
+    candidates are skipped (plan time)."""
+    colocated = colocated_plan(pieces, config.servers, window=config.window)
+    if config.key_split:
+        colocated = apply_memory_tiles(colocated, pieces, config.token_bytes, config.memory_budget,
+                                       held_mean=held_mean)
+    memory = backward_memory(colocated, pieces, config.token_bytes, backward="saved")
+    limit = max((1.0 + config.memory_budget) * max(float(memory.held.mean()), held_mean), float(memory.floor))
+    return float(memory.held.max(initial=0.0)) <= limit * (1 + 1e-12)
+
+
+def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> Plan:
+    """The descent within ``config.memory_budget`` (``descent.descend_within_memory``) when the
+    unbounded one is over it: the limit counts at least the mean ``held_mean`` that the unbounded one
+    makes ranks hold (the first moves would otherwise be judged against colocated's mean, before the
+    K/V that later moves bring). Moving less K/V, the bounded plan may end with a lower mean, hence a
+    lower limit: then it is planned once more against its own mean."""
+    bounded, refused = descend_within_memory(pieces, config, backward="saved", held_mean=held_mean)
+    memory = backward_memory(bounded, pieces, config.token_bytes, backward="saved")
+    if refused and not memory.fits(config.memory_budget):
+        bounded, _ = descend_within_memory(pieces, config, backward="saved", held_mean=float(memory.held.mean()))
+    return bounded
 
 
 def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig) -> Plan:

@@ -97,7 +97,8 @@ def _holder_time_floor(time: float, own: float, level: float) -> float:
 
 
 class _Descent:
-    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str):
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str, budget: float | None = None,
+                 held_mean: float = 0.0):
         n = pieces.num_ranks
         self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
         self.servers = config.servers if config.servers is not None else tuple(range(n))
@@ -161,13 +162,14 @@ class _Descent:
         self.bounds: dict[int, float] = {}
         # Memory (saved mode under a budget): what every rank holds for backward in one layer
         # (``transfers.backward_memory``), kept move by move; a move may not take a server past the
-        # budget's limit (``memory_move_room``). None: unbounded (resend mode keeps nothing on servers).
+        # budget's limit (``memory_cut``). None: unbounded (resend mode keeps nothing on servers).
         self.held = None
         self.memory_refused = False  # whether the limit cut or refused a move the time alone allowed
-        if backward == "saved" and config.memory_budget is not None:
+        if backward == "saved" and budget is not None:
             memory = backward_memory(colocated, pieces, tb, backward="saved")
             self.held = memory.held.astype(np.float64).tolist()
-            self.held_total, self.memory_budget, self.memory_floor = sum(self.held), config.memory_budget, memory.floor
+            self.held_total, self.memory_budget, self.memory_floor = sum(self.held), budget, memory.floor
+            self.held_mean = held_mean
             self.query_bytes = tb.q + tb.o + tb.lse  # what a server keeps per query it serves (a source, less)
 
     def intervals(self, rank: int) -> list[list[int]]:
@@ -322,8 +324,10 @@ class _Descent:
         lacks); ``None`` when not one block fits (the K/V alone may not)."""
         kv_bytes = self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] / 2  # received, not sent
         # the limit after the move: (1 + budget) x the mean held, which the received K/V raise (the
-        # queries only change hands), or the floor
-        limit = max((1 + self.memory_budget) * (self.held_total + kv_bytes) / self.n, self.memory_floor)
+        # queries only change hands; at least ``held_mean``, the mean the finished plan is expected
+        # to reach: the first moves would otherwise be judged against colocated's), or the floor
+        mean = max((self.held_total + kv_bytes) / self.n, self.held_mean)
+        limit = max((1 + self.memory_budget) * mean, self.memory_floor)
         room = limit * (1 + 1e-12) - self.held[server] - kv_bytes
         fits = math.floor(room / self.query_bytes) if room >= 0 else -1  # queries the server may keep
         if end - a <= fits:
@@ -500,16 +504,24 @@ def _sort_order(keys) -> np.ndarray:
 
 def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan:
     """The descent's plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
-    (default ``config.backward``); the plan says ``"saved"``, ``by_time`` fits it to the memory budget."""
-    return descend_within_memory(pieces, config, backward=backward)[0]
-
-
-def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *,
-                          backward: str | None = None) -> tuple[Plan, bool]:
-    """``(descend's plan, refused)``: ``refused`` says whether ``config.memory_budget`` cut or refused
-    a move that the time alone allowed (in ``saved`` mode; never in ``resend`` mode, which the budget
-    does not bound): only then can an unbounded ``resend`` descent be faster."""
+    (default ``config.backward``), unbounded by memory; the plan says ``"saved"``, ``by_time`` fits it
+    to the memory budget."""
     state = _Descent(pieces, config, backward or config.backward)
+    state.run()
+    return state.plan()
+
+
+def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
+                          held_mean: float = 0.0) -> tuple[Plan, bool]:
+    """``(descend's plan, refused)`` with ``config.memory_budget`` as a constraint (``saved`` mode; the
+    budget does not bound ``resend`` mode): a move may not take a server past ``(1 + budget)`` x the
+    mean that ranks hold (``transfers.backward_memory``), or past the floor; the mean counted is at
+    least ``held_mean`` bytes (an estimate of the finished plan's: ``by_time`` passes the unbounded
+    descent's). A move over it is cut (fewer queries) or goes to another server. ``refused`` says
+    whether the budget cut or refused a move that the time alone allowed. The descent's memory is
+    an upper bound per rank (a donor's K/V needs are never taken back), so the plan is judged again
+    exactly (``by_time``)."""
+    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean)
     state.run()
     return state.plan(), state.memory_refused
 

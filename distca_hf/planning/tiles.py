@@ -259,7 +259,8 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     return tiled
 
 
-def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float) -> Plan:
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                       held_mean: float = 0.0) -> Plan:
     """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
     memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
     stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
@@ -268,7 +269,8 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
 
     Greedy: the rank furthest over the limit takes the unit that drops the most of its received
     K/V among those whose holder stays within the limit (the limit is ``(1 + budget)`` x the mean
-    held, which every unit changes: recomputed each time); a rank no unit helps is left as it is.
+    held, which every unit changes: recomputed each time, never below ``held_mean`` bytes); a rank no
+    unit helps is left as it is.
     The plan comes back with explicit key ranges whether or not a unit was applied (a key-split
     plan's servers keep only the queries, no outputs: ``transfers.backward_memory``), or unchanged
     for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
@@ -283,7 +285,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     total, n = float(held.sum()), held.size
 
     def limit(total_held: float) -> float:
-        return max((1.0 + budget) * total_held / n, float(memory.floor)) * (1 + 1e-12)
+        return max((1.0 + budget) * max(total_held / n, held_mean), float(memory.floor)) * (1 + 1e-12)
 
     if held.max(initial=0.0) <= limit(total):
         return base
