@@ -13,15 +13,22 @@ O back, K/V from its holder); ``passes`` (``cost.COMM_PASSES``) is 2 in ``saved`
 backward moves as many again: dO out, dQ and dK/dV back) and 3 in ``resend`` mode (q, k/v and out
 travel again with dO). ``exposed_comm`` is the fraction the overlap mode does not hide.
 
-Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in ``saved`` mode
-is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep nothing, which
-always fits; more bytes, timed so), so ``auto`` weighs a looser carving that fits in ``saved`` mode
-against the tighter ones in ``resend`` mode, colocated included.
+Memory. ``memory_budget`` bounds ``memory_imbalance``: the worst rank may hold ``(1 + budget)`` x the
+mean over ranks of ``transfers.backward_memory`` (``BackwardMemory.fits``). A candidate over it in
+``saved`` mode is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep
+nothing, which always fits; more bytes, timed so) or, for colocated and the descents with
+``key_split``, with the key-split tiles that bring it within (``tiles.apply_memory_tiles``: a rank
+holding a late piece of a long document stops receiving an earlier piece's K/V, whose holder takes
+its queries), whichever is predicted faster. When the descent's plan is over the budget, the
+descent is also run within it (``descent.descend_within_memory``: no move takes a server past the
+limit; counted against the unbounded plan's mean, then once more against its own when that was
+too high), unless even the colocated plan with memory tiles cannot fit (a long document's late
+pieces would keep more K/V than any plan takes away: only ``resend`` fits), and in ``resend`` mode.
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
-counted, a long document's fan-out bounded; when its plan only fits the budget in ``resend`` mode it
-is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
+counted, a long document's fan-out bounded; over the memory budget, also the descent within it and
+the descent planned with ``resend``'s bytes, above) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
 exactly ``plan_tasks``' at that tolerance; the chosen one is the candidate with the smallest
 predicted step (ties: colocated, the descent, then the tightest tolerance), so it is never
 predicted slower than colocated, than the fixed-tolerance plan (0.02), nor than ``auto`` before the
@@ -141,8 +148,8 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """The plan ``tolerance="auto"`` runs: the fastest predicted of colocated, the descent's plan
-    (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; when only
-    ``resend`` fits, the descent is run again timing ``resend``'s bytes) and the fixed-tolerance
+    (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; over it, the
+    descent within it and the one timing ``resend``'s bytes too) and the fixed-tolerance
     carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose). Ties go to the
     earlier of colocated, the descent, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
     return _plan_by_candidates(pieces, config, descent=True)

@@ -31,6 +31,12 @@ cannot move anything, or holds no own work to move; when every rank is within ``
 lowered half way to the lower bound and the descent goes on (rising again from there when stuck).
 Every rank but the donors ends within ``L``.
 
+Memory (``descend_within_memory``, ``saved`` mode under ``memory_budget``). Every rank's memory for
+backward (``transfers.backward_memory``) is kept move by move: a server's grows by the queries it
+keeps (q, out, log-sum-exp) and the K/V it lacks, a donor's shrinks by its queries. A move that would
+take its server past ``(1 + budget)`` x the mean is cut to the queries that fit, or goes to another
+candidate server; ``by_time`` runs it only when the unbounded descent is over the budget.
+
 Fan-out. A document's servers (the ranks computing some of its queries) never exceed its
 ``fan_out_bounds``: for each of its K/V holders, sending ``c`` seconds per server, the smaller of
 the number of servers at which those sends alone would be predicted slower than the whole colocated

@@ -26,6 +26,11 @@ full-tile shape). The result is judged exactly (``transfers.rank_bytes`` of the 
 also counts the log-sum-exp every partial output of a key-split plan returns with) and returned only
 when its predicted slowest rank is faster than the input's; otherwise the input comes back.
 
+``apply_memory_tiles`` converts units for memory instead of time: where a rank would hold more than
+``memory_budget`` allows (``transfers.BackwardMemory.fits``), it stops receiving a holder's piece
+(``kv`` bytes per key) and the holder keeps the unit's queries (``q`` per query row), as long as the
+holder stays within; ``by_time`` weighs the result against ``resend`` mode.
+
 Not done: a full tile served by a third, lightly loaded rank that holds none of the keys (it would
 receive the piece's K/V once and the queries); the holder or the server only.
 """
