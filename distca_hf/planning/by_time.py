@@ -22,8 +22,9 @@ holding a late piece of a long document stops receiving an earlier piece's K/V, 
 its queries), whichever is predicted faster. When the descent's plan is over the budget, the
 descent is also run within it (``descent.descend_within_memory``: no move takes a server past the
 limit; counted against the unbounded plan's mean, then once more against its own when that was
-too high), unless even the colocated plan with memory tiles cannot fit (a long document's late
-pieces would keep more K/V than any plan takes away: only ``resend`` fits), and in ``resend`` mode.
+too high; given up once its level passes the best candidate's step) where it can fit and win: the
+colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
+the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
@@ -80,6 +81,12 @@ __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_toleranc
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
 the planner's default."""
+
+GIVE_UP_MARGIN = 1.2
+"""The descent within the memory budget gives up once its level passes this times the best
+candidate's step: the ranks left above the level end about there (a level rises past the finished
+step and comes back down, hence the margin). On wlbllm 64 x 64k its plans were 1.4-2.9x slower than
+``resend``'s; giving them up saves most of their plan time."""
 
 CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1])
 """The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
@@ -193,7 +200,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                 best, best_key = plan, (seconds, 1)
             held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved").held.mean())
             if step_seconds(free, pieces, config) < best_key[0] and _saved_may_fit(pieces, config, held_mean):
-                seconds, plan = _judged(_bounded_descent(pieces, config, held_mean), pieces, config, memory_tiles=True)
+                bounded = _bounded_descent(pieces, config, held_mean, best_key[0])
+                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True) if bounded else (np.inf, None)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
@@ -233,29 +241,33 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
 
 
 def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> bool:
-    """Whether the descent within ``config.memory_budget`` is worth running: the colocated plan fits
-    against a mean of at least ``held_mean`` (the unbounded descent's), so the unbounded plan is over
-    only because its servers took too much, which the bounded descent spreads. When colocated is over
-    too (a rank holding a late piece of a long document keeps its prefix's K/V; the descent never
-    takes memory away from a rank, it only declines to add), the bounded descent is slower and still
-    over (measured: wlbllm 64 x 64k, 7 of 8 batches, 1.4-2.9x the resend plan's step): only the
-    memory tiles of the candidates, or ``resend``, can fit, and the descent is skipped (plan time)."""
+    """Whether the descent within ``config.memory_budget`` can fit: the colocated plan fits against a
+    mean of at least ``held_mean`` (the unbounded descent's). The descent never takes memory away from
+    a rank, it only declines to add, so when colocated is over (a rank holding a late piece of a long
+    document keeps its prefix's K/V) only the memory tiles of the candidates, or ``resend``, can fit,
+    and the bounded descent is skipped (plan time)."""
     memory = backward_memory(colocated_plan(pieces, config.servers, window=config.window), pieces,
                              config.token_bytes, backward="saved")
     limit = max((1.0 + config.memory_budget) * max(float(memory.held.mean()), held_mean), float(memory.floor))
     return float(memory.held.max(initial=0.0)) <= limit * (1 + 1e-12)
 
 
-def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> Plan:
+def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, best_seconds: float):
     """The descent within ``config.memory_budget`` (``descent.descend_within_memory``) when the
     unbounded one is over it: the limit counts at least the mean ``held_mean`` that the unbounded one
     makes ranks hold (the first moves would otherwise be judged against colocated's mean, before the
     K/V that later moves bring). Moving less K/V, the bounded plan may end with a lower mean, hence a
-    lower limit: then it is planned once more against its own mean."""
-    bounded, refused = descend_within_memory(pieces, config, backward="saved", held_mean=held_mean)
+    lower limit: then it is planned once more against its own mean. ``None`` when it gives up, its
+    level past ``GIVE_UP_MARGIN`` x ``best_seconds`` (the best candidate's step: it would lose)."""
+    give_up_above = GIVE_UP_MARGIN * best_seconds
+    bounded, refused = descend_within_memory(pieces, config, backward="saved", held_mean=held_mean,
+                                             give_up_above=give_up_above)
+    if bounded is None:
+        return None
     memory = backward_memory(bounded, pieces, config.token_bytes, backward="saved")
     if refused and not memory.fits(config.memory_budget):
-        bounded, _ = descend_within_memory(pieces, config, backward="saved", held_mean=float(memory.held.mean()))
+        bounded, _ = descend_within_memory(pieces, config, backward="saved", held_mean=float(memory.held.mean()),
+                                           give_up_above=give_up_above)
     return bounded
 
 

@@ -104,7 +104,7 @@ def _holder_time_floor(time: float, own: float, level: float) -> float:
 
 class _Descent:
     def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str, budget: float | None = None,
-                 held_mean: float = 0.0):
+                 held_mean: float = 0.0, give_up_above: float = math.inf):
         n = pieces.num_ranks
         self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
         self.servers = config.servers if config.servers is not None else tuple(range(n))
@@ -171,6 +171,7 @@ class _Descent:
         # budget's limit (``memory_cut``). None: unbounded (resend mode keeps nothing on servers).
         self.held = None
         self.memory_refused = False  # whether the limit cut or refused a move the time alone allowed
+        self.give_up_above, self.gave_up = give_up_above, False
         if backward == "saved" and budget is not None:
             memory = backward_memory(colocated, pieces, tb, backward="saved")
             self.held = memory.held.astype(np.float64).tolist()
@@ -462,6 +463,9 @@ class _Descent:
                     level = max(level + RAISE[0] * (top - level), level * (1 + RAISE[1])) if raises < 60 else math.inf
         raises = 0
         while budget > 0 and raises < 400:
+            if level > self.give_up_above:  # every rank left above the level ends about there or above it
+                self.gave_up = True
+                return
             slowest = max(time)
             donor = time.index(slowest)  # ties: the lowest rank
             if not self.has_work(donor) or not self.is_server[donor]:
@@ -518,7 +522,7 @@ def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | No
 
 
 def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
-                          held_mean: float = 0.0) -> tuple[Plan, bool]:
+                          held_mean: float = 0.0, give_up_above: float = math.inf) -> tuple[Plan | None, bool]:
     """``(descend's plan, refused)`` with ``config.memory_budget`` as a constraint (``saved`` mode; the
     budget does not bound ``resend`` mode): a move may not take a server past ``(1 + budget)`` x the
     mean that ranks hold (``transfers.backward_memory``), or past the floor; the mean counted is at
@@ -526,10 +530,11 @@ def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, back
     descent's). A move over it is cut (fewer queries) or goes to another server. ``refused`` says
     whether the budget cut or refused a move that the time alone allowed. The descent's memory is
     an upper bound per rank (a donor's K/V needs are never taken back), so the plan is judged again
-    exactly (``by_time``)."""
-    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean)
+    exactly (``by_time``). The plan is ``None`` when the level rose past ``give_up_above`` seconds
+    (the step of a plan in hand): the ranks left above it would end about there, or slower."""
+    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean, give_up_above)
     state.run()
-    return state.plan(), state.memory_refused
+    return (None if state.gave_up else state.plan()), state.memory_refused
 
 
 def document_servers(plan: Plan) -> dict[int, int]:
