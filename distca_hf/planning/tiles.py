@@ -273,11 +273,13 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     so K/V that would pile on one server stay spread over the ranks that hold them.
 
     Greedy: the rank furthest over the limit takes the unit that drops the most of its received
-    K/V among those whose holder stays within the limit (the limit is ``(1 + budget)`` x the mean
+    K/V among those whose holder stays within the limit (a server's units of a document in key
+    order, so the pieces it keeps stay one run with its causal tile) (the limit is ``(1 + budget)`` x the mean
     held, which every unit changes: recomputed each time, never below ``held_mean`` bytes); a rank no
     unit helps is left as it is.
     The plan comes back with explicit key ranges whether or not a unit was applied (a key-split
-    plan's servers keep only the queries, no outputs: ``transfers.backward_memory``), or unchanged
+    plan's servers keep only the queries, no outputs: ``transfers.backward_memory``; without the
+    units when they would leave the worst rank holding more, counted exactly), or unchanged
     for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
     (``by_time`` then runs the step in ``resend`` mode); it is not timed here (``by_time`` judges it
     against the ``resend`` plan)."""
@@ -300,8 +302,11 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
                                                              transfers.start, transfers.end))):
         sent_kv.setdefault((src, srv, d), []).append((start, end))
     by_server: dict[int, list[int]] = {}
+    earlier_unit: dict[int, int] = {}  # unit -> the unit of the same (server, document) just before it
     for u, unit in enumerate(units):
         by_server.setdefault(unit[0], []).append(u)
+        if u and units[u - 1][:2] == unit[:2]:
+            earlier_unit[u] = u - 1
 
     def change(u: int) -> tuple[float, float]:
         """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)``."""
@@ -318,7 +323,9 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         r = max(over, key=lambda rank: (held[rank], -rank))
         best, best_key = None, None
         for u in by_server.get(r, ()):
-            if applied[u]:
+            # in key order: the pieces a server keeps then stay one run joined to its causal tile (a
+            # kept piece before a converted one would be one more tile, its queries kept again)
+            if applied[u] or (u in earlier_unit and not applied[earlier_unit[u]]):
                 continue
             drop, add = change(u)
             h = units[u][4]
@@ -339,4 +346,9 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         return base
     done = np.flatnonzero(applied).tolist()
     touched = sorted({i for u in done for i in units[u][5]})
-    return _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+    tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+    # the counts above are per unit; a task's tiles are what the memory formula counts, exactly: the
+    # worst rank never ends worse off (a server's own earlier piece kept apart from its causal tile
+    # would be one more tile)
+    exact = backward_memory(tiled, pieces, token_bytes, backward="saved")
+    return tiled if exact.held.max(initial=0) <= memory.held.max(initial=0) else base
