@@ -16,8 +16,11 @@ from hypothesis import strategies as st
 from dist_harness import run_ranks
 from test_planner import batches_with_key_only_prefixes, packed_batches
 
-from distca_hf.planning import (DocumentPieces, PlannerConfig, TokenBytes, backward_memory, colocated_plan, imbalance,
-                                key_start, kv_received, kv_transfers, plan_tasks)
+from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, backward_memory, check_tiles,
+                                colocated_plan, imbalance, key_start, kv_received, kv_transfers, plan_tasks, step_seconds,
+                                with_key_ranges)
+from distca_hf.planning.descent import descend, descend_within_memory
+from distca_hf.planning.tiles import apply_memory_tiles
 from distca_hf.runtime.context import BatchPlan, plan_stats_of
 from distca_hf.tools.simulate import METHODS, simulate
 
@@ -89,16 +92,17 @@ def _fits(plan, pieces, budget) -> bool:
 @given(pieces=packed_batches(), tolerance=st.sampled_from([0.02, 0.3, "auto"]),
        budget=st.sampled_from([0.0, 0.05, 0.3, 1.0]), backward=st.sampled_from(["saved", "resend"]))
 def test_budget_is_honoured(pieces, tolerance, budget, backward):
-    """The plan fits the budget in the mode it names: within (1 + budget) x the mean own activations,
-    or no more than the worst rank's own (what no plan changes). A fixed tolerance keeps its carving
-    and runs in resend mode only when the saved one does not fit. Without a budget: the mode set."""
+    """The plan fits the budget in the mode it names: the worst rank within (1 + budget) x the mean
+    over ranks of what they hold (memory_imbalance <= 1 + budget), or no more than the worst rank
+    keeps in resend mode (its own, what no plan changes). A fixed tolerance keeps its carving and runs
+    in resend mode only when the saved one does not fit. Without a budget: the mode set."""
     config = PlannerConfig(tolerance=tolerance, token_bytes=TB, backward=backward)
     free = plan_tasks(pieces, config)
     assert free.backward == backward
     plan = plan_tasks(pieces, dataclasses.replace(config, memory_budget=budget))
     memory = backward_memory(plan, pieces, TB)
-    own = memory.own
-    assert memory.held.max() <= max((1 + budget) * own.mean(), own.max()) * (1 + 1e-12)
+    resend = backward_memory(plan, pieces, TB, backward="resend").held
+    assert memory.held.max() <= max((1 + budget) * memory.held.mean(), resend.max()) * (1 + 1e-12)
     if tolerance != "auto":
         assert np.array_equal(plan.server, free.server) and np.array_equal(plan.q_start, free.q_start)
         assert plan.backward == ("resend" if backward == "resend" or not _fits(free, pieces, budget) else "saved")
@@ -233,3 +237,69 @@ def test_formula_is_what_the_dispatch_keeps(tmp_path):
             if run["budget"] == 0.0:  # the saved plan adds memory on the server: this step ran in resend mode
                 assert stats["backward"] == "resend" and added == 0 and stats["memory_imbalance"] == 1.0
                 assert run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5
+
+
+# ---- the budget by construction: the descent within it, memory tiles, resend only where nothing fits ----
+
+ATTENTION_BOUND = TimeModel(1e-8, 1e-9, task_s=1e-6, bytes_per_s=1e10, collective_s=1e-6)  # moving work pays
+
+
+@settings(max_examples=40, deadline=None)
+@given(pieces=packed_batches(), budget=st.sampled_from([0.0, 0.1, 0.3]), key_split=st.booleans(),
+       model=st.sampled_from([ATTENTION_BOUND, TimeModel(0.0, 1e-9)]))
+def test_auto_plans_honour_the_budget_and_stay_exact(pieces, budget, key_split, model):
+    """Every rank's backward_memory within (1 + budget) x the mean held (or the resend floor), or the
+    plan runs in resend mode; every (query, key) pair computed exactly once. The descent within the
+    budget is the unbounded descent whenever the budget refused it nothing, and memory tiles never
+    raise the worst rank and stay exact."""
+    config = PlannerConfig(tolerance="auto", block=2, token_bytes=TB, time_model=model, memory_budget=budget,
+                           key_split=key_split)
+    plan = plan_tasks(pieces, config)
+    memory = backward_memory(plan, pieces, TB)
+    if plan.backward == "saved":
+        floor = backward_memory(plan, pieces, TB, backward="resend").held.max(initial=0)
+        assert memory.held.max(initial=0) <= max((1 + budget) * memory.held.mean(), floor) * (1 + 1e-12)
+    check_tiles(with_key_ranges(plan), pieces)
+    free = descend(pieces, config)
+    bounded, refused = descend_within_memory(pieces, config, held_mean=float(backward_memory(free, pieces, TB).held.mean()))
+    check_tiles(with_key_ranges(bounded), pieces)
+    if not refused:
+        assert all(np.array_equal(getattr(bounded, k), getattr(free, k)) for k in ("server", "q_start", "q_end"))
+    tiled = apply_memory_tiles(free, pieces, TB, budget)
+    check_tiles(tiled, pieces)
+    assert backward_memory(tiled, pieces, TB).held.max(initial=0) <= \
+        backward_memory(with_key_ranges(free), pieces, TB).held.max(initial=0)
+
+
+def test_the_descent_stays_within_the_budget_where_the_unbounded_plan_needed_resend():
+    """Rank 0 holds one long document, three ranks short ones. The unbounded descent's servers hold
+    1.15x the mean; under a budget of 0.14 the descent moves less to each server and the step stays in
+    saved mode (before: resend mode, the bytes of q, k/v and out again), predicted faster than resend."""
+    pieces = _long_beside_short(ranks=4, tokens=1024)
+    config = PlannerConfig(tolerance="auto", block=8, token_bytes=TB, time_model=ATTENTION_BOUND)
+    free = plan_tasks(pieces, config)
+    assert free.backward == "saved" and not backward_memory(free, pieces, TB).fits(0.14)
+    plan = plan_tasks(pieces, dataclasses.replace(config, memory_budget=0.14))
+    assert plan.backward == "saved" and _fits(plan, pieces, 0.14) and plan.moved_queries() > 0
+    resend = dataclasses.replace(free, backward="resend")
+    assert step_seconds(plan, pieces, config) < step_seconds(resend, pieces, config)
+    assert step_seconds(plan, pieces, config) < 0.5 * step_seconds(colocated_plan(pieces), pieces, config)
+
+
+def test_memory_tiles_keep_a_spanning_prefix_on_its_holder():
+    """Document 0 fills rank 0 and ends with 16 tokens on rank 1: colocated in saved mode, rank 1
+    receives its 200-token prefix (over 1.05x the mean held). With tiles, rank 1's 16 queries go to rank 0
+    (which holds those keys) instead: every rank within a budget of 0.05, exactly the same pairs."""
+    short = iter(range(1, 100))
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 200)], [(0, 200, 216)] + [(next(short), 0, 8) for _ in range(23)],
+                                             *[[(next(short), 0, 8) for _ in range(27)] for _ in range(2)]])
+    colocated = colocated_plan(pieces)
+    assert not _fits(colocated, pieces, 0.05)
+    tiled = apply_memory_tiles(colocated, pieces, TB, 0.05)
+    check_tiles(tiled, pieces)
+    assert _fits(tiled, pieces, 0.05)
+    assert kv_received(kv_transfers(tiled, pieces), 4)[1] == 0
+    slow_network = TimeModel(1e-8, 1e-9, bytes_per_s=1e6)  # bytes decide: resend's would cost the most
+    auto = plan_tasks(pieces, PlannerConfig(tolerance="auto", token_bytes=TB, time_model=slow_network, memory_budget=0.05,
+                                            key_split=True))
+    assert auto.backward == "saved" and auto.splits_keys and _fits(auto, pieces, 0.05)

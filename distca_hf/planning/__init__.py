@@ -19,7 +19,8 @@ that no import, at module level or inside a function, closes a circle):
     key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
                tiles of one task given where its earlier prefix pieces are computed (``task_tiles``)
     tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full
-               tiles on the holder only where the predicted slowest rank gets faster (``apply_time_tiles``)
+               tiles on the holder only where the predicted slowest rank gets faster (``apply_time_tiles``),
+               or where a rank would hold more than the memory budget (``apply_memory_tiles``)
     descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
                ends of every link counted, a document's fan-out bounded
     zigzag     per-document context parallelism (zigzag chunks over a document's holders) as CA-tasks:

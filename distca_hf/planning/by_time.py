@@ -16,15 +16,23 @@ travel again with dO). ``exposed_comm`` is the fraction the overlap mode does no
 judges, the bounds below and the descent count ``base_pairs`` alike, so a pipeline tick's
 candidates are judged with the work its ranks do besides attention.
 
-Memory. A candidate whose ``transfers.backward_memory`` exceeds ``memory_budget`` in ``saved`` mode
-is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep nothing, which
-always fits; more bytes, timed so), so ``auto`` weighs a looser carving that fits in ``saved`` mode
-against the tighter ones in ``resend`` mode, colocated included.
+Memory. ``memory_budget`` bounds ``memory_imbalance``: the worst rank may hold ``(1 + budget)`` x the
+mean over ranks of ``transfers.backward_memory`` (``BackwardMemory.fits``). A candidate over it in
+``saved`` mode is judged in ``resend`` mode instead (``transfers.fit_memory_budget``: servers keep
+nothing, which always fits; more bytes, timed so) or, for colocated and the descents with
+``key_split``, with the key-split tiles that bring it within (``tiles.apply_memory_tiles``: a rank
+holding a late piece of a long document stops receiving an earlier piece's K/V, whose holder takes
+its queries), whichever is predicted faster. When the descent's plan is over the budget, the
+descent is also run within it (``descent.descend_within_memory``: no move takes a server past the
+limit; counted against the unbounded plan's mean, then once more against its own when that was
+too high; given up once its level passes the best candidate's step) where it can fit and win: the
+colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
+the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
-counted, a long document's fan-out bounded; when its plan only fits the budget in ``resend`` mode it
-is planned again with ``resend``'s bytes) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
+counted, a long document's fan-out bounded; over the memory budget, also the descent within it and
+the descent planned with ``resend``'s bytes, above) and the fixed-tolerance plans of ``AUTO_TOLERANCES``, each
 exactly ``plan_tasks``' at that tolerance, and the CP-shaped plan (``zigzag.zigzag_plan``: every
 document spanning ranks zigzagged over its holders as per-document CP would, the others colocated;
 built only when ``zigzag.zigzag_lower_bound`` says it could win, which on the shared and untuned
@@ -72,19 +80,25 @@ import numpy as np
 
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
-from .descent import descend
+from .descent import descend, descend_within_memory
 from .tile_grid import tile_grid_plan
-from .tiles import apply_time_tiles
+from .tiles import apply_memory_tiles, apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
-from .transfers import RunningBytes, fit_memory_budget, kv_received, kv_transfers
+from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
 the planner's default."""
+
+GIVE_UP_MARGIN = 1.2
+"""The descent within the memory budget gives up once its level passes this times the best
+candidate's step: the ranks left above the level end about there (a level rises past the finished
+step and comes back down, hence the margin). On wlbllm 64 x 64k its plans were 1.4-2.9x slower than
+``resend``'s; giving them up saves most of their plan time."""
 
 CARVING_ORDER = (AUTO_TOLERANCES[-1], AUTO_TOLERANCES[0], *AUTO_TOLERANCES[1:-1])
 """The order ``"auto"`` carves them in, which only decides how early the losers are given up: the
@@ -99,17 +113,31 @@ GRID_PLACE = ZIGZAG_PLACE + 1
 """The tile grid's place in the tie order (``tile_grid.tile_grid_plan``): last."""
 
 
-def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
-    """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget."""
+def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
+            memory_tiles: bool = False) -> tuple[float, Plan]:
+    """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
+    a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
+    with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
+    predicted faster."""
     transfers = kv_transfers(plan, pieces)
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
-    return step_seconds(fitting, pieces, config, transfers), fitting
+    seconds = step_seconds(fitting, pieces, config, transfers)
+    if memory_tiles and fitting.backward != plan.backward and config.key_split:
+        tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
+        if tiled is not plan:
+            tiled_transfers = kv_transfers(tiled, pieces)
+            received = kv_received(tiled_transfers, pieces.num_ranks)
+            if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget):
+                tiled_seconds = step_seconds(tiled, pieces, config, tiled_transfers)
+                if tiled_seconds < seconds:
+                    return tiled_seconds, tiled
+    return seconds, fitting
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """The plan ``tolerance="auto"`` runs: the fastest predicted of colocated, the descent's plan
-    (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; when only
-    ``resend`` fits, the descent is run again timing ``resend``'s bytes) and the fixed-tolerance
+    (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; over it, the
+    descent within it and the one timing ``resend``'s bytes too) and the fixed-tolerance
     carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose). Ties go to the
     earlier of colocated, the descent, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
     return _plan_by_candidates(pieces, config, descent=True)
@@ -131,7 +159,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
-        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config)
+        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config,
+                                memory_tiles=descent)
         best_key = (seconds, 0)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         # any plan that moves work: its busiest server computes at least the mean attention
@@ -140,12 +169,22 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
-        for mode in dict.fromkeys((config.backward, "resend")):
-            seconds, plan = _judged(descend(pieces, config, backward=mode), pieces, config)
+        free = descend(pieces, config, backward=config.backward)
+        seconds, plan = _judged(free, pieces, config, memory_tiles=True)
+        if (seconds, 1) < best_key:
+            best, best_key = plan, (seconds, 1)
+        if fit_memory_budget(free, pieces, config).backward != config.backward:
+            # over the memory budget: the descent timing resend's bytes, and within the budget by
+            # construction where that can fit and win (bounded, it is rarely faster than unbounded)
+            seconds, plan = _judged(descend(pieces, config, backward="resend"), pieces, config)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
-            if plan.backward == mode:  # it fits the memory budget in the mode its bytes were timed in
-                break
+            held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved").held.mean())
+            if step_seconds(free, pieces, config) < best_key[0] and _saved_may_fit(pieces, config, held_mean):
+                bounded = _bounded_descent(pieces, config, held_mean, best_key[0])
+                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True) if bounded else (np.inf, None)
+                if (seconds, 1) < best_key:
+                    best, best_key = plan, (seconds, 1)
         # the CP-shaped candidate, built and judged only when a sound bound on it could win (not in
         # pipeline ticks, whose base_pairs it does not weigh)
         zigzag = (zigzag_plan(pieces, servers, window=config.window, block=config.block)
@@ -195,6 +234,37 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if key < best_key:
             best, best_key = plan, key
     return _with_tiles(best, best_key[0], pieces, config) if descent else best
+
+
+def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> bool:
+    """Whether the descent within ``config.memory_budget`` can fit: the colocated plan fits against a
+    mean of at least ``held_mean`` (the unbounded descent's). The descent never takes memory away from
+    a rank, it only declines to add, so when colocated is over (a rank holding a late piece of a long
+    document keeps its prefix's K/V) only the memory tiles of the candidates, or ``resend``, can fit,
+    and the bounded descent is skipped (plan time)."""
+    memory = backward_memory(colocated_plan(pieces, config.servers, window=config.window), pieces,
+                             config.token_bytes, backward="saved")
+    limit = max((1.0 + config.memory_budget) * max(float(memory.held.mean()), held_mean), float(memory.floor))
+    return float(memory.held.max(initial=0.0)) <= limit * (1 + 1e-12)
+
+
+def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, best_seconds: float):
+    """The descent within ``config.memory_budget`` (``descent.descend_within_memory``) when the
+    unbounded one is over it: the limit counts at least the mean ``held_mean`` that the unbounded one
+    makes ranks hold (the first moves would otherwise be judged against colocated's mean, before the
+    K/V that later moves bring). Moving less K/V, the bounded plan may end with a lower mean, hence a
+    lower limit: then it is planned once more against its own mean. ``None`` when it gives up, its
+    level past ``GIVE_UP_MARGIN`` x ``best_seconds`` (the best candidate's step: it would lose)."""
+    give_up_above = GIVE_UP_MARGIN * best_seconds
+    bounded, refused = descend_within_memory(pieces, config, backward="saved", held_mean=held_mean,
+                                             give_up_above=give_up_above)
+    if bounded is None:
+        return None
+    memory = backward_memory(bounded, pieces, config.token_bytes, backward="saved")
+    if refused and not memory.fits(config.memory_budget):
+        bounded, _ = descend_within_memory(pieces, config, backward="saved", held_mean=float(memory.held.mean()),
+                                           give_up_above=give_up_above)
+    return bounded
 
 
 def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig) -> Plan:

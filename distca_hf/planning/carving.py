@@ -75,10 +75,9 @@ class PlannerConfig:
             backward bytes are judged in. ``planner.plan_tasks`` may plan a step in ``"resend"`` when
             only that fits ``memory_budget`` (``Plan.backward`` says which).
         memory_budget: a bound on the memory a plan makes the worst rank hold for attention's
-            backward in one layer (``transfers.backward_memory``): at most ``(1 + memory_budget)``
-            times the mean over ranks of their own tokens' activations (a fraction >= 0), or what
-            the worst rank keeps in ``resend`` mode when that is more (``BackwardMemory.fits``); ``None``:
-            unbounded (the pure planner's default; the ``memory_budget`` setting's default is 2.0).
+            backward in one layer (``transfers.backward_memory``): ``(1 + memory_budget)`` x the mean
+            over ranks of what they hold (``memory_imbalance``), or what it keeps in ``resend`` mode if
+            more (``BackwardMemory.fits``); ``None``: unbounded (the setting's default is 0.1).
         base_pairs: ``[num_ranks]`` the work each rank does in the layer besides attention, in pairs
             of attention time (``None``: none counted). The carving then balances pairs + base: a
             rank with less other work (a pipeline bubble in a ``cad_1f1b`` tick runs no linear layers)

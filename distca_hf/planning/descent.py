@@ -41,6 +41,12 @@ fewer than the ranks computing it colocated. Beyond the bound a document's shard
 servers it already has. (The level rule above also stops a document from gaining servers while a
 holder's sends are the bottleneck.)
 
+Memory (``descend_within_memory``, ``saved`` mode under ``memory_budget``). Every rank's memory for
+backward (``transfers.backward_memory``) is kept move by move: a server's grows by the queries it
+keeps (q, out, log-sum-exp) and the K/V it lacks, a donor's shrinks by its queries. A move that would
+take its server past ``(1 + budget)`` x the mean is cut to the queries that fit, or goes to another
+candidate server; ``by_time`` runs it only when the unbounded descent is over the budget.
+
 What the greedy guarantees, and what it does not. It guarantees every query computed exactly once,
 block-aligned cuts, deterministic plans, at most the fan-out bound per document, ranks outside the
 server pool emptied, and a bounded number of steps (``MAX_MOVES_PER_RANK``). It does not guarantee
@@ -63,8 +69,9 @@ from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
+from .transfers import backward_memory
 
-__all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+__all__ = ["descend", "descend_within_memory", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
@@ -91,7 +98,8 @@ _INTERVALS_TRIED = 3  # a donor whose latest interval cannot move tries its next
 
 
 class _Descent:
-    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str):
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str, budget: float | None = None,
+                 held_mean: float = 0.0, give_up_above: float = math.inf):
         n = pieces.num_ranks
         self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
         self.servers = config.servers if config.servers is not None else tuple(range(n))
@@ -149,6 +157,18 @@ class _Descent:
         self.opened: set[int] = set()  # ranks whose own intervals changed
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
         self.bounds: dict[int, float] = {}
+        # Memory (saved mode under a budget): what every rank holds for backward in one layer
+        # (``transfers.backward_memory``), kept move by move; a move may not take a server past the
+        # budget's limit (``memory_cut``). None: unbounded (resend mode keeps nothing on servers).
+        self.held = None
+        self.memory_refused = False  # whether the limit cut or refused a move the time alone allowed
+        self.give_up_above, self.gave_up = give_up_above, False
+        if backward == "saved" and budget is not None:
+            memory = backward_memory(colocated, pieces, tb, backward="saved")
+            self.held = memory.held.astype(np.float64).tolist()
+            self.held_total, self.memory_budget, self.memory_floor = sum(self.held), budget, memory.floor
+            self.held_mean = held_mean
+            self.query_bytes = tb.q + tb.o + tb.lse  # what a server keeps per query it serves (a source, less)
 
     def intervals(self, rank: int) -> list[list[int]]:
         """The rank's own intervals still at home, ``[doc, piece start, end]``, latest end first."""
@@ -267,6 +287,10 @@ class _Descent:
                 a = piece_start + math.ceil((real - piece_start) / block) * block
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
+            if self.held is not None and not must_empty:  # (a rank outside the pool must empty, come what may)
+                a = self.memory_cut(donor, server, doc, piece_start, a, end)
+                if a is None:
+                    return None
             # what the move adds to the donor and the server, before K/V
             m = end - a
             if window is None:  # causal_pairs and key_start, inlined: the descent's hottest lines
@@ -324,9 +348,35 @@ class _Descent:
                 return None
         return None
 
+    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int):
+        """The cut ``a`` of a tail ``[a, end)`` moved up by whole blocks until ``server`` holds at most
+        the memory limit after taking it (the queries it keeps, ``query_bytes`` each, and the K/V it
+        lacks); ``None`` when not one block fits (the K/V alone may not)."""
+        kv_bytes = self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] / 2  # received, not sent
+        # the limit after the move: (1 + budget) x the mean held, which the received K/V raise (the
+        # queries only change hands; at least ``held_mean``, the mean the finished plan is expected
+        # to reach: the first moves would otherwise be judged against colocated's), or the floor
+        mean = max((self.held_total + kv_bytes) / self.n, self.held_mean)
+        limit = max((1 + self.memory_budget) * mean, self.memory_floor)
+        room = limit * (1 + 1e-12) - self.held[server] - kv_bytes
+        fits = math.floor(room / self.query_bytes) if room >= 0 else -1  # queries the server may keep
+        if end - a <= fits:
+            return a
+        self.memory_refused = True
+        if fits < 1:
+            return None
+        cut = piece_start + math.ceil((end - fits - piece_start) / self.block) * self.block
+        return cut if cut < end else None
+
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
         intervals, window = self.intervals(donor), self.window
         piece_start, b = intervals[index][1], intervals[index][2]
+        if self.held is not None:  # before the needs grow: the K/V the server lacks until now
+            kept = (b - a) * self.query_bytes
+            kv_bytes = self.kv_sends(donor, server, doc, key_start(a, window), b)[1] / 2
+            self.held[donor] -= kept
+            self.held[server] += kept + kv_bytes
+            self.held_total += kv_bytes
         time = self.time
         for rank, add in changes.items():
             time[rank] += add
@@ -453,6 +503,9 @@ class _Descent:
                     level = max(level + RAISE[0] * (top - level), level * (1 + RAISE[1])) if raises < 60 else math.inf
         raises = 0
         while budget > 0 and raises < 400:
+            if level > self.give_up_above:  # every rank left above the level ends about there or above it
+                self.gave_up = True
+                return
             slowest = max(time)
             donor = time.index(slowest)  # ties: the lowest rank
             if not self.has_work(donor) or not self.is_server[donor]:
@@ -501,11 +554,27 @@ def _sort_order(keys) -> np.ndarray:
 
 def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan:
     """The descent's plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
-    (default ``config.backward``); the plan says ``"saved"``, ``by_time`` fits it to the memory budget."""
+    (default ``config.backward``), unbounded by memory; the plan says ``"saved"``, ``by_time`` fits it
+    to the memory budget."""
     state = _Descent(pieces, config, backward or config.backward)
     state.run()
     return state.plan()
 
+
+def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
+                          held_mean: float = 0.0, give_up_above: float = math.inf) -> tuple[Plan | None, bool]:
+    """``(descend's plan, refused)`` with ``config.memory_budget`` as a constraint (``saved`` mode; the
+    budget does not bound ``resend`` mode): a move may not take a server past ``(1 + budget)`` x the
+    mean that ranks hold (``transfers.backward_memory``), or past the floor; the mean counted is at
+    least ``held_mean`` bytes (an estimate of the finished plan's: ``by_time`` passes the unbounded
+    descent's). A move over it is cut (fewer queries) or goes to another server. ``refused`` says
+    whether the budget cut or refused a move that the time alone allowed. The descent's memory is
+    an upper bound per rank (a donor's K/V needs are never taken back), so the plan is judged again
+    exactly (``by_time``). The plan is ``None`` when the level rose past ``give_up_above`` seconds
+    (the step of a plan in hand): the ranks left above it would end about there, or slower."""
+    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean, give_up_above)
+    state.run()
+    return (None if state.gave_up else state.plan()), state.memory_refused
 
 def document_servers(plan: Plan) -> dict[int, int]:
     """``{doc: number of ranks computing some of its queries}`` under ``plan``."""

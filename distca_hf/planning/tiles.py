@@ -26,6 +26,11 @@ full-tile shape). The result is judged exactly (``transfers.rank_bytes`` of the 
 also counts the log-sum-exp every partial output of a key-split plan returns with) and returned only
 when its predicted slowest rank is faster than the input's; otherwise the input comes back.
 
+``apply_memory_tiles`` converts units for memory instead of time: where a rank would hold more than
+``memory_budget`` allows (``transfers.BackwardMemory.fits``), it stops receiving a holder's piece
+(``kv`` bytes per key) and the holder keeps the unit's queries (``q`` per query row), as long as the
+holder stays within; ``by_time`` weighs the result against ``resend`` mode.
+
 Not done: a full tile served by a third, lightly loaded rank that holds none of the keys (it would
 receive the piece's K/V once and the queries); the holder or the server only.
 """
@@ -36,14 +41,14 @@ import numpy as np
 
 from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
-from .cost import key_start
+from .cost import TokenBytes, key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, rank_seconds
-from .transfers import kv_transfers, rank_bytes
+from .transfers import backward_memory, kv_received, kv_transfers, rank_bytes
 
-__all__ = ["apply_time_tiles", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
@@ -250,3 +255,93 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     tiled = Plan(source, server, doc, q_start, q_end, base.num_ranks, base.servers, base.window, base.backward, ks, ke)
     check_tiles(tiled)
     return tiled
+
+
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                       held_mean: float = 0.0) -> Plan:
+    """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
+    memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
+    stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
+    the unit's queries instead (``q`` bytes per query row of a tile, ``transfers.backward_memory``),
+    so K/V that would pile on one server stay spread over the ranks that hold them.
+
+    Greedy: the rank furthest over the limit takes the unit that drops the most of its received
+    K/V among those whose holder stays within the limit (a server's units of a document in key
+    order, so the pieces it keeps stay one run with its causal tile) (the limit is ``(1 + budget)`` x the mean
+    held, which every unit changes: recomputed each time, never below ``held_mean`` bytes); a rank no
+    unit helps is left as it is.
+    The plan comes back with explicit key ranges whether or not a unit was applied (a key-split
+    plan's servers keep only the queries, no outputs: ``transfers.backward_memory``; without the
+    units when they would leave the worst rank holding more, counted exactly), or unchanged
+    for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
+    (``by_time`` then runs the step in ``resend`` mode); it is not timed here (``by_time`` judges it
+    against the ``resend`` plan)."""
+    if plan.splits_keys or plan.num_tasks == 0 or plan.backward != "saved":
+        return plan
+    base = with_key_ranges(plan)
+    transfers = kv_transfers(base, pieces)
+    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=kv_received(transfers, plan.num_ranks))
+    held = memory.held.astype(np.float64)
+    total, n = float(held.sum()), held.size
+
+    def limit(total_held: float) -> float:
+        return max((1.0 + budget) * max(total_held / n, held_mean), float(memory.floor)) * (1 + 1e-12)
+
+    if held.max(initial=0.0) <= limit(total):
+        return base
+    units = tile_units(plan, pieces)
+    sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
+                                                             transfers.start, transfers.end))):
+        sent_kv.setdefault((src, srv, d), []).append((start, end))
+    by_server: dict[int, list[int]] = {}
+    earlier_unit: dict[int, int] = {}  # unit -> the unit of the same (server, document) just before it
+    for u, unit in enumerate(units):
+        by_server.setdefault(unit[0], []).append(u)
+        if u and units[u - 1][:2] == unit[:2]:
+            earlier_unit[u] = u - 1
+
+    def change(u: int) -> tuple[float, float]:
+        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)``."""
+        s, d, x0, x1, h, tasks = units[u]
+        drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
+        return float(drop), float(sum(int(plan.q_end[i] - plan.q_start[i]) for i in tasks) * token_bytes.q)
+
+    applied = np.zeros(len(units), dtype=bool)
+    stuck: set[int] = set()
+    while True:
+        over = [r for r in np.flatnonzero(held > limit(total)).tolist() if r not in stuck]
+        if not over:
+            break
+        r = max(over, key=lambda rank: (held[rank], -rank))
+        best, best_key = None, None
+        for u in by_server.get(r, ()):
+            # in key order: the pieces a server keeps then stay one run joined to its causal tile (a
+            # kept piece before a converted one would be one more tile, its queries kept again)
+            if applied[u] or (u in earlier_unit and not applied[earlier_unit[u]]):
+                continue
+            drop, add = change(u)
+            h = units[u][4]
+            if drop <= 0 or held[h] + add > limit(total - drop + add):
+                continue
+            key = (-drop, add, u)
+            if best_key is None or key < best_key:
+                best, best_key = u, key
+        if best is None:
+            stuck.add(r)
+            continue
+        drop, add = change(best)
+        held[r] -= drop
+        held[units[best][4]] += add
+        total += add - drop
+        applied[best] = True
+    if not applied.any():
+        return base
+    done = np.flatnonzero(applied).tolist()
+    touched = sorted({i for u in done for i in units[u][5]})
+    tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+    # the counts above are per unit; a task's tiles are what the memory formula counts, exactly: the
+    # worst rank never ends worse off (a server's own earlier piece kept apart from its causal tile
+    # would be one more tile)
+    exact = backward_memory(tiled, pieces, token_bytes, backward="saved")
+    return tiled if exact.held.max(initial=0) <= memory.held.max(initial=0) else base

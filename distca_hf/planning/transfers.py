@@ -282,14 +282,19 @@ class BackwardMemory:
         return imbalance(self.held)
 
     def fits(self, budget: float | None) -> bool:
-        """Whether the worst rank holds at most ``(1 + budget)`` x the mean of ``own`` (the
-        ``memory_budget`` setting; ``None``: always), or no more than ``floor`` when that is more:
-        ranks holding more tokens than others keep their own activations whatever the plan, so a
-        budget is never refused for what no plan changes."""
+        """Whether the worst rank holds at most ``(1 + budget)`` x the mean over ranks of what they
+        hold (``own + added``: ``memory_imbalance <= 1 + budget``; the ``memory_budget`` setting;
+        ``None``: always), or no more than ``floor`` when that is more: ranks holding more tokens
+        than others keep their own activations whatever the plan, so a budget is never refused for
+        what no plan changes."""
         if budget is None or not self.own.size:
             return True
-        limit = max((1.0 + budget) * float(self.own.mean()), float(self.floor))
-        return float(self.held.max()) <= limit * (1 + 1e-12)
+        return float(self.held.max()) <= self.limit(budget) * (1 + 1e-12)
+
+    def limit(self, budget: float) -> float:
+        """The most bytes a rank may hold under ``budget`` (a fraction, ``fits``): ``(1 + budget)`` x
+        the mean of ``held``, or ``floor`` when that is more."""
+        return max((1.0 + budget) * float(self.held.mean()), float(self.floor)) if self.own.size else 0.0
 
 
 def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, backward: str | None = None,

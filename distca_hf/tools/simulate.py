@@ -538,9 +538,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     budget = SETTINGS["memory_budget"]
     parser.add_argument("--memory-budget", type=budget.metadata["parse"], default=budget.default,
-                        help="distca's memory bound: the worst rank may hold (1 + this) x the mean of the ranks' own "
-                             "attention activations per layer for backward, or 'none' (the memory_budget setting; "
-                             "default: %(default)s)")
+                        help="distca's memory bound: the worst rank may hold (1 + this) x the mean over ranks of what "
+                             "they hold for attention's backward per layer (memory_imbalance <= 1 + this), or 'none' "
+                             "(the memory_budget setting; default: %(default)s)")
     parser.add_argument("--backward", choices=["saved", "resend"], default=SETTINGS["backward"].default,
                         help="distca's backward mode (the backward setting); under 'saved' a step whose plan would "
                              "exceed --memory-budget runs in 'resend' (default: %(default)s)")
