@@ -206,7 +206,7 @@ class DistCAConfig:
              "server become key-split tiles on their holders), and runs a step in 'resend' mode (servers keep "
              "nothing) when that is faster or the only way to fit; a fixed tolerance keeps its carving and "
              "falls back to 'resend'. The default 0.1 holds memory_imbalance within 1.10 on every batch of the "
-             "shared samples at 8-512 ranks, at about 10% of the speedup on the rows with documents spanning "
+             "shared samples at 8-512 ranks, at about a tenth of the speedup on the rows with documents spanning "
              "many ranks (they need resend mode); None: unbounded")
     overlap: str = setting(
         "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
