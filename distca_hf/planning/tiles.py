@@ -301,19 +301,27 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         if u and units[u - 1][:2] == unit[:2]:
             earlier_unit[u] = u - 1
 
+    changes: dict[int, tuple[float, float]] = {}
+    rows = (plan.q_end - plan.q_start).tolist()
+
     def change(u: int) -> tuple[float, float]:
-        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)``."""
-        s, d, x0, x1, h, tasks = units[u]
-        drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
-        return float(drop), float(sum(int(plan.q_end[i] - plan.q_start[i]) for i in tasks) * token_bytes.q)
+        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)`` (a unit's
+        are fixed: counted once)."""
+        known = changes.get(u)
+        if known is None:
+            s, d, x0, x1, h, tasks = units[u]
+            drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
+            known = changes[u] = (float(drop), float(sum(rows[i] for i in tasks) * token_bytes.q))
+        return known
 
     applied = np.zeros(len(units), dtype=bool)
-    stuck: set[int] = set()
+    stuck = np.zeros(n, dtype=bool)
     while True:
-        over = [r for r in np.flatnonzero(held > limit(total)).tolist() if r not in stuck]
-        if not over:
+        # the rank furthest over the limit, ties to the lowest (argmax: the first of the maxima)
+        over = np.where((held > limit(total)) & ~stuck, held, -np.inf)
+        r = int(np.argmax(over)) if n else 0
+        if not n or over[r] == -np.inf:
             break
-        r = max(over, key=lambda rank: (held[rank], -rank))
         best, best_key = None, None
         for u in by_server.get(r, ()):
             # in key order: the pieces a server keeps then stay one run joined to its causal tile (a
@@ -328,7 +336,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
             if best_key is None or key < best_key:
                 best, best_key = u, key
         if best is None:
-            stuck.add(r)
+            stuck[r] = True
             continue
         drop, add = change(best)
         held[r] -= drop
