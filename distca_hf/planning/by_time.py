@@ -118,11 +118,12 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
     a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
     with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
-    predicted faster. ``transfers``: the plan's ``kv_transfers``, when in hand."""
+    predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
+    mode). ``transfers``: the plan's ``kv_transfers``, when in hand."""
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
     seconds = step_seconds(fitting, pieces, config, transfers)
-    if memory_tiles and fitting.backward != plan.backward and config.key_split:
+    if memory_tiles and fitting.backward != plan.backward and config.key_split and config.memory_budget is not None:
         tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
