@@ -114,12 +114,15 @@ def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
     """``{task: [(k0, k1, holder, piece_start), ...]}``: the pieces wholly before each task's own
     piece, clipped to its keys, by position."""
     w, holders, out = plan.window, {}, {}
-    for i in tasks:
-        d, a = int(plan.doc[i]), int(plan.q_start[i])
-        if d not in holders:
-            mine = np.flatnonzero(pieces.doc == d)
-            holders[d] = sorted(zip(pieces.kv_start[mine].tolist(), pieces.end[mine].tolist(),
-                                    pieces.rank[mine].tolist()))
+    tasks = np.asarray(tasks, dtype=np.int64)
+    docs, starts = plan.doc[tasks].tolist(), plan.q_start[tasks].tolist()
+    mine = np.flatnonzero(np.isin(pieces.doc, docs))  # the pieces of these documents, in one pass
+    for d, x0, x1, h in zip(pieces.doc[mine].tolist(), pieces.kv_start[mine].tolist(), pieces.end[mine].tolist(),
+                            pieces.rank[mine].tolist()):
+        holders.setdefault(d, []).append((x0, x1, h))
+    for held in holders.values():
+        held.sort()
+    for i, d, a in zip(tasks.tolist(), docs, starts):
         k0 = key_start(a, w)
         own = next(x0 for x0, x1, h in holders[d] if x0 <= a < x1)
         out[i] = [(max(x0, k0), x1, h, x0) for x0, x1, h in holders[d] if k0 < x1 <= own]
@@ -249,7 +252,7 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
         where = [(x0, x1, h if (server, doc, piece) in converted else server) for x0, x1, h, piece in earlier]
         rows.extend(task_tiles(task, earlier[-1][1], where))
     new = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
-    arr = np.concatenate([np.stack([c[keep] for c in columns]), new], axis=1)
+    arr = [np.concatenate((c[keep], extra)) for c, extra in zip(columns, new)]
     order = np.lexsort((arr[5], arr[3], arr[2], arr[0], arr[1]))
     source, server, doc, q_start, q_end, ks, ke = (c[order] for c in arr)
     tiled = Plan(source, server, doc, q_start, q_end, base.num_ranks, base.servers, base.window, base.backward, ks, ke)
