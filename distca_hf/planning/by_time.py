@@ -72,6 +72,10 @@ most of it when one candidate is clearly faster (the loosest on prolong-like bat
 documents' K/V dominate). Candidates within a few percent of each other (wlbllm-like batches) are
 all carved: the bound stays a few percent below the finished step (the kernel's per-key and
 per-task time, a block of pairs, the K/V of what stays local) until the carving ends.
+
+Over the memory budget, the descents (unbounded, timing ``resend``'s bytes, within the budget) start
+from one ``descent.DescentStart`` (colocated loads, K/V holders, intervals, colocated memory: prepared
+once), and the unbounded plan's K/V transfers serve its judgement, its fit and the checks after it.
 """
 
 from __future__ import annotations
