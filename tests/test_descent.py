@@ -8,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.planning import AUTO_TOLERANCES, DocumentPieces, PlannerConfig, TimeModel, colocated_plan, plan_tasks, step_seconds
 from distca_hf.planning.by_time import plan_by_tolerances
 from distca_hf.planning.cost import LLAMA3_8B_BYTES, H100_MEASURED
-from distca_hf.planning.descent import descend, document_servers, fan_out_bounds
-from distca_hf.planning.transfers import fit_memory_budget
+from distca_hf.planning.descent import DescentStart, descend, descend_within_memory, document_servers, fan_out_bounds
+from distca_hf.planning.transfers import backward_memory, fit_memory_budget
 from distca_hf.tools.simulate import pack_pieces
 from test_planner import (_check_plan, _same_plan, batches_with_key_only_prefixes, packed_batches, time_models,
                           windowed_configs)
@@ -112,3 +113,24 @@ def test_descent_counts_base_pairs_as_other_work():
     plan = descend(pieces, dataclasses.replace(config, base_pairs=(0.0, float(pairs))))
     served = plan.server_pairs()
     assert served[0] > served[1] and abs(served[0] - (served[1] + pairs)) <= 64 * 4096 + 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(pieces=st.one_of(packed_batches(), batches_with_key_only_prefixes()), config=windowed_configs,
+       model=time_models, budget=st.sampled_from([0.0, 0.1]))
+def test_descents_sharing_a_start_plan_as_each_alone(pieces, config, model, budget):
+    """``by_time`` plans the unbounded descent, the one timing ``resend``'s bytes and the one within
+    the memory budget from one ``DescentStart``: each plans exactly as when planned alone (none
+    changes what the next starts from), and a start prepared for other pieces or config is refused."""
+    auto = _auto(config, model, 1.0, memory_budget=budget)
+    held_mean = float(backward_memory(descend(pieces, auto), pieces, auto.token_bytes, backward="saved").held.mean())
+
+    def plans(start):
+        return [descend(pieces, auto, start=start), descend(pieces, auto, backward="resend", start=start),
+                descend_within_memory(pieces, auto, held_mean=held_mean, start=start)[0],
+                descend(pieces, auto, start=start)]
+
+    start = DescentStart(pieces, auto)
+    assert all(_same_plan(shared, alone) for shared, alone in zip(plans(start), plans(None)))
+    with pytest.raises(ValueError, match="start"):
+        descend(pieces, dataclasses.replace(auto), start=start)

@@ -303,3 +303,13 @@ def test_memory_tiles_keep_a_spanning_prefix_on_its_holder():
     auto = plan_tasks(pieces, PlannerConfig(tolerance="auto", token_bytes=TB, time_model=slow_network, memory_budget=0.05,
                                             key_split=True))
     assert auto.backward == "saved" and auto.splits_keys and _fits(auto, pieces, 0.05)
+
+
+def test_resend_without_a_budget_plans_with_key_split():
+    """``backward="resend"`` with no memory budget and key-split tiles: ``auto`` plans (before: a
+    TypeError from the memory tiles, asked for a budget of None) and keeps the mode set."""
+    pieces = DocumentPieces.from_rank_lists([[4096], [1024] * 4])
+    config = PlannerConfig(tolerance="auto", block=128, key_split=True, backward="resend", memory_budget=None)
+    plan = plan_tasks(pieces, config)
+    assert plan.backward == "resend"
+    check_tiles(with_key_ranges(plan), pieces)

@@ -72,6 +72,10 @@ most of it when one candidate is clearly faster (the loosest on prolong-like bat
 documents' K/V dominate). Candidates within a few percent of each other (wlbllm-like batches) are
 all carved: the bound stays a few percent below the finished step (the kernel's per-key and
 per-task time, a block of pairs, the K/V of what stays local) until the carving ends.
+
+Over the memory budget, the descents (unbounded, timing ``resend``'s bytes, within the budget) start
+from one ``descent.DescentStart`` (colocated loads, K/V holders, intervals, colocated memory: prepared
+once), and the unbounded plan's K/V transfers serve its judgement, its fit and the checks after it.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ import numpy as np
 
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
-from .descent import descend, descend_within_memory
+from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
 from .tiles import apply_memory_tiles, apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
@@ -114,15 +118,16 @@ GRID_PLACE = ZIGZAG_PLACE + 1
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
-            memory_tiles: bool = False) -> tuple[float, Plan]:
+            memory_tiles: bool = False, transfers=None) -> tuple[float, Plan]:
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
     a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
     with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
-    predicted faster."""
-    transfers = kv_transfers(plan, pieces)
+    predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
+    mode). ``transfers``: the plan's ``kv_transfers``, when in hand."""
+    transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
     seconds = step_seconds(fitting, pieces, config, transfers)
-    if memory_tiles and fitting.backward != plan.backward and config.key_split:
+    if memory_tiles and fitting.backward != plan.backward and config.key_split and config.memory_budget is not None:
         tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
@@ -169,19 +174,24 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
-        free = descend(pieces, config, backward=config.backward)
-        seconds, plan = _judged(free, pieces, config, memory_tiles=True)
+        start = DescentStart(pieces, config)  # what the descents below share
+        free = descend(pieces, config, backward=config.backward, start=start)
+        free_transfers = kv_transfers(free, pieces)
+        seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers)
         if (seconds, 1) < best_key:
             best, best_key = plan, (seconds, 1)
-        if fit_memory_budget(free, pieces, config).backward != config.backward:
+        free_received = kv_received(free_transfers, pieces.num_ranks)
+        if fit_memory_budget(free, pieces, config, free_received).backward != config.backward:
             # over the memory budget: the descent timing resend's bytes, and within the budget by
             # construction where that can fit and win (bounded, it is rarely faster than unbounded)
-            seconds, plan = _judged(descend(pieces, config, backward="resend"), pieces, config)
+            seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
-            held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved").held.mean())
-            if step_seconds(free, pieces, config) < best_key[0] and _saved_may_fit(pieces, config, held_mean):
-                bounded = _bounded_descent(pieces, config, held_mean, best_key[0])
+            held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved",
+                                              received=free_received).held.mean())
+            if step_seconds(free, pieces, config, free_transfers) < best_key[0] \
+                    and _saved_may_fit(pieces, config, held_mean, start):
+                bounded = _bounded_descent(pieces, config, held_mean, best_key[0], start)
                 seconds, plan = _judged(bounded, pieces, config, memory_tiles=True) if bounded else (np.inf, None)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
@@ -236,19 +246,19 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     return _with_tiles(best, best_key[0], pieces, config) if descent else best
 
 
-def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float) -> bool:
+def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, start: DescentStart) -> bool:
     """Whether the descent within ``config.memory_budget`` can fit: the colocated plan fits against a
     mean of at least ``held_mean`` (the unbounded descent's). The descent never takes memory away from
     a rank, it only declines to add, so when colocated is over (a rank holding a late piece of a long
     document keeps its prefix's K/V) only the memory tiles of the candidates, or ``resend``, can fit,
-    and the bounded descent is skipped (plan time)."""
-    memory = backward_memory(colocated_plan(pieces, config.servers, window=config.window), pieces,
-                             config.token_bytes, backward="saved")
+    and the bounded descent is skipped (plan time). ``start``: the descents' (its colocated memory)."""
+    memory = start.colocated_memory()
     limit = max((1.0 + config.memory_budget) * max(float(memory.held.mean()), held_mean), float(memory.floor))
     return float(memory.held.max(initial=0.0)) <= limit * (1 + 1e-12)
 
 
-def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, best_seconds: float):
+def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, best_seconds: float,
+                     start: DescentStart):
     """The descent within ``config.memory_budget`` (``descent.descend_within_memory``) when the
     unbounded one is over it: the limit counts at least the mean ``held_mean`` that the unbounded one
     makes ranks hold (the first moves would otherwise be judged against colocated's mean, before the
@@ -257,13 +267,13 @@ def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: f
     level past ``GIVE_UP_MARGIN`` x ``best_seconds`` (the best candidate's step: it would lose)."""
     give_up_above = GIVE_UP_MARGIN * best_seconds
     bounded, refused = descend_within_memory(pieces, config, backward="saved", held_mean=held_mean,
-                                             give_up_above=give_up_above)
+                                             give_up_above=give_up_above, start=start)
     if bounded is None:
         return None
     memory = backward_memory(bounded, pieces, config.token_bytes, backward="saved")
     if refused and not memory.fits(config.memory_budget):
         bounded, _ = descend_within_memory(pieces, config, backward="saved", held_mean=float(memory.held.mean()),
-                                           give_up_above=give_up_above)
+                                           give_up_above=give_up_above, start=start)
     return bounded
 
 

@@ -69,9 +69,9 @@ from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
-from .transfers import backward_memory
+from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers
 
-__all__ = ["descend", "descend_within_memory", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+__all__ = ["descend", "descend_within_memory", "DescentStart", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
@@ -97,14 +97,65 @@ and a holder of its K/V that sends ``c`` seconds per server ``F c``: their sum i
 _INTERVALS_TRIED = 3  # a donor whose latest interval cannot move tries its next ones
 
 
-class _Descent:
-    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str, budget: float | None = None,
-                 held_mean: float = 0.0, give_up_above: float = math.inf):
+class DescentStart:
+    """What every descent of one batch starts from, whatever its backward mode or memory budget:
+    ``by_time`` plans up to three descents of the same ``pieces`` and ``config``
+    (unbounded, timing ``resend``'s bytes, within the memory budget) and prepares this once. Read only:
+    each descent copies what it changes. Pass it as ``start=`` with the same ``pieces`` and ``config``."""
+
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig):
         n = pieces.num_ranks
-        self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
+        self.pieces, self.config = pieces, config
         self.servers = config.servers if config.servers is not None else tuple(range(n))
         if self.servers[-1] >= n:
             raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
+        tm, tb, window = config.time_model, config.token_bytes, config.window
+        self.colocated = colocated_plan(pieces, self.servers, window=window)
+        transfers = kv_transfers(self.colocated, pieces)
+        self.loads = plan_loads(self.colocated, pieces, tb, transfers)
+        # rank_time's formula: other work (the linear layers, or base_pairs'), the attention each rank
+        # computes at home ([ranks] seconds)
+        self.linear = other_seconds(self.loads.tokens, config)
+        self.own = tm.rank_seconds(0, self.loads.pairs, self.loads.tasks, self.loads.keys, other_s=0.0)
+        self._received = kv_received(transfers, n)
+        self._memory = None
+        self.holders = pieces.spanning_holders()
+        self.holder_ranks = {doc: tuple(rank for rank, _, _ in holders) for doc, holders in self.holders.items()}
+        # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
+        self.needs: dict[tuple[int, int], list[int]] = {}
+        self.doc_servers: dict[int, set[int]] = {doc: set() for doc in self.holders}
+        several = np.isin(pieces.doc, list(self.holders)) & (pieces.end > pieces.start)
+        for rank, doc, start, end in zip(pieces.rank[several].tolist(), pieces.doc[several].tolist(),
+                                         pieces.start[several].tolist(), pieces.end[several].tolist()):
+            first = key_start(start, window)
+            need = self.needs.get((rank, doc))
+            self.needs[(rank, doc)] = [first, end] if need is None else [min(need[0], first), max(need[1], end)]
+            self.doc_servers[doc].add(rank)
+        # each rank's own query intervals (pieces), latest end first (tails move first)
+        longest = int(pieces.end.max(initial=0))
+        order = _sort_order((pieces.doc, longest - pieces.end, pieces.rank))
+        self.by_rank = order[pieces.end[order] > pieces.start[order]]
+        self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(n + 1)).tolist()
+
+    def colocated_memory(self) -> BackwardMemory:
+        """``transfers.backward_memory`` of the colocated plan in ``saved`` mode (computed once)."""
+        if self._memory is None:
+            self._memory = backward_memory(self.colocated, self.pieces, self.config.token_bytes, backward="saved",
+                                           received=self._received)
+        return self._memory
+
+
+class _Descent:
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, backward: str, budget: float | None = None,
+                 held_mean: float = 0.0, give_up_above: float = math.inf, start: DescentStart | None = None):
+        if start is None:
+            start = DescentStart(pieces, config)
+        elif start.pieces is not pieces or start.config is not config:
+            raise ValueError("start: a DescentStart prepared for other pieces or another config "
+                             "(DescentStart(pieces, config) with the same objects)")
+        n = pieces.num_ranks
+        self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
+        self.servers = start.servers
         self.is_server = [False] * n
         for s in self.servers:
             self.is_server[s] = True
@@ -114,13 +165,10 @@ class _Descent:
         self.byte_s = config.exposed_comm * COMM_PASSES[backward] / tm.bytes_per_s
         self.qo = self.q + self.o  # bytes of a moved query: in, and its output back
         self.qo_s = self.byte_s * self.qo
-        colocated = colocated_plan(pieces, self.servers, window=self.window)
-        loads = plan_loads(colocated, pieces, tb)
-        # rank_time's formula: other work (the linear layers, or base_pairs'), the attention each rank
-        # computes at home, the exposed bytes of the pieces' prefixes and collective_s, summed in the
-        # descent's own order (its moves add byte_s-timed bytes: the same sums, the same roundings)
-        linear = other_seconds(loads.tokens, config)
-        own = tm.rank_seconds(0, loads.pairs, loads.tasks, loads.keys, other_s=0.0)
+        loads, linear, own = start.loads, start.linear, start.own
+        # rank_time's formula: other work, the attention each rank computes at home, the exposed bytes
+        # of the pieces' prefixes and collective_s, summed in the descent's own order (its moves add
+        # byte_s-timed bytes: the same sums, the same roundings)
         moved = self.byte_s * (loads.sent + loads.received)
         # seconds each rank saves by moving all of its own attention still computed at home away:
         # that attention, less the exposed time of its queries out and outputs back
@@ -131,30 +179,16 @@ class _Descent:
         servers = list(self.servers)
         self.lower_bound = max(float((linear + tm.collective_s).max(initial=0.0)),
                                float(linear[servers].sum() + own.sum()) / len(servers) + tm.collective_s)
-        self.holders = pieces.spanning_holders()
-        self.holder_ranks = {doc: tuple(rank for rank, _, _ in holders) for doc, holders in self.holders.items()}
-        # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
-        self.needs: dict[tuple[int, int], list[int]] = {}
-        self.doc_servers: dict[int, set[int]] = {}
-        window = self.window
-        for doc, holders in self.holders.items():
-            self.doc_servers[doc] = set()
-        several = np.isin(pieces.doc, list(self.holders)) & (pieces.end > pieces.start)
-        for rank, doc, start, end in zip(pieces.rank[several].tolist(), pieces.doc[several].tolist(),
-                                         pieces.start[several].tolist(), pieces.end[several].tolist()):
-            first = key_start(start, window)
-            need = self.needs.get((rank, doc))
-            self.needs[(rank, doc)] = [first, end] if need is None else [min(need[0], first), max(need[1], end)]
-            self.doc_servers[doc].add(rank)
-        # each rank's own query intervals [doc, piece start, end], latest end first (tails move first),
-        # made into Python lists only for the ranks the descent looks at
-        longest = int(pieces.end.max(initial=0))
-        order = _sort_order((pieces.doc, longest - pieces.end, pieces.rank))
-        self.by_rank = order[pieces.end[order] > pieces.start[order]]
-        self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(n + 1)).tolist()
+        self.holders, self.holder_ranks = start.holders, start.holder_ranks
+        # (server, doc) -> keys [start, end) it needs (lists replaced, never changed in place)
+        self.needs: dict[tuple[int, int], list[int]] = dict(start.needs)
+        self.doc_servers: dict[int, set[int]] = {doc: set(ranks) for doc, ranks in start.doc_servers.items()}
+        # each rank's own query intervals [doc, piece start, end, piece], latest end first (tails move
+        # first), made into Python lists only for the ranks the descent looks at
+        self.by_rank, self.rank_start = start.by_rank, start.rank_start
         self.listed: dict[int, list[list[int]]] = {}
+        self.cut: dict[int, int] = {}  # piece -> the end of what stays at home (its start: nothing)
         self.rows: list[list[int]] = []  # moved tasks [source, server, doc, q_start, q_end]
-        self.opened: set[int] = set()  # ranks whose own intervals changed
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
         self.bounds: dict[int, float] = {}
         # Memory (saved mode under a budget): what every rank holds for backward in one layer
@@ -164,19 +198,19 @@ class _Descent:
         self.memory_refused = False  # whether the limit cut or refused a move the time alone allowed
         self.give_up_above, self.gave_up = give_up_above, False
         if backward == "saved" and budget is not None:
-            memory = backward_memory(colocated, pieces, tb, backward="saved")
+            memory = start.colocated_memory()
             self.held = memory.held.astype(np.float64).tolist()
             self.held_total, self.memory_budget, self.memory_floor = sum(self.held), budget, memory.floor
             self.held_mean = held_mean
             self.query_bytes = tb.q + tb.o + tb.lse  # what a server keeps per query it serves (a source, less)
 
     def intervals(self, rank: int) -> list[list[int]]:
-        """The rank's own intervals still at home, ``[doc, piece start, end]``, latest end first."""
+        """The rank's own intervals still at home, ``[doc, piece start, end, piece]``, latest end first."""
         listed = self.listed.get(rank)
         if listed is None:
             p, mine = self.pieces, self.by_rank[self.rank_start[rank]:self.rank_start[rank + 1]]
             listed = self.listed[rank] = [list(iv) for iv in zip(p.doc[mine].tolist(), p.start[mine].tolist(),
-                                                                   p.end[mine].tolist())]
+                                                                   p.end[mine].tolist(), mine.tolist())]
         return listed
 
     def has_work(self, rank: int) -> bool:
@@ -370,7 +404,7 @@ class _Descent:
 
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
         intervals, window = self.intervals(donor), self.window
-        piece_start, b = intervals[index][1], intervals[index][2]
+        _, piece_start, b, piece = intervals[index]
         if self.held is not None:  # before the needs grow: the K/V the server lacks until now
             kept = (b - a) * self.query_bytes
             kv_bytes = self.kv_sends(donor, server, doc, key_start(a, window), b)[1] / 2
@@ -398,10 +432,10 @@ class _Descent:
             merged = len(self.rows)
             self.rows.append([donor, server, doc, a, b])
         self.merge_at[(server, donor, doc, a)] = merged
-        self.opened.add(donor)
+        self.cut[piece] = a
         intervals.pop(index)
         if a > piece_start:
-            bisect.insort(intervals, [doc, piece_start, a], key=lambda iv: -iv[2])
+            bisect.insort(intervals, [doc, piece_start, a, piece], key=lambda iv: -iv[2])
 
     # -- the descent --------------------------------------------------------------------------------
 
@@ -431,7 +465,7 @@ class _Descent:
         while intervals and (must_empty or time[donor] > level):
             move = None
             for index in range(min(_INTERVALS_TRIED, len(intervals))):
-                doc, piece_start, end = intervals[index]
+                doc, piece_start, end, _ = intervals[index]
                 want = math.inf if must_empty or self.attn <= 0 else (time[donor] - level) / self.attn
                 servers, holders = self.doc_servers.get(doc), self.holder_ranks.get(doc)
                 # the document's servers and holders (they lack the least K/V) with the most room...
@@ -527,13 +561,15 @@ class _Descent:
 
     def plan(self) -> Plan:
         p = self.pieces
-        opened = np.zeros(self.n, dtype=bool)
-        opened[list(self.opened)] = True
-        keep = ~opened[p.rank] & (p.end > p.start)  # the pieces of ranks that moved nothing, as they are
-        rows = [[r, r, d, s, e] for r in sorted(self.opened) for d, s, e in self.listed[r]] + self.rows
-        table = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        q_end = p.end
+        if self.cut:  # what stays at home of the pieces moves cut (nothing when cut at their start)
+            q_end = q_end.copy()
+            q_end[np.fromiter(self.cut, dtype=np.int64, count=len(self.cut))] = np.fromiter(
+                self.cut.values(), dtype=np.int64, count=len(self.cut))
+        keep = q_end > p.start
+        table = np.asarray(self.rows, dtype=np.int64).reshape(-1, 5)
         source, server, doc, q_start, q_end = (np.concatenate((column, extra)) for column, extra in zip(
-            (p.rank[keep], p.rank[keep], p.doc[keep], p.start[keep], p.end[keep]), table.T))
+            (p.rank[keep], p.rank[keep], p.doc[keep], p.start[keep], q_end[keep]), table.T))
         order = _sort_order((q_start, doc, source, server))
         return Plan(source[order], server[order], doc[order], q_start[order], q_end[order], self.n,
                     self.servers, self.window)
@@ -552,17 +588,20 @@ def _sort_order(keys) -> np.ndarray:
     return np.argsort(combined)
 
 
-def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan:
+def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
+            start: DescentStart | None = None) -> Plan:
     """The descent's plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
     (default ``config.backward``), unbounded by memory; the plan says ``"saved"``, ``by_time`` fits it
-    to the memory budget."""
-    state = _Descent(pieces, config, backward or config.backward)
+    to the memory budget. ``start``: ``DescentStart(pieces, config)``, shared by the descents of one
+    batch (default: prepared here)."""
+    state = _Descent(pieces, config, backward or config.backward, start=start)
     state.run()
     return state.plan()
 
 
 def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
-                          held_mean: float = 0.0, give_up_above: float = math.inf) -> tuple[Plan | None, bool]:
+                          held_mean: float = 0.0, give_up_above: float = math.inf,
+                          start: DescentStart | None = None) -> tuple[Plan | None, bool]:
     """``(descend's plan, refused)`` with ``config.memory_budget`` as a constraint (``saved`` mode; the
     budget does not bound ``resend`` mode): a move may not take a server past ``(1 + budget)`` x the
     mean that ranks hold (``transfers.backward_memory``), or past the floor; the mean counted is at
@@ -571,8 +610,10 @@ def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, back
     whether the budget cut or refused a move that the time alone allowed. The descent's memory is
     an upper bound per rank (a donor's K/V needs are never taken back), so the plan is judged again
     exactly (``by_time``). The plan is ``None`` when the level rose past ``give_up_above`` seconds
-    (the step of a plan in hand): the ranks left above it would end about there, or slower."""
-    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean, give_up_above)
+    (the step of a plan in hand): the ranks left above it would end about there, or slower. ``start``:
+    as ``descend``'s."""
+    state = _Descent(pieces, config, backward or config.backward, config.memory_budget, held_mean, give_up_above,
+                     start)
     state.run()
     return (None if state.gave_up else state.plan()), state.memory_refused
 

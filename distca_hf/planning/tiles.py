@@ -114,12 +114,15 @@ def _earlier_segments(plan: Plan, pieces: DocumentPieces, tasks) -> dict:
     """``{task: [(k0, k1, holder, piece_start), ...]}``: the pieces wholly before each task's own
     piece, clipped to its keys, by position."""
     w, holders, out = plan.window, {}, {}
-    for i in tasks:
-        d, a = int(plan.doc[i]), int(plan.q_start[i])
-        if d not in holders:
-            mine = np.flatnonzero(pieces.doc == d)
-            holders[d] = sorted(zip(pieces.kv_start[mine].tolist(), pieces.end[mine].tolist(),
-                                    pieces.rank[mine].tolist()))
+    tasks = np.asarray(tasks, dtype=np.int64)
+    docs, starts = plan.doc[tasks].tolist(), plan.q_start[tasks].tolist()
+    mine = np.flatnonzero(np.isin(pieces.doc, docs))  # the pieces of these documents, in one pass
+    for d, x0, x1, h in zip(pieces.doc[mine].tolist(), pieces.kv_start[mine].tolist(), pieces.end[mine].tolist(),
+                            pieces.rank[mine].tolist()):
+        holders.setdefault(d, []).append((x0, x1, h))
+    for held in holders.values():
+        held.sort()
+    for i, d, a in zip(tasks.tolist(), docs, starts):
         k0 = key_start(a, w)
         own = next(x0 for x0, x1, h in holders[d] if x0 <= a < x1)
         out[i] = [(max(x0, k0), x1, h, x0) for x0, x1, h in holders[d] if k0 < x1 <= own]
@@ -249,7 +252,7 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
         where = [(x0, x1, h if (server, doc, piece) in converted else server) for x0, x1, h, piece in earlier]
         rows.extend(task_tiles(task, earlier[-1][1], where))
     new = np.asarray(rows, dtype=np.int64).reshape(-1, 7).T
-    arr = np.concatenate([np.stack([c[keep] for c in columns]), new], axis=1)
+    arr = [np.concatenate((c[keep], extra)) for c, extra in zip(columns, new)]
     order = np.lexsort((arr[5], arr[3], arr[2], arr[0], arr[1]))
     source, server, doc, q_start, q_end, ks, ke = (c[order] for c in arr)
     tiled = Plan(source, server, doc, q_start, q_end, base.num_ranks, base.servers, base.window, base.backward, ks, ke)
@@ -301,19 +304,27 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         if u and units[u - 1][:2] == unit[:2]:
             earlier_unit[u] = u - 1
 
+    changes: dict[int, tuple[float, float]] = {}
+    rows = (plan.q_end - plan.q_start).tolist()
+
     def change(u: int) -> tuple[float, float]:
-        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)``."""
-        s, d, x0, x1, h, tasks = units[u]
-        drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
-        return float(drop), float(sum(int(plan.q_end[i] - plan.q_start[i]) for i in tasks) * token_bytes.q)
+        """``(K/V bytes the unit's server stops receiving, query bytes its holder keeps)`` (a unit's
+        are fixed: counted once)."""
+        known = changes.get(u)
+        if known is None:
+            s, d, x0, x1, h, tasks = units[u]
+            drop = sum(max(0, min(e, x1) - max(st, x0)) for st, e in sent_kv.get((h, s, d), ())) * token_bytes.kv
+            known = changes[u] = (float(drop), float(sum(rows[i] for i in tasks) * token_bytes.q))
+        return known
 
     applied = np.zeros(len(units), dtype=bool)
-    stuck: set[int] = set()
+    stuck = np.zeros(n, dtype=bool)
     while True:
-        over = [r for r in np.flatnonzero(held > limit(total)).tolist() if r not in stuck]
-        if not over:
+        # the rank furthest over the limit, ties to the lowest (argmax: the first of the maxima)
+        over = np.where((held > limit(total)) & ~stuck, held, -np.inf)
+        r = int(np.argmax(over)) if n else 0
+        if not n or over[r] == -np.inf:
             break
-        r = max(over, key=lambda rank: (held[rank], -rank))
         best, best_key = None, None
         for u in by_server.get(r, ()):
             # in key order: the pieces a server keeps then stay one run joined to its causal tile (a
@@ -328,7 +339,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
             if best_key is None or key < best_key:
                 best, best_key = u, key
         if best is None:
-            stuck.add(r)
+            stuck[r] = True
             continue
         drop, add = change(best)
         held[r] -= drop
