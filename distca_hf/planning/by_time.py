@@ -62,7 +62,7 @@ import numpy as np
 from .baselines import RankLoads
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import TimeModel, TokenBytes, causal_pairs
-from .descent import descend
+from .descent import descend, linear_seconds
 from .tiles import apply_time_tiles
 from .pieces import DocumentPieces
 from .transfers import KVTransfers, RunningBytes, fit_memory_budget, kv_received, kv_transfers, rank_bytes
@@ -105,9 +105,12 @@ def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
                  transfers: KVTransfers | None = None) -> np.ndarray:
     """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
     ``plan`` in its backward mode (see the module docstring); ``config`` gives the time model, token
-    bytes and ``exposed_comm``."""
-    compute, exposed = loads_seconds(plan_loads(plan, pieces, config.token_bytes, transfers), config.time_model,
-                                     config.exposed_comm, plan.backward)
+    bytes and ``exposed_comm``; with ``config.base_pairs``, each rank's work besides attention is
+    theirs (``descent.linear_seconds``), not only its tokens' linear layers."""
+    loads = plan_loads(plan, pieces, config.token_bytes, transfers)
+    compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward)
+    if config.base_pairs is not None:
+        compute = compute - config.time_model.linear_s_per_token * loads.tokens + linear_seconds(loads.tokens, config)
     return compute + exposed
 
 

@@ -63,7 +63,7 @@ from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .transfers import rank_bytes
 
-__all__ = ["descend", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+__all__ = ["descend", "linear_seconds", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
@@ -87,6 +87,22 @@ and a holder of its K/V that sends ``c`` seconds per server ``F c``: their sum i
 ``F = sqrt(W / c)``; the fan-out bound allows ``FAN_OUT`` times that."""
 
 _INTERVALS_TRIED = 3  # a donor whose latest interval cannot move tries its next ones
+
+
+def linear_seconds(tokens, config: PlannerConfig) -> np.ndarray:
+    """``[ranks]`` seconds of each rank's work besides attention in one layer (forward + backward):
+    its ``tokens`` (``[ranks]``) through the linear layers, or, when ``config.base_pairs`` is given,
+    that work as it says (relative to the least loaded rank, in pairs of attention time: its linear
+    layers and any other work, e.g. a pipeline stage's LM head) plus the least loaded rank's linear
+    layers. The descent and ``by_time.rank_seconds`` (the judge of ``tolerance="auto"``) both time it
+    here, so a candidate is judged with the other work it was balanced with."""
+    tm = config.time_model
+    tokens_s = tm.linear_s_per_token * np.asarray(tokens, dtype=np.float64)
+    if config.base_pairs is None:
+        return tokens_s
+    # base_pairs already hold each rank's linear layers relative to the least loaded rank's: the tokens'
+    # linear layers are not counted again, only that common level
+    return tm.attn_s_per_pair * np.asarray(config.base_pairs, dtype=np.float64) + tokens_s.min(initial=0.0)
 
 
 def _holder_time_floor(time: float, own: float, level: float) -> float:
@@ -118,10 +134,7 @@ class _Descent:
         keys = np.bincount(colocated.server, weights=colocated.keys(), minlength=n)
         tasks = np.bincount(colocated.server, minlength=n)
         sent, received = rank_bytes(colocated, pieces, tb)
-        # base_pairs already hold each rank's linear layers (and any other work), relative to the least
-        # loaded rank's: the tokens' linear layers are not counted again, only that common level
-        tokens_s = tm.linear_s_per_token * pieces.tokens()
-        linear = tokens_s if config.base_pairs is None else self.attn * base + tokens_s.min(initial=0.0)
+        linear = linear_seconds(pieces.tokens(), config)
         own = self.attn * pairs + self.key_s * keys + self.task_s * tasks
         # seconds each rank saves by moving all of its own attention still computed at home away:
         # that attention, less the exposed time of its queries out and outputs back

@@ -192,7 +192,9 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
     if len(groups) > 1:
         candidates += [_union_of_stage_plans(pooled, groups, with_base, config),
                        _union_of_stage_plans(pooled, groups, lambda ranks: config, config)]
-    seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
+    # every candidate judged with the ranks' other work (the candidates balanced without it too)
+    judge = with_base(np.arange(pooled.num_ranks))
+    seconds = [step_seconds(candidate, pooled, judge) for candidate in candidates]
     return candidates[int(np.argmin(seconds))]
 
 
