@@ -100,7 +100,8 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
     if w.merges:  # several tasks of a row: their partials merged here (a row of no task: 0 and -inf)
         out_pool, lse_pool = merge_rows(served.q_index, f_out, f_lse.t(), q_pool.shape[0])
         return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)
-    out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy(0, served.q_index, f_out)
+    # in place: index_copy (out of place) would copy the zeroed pool once more
+    out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy_(0, served.q_index, f_out)
     lse_pool = None
     if want_lse:
         lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
@@ -216,10 +217,11 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
                                                       softcap=variant.softcap, chunk=variant.chunk, full=served.full)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
-    # a key-split plan's tasks of one row each give a dQ partial: summed
-    dq_pool = fq.new_zeros(pool_rows, *qshape).index_add(0, served.q_index, fdq)
-    dk_pool = fk.new_zeros(k_pool.shape).index_add(0, served.k_index, fdk)
-    dv_pool = fv.new_zeros(v_pool.shape).index_add(0, served.k_index, fdv)
+    # a key-split plan's tasks of one row each give a dQ partial: summed (in place: index_add, out of
+    # place, would copy each zeroed pool once more)
+    dq_pool = fq.new_zeros(pool_rows, *qshape).index_add_(0, served.q_index, fdq)
+    dk_pool = fk.new_zeros(k_pool.shape).index_add_(0, served.k_index, fdk)
+    dv_pool = fv.new_zeros(v_pool.shape).index_add_(0, served.k_index, fdv)
     return dq_pool, dk_pool, dv_pool
 
 
