@@ -90,8 +90,8 @@ HEAD_SHARE_UNITS = 1_000_000
 """``lm_head_share`` travels in the step's int64 all-gather in millionths."""
 
 HEAD_SHARE_TOKENS = 2048
-"""Random tokens ``measure_lm_head_share`` times (fewer when a micro-batch is shorter is not needed: the
-ratio of two per-token costs)."""
+"""Random tokens ``measure_lm_head_share`` times (at most a micro-batch's): enough for per-token costs,
+a fraction of the logits a micro-batch makes."""
 
 
 def measure_lm_head_share(layer, norm, lm_head, loss_fn, *, hidden: int, device, tokens: int = HEAD_SHARE_TOKENS,
@@ -326,7 +326,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             return 0.0
         return vocab * hidden / (sum(weights) / len(weights))
 
-    def _own_head_share(self) -> float:
+    def _own_head_share(self, tokens: int) -> float:
         """This rank's ``lm_head_share`` to agree on: measured on the last stage (or derived, with a
         warning, where its modules cannot be timed); -1 elsewhere (the last stage's ranks decide)."""
         if not self._stage.is_last:
@@ -339,9 +339,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             problem = "the stage has no decoder layers, `lm_head` or `model.norm`"
         else:
             try:
-                return measure_lm_head_share(layers[0], norm, head, self._loss_fn,
+                return measure_lm_head_share(layers[0], norm, head, self._loss_fn, tokens=tokens,
                                              hidden=self._model_config().hidden_size, device=self._stage.device)
-            except (RuntimeError, TypeError, ValueError) as error:  # a layer whose parts do not take [1, n, hidden]
+            except Exception as error:  # e.g. a layer whose parts do not take [1, n, hidden]: planning goes on
+                # (raising here, before the step's all-gather, would leave the other ranks waiting in it)
                 problem = f"timing its parts failed ({type(error).__name__}: {error})"
         warn_once("cad_1f1b-head-share", f"distca: pipeline_schedule='cad_1f1b' could not measure the last stage's "
                   f"LM head against a decoder layer: {problem}; it plans with the ratio of their weights instead")
@@ -378,7 +379,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         described, error = [], None
         share = self._head_share if self._head_share is not None and self._stage.is_last else None
         if share is None:
-            share = self._own_head_share() if self._head_share is None else -1.0
+            # timed on at most a micro-batch's tokens (the logits of HEAD_SHARE_TOKENS may be more than a step holds)
+            positions = (kwarg_mbs[0] or {}).get("position_ids") if kwarg_mbs else None
+            tokens = min(HEAD_SHARE_TOKENS, positions.numel()) if positions is not None else HEAD_SHARE_TOKENS
+            share = self._own_head_share(tokens) if self._head_share is None else -1.0
         payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout(),
                    round(share * HEAD_SHARE_UNITS)]
         for i, kwargs in enumerate(kwarg_mbs if error is None else ()):
