@@ -37,10 +37,9 @@ Also reported: each rank's CPU seconds per step (``cpu_s_all_ranks``: their sum,
 and the machine's load average. A pipeline's gain is idle time removed; when other processes compete
 for the cores (load above the core count), a rank that waits gives its core away and the idle time
 costs little, while ``cad_1f1b``'s exchanges in every layer of every tick make both ranks wait for
-whichever was descheduled: wall-clock speedups measured at a load of 6-13 on the 2-core machine
-scattered from 0.64x to 1.45x for the same code (six runs each of the code before and after the
-changes below: medians 0.94x and 0.86x; per round 0.25x-2.04x), so the analysis below reads CPU
-seconds per rank and step (``rank_cpu_s``), which the load moves far less.
+whichever was descheduled: wall-clock speedups measured at a load of 3-13 on the 2-core machine
+scattered from 0.64x to 1.45x for the same code (per round 0.25x-2.04x), so most of the analysis
+below reads CPU seconds per rank and step (``rank_cpu_s``), which the load moves far less.
 
 Balance (measured, not derived). At the defaults colocated_1f1b computes 1.02-1.06 CPU-s per step on
 the first stage and 1.27-1.33 on the last (its final norm, LM head and loss); both run the same
@@ -52,21 +51,30 @@ where the parameter counts said 0.72) and agreed by every rank. What had kept th
 the plan balanced on attention alone won (stage 1 served more pairs than stage 0 in every tick with a
 long document); the judges now count it (``descent.linear_seconds``). cad_across_stages per rank,
 medians of 6 runs each: before 1.27 / 1.53 CPU-s, after 1.45 / 1.45 (a profile: attention 0.73 s on
-stage 0 against 0.48 s on stage 1, busy 1.46 / 1.48 s). Over both ranks it costs 2.89 CPU-s a step
-(before 2.81: more moved) against colocated_1f1b's 2.35 (+23%): the per-tick plans take 0.04 s per step and rank (measured
-without a profiler; 11 plans, each weighing 4 candidates), the dispatch's gathers, copies and
-all-to-alls (``resend``: q, k, v, out and dO again in each backward tick) most of the rest.
+stage 0 against 0.48 s on stage 1, busy 1.46 / 1.48 s).
 
-Where the bound is (the 1F1B event model, ``planning.pipeline.simulate_1f1b``, on idle cores with
-these CPU costs: attention 0.59 s per stage split over the micro-batches by their pairs, the rest 0.45 s
-on stage 0 and 0.72 s on stage 1 split evenly, forward 1/3 of each): colocated_1f1b 1.80 s. cad_1f1b's ticks last their
-slowest rank: the time model's per-tick work scaled to the measured CPU per rank gives 1.60 s before
-(1.12x) and 1.56 s now (1.15x); two ticks cannot be balanced at all (a bubble beside a micro-batch of
-short documents: little attention to move). Without the lockstep's CPU overhead (its CPU at
-colocated's 2.35 s) it would be 1.26 s (1.43x). So 1.2x needs 4% less CPU per rank (0.06 s a step,
-about a fifth of the lockstep's overhead); the 1.04-1.05x measured before on a quiet machine sat
-3-4% below the model's 1.08x then, so expect about 1.1x quiet now (not measured: the machine was
-never quiet).
+Overhead. The lockstep cost 20% more CPU over both ranks than colocated_1f1b (2.80 against 2.33 s;
+medians, the code before): the per-tick plans 0.04 s per step and rank (11 plans, measured without a
+profiler), the rest the dispatch: gathers into fused batches, zeroed pools scattered into, ``resend``'s
+second pass of q, k, v, out and dO. Most waves of a tick serve their whole pools in order
+(``Wave.q_identity`` / ``k_identity``): they now skip the gathers and scatters, and the pools are
+filled in place otherwise: +13.5% now (median of five runs' ratios; 1.38 / 1.38 CPU-s per rank).
+
+Wall clock, and where the bound is. In the quietest minutes (load 2.0-2.4, two runs) cad_1f1b took
+1.85 / 1.81 s a step against colocated_1f1b's 1.86 / 1.82 s: 1.01x / 1.00x (per round 0.84-1.04x),
+with each rank busy 1.38-1.41 CPU-s, i.e. waiting a quarter of the step inside the lockstep. The 1F1B
+event model (``planning.pipeline.simulate_1f1b``; attention 0.59 s per stage split over the
+micro-batches by their pairs, the rest 0.45 s on stage 0 and 0.72 s on stage 1 split evenly, forward
+1/3 of each) predicts colocated_1f1b at 1.80 s, as measured; a lockstep whose ticks last their
+slowest rank's total work (the time model's per-tick work scaled to the measured CPU per rank)
+predicts 1.49 s (1.2x), which the runs do not show. What that model misses: every attention layer's
+exchanges synchronise the ranks twice (inputs out, outputs back), so a tick lasts about the slowest
+rank before the exchange, plus the slowest attention, plus the slowest after it; the last stage's LM
+head and loss run after its last exchange, outside the part the plan balances, so attention moved to
+stage 0 to offset them lengthens the balanced part instead of hiding the head (and a bubble given more
+attention than the others lengthens it too). A schedule that reaches 1.2x here has to balance each
+synchronised part on its own (or overlap the head with the next tick's exchange); not done (a run
+balancing attention alone, ``tick_base_pairs`` zeroed, was inside the noise at load 6-9).
 
 This file: the methods, sizes, targets and rows (pure) of ``--pipeline-parallel``; one rank runs in
 ``pipeline_worker``, the summary in ``pipeline_reports``, the command in ``pipeline_cli``.
