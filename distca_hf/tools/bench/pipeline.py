@@ -74,7 +74,7 @@ head and loss run after its last exchange, outside the part the plan balances, s
 stage 0 to offset them lengthens the balanced part instead of hiding the head (and a bubble given more
 attention than the others lengthens it too). A schedule that reaches 1.2x here has to balance each
 synchronised part on its own (or overlap the head with the next tick's exchange); not done (a run
-balancing attention alone, ``tick_base_pairs`` zeroed, was inside the noise at load 6-9).
+balancing attention alone, ``tick_base_pairs`` zeroed, was inside the noise at load 6-12).
 
 This file: the methods, sizes, targets and rows (pure) of ``--pipeline-parallel``; one rank runs in
 ``pipeline_worker``, the summary in ``pipeline_reports``, the command in ``pipeline_cli``.
