@@ -234,6 +234,38 @@ def test_lockstep_tick_plan_is_never_predicted_slower_than_its_stages_alone(seed
     assert by_time.step_seconds(plan, pooled, config) <= alone * (1 + 1e-12)
 
 
+def test_lockstep_tick_counts_the_last_stages_extra_work_when_it_picks_the_plan():
+    """``tolerance="auto"`` picks a tick's plan among candidates by predicted time; it must count the
+    ranks' work besides attention (``extra_tokens``: the last stage's LM head and loss) there too, not
+    only when balancing. The bench's tick (CPU time model, fp32): many short documents on stage 0, one
+    long document and the LM head on stage 1. Counting the head, the chosen plan gives stage 1 less
+    attention than stage 0 and is predicted no slower than the pooled plan balanced on attention
+    alone, nor than colocated (judging without the head picked the plan balanced on attention alone:
+    stage 1 served more pairs)."""
+    from distca_hf.planning import by_time, colocated_plan
+    from distca_hf.planning.cost import default_time_model
+    from distca_hf.planning.pipeline_cost import plan_lockstep_tick, pool_pieces, tick_base_pairs
+
+    tokens, token_bytes = 6144, TokenBytes.for_model(128, 4, 2, 4, None)
+    config = PlannerConfig(tolerance="auto", block=1, token_bytes=token_bytes, backward="resend",
+                           time_model=default_time_model("cpu", token_bytes, 4))
+    pooled = pool_pieces([(pack_pieces(np.full(24, 256), 1, tokens), 0), (pack_pieces(np.array([tokens]), 1, tokens), 1)], 2)
+    extra = [0.0, 0.72 * tokens]  # the bench model's LM head, in tokens of a layer's linear work
+    plan = plan_lockstep_tick(pooled, config, rank_groups=[[0], [1]], extra_tokens=extra)
+    queries = np.bincount(pooled.doc, weights=pooled.end - pooled.start)
+    assert np.bincount(plan.doc, weights=plan.q_end - plan.q_start, minlength=queries.size).tolist() == \
+        queries.tolist()
+    served = plan.server_pairs()
+    assert served[1] < served[0]
+    judge = dataclasses.replace(config, base_pairs=tick_base_pairs(pooled, config.time_model, extra))
+    chosen = by_time.step_seconds(plan, pooled, judge)
+    for other in (plan_tasks(pooled, config), colocated_plan(pooled)):
+        assert chosen <= by_time.step_seconds(other, pooled, judge) * (1 + 1e-12)
+    # the judge's other work is the extra tokens' linear seconds on top of every rank's own tokens'
+    seconds = by_time.rank_seconds(plan, pooled, judge) - by_time.rank_seconds(plan, pooled, config)
+    assert seconds == pytest.approx(np.asarray(extra) * config.time_model.linear_s_per_token, rel=1e-9, abs=1e-12)
+
+
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 1000), stages=st.integers(1, 4), micro_batches=st.integers(1, 6),
        data_parallel=st.integers(1, 3))

@@ -53,6 +53,9 @@ def test_pipeline_rows_give_a_pipelines_stages_the_same_row_and_whole_steps():
                 seen.append(item)
     real = [packed[i] for i in range(len(packed))]
     assert seen[:len(real)] == real  # the packing's rows, in order, each once
+    # the report counts the filler rows added to complete the last step, besides the packing's own
+    assert rows.report.filler_micro_batches == packed.report.filler_micro_batches + len(seen) - len(real) > 0
+    assert rows.report.micro_batches == packed.report.micro_batches
     collator = PackedCollator()
     for filler in seen[len(real):]:
         batch = collator([filler])

@@ -189,7 +189,8 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
     groups = [np.asarray(g, dtype=np.int64) for g in rank_groups]
     groups = [g for g in groups if np.isin(pooled.rank, g).any()]
     candidates = [plan, plan_tasks(pooled, config)]
-    if len(groups) > 1:
+    # a stage of one rank plans colocated on its own, which the pooled plan already weighed (plan_by_time)
+    if len(groups) > 1 and any(g.size > 1 for g in groups):
         candidates += [_union_of_stage_plans(pooled, groups, with_base, config),
                        _union_of_stage_plans(pooled, groups, lambda ranks: config, config)]
     # judged with every rank's other work in the tick (its linear layers, none in a bubble, and

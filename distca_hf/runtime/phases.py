@@ -86,8 +86,9 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
         q_pool, k_pool, v_pool = q, k, v
     else:
         q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
-    fq = q_pool.index_select(0, served.q_index)
-    fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
+    fq = q_pool if w.q_identity else q_pool.index_select(0, served.q_index)
+    fk, fv = (k_pool, v_pool) if w.k_identity else (k_pool.index_select(0, served.k_index),
+                                                    v_pool.index_select(0, served.k_index))
     heads, value_dim = q.shape[1], v.shape[-1]
     if w.num_tasks:
         with timeline.span(f"attention kernel ({w.name})"):
@@ -101,7 +102,11 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
     if w.merges:  # several tasks of a row: their partials merged here (a row of no task: 0 and -inf)
         out_pool, lse_pool = merge_rows(served.q_index, f_out, f_lse.t(), q_pool.shape[0])
         return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)
-    out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy(0, served.q_index, f_out)
+    if w.q_identity:  # the fused rows are the pool's
+        out_pool, lse_pool = f_out, f_lse.t().contiguous() if want_lse else None
+        return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)
+    # in place: index_copy (out of place) would copy the zeroed pool once more
+    out_pool = q_pool.new_zeros(q_pool.shape[0], heads, value_dim).index_copy_(0, served.q_index, f_out)
     lse_pool = None
     if want_lse:
         lse_pool = torch.zeros(q_pool.shape[0], heads, dtype=f_lse.dtype, device=q.device)
@@ -195,7 +200,8 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
         pool_rows = w.num_local + sum(w.recv_q_counts)
     elif w.backward_mode == "saved":
         fq, k_pool, v_pool, f_out, f_lse = saved
-        f_do = (torch.cat([dout, received[0]]) if received else dout).index_select(0, served.q_index)
+        f_do = torch.cat([dout, received[0]]) if received else dout
+        f_do = f_do if w.q_identity else f_do.index_select(0, served.q_index)
         pool_rows = w.num_local + sum(w.recv_q_counts)
     else:
         q, k, v, out, lse = saved
@@ -203,12 +209,16 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
             rq, rk, rv, ro, rdo, rlse = received
             q, k, v, out, dout, lse = (torch.cat(p) for p in ((q, rq), (k, rk), (v, rv), (out, ro), (dout, rdo),
                                                              (lse, rlse)))
-        fq, k_pool, v_pool = q.index_select(0, served.q_index), k, v
-        f_out, f_do = out.index_select(0, served.q_index), dout.index_select(0, served.q_index)
-        f_lse = lse.index_select(0, served.q_index).t().contiguous()
+        k_pool, v_pool = k, v
+        if w.q_identity:  # the fused rows are the pool's
+            fq, f_out, f_do, f_lse = q, out, dout, lse.t().contiguous()
+        else:
+            fq, f_out, f_do = (t.index_select(0, served.q_index) for t in (q, out, dout))
+            f_lse = lse.index_select(0, served.q_index).t().contiguous()
         pool_rows = q.shape[0]
     qshape = tuple(fq.shape[1:])
-    fk, fv = k_pool.index_select(0, served.k_index), v_pool.index_select(0, served.k_index)
+    fk, fv = (k_pool, v_pool) if w.k_identity else (k_pool.index_select(0, served.k_index),
+                                                    v_pool.index_select(0, served.k_index))
     if w.num_tasks:
         with timeline.span(f"attention kernel backward ({w.name})"):
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
@@ -218,10 +228,17 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
                                                       causal_rows=served.causal_rows)
     else:
         fdq, fdk, fdv = fq, fk, fv  # empty
-    # a key-split plan's tasks of one row each give a dQ partial: summed
-    dq_pool = fq.new_zeros(pool_rows, *qshape).index_add(0, served.q_index, fdq)
-    dk_pool = fk.new_zeros(k_pool.shape).index_add(0, served.k_index, fdk)
-    dv_pool = fv.new_zeros(v_pool.shape).index_add(0, served.k_index, fdv)
+    # a key-split plan's tasks of one row each give a dQ partial: summed (in place: index_add, out of
+    # place, would copy each zeroed pool once more)
+    if w.q_identity and fdq.dtype == fq.dtype:  # the fused rows are the pool's, each once
+        dq_pool = fdq
+    else:
+        dq_pool = fq.new_zeros(pool_rows, *qshape).index_add_(0, served.q_index, fdq)
+    if w.k_identity and fdk.dtype == fk.dtype and fdv.dtype == fv.dtype:
+        dk_pool, dv_pool = fdk, fdv
+    else:
+        dk_pool = fk.new_zeros(k_pool.shape).index_add_(0, served.k_index, fdk)
+        dv_pool = fv.new_zeros(v_pool.shape).index_add_(0, served.k_index, fdv)
     return dq_pool, dk_pool, dv_pool
 
 

@@ -38,7 +38,10 @@ class Wave:
     ``local_only``: no rank sends anything in this wave (the same on every rank), so no collective
     runs. ``kv_window``: the sliding window the tasks' K/V were cut to (``None``: whole prefixes);
     a layer may run a window up to it, never a wider one. ``num_local`` / ``num_local_kv``: rows of the local query / key streams (they differ when a
-    nano-batch holds a cut document's prefix K/V without its queries). ``merges``: the plan splits keys
+    nano-batch holds a cut document's prefix K/V without its queries). ``q_identity`` / ``k_identity``:
+    ``served.q_index`` / ``k_index`` pick every row of the query / K/V pool once, in order (a server
+    computing whole pools, as a pipeline tick's often does), so the server uses the pools as they are
+    and its outputs and gradients are the pools, with no gather and no scatter (never with ``merges``). ``merges``: the plan splits keys
     (``planning.key_split``), so a query row may get several partial outputs, from this wave's tasks
     and from other waves and servers: they are merged by log-sum-exp at the source, and backward
     runs every task with the merged output and log-sum-exp (the same on every rank: the plan is).
@@ -58,6 +61,8 @@ class Wave:
     local_only: bool = False
     kv_window: int | None = None
     merges: bool = False
+    q_identity: bool = False
+    k_identity: bool = False
     group: object = None
     timeout_s: float = 600.0
     backward_mode: str = "saved"
@@ -111,11 +116,14 @@ def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, de
     send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, sends, kv, local, rank)
     recv_q_counts, recv_kv_counts, served = _server_tables(plan, sends, kv, local, rank, device)
     docs = local.docs
+    identity = lambda index, rows: (not plan.splits_keys and index.numel() == rows
+                                    and bool(torch.equal(index, torch.arange(rows, device=index.device))))
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
                 recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=plan.window,
-                merges=plan.splits_keys, **settings)
+                merges=plan.splits_keys, q_identity=identity(served.q_index, docs.num_query_tokens + sum(recv_q_counts)),
+                k_identity=identity(served.k_index, docs.num_key_tokens + sum(recv_kv_counts)), **settings)
 
 
 def _source_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalDocuments, rank: int):

@@ -39,6 +39,7 @@ host calls ``_prepare_pipeline_stage`` before ``Trainer.__init__``, packs its da
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -130,6 +131,13 @@ class PipelineTrainerMixin:
             self.eval_dataset = {name: _PipelineRows.of(d, topology, 1) for name, d in self.eval_dataset.items()}
         else:
             self.eval_dataset = _PipelineRows.of(self.eval_dataset, topology, 1)
+        # packing_reports reads the rows as the stages do (their filler rows completing the last step counted)
+        rows = {"train": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            rows.update({f"eval_{name}": d for name, d in self.eval_dataset.items()})
+        else:
+            rows["eval"] = self.eval_dataset
+        self._packed_datasets.update({name: d for name, d in rows.items() if d is not None and name in self._packed_datasets})
 
     def _lays_out_global_batches(self, dataset) -> bool:
         # a pipeline's stages read the same rows in the same step: global-batch blocks, even without span_ranks
@@ -321,6 +329,7 @@ class _PipelineRows(torch.utils.data.Dataset):
         self._data_index = [topology.coordinates(rank)[0] for rank in range(topology.world_size)]
         blocks = len(packed) // self.data_parallel
         self.blocks = -(-blocks // micro_batches) * micro_batches
+        self.filler_rows = (self.blocks - blocks) * self.data_parallel  # completing the last step
         # GlobalBatchSampler shuffles a step's blocks as one unit: they were packed (and balanced) as one step
         self.step_blocks = micro_batches
 
@@ -338,7 +347,9 @@ class _PipelineRows(torch.utils.data.Dataset):
 
     @property
     def report(self):
-        return self.packed.report
+        """The packing's report, its filler rows counting those added here to complete the last step."""
+        report = self.packed.report
+        return dataclasses.replace(report, filler_micro_batches=report.filler_micro_batches + self.filler_rows)
 
     def __len__(self) -> int:
         return self.blocks * self._world_size
