@@ -313,3 +313,37 @@ def test_resend_without_a_budget_plans_with_key_split():
     plan = plan_tasks(pieces, config)
     assert plan.backward == "resend"
     check_tiles(with_key_ranges(plan), pieces)
+
+
+def test_resend_with_a_budget_keeps_resend_when_memory_tiles_would_fit():
+    """``backward="resend"`` under a memory budget: ``auto`` never returns a ``saved`` plan, even where
+    the memory tiles would bring a saved plan within the budget (before: it did on batches whose
+    spanning documents' late pieces piled K/V on one rank)."""
+    rng = np.random.default_rng(3)
+    modes = set()
+    for _ in range(12):
+        lengths = np.concatenate([[int(rng.integers(80_000, 200_000))], rng.integers(500, 8_000, 120)])
+        rng.shuffle(lengths)
+        pieces = DocumentPieces.from_rank_lists(_pack(lengths.tolist(), ranks=16, tokens_per_rank=65536))
+        for backward in ("saved", "resend"):
+            config = PlannerConfig(tolerance="auto", block=128, key_split=True, backward=backward, memory_budget=0.1)
+            plan = plan_tasks(pieces, config)
+            modes.add((backward, plan.backward))
+            if backward == "resend":
+                assert plan.backward == "resend"
+    assert ("saved", "saved") in modes  # the memory tiles (or the descent within the budget) kept some saved
+
+
+def _pack(lengths, *, ranks, tokens_per_rank):
+    """``lengths`` packed in order onto ``ranks`` rows of ``tokens_per_rank``, a document continuing on
+    the next row; what does not fit is dropped. Per rank, its pieces' lengths."""
+    rows, room = [[] for _ in range(ranks)], tokens_per_rank
+    rank = 0
+    for length in lengths:
+        while length > 0 and rank < ranks:
+            piece = min(length, room)
+            rows[rank].append(piece)
+            length, room = length - piece, room - piece
+            if room == 0:
+                rank, room = rank + 1, tokens_per_rank
+    return rows

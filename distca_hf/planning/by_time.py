@@ -127,7 +127,9 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
     seconds = step_seconds(fitting, pieces, config, transfers)
-    if memory_tiles and fitting.backward != plan.backward and config.key_split and config.memory_budget is not None:
+    # only where the step may keep saved state (backward="saved"): a tiled plan runs saved
+    if (memory_tiles and fitting.backward != plan.backward and config.backward == "saved" and config.key_split
+            and config.memory_budget is not None):
         tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
