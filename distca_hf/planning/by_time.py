@@ -122,7 +122,8 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     transfers = kv_transfers(plan, pieces)
     fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
     seconds = step_seconds(fitting, pieces, config, transfers)
-    if memory_tiles and fitting.backward != plan.backward and config.key_split:
+    # (over the budget in saved mode only: in resend mode, e.g. a pipeline tick's, servers keep nothing)
+    if memory_tiles and config.backward == "saved" and fitting.backward != config.backward and config.key_split:
         tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
@@ -194,8 +195,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(zigzag, pieces, config)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
-        # None unless a long document dominates (nor in pipeline ticks, whose base_pairs it does not weigh)
-        grid = tile_grid_plan(pieces, config) if config.key_split and config.base_pairs is None else None
+        # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work)
+        grid = tile_grid_plan(pieces, config) if config.key_split else None
         if grid is not None:
             seconds, plan = _judged(grid, pieces, config)
             if (seconds, GRID_PLACE) < best_key:
