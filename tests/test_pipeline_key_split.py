@@ -1,5 +1,5 @@
 """``pipeline_schedule="cad_1f1b"`` running tick plans with key-split tiles (``planning.tiles``, the
-tile grid): the runtime passes ``key_split`` to ``planning.plan_lockstep_tick`` as ``distca-hf simulate``
+tile grid, both weighing a tick's ``base_pairs``): the runtime passes ``key_split`` to ``planning.plan_lockstep_tick`` as ``distca-hf simulate``
 plans its ticks, and the tiled ticks (forward in ``resend`` mode, the backward tick's own plan) train
 exactly like one process.
 
@@ -10,11 +10,55 @@ document of a tick lies on one rank and no tile can form).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dist_harness import run_ranks
+from distca_hf.planning import PlannerConfig, plan_tasks, step_seconds, tile_grid
+from distca_hf.planning.baselines import pack_pieces
+from distca_hf.planning.by_time import _judged
+from distca_hf.planning.cost import H100_MEASURED, LLAMA3_8B_BYTES, causal_pairs
+from distca_hf.planning.key_split import check_tiles
+from test_planner import packed_batches, time_models
+
+
+def test_tile_grid_weighs_a_ticks_base_pairs():
+    """A 40k-token document dominating 16 ranks of 4k (a pipeline tick's shape), every odd rank busy
+    with other work worth twice the mean attention (``base_pairs``): the grid placed with that work
+    counted is predicted faster, judged with it, than the grid placed blind to it (rank_time's formula
+    for both), its busy ranks serve less, and ``"auto"``, which weighs the grid in ticks too, is never
+    predicted slower than it."""
+    rng = np.random.default_rng(5)
+    docs = np.concatenate(([40960], rng.integers(64, 2048, 200)))
+    pieces = pack_pieces(docs[np.cumsum(docs) <= 16 * 4096], 16, 4096)
+    busy = np.arange(16) % 2 == 1
+    base = np.where(busy, 2.0 * causal_pairs(pieces.start, pieces.end).sum() / 16, 0.0)
+    blind = PlannerConfig("auto", 128, None, LLAMA3_8B_BYTES, time_model=H100_MEASURED, backward="resend",
+                          key_split=True)
+    config = dataclasses.replace(blind, base_pairs=tuple(base.tolist()))
+    weighed, unweighed = tile_grid.tile_grid_plan(pieces, config), tile_grid.tile_grid_plan(pieces, blind)
+    check_tiles(weighed, pieces)
+    assert weighed.splits_keys and weighed.backward == "resend"
+    assert step_seconds(weighed, pieces, config) < 0.9 * step_seconds(unweighed, pieces, config)
+    assert weighed.server_pairs()[busy].sum() < unweighed.server_pairs()[busy].sum()
+    grid_seconds, _ = _judged(weighed, pieces, config)
+    assert step_seconds(plan_tasks(pieces, config), pieces, config) <= grid_seconds * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=packed_batches(), model=time_models, budget=st.sampled_from([0.0, 0.1, 0.5]))
+def test_resend_plans_stay_resend_with_key_split(pieces, model, budget):
+    """A tick plans in ``resend`` mode (its backward meets other servers): ``"auto"`` with ``key_split``
+    returns a ``resend`` plan whatever the memory budget (memory tiles are a ``saved``-mode plan's way
+    within it; a ``saved`` plan would be refused by the dispatch whose backward is planned apart)."""
+    config = PlannerConfig("auto", 2, None, LLAMA3_8B_BYTES, time_model=model, backward="resend",
+                           memory_budget=budget, key_split=True)
+    assert plan_tasks(pieces, config).backward == "resend"
 
 
 def _tick_counting_worker(rank, world, cases):
