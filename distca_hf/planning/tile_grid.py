@@ -23,8 +23,9 @@ Placement. Every other document stays colocated (its queries, and its K/V, where
 largest first (pairs) each to the rank whose predicted time after taking it (and that of the ranks
 it makes send: the queries' holder, the key group's holders that the server did not already get) is
 least, among the queries' holder, the key group's holders and the ``LEAST_LOADED`` ranks predicted
-fastest; the prediction is the time model's (``by_time``'s terms: linear, pairs, keys and one task
-per tile, the exposed share of bytes at both ends). ``by_time`` then judges the plan exactly, like
+fastest; the prediction is the time model's (``by_time``'s terms: other work (``rank_time.other_seconds``:
+the linear layers, or a pipeline tick's ``base_pairs``), pairs, keys and one task per tile, the
+exposed share of bytes at both ends). ``by_time`` then judges the plan exactly, like
 every candidate, so an approximate placement can only cost the candidate its turn.
 """
 
@@ -38,6 +39,7 @@ import numpy as np
 from .carving import Plan, PlannerConfig
 from .cost import COMM_PASSES, causal_pairs, tile_pairs
 from .pieces import DocumentPieces
+from .rank_time import other_seconds
 
 __all__ = ["tile_grid_plan", "DOMINANT", "LEAST_LOADED", "LONG", "TILE_SHARE"]
 
@@ -81,11 +83,12 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
     byte_s = config.exposed_comm * COMM_PASSES[backward or config.backward] / tm.bytes_per_s
     returned = tb.o + tb.lse
 
-    # every other piece stays where it is: its rank's base time (its K/V transfers, for a spanning
+    # every other piece stays where it is: its rank's base time, other work (the linear layers, or
+    # base_pairs' in a pipeline tick: rank_time's formula) included (its K/V transfers, for a spanning
     # document left whole, are not counted: the exact judgement in by_time counts them)
     local = has_queries & ~tiled
     pairs = causal_pairs(pieces.start[local], pieces.end[local]).astype(np.float64)
-    time = (tm.linear_s_per_token * pieces.tokens()
+    time = (other_seconds(pieces.tokens(), config)
             + np.bincount(pieces.rank[local], weights=tm.task_seconds(pairs, pieces.end[local]), minlength=n))
     if tm.collective_s:
         time = time + tm.collective_s

@@ -301,7 +301,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
     ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``). ``key_split``: ``tolerance="auto"`` may weigh
     key-split tiles (``PlannerConfig.key_split``), for models whose every layer runs ``kv_window`` and
-    no attention chunks (``tiles_hold_for``), and only with ``plan_tasks``."""
+    no attention chunks (``tiles_hold_for``; a ``cad_1f1b`` tick: ``LockstepCAD1F1B._tiles_hold``)."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers
@@ -318,7 +318,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
                                                 backward=config.backward, memory_budget=config.memory_budget,
-                                                key_split=key_split and planner is plan_tasks))
+                                                key_split=key_split))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)

@@ -11,7 +11,8 @@
   pipeline bubble serves the others' attention instead of idling. The plans of every tick are made
   once per step, from all ranks' micro-batch lengths (one all-gather), by ``planning.plan_lockstep_tick``
   (as ``distca-hf simulate`` models them: under ``tolerance="auto"`` the pooled plan or each stage's
-  own, whichever the time model predicts faster). Forward ticks pool forwards;
+  own, whichever the time model predicts faster, with the key-split tiles it predicts pay, where every
+  layer runs them exactly: ``_tiles_hold``). Forward ticks pool forwards;
   a backward tick pools the backwards that run together, which ran their forwards in different
   ticks, so its plan is a separate one (``Dispatch.backward``) and the forward runs in ``resend``
   mode: the backward re-sends q, k, v, out and dO to the backward tick's servers and needs nothing
@@ -47,6 +48,7 @@ import dataclasses
 import functools
 import math
 import time
+import types
 import zlib
 
 import numpy as np
@@ -61,7 +63,7 @@ from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1
 from ..state import warn_once
 from .agree import PATH_PLAIN, agree
 from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
-from .forward import CallInputs, plan_batch
+from .forward import CallInputs, plan_batch, tiles_hold_for
 
 __all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule", "check_micro_batches",
            "measure_lm_head_share"]
@@ -357,6 +359,18 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                              "heads); build stages with distca_hf.training.pipeline_stages.build_stage_module")
         return config
 
+    def _tiles_hold(self) -> bool:
+        """Whether the tick plans may hold key-split tiles (``PlannerConfig.key_split``): the model's
+        layers are all of one type and none chunked (``forward.tiles_hold_for``), and none of this stage's
+        attention layers has a sliding window, because a tick is planned with whole prefixes (no
+        ``kv_window``) and a key-split plan runs only at its own window (``phases.check_layer_window``).
+        The same on every rank: the config is the whole model's, and the stages' windows are part of
+        ``_attention_layout``, which ``_read_payloads`` requires equal."""
+        windows = [getattr(m, "sliding_window", None) for m in self._stage.submod.modules()
+                   if getattr(m, "layer_idx", None) is not None and type(m).__name__.endswith("Attention")]
+        return tiles_hold_for(types.SimpleNamespace(config=self._model_config())) and \
+            all(w is None for w in windows)
+
     # -- planning every tick of a step -----------------------------------------------------------
 
     def _pooled_config(self) -> DistCAConfig:
@@ -418,6 +432,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         stage_ranks = [[r for r, stage in enumerate(stages) if stage == s] for s in range(p)]
         # the last stage's LM head per token and layer of the stage, in tokens of a layer's linear work
         lm_head_tokens = self._head_share / max(1, len(self._decoder_layers()))
+        key_split = self._tiles_hold()  # tiles chosen by time, when exact for every layer (agreed by all ranks)
 
         def plan(kind: str, slot: int, *, local: bool = False):
             mb_of = ticks[(kind, slot)].micro_batch_of
@@ -441,7 +456,8 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                     for r, x in enumerate(lengths)]
             planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks, extra_tokens=head)
             dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
-                                           "none" if local else config.overlap, planner=planner)
+                                           "none" if local else config.overlap, planner=planner,
+                                           key_split=key_split)
             stats = plan_stats_of(tick_number, [planned], token_bytes=token_bytes, num_heads=heads, overlap=config.overlap)
             return ForwardContext(tick_number, (), (), ranks.longest_document, stats, dispatch=dispatch,
                                   counters=dispatch.counters), mine
