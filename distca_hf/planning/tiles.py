@@ -228,9 +228,7 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, 
         applied[best] = True
     if not applied.any():
         return plan
-    done = np.flatnonzero(applied).tolist()
-    touched = sorted({i for u in done for i in units[u][5]})
-    tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+    tiled = _with_units(base, plan, pieces, units, applied)
     if not judge or rank_seconds(tiled, pieces, config).max() < rank_seconds(plan, pieces, config).max():
         return tiled
     return plan
@@ -348,11 +346,17 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         applied[best] = True
     if not applied.any():
         return base
-    done = np.flatnonzero(applied).tolist()
-    touched = sorted({i for u in done for i in units[u][5]})
-    tiled = _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+    tiled = _with_units(base, plan, pieces, units, applied)
     # the counts above are per unit; a task's tiles are what the memory formula counts, exactly: the
     # worst rank never ends worse off (a server's own earlier piece kept apart from its causal tile
     # would be one more tile)
     exact = backward_memory(tiled, pieces, token_bytes, backward="saved")
     return tiled if exact.held.max(initial=0) <= memory.held.max(initial=0) else base
+
+
+def _with_units(base: Plan, plan: Plan, pieces: DocumentPieces, units, applied: np.ndarray) -> Plan:
+    """``base`` with the tile units ``applied`` (a bool per unit of ``tile_units(plan, pieces)``) cut
+    into key-split tiles: the tasks they touch re-made from their earlier prefix pieces."""
+    done = np.flatnonzero(applied).tolist()
+    touched = sorted({i for u in done for i in units[u][5]})
+    return _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)

@@ -46,11 +46,7 @@ def zigzag_plan(pieces: DocumentPieces, servers: tuple[int, ...] | None = None, 
     servers = tuple(range(pieces.num_ranks)) if servers is None else tuple(servers)
     if not doc.size:
         return None
-    # documents whose queries lie on more than one rank
-    first_rank = np.full(int(doc.max()) + 1, -1, dtype=np.int64)
-    first_rank[doc[::-1]] = rank[::-1]
-    spans = np.zeros(first_rank.size, dtype=bool)
-    spans[doc[rank != first_rank[doc]]] = True
+    spans = _spanning_documents(rank, doc)
     spanning = spans[doc]
     if not spanning.any():
         return None
@@ -62,7 +58,6 @@ def zigzag_plan(pieces: DocumentPieces, servers: tuple[int, ...] | None = None, 
     return Plan(*(c[order] for c in cols), pieces.num_ranks, servers, window)
 
 
-
 def zigzag_lower_bound(pieces: DocumentPieces, time_model: TimeModel, window: int | None = None) -> float:
     """A lower bound (seconds) on the predicted step of ``zigzag_plan(pieces)``, from one pass over the
     pieces, so ``by_time`` skips building and judging it when it cannot win. A rank's compute is at
@@ -70,16 +65,14 @@ def zigzag_lower_bound(pieces: DocumentPieces, time_model: TimeModel, window: in
     ``base``; and for a document spanning ranks, whose pairs its holders share, the busiest holder
     computes at least the mean over the document's pieces of ``base`` of the piece's rank plus the
     document's pairs over its pieces (a holder's share of the document, each counted once per piece
-    it holds, sums to at least the document's pairs). Keys, tasks and communication only add;
-    ``collective_s`` is added because the plan moves K/V. ``inf`` when the plan does not exist."""
+    it holds, sums to at least the document's pairs). Keys, tasks and communication only add
+    (``collective_s`` too, but not always: under a sliding window a holder may need nothing from the
+    others). ``inf`` when the plan does not exist."""
     has_queries = pieces.end > pieces.start
     rank, doc, start, end = (x[has_queries] for x in (pieces.rank, pieces.doc, pieces.start, pieces.end))
     if not doc.size:
         return float("inf")
-    first_rank = np.full(int(doc.max()) + 1, -1, dtype=np.int64)
-    first_rank[doc[::-1]] = rank[::-1]
-    spans = np.zeros(first_rank.size, dtype=bool)
-    spans[doc[rank != first_rank[doc]]] = True
+    spans = _spanning_documents(rank, doc)
     spanning = spans[doc]
     if not spanning.any():
         return float("inf")
@@ -90,7 +83,7 @@ def zigzag_lower_bound(pieces: DocumentPieces, time_model: TimeModel, window: in
     doc_seconds = (np.bincount(doc[spanning], weights=base[rank[spanning]], minlength=spans.size)[spans]
                    + time_model.attn_s_per_pair * np.bincount(doc[spanning], weights=pairs[spanning],
                                                               minlength=spans.size)[spans])
-    return float(max(base.max(), (doc_seconds / doc_pieces).max())) + time_model.collective_s
+    return float(max(base.max(), (doc_seconds / doc_pieces).max()))
 
 
 def _zigzag_tasks(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray, block: int):
@@ -150,3 +143,13 @@ def _zigzag_tasks(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.
     ends = np.concatenate((starts[1:], [lo.size])) - 1
     base = seg_doc[starts] * span
     return (source[starts], server[starts], docs[seg_doc[starts]], lo[starts] - base, hi[ends] - base)
+
+
+def _spanning_documents(rank: np.ndarray, doc: np.ndarray) -> np.ndarray:
+    """``[max doc + 1]`` bool: whether the document's query pieces (``rank``, ``doc``: one entry per piece
+    with queries, non-empty) lie on more than one rank."""
+    first_rank = np.full(int(doc.max()) + 1, -1, dtype=np.int64)
+    first_rank[doc[::-1]] = rank[::-1]
+    spans = np.zeros(first_rank.size, dtype=bool)
+    spans[doc[rank != first_rank[doc]]] = True
+    return spans
