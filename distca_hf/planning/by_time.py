@@ -83,7 +83,7 @@ from __future__ import annotations
 import numpy as np
 
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
-from .cost import TimeModel, TokenBytes, causal_pairs
+from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
 from .tiles import apply_memory_tiles, apply_time_tiles
@@ -145,8 +145,9 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """The plan ``tolerance="auto"`` runs: the fastest predicted of colocated, the descent's plan
     (``descent.descend``, judged in the backward mode that fits ``config.memory_budget``; over it, the
     descent within it and the one timing ``resend``'s bytes too) and the fixed-tolerance
-    carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose). Ties go to the
-    earlier of colocated, the descent, then ``AUTO_TOLERANCES`` in order. See the module docstring."""
+    carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose), the CP-shaped plan and the
+    tile grid. Ties go to the earlier of colocated, the descent, ``AUTO_TOLERANCES`` in order, the
+    CP-shaped plan, then the tile grid. See the module docstring."""
     return _plan_by_candidates(pieces, config, descent=True)
 
 
