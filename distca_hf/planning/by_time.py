@@ -90,7 +90,7 @@ from .tiles import apply_memory_tiles, apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
-from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers
+from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers, memory_limit
 
 __all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -256,7 +256,7 @@ def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: flo
     document keeps its prefix's K/V) only the memory tiles of the candidates, or ``resend``, can fit,
     and the bounded descent is skipped (plan time). ``start``: the descents' (its colocated memory)."""
     memory = start.colocated_memory()
-    limit = max((1.0 + config.memory_budget) * max(float(memory.held.mean()), held_mean), float(memory.floor))
+    limit = memory_limit(config.memory_budget, max(float(memory.held.mean()), held_mean), float(memory.floor))
     return float(memory.held.max(initial=0.0)) <= limit * (1 + 1e-12)
 
 

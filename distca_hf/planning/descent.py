@@ -69,7 +69,7 @@ from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
-from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers
+from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
 
 __all__ = ["descend", "descend_within_memory", "DescentStart", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
@@ -391,7 +391,7 @@ class _Descent:
         # queries only change hands; at least ``held_mean``, the mean the finished plan is expected
         # to reach: the first moves would otherwise be judged against colocated's), or the floor
         mean = max((self.held_total + kv_bytes) / self.n, self.held_mean)
-        limit = max((1 + self.memory_budget) * mean, self.memory_floor)
+        limit = memory_limit(self.memory_budget, mean, self.memory_floor)
         room = limit * (1 + 1e-12) - self.held[server] - kv_bytes
         fits = math.floor(room / self.query_bytes) if room >= 0 else -1  # queries the server may keep
         if end - a <= fits:

@@ -12,9 +12,9 @@ Other work is the rank's tokens through the linear layers, ``linear_s_per_token 
 with ``PlannerConfig.base_pairs`` (a pipeline tick: a bubble runs no linear layers, the last stage
 also the LM head's share), ``attn_s_per_pair * base_pairs``: the base is that work itself, in pairs
 of attention time. A tick's base (``pipeline_cost.tick_base_pairs``) is counted from its least loaded
-rank's, so its times are that much below the absolute ones, on every rank alike: the plans of a
-batch compare as they would absolutely (the judges' maxima move together), and the descent plans
-exactly as it did before the judges counted the base.
+rank's, so its times are that much below the absolute ones, on every rank alike: the judges compare
+a batch's plans as they would absolutely (their maxima move together); the descent, whose level
+rules scale with the times, may plan a tick a little differently than it would on absolute times.
 """
 
 from __future__ import annotations

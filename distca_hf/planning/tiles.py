@@ -1,9 +1,9 @@
 """Key-split tiles chosen by time (issue 21 item 2): queries travel to the K/V only where the time
 model says it pays. Pure numpy.
 
-``key_split.split_long_prefixes`` decides by bytes alone, so every full tile of a long document lands
-on the holder of its keys, piling compute there (measured: a pipeline tick at 64 ranks x 64k with a
-333k-token document, 221 ms -> 1066 ms predicted). ``apply_time_tiles`` starts from a plan of whole
+Tiles chosen by bytes alone would put every full tile of a long document on the holder of its keys,
+piling compute there (measured with such a rule, since removed: a pipeline tick at 64 ranks x 64k
+with a 333k-token document, 221 ms -> 1066 ms predicted). ``apply_time_tiles`` starts from a plan of whole
 CA-tasks and converts, greedily, one *unit* at a time: a (server ``s``, document, holder piece ``p``
 held by rank ``h != s``) whose K/V ``s`` receives for its tasks of the document. Converting it gives
 each of those tasks a full tile ``[a, b) x p`` served by ``h``, which holds those keys:
@@ -46,7 +46,7 @@ from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, rank_seconds
-from .transfers import backward_memory, kv_received, kv_transfers, rank_bytes
+from .transfers import backward_memory, kv_received, kv_transfers, memory_limit, rank_bytes
 
 __all__ = ["apply_time_tiles", "apply_memory_tiles", "tile_units"]
 
@@ -237,7 +237,7 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, 
 def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     """``base`` (explicit key ranges) with every task's converted pieces as full tiles on their
     holders: kept pieces next to the causal tile join it, other kept ones are full tiles on the server,
-    adjacent tiles on one rank one tile (as ``split_long_prefixes`` builds them). ``touched``: the
+    adjacent tiles on one rank one tile (``key_split.task_tiles``). ``touched``: the
     tasks of the converted units (the others stay as they are)."""
     columns = (base.source, base.server, base.doc, base.q_start, base.q_end, base.k_start, base.k_end)
     touched = np.unique(np.asarray(touched, dtype=np.int64))
@@ -258,8 +258,7 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     return tiled
 
 
-def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
-                       held_mean: float = 0.0) -> Plan:
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float) -> Plan:
     """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
     memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
     stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
@@ -268,8 +267,8 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
 
     Greedy: the rank furthest over the limit takes the unit that drops the most of its received
     K/V among those whose holder stays within the limit (a server's units of a document in key
-    order, so the pieces it keeps stay one run with its causal tile) (the limit is ``(1 + budget)`` x the mean
-    held, which every unit changes: recomputed each time, never below ``held_mean`` bytes); a rank no
+    order, so the pieces it keeps stay one run with its causal tile) (the limit is
+    ``transfers.memory_limit`` of the mean held, which every unit changes: recomputed each time); a rank no
     unit helps is left as it is.
     The plan comes back with explicit key ranges whether or not a unit was applied (a key-split
     plan's servers keep only the queries, no outputs: ``transfers.backward_memory``; without the
@@ -286,7 +285,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     total, n = float(held.sum()), held.size
 
     def limit(total_held: float) -> float:
-        return max((1.0 + budget) * max(total_held / n, held_mean), float(memory.floor)) * (1 + 1e-12)
+        return memory_limit(budget, total_held / n, float(memory.floor)) * (1 + 1e-12)
 
     if held.max(initial=0.0) <= limit(total):
         return base

@@ -24,7 +24,7 @@ from .cost import TokenBytes, imbalance, key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
+__all__ = ["memory_limit", "KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
            "rank_bytes", "RunningBytes",
            "BackwardMemory", "backward_memory", "fit_memory_budget"]
 
@@ -255,6 +255,13 @@ class RunningBytes:
         return changed
 
 
+def memory_limit(budget: float, mean_held: float, floor: float) -> float:
+    """The most bytes a rank may hold for attention's backward in one layer under ``memory_budget``
+    ``budget`` (the one home of the rule): ``(1 + budget)`` x ``mean_held`` (the mean over ranks of what
+    they hold), or ``floor`` (what the worst rank keeps in ``resend`` mode) when that is more."""
+    return max((1.0 + budget) * mean_held, floor)
+
+
 @dataclass(frozen=True, eq=False)
 class BackwardMemory:
     """What ranks keep for attention's backward in one layer under a plan (arrays ``[num_ranks]``,
@@ -292,9 +299,9 @@ class BackwardMemory:
         return float(self.held.max()) <= self.limit(budget) * (1 + 1e-12)
 
     def limit(self, budget: float) -> float:
-        """The most bytes a rank may hold under ``budget`` (a fraction, ``fits``): ``(1 + budget)`` x
-        the mean of ``held``, or ``floor`` when that is more."""
-        return max((1.0 + budget) * float(self.held.mean()), float(self.floor)) if self.own.size else 0.0
+        """The most bytes a rank may hold under ``budget`` (a fraction, ``fits``): ``memory_limit`` of
+        the mean of ``held``."""
+        return memory_limit(budget, float(self.held.mean()), float(self.floor)) if self.own.size else 0.0
 
 
 def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, backward: str | None = None,

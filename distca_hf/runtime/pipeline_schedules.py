@@ -396,7 +396,10 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             # timed on at most a micro-batch's tokens (the logits of HEAD_SHARE_TOKENS may be more than a step holds)
             positions = (kwarg_mbs[0] or {}).get("position_ids") if kwarg_mbs else None
             tokens = min(HEAD_SHARE_TOKENS, positions.numel()) if positions is not None else HEAD_SHARE_TOKENS
-            share = self._own_head_share(tokens) if self._head_share is None else -1.0
+            try:
+                share = self._own_head_share(tokens) if self._head_share is None else -1.0
+            except Exception as problem:  # e.g. no HF config: agree() below stops every rank with it, none waits
+                share, error = -1.0, problem
         payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout(),
                    round(share * HEAD_SHARE_UNITS)]
         for i, kwargs in enumerate(kwarg_mbs if error is None else ()):
