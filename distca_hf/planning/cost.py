@@ -219,6 +219,11 @@ class TimeModel:
         return (exposed_comm * COMM_PASSES[backward] * (sent + received) / self.bytes_per_s
                 + (self.collective_s if moves else 0.0))
 
+    def byte_seconds(self, exposed_comm: float = 1.0, backward: str = "saved") -> float:
+        """``comm_seconds``' exposed seconds per byte a rank sends or receives in its forward (what the
+        greedy planners add move by move; ``collective_s`` is counted apart)."""
+        return exposed_comm * COMM_PASSES[backward] / self.bytes_per_s
+
     def task_seconds(self, pairs, keys):
         """Kernel seconds of CA-tasks of ``pairs`` pairs over ``keys`` K/V tokens (scalars or arrays,
         one entry per task), forward + backward."""

@@ -66,7 +66,7 @@ import math
 import numpy as np
 
 from .carving import Plan, PlannerConfig, colocated_plan
-from .cost import COMM_PASSES, causal_pairs, key_start, start_with_pairs
+from .cost import causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
 from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
@@ -162,7 +162,7 @@ class _Descent:
         tm, tb = config.time_model, config.token_bytes
         self.attn, self.key_s, self.task_s = tm.attn_s_per_pair, tm.task_key_s, tm.task_s
         self.q, self.o, self.kv = tb.q, tb.o, tb.kv
-        self.byte_s = config.exposed_comm * COMM_PASSES[backward] / tm.bytes_per_s
+        self.byte_s = tm.byte_seconds(config.exposed_comm, backward)
         self.qo = self.q + self.o  # bytes of a moved query: in, and its output back
         self.qo_s = self.byte_s * self.qo
         loads, linear, own = start.loads, start.linear, start.own

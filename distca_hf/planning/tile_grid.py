@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from .carving import Plan, PlannerConfig
-from .cost import COMM_PASSES, causal_pairs, tile_pairs
+from .cost import causal_pairs, tile_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds
 
@@ -80,7 +80,7 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
     if not tiled.any() or all_pairs[tiled].sum() < DOMINANT * all_pairs.sum():
         return None
     tm, tb = config.time_model, config.token_bytes
-    byte_s = config.exposed_comm * COMM_PASSES[backward or config.backward] / tm.bytes_per_s
+    byte_s = tm.byte_seconds(config.exposed_comm, backward or config.backward)
     returned = tb.o + tb.lse
 
     # every other piece stays where it is: its rank's base time, other work (the linear layers, or
