@@ -76,6 +76,12 @@ def check_layer_window(w: Wave, window: int | None, chunk: int | None = None) ->
             "window and without attention chunks: plan without key splits for models that mix them")
 
 
+def _fused_rows(pool: torch.Tensor, index: torch.Tensor, identity: bool) -> torch.Tensor:
+    """The rows ``index`` of ``pool`` in the fused batch's order; the pool itself when the wave's index
+    picks every row once, in order (``Wave.q_identity`` / ``k_identity``: no gather)."""
+    return pool if identity else pool.index_select(0, index)
+
+
 def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
                   variant: AttentionVariant = AttentionVariant()) -> Served:
     """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
@@ -86,9 +92,8 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
         q_pool, k_pool, v_pool = q, k, v
     else:
         q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
-    fq = q_pool if w.q_identity else q_pool.index_select(0, served.q_index)
-    fk, fv = (k_pool, v_pool) if w.k_identity else (k_pool.index_select(0, served.k_index),
-                                                    v_pool.index_select(0, served.k_index))
+    fq = _fused_rows(q_pool, served.q_index, w.q_identity)
+    fk, fv = (_fused_rows(pool, served.k_index, w.k_identity) for pool in (k_pool, v_pool))
     heads, value_dim = q.shape[1], v.shape[-1]
     if w.num_tasks:
         with timeline.span(f"attention kernel ({w.name})"):
@@ -200,8 +205,7 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
         pool_rows = w.num_local + sum(w.recv_q_counts)
     elif w.backward_mode == "saved":
         fq, k_pool, v_pool, f_out, f_lse = saved
-        f_do = torch.cat([dout, received[0]]) if received else dout
-        f_do = f_do if w.q_identity else f_do.index_select(0, served.q_index)
+        f_do = _fused_rows(torch.cat([dout, received[0]]) if received else dout, served.q_index, w.q_identity)
         pool_rows = w.num_local + sum(w.recv_q_counts)
     else:
         q, k, v, out, lse = saved
@@ -210,15 +214,11 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
             q, k, v, out, dout, lse = (torch.cat(p) for p in ((q, rq), (k, rk), (v, rv), (out, ro), (dout, rdo),
                                                              (lse, rlse)))
         k_pool, v_pool = k, v
-        if w.q_identity:  # the fused rows are the pool's
-            fq, f_out, f_do, f_lse = q, out, dout, lse.t().contiguous()
-        else:
-            fq, f_out, f_do = (t.index_select(0, served.q_index) for t in (q, out, dout))
-            f_lse = lse.index_select(0, served.q_index).t().contiguous()
+        fq, f_out, f_do, f_lse = (_fused_rows(t, served.q_index, w.q_identity) for t in (q, out, dout, lse))
+        f_lse = f_lse.t().contiguous()
         pool_rows = q.shape[0]
     qshape = tuple(fq.shape[1:])
-    fk, fv = (k_pool, v_pool) if w.k_identity else (k_pool.index_select(0, served.k_index),
-                                                    v_pool.index_select(0, served.k_index))
+    fk, fv = (_fused_rows(pool, served.k_index, w.k_identity) for pool in (k_pool, v_pool))
     if w.num_tasks:
         with timeline.span(f"attention kernel backward ({w.name})"):
             fdq, fdk, fdv = varlen_attention_backward(f_do, fq, fk, fv, f_out, f_lse, served.cu_seqlens_q,
