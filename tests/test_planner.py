@@ -357,8 +357,10 @@ def _same_plan(a: Plan, b: Plan) -> bool:
 def test_auto_plan_is_the_fastest_candidate(pieces, config, model, exposed, data):
     """Giving up carvings on the way never changes the choice: the plan is the candidate (colocated
     when every holder serves, then the descent's plan, then each tolerance of AUTO_TOLERANCES, each
-    carved in full by plan_tasks) with the smallest predicted step, the earliest of them on ties."""
+    carved in full by plan_tasks, then the CP-shaped plan where it exists) with the smallest predicted
+    step, the earliest of them on ties."""
     from distca_hf.planning.descent import descend
+    from distca_hf.planning.zigzag import zigzag_plan
 
     pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True))) \
         if data.draw(st.booleans()) else None
@@ -370,6 +372,9 @@ def test_auto_plan_is_the_fastest_candidate(pieces, config, model, exposed, data
     servers = pool if pool is not None else tuple(range(pieces.num_ranks))
     if np.isin(pieces.rank[pieces.end > pieces.start], servers).all():
         candidates.insert(0, colocated_plan(pieces, servers, window=config.window))
+    zigzag = zigzag_plan(pieces, servers, window=config.window, block=config.block)
+    if zigzag is not None:  # auto builds it only when its lower bound could win: never changing the choice
+        candidates.append(zigzag)
     seconds = [step_seconds(c, pieces, auto) for c in candidates]
     fastest = candidates[int(np.argmin(seconds))]  # argmin: the first of equal minima
     assert _same_plan(plan_tasks(pieces, auto), fastest)
