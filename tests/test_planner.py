@@ -320,6 +320,17 @@ def test_tolerance_zero_overfill_stays_within_one_block_of_the_guarantee():
     assert loads.max() <= loads.sum() / 8 + 1 * 53
 
 
+def test_a_server_overfilled_twice_stays_within_one_block_of_the_guarantee():
+    """Found by hypothesis: a non-server donor that must empty overfilled the same server twice (it
+    sat between the guarantee and the tolerance-0 cap), one window's block past the guarantee."""
+    start = np.array([0, 63, 0, 16, 79, 0, 32, 95])
+    pieces = DocumentPieces(np.array([0, 1, 1, 2, 3, 3, 4, 5]), np.array([0, 0, 1, 1, 1, 2, 2, 2]), start,
+                            np.array([63, 110, 16, 79, 110, 32, 95, 158]), 6, kv_start=start)
+    config = PlannerConfig(tolerance=0.0, block=1, servers=(0, 1, 2, 3, 4), token_bytes=TokenBytes(8, 4, 8, 0),
+                           window=50)
+    _check_plan(pieces, plan_tasks(pieces, config), config)  # served 3097 pairs against 3045 + 50 before
+
+
 # -- planning by time (tolerance="auto") ----------------------------------------------------------
 
 time_models = st.sampled_from([

@@ -412,12 +412,12 @@ class _Shedder:
         cannot."""
         trimmable = np.where(self.was_donor, 0.0, self.layout.load)
         served, is_server = np.asarray(self.served), self.layout.is_server
-        # only servers still within the cap, so none goes over by more than one block
-        eligible = is_server & (served <= self.cap)
+        # Only servers still within both the cap and the guarantee (at tolerance 0 the cap lies above
+        # it), so none ends more than one block past the guarantee, however often it is overfilled.
+        # One always is: the servers other than the donor hold less than the total, so one is below
+        # the mean, which both bounds exceed.
+        eligible = is_server & (served <= min(self.cap, self.bound))
         eligible[donor] = False
-        if not eligible.any():
-            eligible = is_server.copy()
-            eligible[donor] = False
         return int(np.argmin(np.where(eligible, served - trimmable, np.inf)))
 
     def shed(self, donor: int, need: float, overfill: bool) -> None:
