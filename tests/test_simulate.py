@@ -381,17 +381,66 @@ def test_cp_loads_hand_checked():
     assert loads.pairs.tolist() == [(1 + 2) + (7 + 8) + 1 + 4, (3 + 4) + (5 + 6) + 2 + 3]
     assert loads.keys.tolist() == [2 + 8 + 1 + 4, 6 + 3]  # each task runs against its prefix
     assert loads.received.tolist() == [6 * 4, 6 * 4] and loads.sent.tolist() == [6 * 4, 6 * 4]
-    # two groups of 2 ranks x 3 tokens: the 8-token document is cut at the group boundary (6 | 2);
-    # group 0's 6 tokens in chunks [0, 2) [2, 4) [4, 5) [5, 6); group 1 holds a 2-token document
-    # (chunks [0, 1) [1, 2) and two empty ones) and a 4-token one. Degree 1 is plain data
-    # parallelism: no bytes.
+    # two groups of 2 ranks x 3 tokens, packed best fit decreasing: the 8-token document fits no group
+    # whole, the 4-token one goes to group 0 whole; the 8 then fills the rooms left in order, cut into
+    # independent documents of 2 (group 0) and 6 (group 1). Group 0: the 4 in chunks of 1 as above,
+    # the 2 in chunks [0, 1) [1, 2) and two empty ones; group 1: the 6 in chunks [0, 2) [2, 4) [4, 5)
+    # [5, 6). Degree 1 is plain data parallelism: no bytes.
     loads = cp_loads(np.array([8, 4]), ranks=4, tokens_per_rank=3, degree=2, token_bytes=tb)
-    assert loads.tokens.tolist() == [3, 3, 3, 3] and loads.tasks.tolist() == [2, 1, 3, 2]
-    assert loads.pairs.tolist() == [1 + 2 + 6, 3 + 4 + 5, 1 + (1 + 4), 2 + (2 + 3)]
+    assert loads.tokens.tolist() == [3, 3, 3, 3] and loads.tasks.tolist() == [3, 2, 2, 1]
+    assert loads.pairs.tolist() == [1 + 4 + 1, 2 + 3 + 2, 1 + 2 + 6, 3 + 4 + 5]
     one = cp_loads(np.array([5, 7]), ranks=3, tokens_per_rank=4, degree=1, token_bytes=tb)
     assert one.tokens.tolist() == [4, 4, 4] and one.sent.tolist() == [0, 0, 0] and one.received.tolist() == [0, 0, 0]
-    assert one.pairs.tolist() == [10, 1 + 6, 10]  # [5 | 7] cut at ranks: 4 | 1 + 3 | 4
+    assert one.pairs.tolist() == [10, 1 + 6, 10]  # neither fits a rank whole: [5 | 7] cut at ranks: 4 | 1 + 3 | 4
     assert one.tasks.tolist() == [1, 2, 1] and one.keys.tolist() == [4, 1 + 3, 4]  # no CP: whole pieces
+
+
+def _best_fit_decreasing_token_by_token(docs, groups, group_tokens, whole_above):
+    """``group_documents`` written naively: best fit decreasing of the documents longer than
+    ``whole_above`` by a scan of every group, then the others laid token by token into the rooms
+    left; sorted ``(group, length)`` pairs."""
+    room, owner = [group_tokens] * groups, [None] * len(docs)
+    for i in sorted((i for i in range(len(docs)) if docs[i] > whole_above), key=lambda i: (-docs[i], i)):
+        fits = [g for g in range(groups) if room[g] >= docs[i]]
+        if fits:
+            owner[i] = min(fits, key=lambda g: (room[g], g))
+            room[owner[i]] -= docs[i]
+    pieces, g = {}, 0
+    for i, length in enumerate(docs):
+        for _ in range(length if owner[i] is None else 0):
+            while room[g] == 0:
+                g += 1
+            room[g] -= 1
+            pieces[i, g] = pieces.get((i, g), 0) + 1
+    placed = [(owner[i], length) for i, length in enumerate(docs) if owner[i] is not None]
+    return sorted(placed + [(g, n) for (_, g), n in pieces.items()])
+
+
+@settings(max_examples=80, deadline=None)
+@given(groups=st.integers(1, 5), group_tokens=st.integers(1, 12), data=st.data())
+def test_group_documents_packs_whole_documents_best_fit_decreasing(groups, group_tokens, data):
+    from distca_hf.planning.baselines import group_documents
+
+    total = data.draw(st.integers(1, groups * group_tokens))
+    cuts = sorted(data.draw(st.sets(st.integers(1, total - 1), max_size=total - 1))) if total > 1 else []
+    docs = np.diff([0, *cuts, total])  # any split of a batch that fits the groups
+    whole_above = data.draw(st.integers(0, group_tokens))
+    group, length = group_documents(docs, groups, group_tokens, whole_above=whole_above)
+    assert sorted(zip(group.tolist(), length.tolist())) == _best_fit_decreasing_token_by_token(
+        docs.tolist(), groups, group_tokens, whole_above)
+    assert (np.bincount(group, weights=length, minlength=groups) <= group_tokens).all() and length.sum() == total
+    with pytest.raises(ValueError, match="more than"):
+        group_documents(np.array([groups * group_tokens + 1]), groups, group_tokens)
+
+
+def test_baselines_keep_a_document_whole_when_a_group_holds_it():
+    from distca_hf.planning.baselines import cp_loads
+
+    # packed in order, the 6-token document would cross the boundary of two 6-token groups (2 | 4);
+    # best fit decreasing gives it group 0 of its own (longest first, ties to the lowest group): all its
+    # 21 pairs, and the three 2-token documents go to group 1
+    loads = cp_loads(np.array([2, 2, 6, 2]), ranks=2, tokens_per_rank=6, degree=1, token_bytes=TokenBytes(8, 4, 8))
+    assert loads.pairs.tolist() == [21, 3 * 3]
 
 
 def _ulysses_bytes_brute_force(degree, heads, kv_heads, q_head, kv_head, o_head):
