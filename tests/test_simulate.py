@@ -22,6 +22,7 @@ from distca_hf.tools.simulate import draw_batch, format_table, pack_pieces, per_
 CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "ulysses", "time_model",
     "hidden_comm_fraction", "planner", "best_baseline", "speedup_vs_best_baseline", "speedup_vs_colocated",
+    "tuned_baseline", "speedup_vs_tuned_baseline",
 }
 MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer"}  # contract "memory in plans": every method
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
@@ -86,6 +87,11 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert out["best_baseline"] == min(steps, key=steps.get)
     assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])
     assert out["speedup_vs_colocated"] == pytest.approx(steps["colocated"] / d["step_time_s"])
+    tuned = out["tuned_baseline"]  # every degree that holds the longest document, the smallest among them
+    assert tuned["step_time_s"] <= min(steps.values()) + 1e-12 and tuned["method"] in steps
+    assert out["speedup_vs_tuned_baseline"] == pytest.approx(tuned["step_time_s"] / d["step_time_s"])
+    if tuned["method"] in ("per_doc_cp", "ulysses"):
+        assert 8 % tuned["degree"] == 0
     assert 0 <= d["exposed_comm_s"] < d["step_time_s"]
     assert plot.stat().st_size > 10_000
     again = json.loads(_cli("simulate", "--lengths", str(lengths_file), "--ranks", "8", "--tokens-per-rank", "2048",

@@ -43,7 +43,7 @@ from .cost import TokenBytes, causal_pairs, document_pairs
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "smallest_degree", "ulysses_degree_ok", "cp_loads",
+__all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "fitting_degrees", "smallest_degree", "ulysses_degree_ok", "cp_loads",
            "ulysses_loads", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received", "group_documents"]
 
 
@@ -98,14 +98,16 @@ def head_tail_chunks(lengths, holders: int):
     return bounds[..., i], bounds[..., i + 1], bounds[..., count - 1 - i], bounds[..., count - i]
 
 
+def fitting_degrees(longest: int, tokens_per_rank: int, ranks: int, allowed=lambda d: True) -> list[int]:
+    """Every degree a user could pick, ascending: the divisors ``d`` of ``ranks`` (data parallel
+    over ``ranks / d`` groups) with ``d x tokens_per_rank >= longest`` and ``allowed(d)``."""
+    return [d for d in range(1, ranks + 1) if ranks % d == 0 and d * tokens_per_rank >= longest and allowed(d)]
+
+
 def smallest_degree(longest: int, tokens_per_rank: int, ranks: int, allowed=lambda d: True) -> int | None:
-    """The degree a user would pick: the smallest divisor ``d`` of ``ranks`` (data parallel over
-    ``ranks / d`` groups) with ``d x tokens_per_rank >= longest`` and ``allowed(d)``; ``None`` when
-    none holds ``longest`` tokens."""
-    for d in range(1, ranks + 1):
-        if ranks % d == 0 and d * tokens_per_rank >= longest and allowed(d):
-            return d
-    return None
+    """The degree a user would pick without tuning: the smallest of ``fitting_degrees``; ``None``
+    when no degree holds ``longest`` tokens."""
+    return next(iter(fitting_degrees(longest, tokens_per_rank, ranks, allowed)), None)
 
 
 def ulysses_degree_ok(degree: int, heads: int, kv_heads: int) -> bool:
