@@ -198,7 +198,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
                        "bytes_per_s": time_model.bytes_per_s},
         "hidden_comm_fraction": hidden_comm_fraction,
         "planner": {"tolerance": config.tolerance, "block": config.block, "backward": config.backward,
-                    "memory_budget": config.memory_budget, "auto_planner": auto_planner},
+                    "memory_budget": config.memory_budget, "auto_planner": auto_planner,
+                    "kv_cap": config.kv_cap},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
                       "exposed_comm_s": mean("colo_comm"), **_memory_keys(mean, "colo")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
@@ -541,6 +542,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distca's memory bound: the worst rank may hold (1 + this) x the mean over ranks of what "
                              "they hold for attention's backward per layer (memory_imbalance <= 1 + this), or 'none' "
                              "(the memory_budget setting; default: %(default)s)")
+    cap = SETTINGS["kv_cap"]
+    parser.add_argument("--kv-cap", type=cap.metadata["parse"], default=cap.default,
+                        help="distca's cap on the K/V one server receives per layer: 'cp' (per-document CP's worst "
+                             "rank of each batch), bytes, or 'none' (the kv_cap setting; needs --tolerance auto; "
+                             "default: %(default)s)")
     parser.add_argument("--backward", choices=["saved", "resend"], default=SETTINGS["backward"].default,
                         help="distca's backward mode (the backward setting); under 'saved' a step whose plan would "
                              "exceed --memory-budget runs in 'resend' (default: %(default)s)")
@@ -612,7 +618,8 @@ def run_cli(args, parser) -> int:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes,
-                               backward=args.backward, memory_budget=args.memory_budget, key_split=True)
+                               backward=args.backward, memory_budget=args.memory_budget, key_split=True,
+                               kv_cap=args.kv_cap)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
         time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
