@@ -222,11 +222,12 @@ class DistCAConfig:
     kv_cap: float | str | None = setting(
         None, env="DISTCA_KV_CAP", parse=_parse_kv_cap, check=_kv_cap_problem,
         help="a cap on the K/V one attention server receives per layer (forward; what 'saved' mode keeps for "
-             "backward and 'resend' mode receives again): 'cp' caps every server at per-document context "
-             "parallelism's worst rank for the batch (every rank holding a piece of a document that spans ranks "
-             "gathers the rest of it; no cap when no document spans ranks), a number caps it at that many bytes, "
-             "None: no cap. Needs tolerance 'auto', which plans within it (the colocated plan always fits 'cp'); "
-             "a rank outside the server pool still gives all its work away. Off by default: on the bench-sim rows "
+             "backward and 'resend' mode receives again; per plan: each ping-pong nano-batch, each wave's copy "
+             "apart): 'cp' caps every server at per-document context parallelism's worst rank for the batch (every "
+             "rank holding a piece of a document that spans ranks gathers the rest of it; no cap when no document "
+             "spans ranks), a number caps it at that many bytes (or at what the colocated plan's worst rank "
+             "receives, when more), None: no cap. Needs tolerance 'auto', which plans within it; a rank outside "
+             "the server pool still gives all its work away. Off by default: on the bench-sim rows "
              "(docs/planner.md) 'cp' makes the predicted layer 1.03-3.2x slower (median 1.3x) and distca slower "
              "than the best baseline on 5 of 18, as long documents' prefixes may no longer travel")
     overlap: str = setting(

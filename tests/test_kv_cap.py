@@ -26,7 +26,7 @@ def _most_received(plan, pieces) -> int:
     return int(kv_received(kv_transfers(plan, pieces), pieces.num_ranks).max(initial=0))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(pieces=st.one_of(packed_batches(), batches_with_key_only_prefixes()), config=windowed_configs,
        model=time_models, exposed=st.sampled_from([0.5, 1.0]), budget=st.sampled_from([None, 0.1]),
        cap_kind=st.sampled_from(["cp", "bytes"]), data=st.data())
@@ -45,7 +45,7 @@ def test_auto_and_the_descent_keep_every_server_within_the_cap(pieces, config, m
         kv_cap = cap * kv + data.draw(st.integers(0, kv - 1)) if kv else float(cap)  # bytes, rounded down
         cap = cap if kv else None  # K/V of no bytes: no byte cap binds
     capped = _auto(config, model, exposed, memory_budget=budget, kv_cap=kv_cap)
-    assert kv_cap_tokens(pieces, kv_cap, config.token_bytes) == cap
+    assert kv_cap_tokens(pieces, capped) == cap
     # (the descent alone counts K/V in bytes: with K/V of no bytes only plan_tasks' judge keeps the cap)
     for plan in (plan_tasks(pieces, capped), *([descend(pieces, capped)] if kv else [])):
         _check_queries(pieces, plan, capped)
@@ -81,10 +81,14 @@ def test_kv_cap_tokens_hand_checked():
     # ranks of 8 tokens: doc 0 [0, 5) on rank 0; doc 1 (12 tokens) [0, 3) on 0, [3, 11) on 1, [11, 12) on 2
     pieces = pack_pieces(np.array([5, 12, 4]), 3, 8)
     assert per_doc_cp_kv_received(pieces).tolist() == [9, 4, 11]  # CP of doc 1: the rest of it
-    assert kv_cap_tokens(pieces, "cp", LLAMA3_8B_BYTES) == 11
-    assert kv_cap_tokens(pieces, 3.5 * LLAMA3_8B_BYTES.kv, LLAMA3_8B_BYTES) == 3  # bytes, whole tokens
-    assert kv_cap_tokens(pieces, None, LLAMA3_8B_BYTES) is None
-    assert kv_cap_tokens(pack_pieces(np.array([5, 3, 7]), 2, 8), "cp", LLAMA3_8B_BYTES) is None  # none spans
+    cap = lambda kv_cap, p=pieces: kv_cap_tokens(p, PlannerConfig("auto", kv_cap=kv_cap))
+    assert (cap("cp"), cap(None)) == (11, None)
+    kv = LLAMA3_8B_BYTES.kv
+    # bytes, as whole tokens, but never below what colocated receives (rank 2 needs doc 1's [0, 11))
+    assert (cap(3.5 * kv), cap(12.5 * kv)) == (11, 12)
+    assert kv_cap_tokens(pieces, PlannerConfig("auto", kv_cap=3.5 * kv, window=4)) == 3  # under a window: [8, 11) and [0, 3)
+    alone = pack_pieces(np.array([5, 3, 7]), 2, 8)  # no document spans ranks
+    assert (cap("cp", alone), cap(3.5 * kv, alone)) == (None, 3)
 
 
 def test_kv_cap_refusals():

@@ -28,6 +28,10 @@ limit; counted against the unbounded plan's mean, then once more against its own
 too high; given up once its level passes the best candidate's step) where it can fit and win: the
 colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
 the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
+Under the ``kv_cap`` setting (``PlannerConfig.kv_cap``, ``baselines.kv_cap_tokens``) a candidate whose
+worst server receives more K/V tokens per layer than the cap is never chosen, and the descents plan
+within it; the colocated plan always fits ``"cp"`` (when ranks outside the server pool hold work and
+no candidate fits, the cap is dropped for the batch: their work must move).
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
@@ -130,7 +134,7 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     received = kv_received(transfers, pieces.num_ranks)
     fitting = fit_memory_budget(plan, pieces, config, received)
-    cap = kv_cap_tokens(pieces, config.kv_cap, config.token_bytes)
+    cap = kv_cap_tokens(pieces, config)
     if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
         return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)

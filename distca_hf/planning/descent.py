@@ -45,7 +45,9 @@ Memory (``descend_within_memory``, ``saved`` mode under ``memory_budget``). Ever
 backward (``transfers.backward_memory``) is kept move by move: a server's grows by the queries it
 keeps (q, out, log-sum-exp) and the K/V it lacks, a donor's shrinks by its queries. A move that would
 take its server past ``(1 + budget)`` x the mean is cut to the queries that fit, or goes to another
-candidate server; ``by_time`` runs it only when the unbounded descent is over the budget.
+candidate server; ``by_time`` runs it only when the unbounded descent is over the budget. Under the
+``kv_cap`` setting every descent also keeps each rank's received K/V tokens: no move takes its server
+past the cap (``baselines.kv_cap_tokens``), and a new server for a document must have room for its keys.
 
 What the greedy guarantees, and what it does not. It guarantees every query computed exactly once,
 block-aligned cuts, deterministic plans, at most the fan-out bound per document, ranks outside the
@@ -121,7 +123,7 @@ class DescentStart:
         self.own = tm.rank_seconds(0, self.loads.pairs, self.loads.tasks, self.loads.keys, other_s=0.0)
         self._received = kv_received(transfers, n)
         self._memory = None
-        self.kv_cap = kv_cap_tokens(pieces, config.kv_cap, tb)  # K/V tokens a server may receive (None: any)
+        self.kv_cap = kv_cap_tokens(pieces, config)  # K/V tokens a server may receive (None: any)
         self.holders = pieces.spanning_holders()
         self.holder_ranks = {doc: tuple(rank for rank, _, _ in holders) for doc, holders in self.holders.items()}
         # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
