@@ -5,6 +5,7 @@ more K/V per layer than the cap, ``"cp"`` being per-document CP's worst rank of 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -86,7 +87,8 @@ def test_kv_cap_tokens_hand_checked():
     kv = LLAMA3_8B_BYTES.kv
     # bytes, as whole tokens, but never below what colocated receives (rank 2 needs doc 1's [0, 11))
     assert (cap(3.5 * kv), cap(12.5 * kv)) == (11, 12)
-    assert kv_cap_tokens(pieces, PlannerConfig("auto", kv_cap=3.5 * kv, window=4)) == 3  # under a window: [8, 11) and [0, 3)
+    # under a window of 4 rank 1 needs [0, 3), rank 2 [8, 11)
+    assert kv_cap_tokens(pieces, PlannerConfig("auto", kv_cap=3.5 * kv, window=4)) == 3
     alone = pack_pieces(np.array([5, 3, 7]), 2, 8)  # no document spans ranks
     assert (cap("cp", alone), cap(3.5 * kv, alone)) == (None, 3)
 
@@ -101,3 +103,18 @@ def test_kv_cap_refusals():
             PlannerConfig("auto", kv_cap=bad)
     parse = SETTINGS["kv_cap"].metadata["parse"]
     assert (parse("none"), parse("CP"), parse("2e6")) == (None, "cp", 2e6)
+
+
+def test_simulate_flag(tmp_path):
+    """``distca-hf simulate --kv-cap``: refused beside a fixed tolerance; with 'auto', no server past CP's."""
+    from helpers import cli_in_process
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text("[9000, 3000, 500, 20000, 700]")
+    common = ("simulate", "--lengths", lengths, "--ranks", 4, "--tokens-per-rank", 8192, "--batches", 1, "--json")
+    refused = cli_in_process(*common, "--kv-cap", "cp", "--tolerance", "0.02")
+    assert refused.returncode == 2 and "--kv-cap cp needs --tolerance auto" in refused.stderr
+    out = json.loads(cli_in_process(*common, "--kv-cap", "cp").stdout)
+    assert out["planner"]["kv_cap"] == "cp"
+    received = out["distca"]["kv_received_tokens_per_layer"]["max"]
+    assert received <= out["per_doc_cp"]["kv_received_tokens_per_layer"]["max"]

@@ -614,6 +614,9 @@ def run_cli(args, parser) -> int:
         if args.layers < 1 or args.layers % stages:
             parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
+    if args.kv_cap is not None and args.tolerance != "auto":
+        parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
+                     "time caps K/V")
     try:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
