@@ -62,6 +62,17 @@ def _parse_memory_budget(text: str):
     return None if text.lower() == "none" else float(text)
 
 
+def _kv_cap_problem(value):
+    if value is not None and value != "cp" and not (_is_number(value) and value > 0):
+        return (f"must be 'cp' (per-document CP's worst rank of the batch), a number of bytes > 0 (K/V one server may "
+                f"receive per layer) or None (no cap), got {value!r}")
+
+
+def _parse_kv_cap(text: str):
+    lowered = text.strip().lower()
+    return None if lowered == "none" else "cp" if lowered == "cp" else float(text)
+
+
 def _block_problem(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
@@ -208,6 +219,17 @@ class DistCAConfig:
              "falls back to 'resend'. The default 0.1 holds memory_imbalance within 1.10 on every batch of the "
              "shared samples at 8-512 ranks, at about a tenth of the speedup on the rows with documents spanning "
              "many ranks (they need resend mode); None: unbounded")
+    kv_cap: float | str | None = setting(
+        None, env="DISTCA_KV_CAP", parse=_parse_kv_cap, check=_kv_cap_problem,
+        help="a cap on the K/V one attention server receives per layer (forward; what 'saved' mode keeps for "
+             "backward and 'resend' mode receives again; per plan: each ping-pong nano-batch, each wave's copy "
+             "apart): 'cp' caps every server at per-document context parallelism's worst rank for the batch (every "
+             "rank holding a piece of a document that spans ranks gathers the rest of it; no cap when no document "
+             "spans ranks), a number caps it at that many bytes (or at what the colocated plan's worst rank "
+             "receives, when more), None: no cap. Needs tolerance 'auto', which plans within it; a rank outside "
+             "the server pool still gives all its work away. Off by default: on the bench-sim rows "
+             "(docs/planner.md) 'cp' makes the predicted layer 1.03-3.2x slower (median 1.3x) and distca slower "
+             "than the best baseline on 5 of 18, as long documents' prefixes may no longer travel")
     overlap: str = setting(
         "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
         help="how the dispatch's communication overlaps compute: 'none', 'wave' (any model) or 'pingpong' "

@@ -82,7 +82,7 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert 0.0 <= d["moved_query_fraction"] <= 1.0
     assert out["time_model"]["source"].startswith("built-in CUDA default") and out["hidden_comm_fraction"] == 0.0
     assert out["planner"] == {"tolerance": "auto", "block": 128, "backward": "saved", "memory_budget": 0.1,
-                              "auto_planner": "descent"}
+                              "auto_planner": "descent", "kv_cap": None}
     steps = {m: out[m]["step_time_s"] for m in ("colocated", "wlb", "per_doc_cp", "ulysses")}
     assert out["best_baseline"] == min(steps, key=steps.get)
     assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])

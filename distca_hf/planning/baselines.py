@@ -39,12 +39,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .carving import colocated_plan
 from .cost import TokenBytes, causal_pairs, document_pairs
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
+from .transfers import kv_received, kv_transfers
 
-__all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "fitting_degrees", "smallest_degree", "ulysses_degree_ok", "cp_loads",
-           "ulysses_loads", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received", "group_documents"]
+__all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "fitting_degrees", "smallest_degree", "ulysses_degree_ok",
+           "cp_loads", "ulysses_loads", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received", "group_documents",
+           "kv_cap_tokens"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,3 +286,31 @@ def per_doc_cp_kv_received(pieces: DocumentPieces) -> np.ndarray:
     spans = np.bincount(doc, minlength=length.size)[doc] > 1  # held by more than one rank
     missing = np.where(spans, length[doc] - held, 0)
     return np.bincount(rank, weights=missing, minlength=pieces.num_ranks).astype(np.int64)
+
+
+def kv_cap_tokens(pieces: DocumentPieces, config) -> int | None:
+    """``config.kv_cap`` (a ``PlannerConfig``'s, the ``kv_cap`` setting) for this batch as K/V tokens one
+    server may receive per layer (the unit of ``transfers.kv_received``), or ``None`` (no cap): ``"cp"``,
+    per-document CP's worst rank (``per_doc_cp_kv_received``; ``None`` when no document spans ranks,
+    where CP gathers nothing and the cap's target does not apply); a number, bytes, as whole tokens of
+    ``config.token_bytes.kv`` (``None`` when K/V weigh no bytes), or what the colocated plan's worst
+    rank receives when that is more (a spanning document's later pieces need their prefix: no cap
+    refuses the colocated plan, as no ``memory_budget`` refuses what ``resend`` mode keeps).
+
+    Both sides count the same thing: K/V tokens a rank receives in one layer's forward, which ``saved``
+    mode keeps for backward (distca's servers and an all-gather CP that saves what it gathered) and
+    ``resend`` mode receives again. The colocated plan always fits ``"cp"``: a rank holding piece
+    ``[s, e)`` of a spanning document receives its prefix ``[0, s)`` (under a window, less), CP's rank
+    the whole document but ``[s, e)``."""
+    kv_cap, kv = config.kv_cap, config.token_bytes.kv
+    if kv_cap is None:
+        return None
+    if kv_cap == "cp":
+        worst = int(per_doc_cp_kv_received(pieces).max(initial=0))
+        return worst if worst > 0 else None
+    if isinstance(kv_cap, bool) or not isinstance(kv_cap, (int, float, np.integer, np.floating)) or not kv_cap > 0:
+        raise ValueError(f"kv_cap must be 'cp', a number of bytes > 0 or None, got {kv_cap!r}")
+    if kv <= 0:
+        return None  # K/V of no bytes: never past it
+    colocated = kv_transfers(colocated_plan(pieces, window=config.window), pieces)
+    return max(int(kv_cap // kv), int(kv_received(colocated, pieces.num_ranks).max(initial=0)))

@@ -28,6 +28,10 @@ limit; counted against the unbounded plan's mean, then once more against its own
 too high; given up once its level passes the best candidate's step) where it can fit and win: the
 colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
 the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
+Under the ``kv_cap`` setting (``PlannerConfig.kv_cap``, ``baselines.kv_cap_tokens``) a candidate whose
+worst server receives more K/V tokens per layer than the cap is never chosen, and the descents plan
+within it; the colocated plan always fits ``"cp"`` (when ranks outside the server pool hold work and
+no candidate fits, the cap is dropped for the batch: their work must move).
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
@@ -80,8 +84,11 @@ once), and the unbounded plan's K/V transfers serve its judgement, its fit and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from .baselines import kv_cap_tokens
 from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
@@ -125,7 +132,11 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
     mode). ``transfers``: the plan's ``kv_transfers``, when in hand."""
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
-    fitting = fit_memory_budget(plan, pieces, config, kv_received(transfers, pieces.num_ranks))
+    received = kv_received(transfers, pieces.num_ranks)
+    fitting = fit_memory_budget(plan, pieces, config, received)
+    cap = kv_cap_tokens(pieces, config)
+    if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
+        return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)
     # only where the step may keep saved state (backward="saved"): a tiled plan runs saved
     if (memory_tiles and fitting.backward != plan.backward and config.backward == "saved" and config.key_split
@@ -134,7 +145,8 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
         if tiled is not plan:
             tiled_transfers = kv_transfers(tiled, pieces)
             received = kv_received(tiled_transfers, pieces.num_ranks)
-            if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget):
+            if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget) \
+                    and (cap is None or int(received.max(initial=0)) <= cap):
                 tiled_seconds = step_seconds(tiled, pieces, config, tiled_transfers)
                 if tiled_seconds < seconds:
                     return tiled_seconds, tiled
@@ -246,6 +258,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         key = (seconds, tie_order[tolerance])
         if key < best_key:
             best, best_key = plan, key
+    if best is None:  # nothing within kv_cap: ranks outside the server pool give their work away, whatever it moves
+        return _plan_by_candidates(pieces, dataclasses.replace(config, kv_cap=None), descent=descent)
     return _with_tiles(best, best_key[0], pieces, config) if descent else best
 
 

@@ -97,6 +97,7 @@ class PlannerConfig:
     memory_budget: float | None = None
     base_pairs: tuple[float, ...] | None = None
     key_split: bool = False
+    kv_cap: float | str | None = None  # the kv_cap setting ("auto" plans within it: baselines.kv_cap_tokens)
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
@@ -104,7 +105,7 @@ class PlannerConfig:
             object.__setattr__(self, "block", int(self.block))
         if self.servers is not None and hasattr(self.servers, "__iter__"):
             object.__setattr__(self, "servers", tuple(int(s) if isinstance(s, np.integer) else s for s in self.servers))
-        for name in ("tolerance", "block", "servers", "backward", "memory_budget"):
+        for name in ("tolerance", "block", "servers", "backward", "memory_budget", "kv_cap"):
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"{name} {problem}")

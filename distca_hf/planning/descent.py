@@ -45,7 +45,9 @@ Memory (``descend_within_memory``, ``saved`` mode under ``memory_budget``). Ever
 backward (``transfers.backward_memory``) is kept move by move: a server's grows by the queries it
 keeps (q, out, log-sum-exp) and the K/V it lacks, a donor's shrinks by its queries. A move that would
 take its server past ``(1 + budget)`` x the mean is cut to the queries that fit, or goes to another
-candidate server; ``by_time`` runs it only when the unbounded descent is over the budget.
+candidate server; ``by_time`` runs it only when the unbounded descent is over the budget. Under the
+``kv_cap`` setting every descent also keeps each rank's received K/V tokens: no move takes its server
+past the cap (``baselines.kv_cap_tokens``), and a new server for a document must have room for its keys.
 
 What the greedy guarantees, and what it does not. It guarantees every query computed exactly once,
 block-aligned cuts, deterministic plans, at most the fan-out bound per document, ranks outside the
@@ -69,7 +71,9 @@ from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
-from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
+from .transfers import (BackwardMemory, backward_memory, document_servers, kv_received, kv_transfers,  # noqa: F401
+                        long_document_servers, memory_limit)  # (the servers per document: re-exported here)
+from .baselines import kv_cap_tokens
 
 __all__ = ["descend", "descend_within_memory", "DescentStart", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
@@ -119,6 +123,7 @@ class DescentStart:
         self.own = tm.rank_seconds(0, self.loads.pairs, self.loads.tasks, self.loads.keys, other_s=0.0)
         self._received = kv_received(transfers, n)
         self._memory = None
+        self.kv_cap = kv_cap_tokens(pieces, config)  # K/V tokens a server may receive (None: any)
         self.holders = pieces.spanning_holders()
         self.holder_ranks = {doc: tuple(rank for rank, _, _ in holders) for doc, holders in self.holders.items()}
         # (server, doc) -> keys [start, end) it needs; the colocated plan's needs of spanning documents
@@ -203,6 +208,11 @@ class _Descent:
             self.held_total, self.memory_budget, self.memory_floor = sum(self.held), budget, memory.floor
             self.held_mean = held_mean
             self.query_bytes = tb.q + tb.o + tb.lse  # what a server keeps per query it serves (a source, less)
+        # The kv_cap setting: K/V tokens every rank receives, kept move by move (an upper bound: needs
+        # only grow); a move may not take its server past the cap (best_shard). None: no cap.
+        # (K/V of no bytes: tokens cannot be told from bytes; by_time's judge keeps the cap alone then)
+        self.kv_cap = start.kv_cap
+        self.received = start._received.tolist() if self.kv_cap is not None and self.kv > 0 else None
 
     def intervals(self, rank: int) -> list[list[int]]:
         """The rank's own intervals still at home, ``[doc, piece start, end, piece]``, latest end first."""
@@ -333,6 +343,9 @@ class _Descent:
             else:
                 got, first = causal_pairs(a, end, window), key_start(a, window)
                 kv_sends, kv_bytes = self.kv_sends(donor, server, doc, first, end)
+            if self.received is not None and not must_empty \
+                    and self.received[server] + kv_bytes // (2 * self.kv) > self.kv_cap:
+                return None  # past the kv_cap (a smaller shard needs as many keys, but under a window)
             # the donor: its local task [piece_start, end) becomes [piece_start, a), or goes
             if a > piece_start:
                 donor_s = -attn * got - key_s * m
@@ -411,6 +424,8 @@ class _Descent:
             self.held[donor] -= kept
             self.held[server] += kept + kv_bytes
             self.held_total += kv_bytes
+        if self.received is not None:  # before the needs grow, as above
+            self.received[server] += self.kv_sends(donor, server, doc, key_start(a, window), b)[1] // (2 * self.kv)
         time = self.time
         for rank, add in changes.items():
             time[rank] += add
@@ -439,16 +454,18 @@ class _Descent:
 
     # -- the descent --------------------------------------------------------------------------------
 
-    def new_server(self, heap, exclude: int, count: int, known) -> int | None:
-        """The first of the ``count`` servers predicted fastest (``exclude`` left out) that is not in
-        ``known``, or None (lazy heap: stale entries are dropped as they surface)."""
+    def new_server(self, heap, exclude: int, count: int, known, lacks: int = 0) -> int | None:
+        """The first of the ``count`` servers predicted fastest (``exclude`` left out, and under kv_cap
+        those that cannot receive ``lacks`` more K/V tokens) that is not in ``known``, or None (lazy
+        heap: stale entries are dropped as they surface)."""
         time, popped, seen, found = self.time, [], 0, None
+        received, room = self.received, (self.kv_cap - lacks if self.received is not None else 0)
         while heap and seen < count:
             t, r = heap[0]
             if t != time[r]:
                 heapq.heappop(heap)
                 continue
-            if r != exclude:
+            if r != exclude and (received is None or received[r] <= room):
                 seen += 1
                 if r not in known:
                     found = r
@@ -484,7 +501,7 @@ class _Descent:
                 if must_empty or servers is None or len(servers) < bound:
                     # (one is enough: every server new to the document costs its holders the same sends,
                     # so the one with the most room takes the largest shard)
-                    new = self.new_server(heap, donor, LEAST_LOADED, known)
+                    new = self.new_server(heap, donor, LEAST_LOADED, known, end - key_start(end - 1, self.window))
                     if new is not None:
                         candidates.append(new)
                 best, best_key, best_pairs = None, None, 0.0
@@ -616,23 +633,6 @@ def descend_within_memory(pieces: DocumentPieces, config: PlannerConfig, *, back
                      start)
     state.run()
     return (None if state.gave_up else state.plan()), state.memory_refused
-
-def document_servers(plan: Plan) -> dict[int, int]:
-    """``{doc: number of ranks computing some of its queries}`` under ``plan``."""
-    pairs = np.unique(plan.doc * plan.num_ranks + plan.server)
-    docs, counts = np.unique(pairs // plan.num_ranks, return_counts=True)
-    return dict(zip(docs.tolist(), counts.tolist()))
-
-
-def long_document_servers(plan: Plan, pieces: DocumentPieces, longer_than: int) -> tuple[float, float]:
-    """``(mean, max)`` over the documents longer than ``longer_than`` tokens of the ranks computing
-    some of their queries under ``plan`` (``(0, 0)`` without such documents)."""
-    length = np.zeros(int(pieces.doc.max(initial=-1)) + 1, dtype=np.int64)
-    np.maximum.at(length, pieces.doc, pieces.end)
-    servers = document_servers(plan)
-    counts = [servers[d] for d in np.flatnonzero(length > longer_than).tolist() if d in servers]
-    return (float(np.mean(counts)), float(max(counts))) if counts else (0.0, 0.0)
-
 
 def fan_out_bounds(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> dict[int, float]:
     """``{doc: the most servers the descent spreads it to}`` (module docstring: the fan-out at which

@@ -29,7 +29,10 @@ __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_p
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
     """Assign every query of ``pieces`` to a server (see the module docstring): by time under
     ``tolerance="auto"``, else the carving at ``config.tolerance``; either way within
-    ``config.memory_budget``."""
+    ``config.memory_budget``. ``config.kv_cap`` (K/V one server receives per layer) needs ``"auto"``."""
     if config.tolerance == "auto":
         return plan_by_time(pieces, config)
+    if config.kv_cap is not None:  # the carving balances attention whatever K/V that moves
+        raise ValueError(f"kv_cap {config.kv_cap!r} needs tolerance 'auto' (got tolerance {config.tolerance!r}): "
+                         "only planning by time plans within it; set kv_cap None or tolerance 'auto'")
     return fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)

@@ -26,7 +26,7 @@ from .ranges import concat_ranges
 
 __all__ = ["memory_limit", "KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
            "rank_bytes", "RunningBytes",
-           "BackwardMemory", "backward_memory", "fit_memory_budget"]
+           "BackwardMemory", "backward_memory", "fit_memory_budget", "document_servers", "long_document_servers"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -359,3 +359,20 @@ def fit_memory_budget(plan: Plan, pieces: DocumentPieces, config, received: np.n
                 config.memory_budget):
             mode = "resend"
     return plan if plan.backward == mode else dataclasses.replace(plan, backward=mode)
+
+
+def document_servers(plan: Plan) -> dict[int, int]:
+    """``{doc: number of ranks computing some of its queries}`` under ``plan``."""
+    pairs = np.unique(plan.doc * plan.num_ranks + plan.server)
+    docs, counts = np.unique(pairs // plan.num_ranks, return_counts=True)
+    return dict(zip(docs.tolist(), counts.tolist()))
+
+
+def long_document_servers(plan: Plan, pieces: DocumentPieces, longer_than: int) -> tuple[float, float]:
+    """``(mean, max)`` over the documents longer than ``longer_than`` tokens of the ranks computing
+    some of their queries under ``plan`` (``(0, 0)`` without such documents)."""
+    length = np.zeros(int(pieces.doc.max(initial=-1)) + 1, dtype=np.int64)
+    np.maximum.at(length, pieces.doc, pieces.end)
+    servers = document_servers(plan)
+    counts = [servers[d] for d in np.flatnonzero(length > longer_than).tolist() if d in servers]
+    return (float(np.mean(counts)), float(max(counts))) if counts else (0.0, 0.0)

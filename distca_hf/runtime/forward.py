@@ -318,7 +318,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
                                                 backward=config.backward, memory_budget=config.memory_budget,
-                                                key_split=key_split))
+                                                key_split=key_split, kv_cap=config.kv_cap))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)

@@ -55,7 +55,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -205,7 +204,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
                        "bytes_per_s": time_model.bytes_per_s},
         "hidden_comm_fraction": hidden_comm_fraction,
         "planner": {"tolerance": config.tolerance, "block": config.block, "backward": config.backward,
-                    "memory_budget": config.memory_budget, "auto_planner": auto_planner},
+                    "memory_budget": config.memory_budget, "auto_planner": auto_planner,
+                    "kv_cap": config.kv_cap},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
                       "exposed_comm_s": mean("colo_comm"), **_memory_keys(mean, "colo")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
@@ -386,54 +386,6 @@ def load_lengths(path) -> np.ndarray:
     return np.asarray(data, dtype=np.int64)
 
 
-def _plot(path, lengths, args, config, time_model, result, options: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    first = result["_first"]
-    d = result["distca"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 4.4))
-    mean = first["local"].mean()
-    xs = np.arange(args.ranks)
-    left.bar(xs, first["local"] / mean, width=1.0, alpha=0.55, label="colocated (before)", color="#fc8d62")
-    left.bar(xs, first["served"] / mean, width=0.5, alpha=0.9, label=f"distca (after, tolerance {config.tolerance})",
-             color="#66c2a5")
-    if config.tolerance != "auto":  # a fixed tolerance is a bound on the after bars
-        left.axhline(1 + config.tolerance, color="gray", ls="--", lw=0.8, label=f"1 + tolerance ({config.tolerance})")
-    left.set_xlabel("rank")
-    left.set_ylabel("attention pairs / mean")
-    shard = d["smallest_shard_tokens"]
-    left.set_title(f"Per-rank attention, first batch ({args.ranks} ranks x {args.tokens_per_rank} tokens)\n"
-                   f"distca: {d['tasks_per_server']['max']:.0f} tasks on the busiest server, smallest moved shard "
-                   f"{'-' if shard is None else shard} tokens (block {config.block})", fontsize=8.5)
-    left.legend(fontsize=8)
-
-    contexts = sorted({max(1, args.tokens_per_rank // 4), max(1, args.tokens_per_rank // 2), args.tokens_per_rank,
-                       args.tokens_per_rank * 2})
-    lines = {m: [] for m in METHODS}
-    for t in contexts:
-        r = simulate(lengths, args.ranks, t, min(args.batches, 4), args.seed, config, time_model, **options)
-        for m in METHODS:
-            lines[m].append(r[m]["step_time_s"])
-    for m, ys in lines.items():
-        if any(y is None for y in ys):
-            continue
-        right.plot(contexts, np.array(ys) * 1e3, marker="o", label=LABELS[m])  # CP/Ulysses degrees vary with T
-    right.set_xscale("log", base=2)
-    right.set_xlabel("tokens per rank")
-    right.set_ylabel("layer time, fwd+bwd (ms)")
-    right.set_title("Layer time vs tokens per rank (slowest rank, communication included)", fontsize=9)
-    right.legend(fontsize=8)
-    fig.text(0.5, 0.01, textwrap.fill(f"time model: {time_model.source}; {time_model.bytes_per_s / 1e9:g} GB/s per "
-                                      f"rank, {100 * result['hidden_comm_fraction']:.0f}% of communication hidden; "
-                                      "CP and Ulysses at the smallest degree that holds the longest document", 150),
-             ha="center", va="bottom", fontsize=7.5, color="#444444")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-
-
 def _label(method: str, result: dict) -> str:
     degree = result.get(method, {}).get("degree") if method in ("per_doc_cp", "ulysses") else None
     if degree == 1:  # no group: data parallel, whole documents per rank
@@ -552,6 +504,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distca's memory bound: the worst rank may hold (1 + this) x the mean over ranks of what "
                              "they hold for attention's backward per layer (memory_imbalance <= 1 + this), or 'none' "
                              "(the memory_budget setting; default: %(default)s)")
+    cap = SETTINGS["kv_cap"]
+    parser.add_argument("--kv-cap", type=cap.metadata["parse"], default=cap.default,
+                        help="distca's cap on the K/V one server receives per layer: 'cp' (per-document CP's worst "
+                             "rank of each batch), bytes, or 'none' (the kv_cap setting; needs --tolerance auto; "
+                             "default: %(default)s)")
     parser.add_argument("--backward", choices=["saved", "resend"], default=SETTINGS["backward"].default,
                         help="distca's backward mode (the backward setting); under 'saved' a step whose plan would "
                              "exceed --memory-budget runs in 'resend' (default: %(default)s)")
@@ -619,11 +576,15 @@ def run_cli(args, parser) -> int:
         if args.layers < 1 or args.layers % stages:
             parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
+    if args.kv_cap is not None and args.tolerance != "auto":
+        parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
+                     "time caps K/V")
     try:
         lengths = load_lengths(args.lengths)
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes,
-                               backward=args.backward, memory_budget=args.memory_budget, key_split=True)
+                               backward=args.backward, memory_budget=args.memory_budget, key_split=True,
+                               kv_cap=args.kv_cap)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
         time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
@@ -635,7 +596,9 @@ def run_cli(args, parser) -> int:
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,
                       keep_first=bool(args.plot), **options)
     if args.plot:
-        _plot(args.plot, lengths, args, config, time_model, result, options)
+        from .simulate_plot import plot_simulation  # matplotlib, only when asked for
+
+        plot_simulation(args.plot, lengths, args, config, time_model, result, options)
     public = {k: v for k, v in result.items() if not k.startswith("_")}
     table = format_table(public)
     if pipelined:
