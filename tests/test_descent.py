@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import AUTO_TOLERANCES, DocumentPieces, PlannerConfig, TimeModel, colocated_plan, plan_tasks, step_seconds
+from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, PlannerConfig, TimeModel, TokenBytes, colocated_plan,
+                                plan_tasks, step_seconds)
 from distca_hf.planning.by_time import plan_by_tolerances
 from distca_hf.planning.cost import LLAMA3_8B_BYTES, H100_MEASURED
 from distca_hf.planning.descent import DescentStart, descend, descend_within_memory, document_servers, fan_out_bounds
@@ -100,6 +101,20 @@ def test_a_long_documents_holders_bound_its_fan_out_and_the_descent_beats_the_ca
     servers, bounds = document_servers(plan), fan_out_bounds(pieces, config)
     assert 10 < servers[long_doc] < document_servers(old)[long_doc]
     assert servers[long_doc] <= bounds[long_doc]
+
+
+def test_a_key_only_holder_is_a_new_server_within_the_fan_out_bound():
+    """Found by hypothesis: rank 6 holds only keys of the document (an empty query piece), so the
+    document is computed on 7 ranks and its bound is 7; the descent gave rank 6 a shard as a holder,
+    outside the bound, spreading the document to 8 servers."""
+    start = np.array([0, 9, 18, 27, 36, 45, 54, 63])
+    pieces = DocumentPieces(np.arange(8), np.zeros(8, dtype=np.int64), start, np.array([9, 18, 27, 36, 45, 53, 54, 64]),
+                            8, kv_start=np.array([0, 9, 18, 27, 36, 45, 53, 54]))
+    model = TimeModel(1e-6, 1e-9, task_s=1e-5, bytes_per_s=1e9, task_key_s=1e-8, collective_s=1e-4)
+    auto = _auto(PlannerConfig(0.0, 1, token_bytes=TokenBytes(1, 10, 1, 0)), model, 1.0)
+    plan = descend(pieces, auto)
+    _check_queries(pieces, plan, auto)
+    assert document_servers(plan)[0] <= fan_out_bounds(pieces, auto)[0] == 7
 
 
 def test_descent_counts_base_pairs_as_other_work():

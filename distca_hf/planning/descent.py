@@ -485,20 +485,22 @@ class _Descent:
                 doc, piece_start, end, _ = intervals[index]
                 want = math.inf if must_empty or self.attn <= 0 else (time[donor] - level) / self.attn
                 servers, holders = self.doc_servers.get(doc), self.holder_ranks.get(doc)
-                # the document's servers and holders (they lack the least K/V) with the most room...
+                # (the bound is fixed when first asked for: ask every time, as the order it is first asked in matters)
+                bound = self.fan_out_bound(doc, donor, end)
+                room = must_empty or servers is None or len(servers) < bound  # for a server new to the document
+                # the document's servers and holders (they lack the least K/V) with the most room; a holder
+                # serving none of it yet is new to it (a key-only prefix), so only within the bound...
                 if servers or holders:
                     known = set(servers) if servers else set()
-                    if holders:
+                    if holders and room:
                         known.update(holders)
                     known = [r for r in sorted(known) if is_server[r] and r != donor]
                     # (the LEAST_LOADED fastest, ties to the lowest rank: a stable sort of ranks in order)
                     candidates = sorted(known, key=time.__getitem__)[:LEAST_LOADED]
                 else:
                     known, candidates = (), []
-                # ...then, within the fan-out bound, the servers predicted fastest (the bound is fixed
-                # when first asked for: ask every time, as the order it is first asked in matters)
-                bound = self.fan_out_bound(doc, donor, end)
-                if must_empty or servers is None or len(servers) < bound:
+                # ...then, within the fan-out bound, the servers predicted fastest
+                if room:
                     # (one is enough: every server new to the document costs its holders the same sends,
                     # so the one with the most room takes the largest shard)
                     new = self.new_server(heap, donor, LEAST_LOADED, known, end - key_start(end - 1, self.window))
