@@ -89,6 +89,7 @@ from .tile_grid import tile_grid_plan
 from .tiles import apply_memory_tiles, apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
+from .rehome import rehome_within_memory
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers, memory_limit
 
@@ -190,6 +191,12 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
+            # its over-full servers' groups of tasks moved where memory and time have room (rehome)
+            rehomed = rehome_within_memory(free, pieces, config, transfers=free_transfers, ceiling=best_key[0])
+            if rehomed is not None:
+                seconds, plan = _judged(rehomed, pieces, config)
+                if (seconds, 1) < best_key:
+                    best, best_key = plan, (seconds, 1)
             held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved",
                                               received=free_received).held.mean())
             if step_seconds(free, pieces, config, free_transfers) < best_key[0] \
