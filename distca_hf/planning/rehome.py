@@ -62,8 +62,6 @@ def rehome_within_memory(plan: Plan, pieces: DocumentPieces, config: PlannerConf
         return saved
     limit = memory.limit(budget) * (1 + 1e-12)  # moving groups keeps the total, hence the mean
     held = memory.held.astype(np.float64)
-    times = rank_seconds(saved, pieces, config, transfers)
-    ceiling = float(times.max(initial=0.0)) if ceiling is None else ceiling
     tm = config.time_model
     byte_s = tm.byte_seconds(config.exposed_comm, "saved")
 
@@ -90,6 +88,10 @@ def rehome_within_memory(plan: Plan, pieces: DocumentPieces, config: PlannerConf
         groups.setdefault(server, []).append(
             (q * (tb.q + tb.o + tb.lse) + kv * tb.kv,
              float(group_seconds[g]) + byte_s * (q * (tb.q + tb.o) + kv * tb.kv), doc, g))
+    if not all(int(server) in groups for server in over):
+        return None  # a server over the limit by what it holds, not by groups it could give away
+    times = rank_seconds(saved, pieces, config, transfers)
+    ceiling = float(times.max(initial=0.0)) if ceiling is None else ceiling
     # the ranks holding or serving each document a group may move: never a group's new server
     docs = np.unique(keys[movable] % span)
     doc_ranks: dict[int, set] = {int(doc): set() for doc in docs}
