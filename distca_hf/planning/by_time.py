@@ -27,7 +27,10 @@ descent is also run within it (``descent.descend_within_memory``: no move takes 
 limit; counted against the unbounded plan's mean, then once more against its own when that was
 too high; given up once its level passes the best candidate's step) where it can fit and win: the
 colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
-the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
+the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode; and
+the unbounded plan with its over-full servers' groups of tasks moved to servers with room in memory
+and time (``rehome.rehome_within_memory``, up to the best step so far), which keeps ``saved`` mode
+where a few servers were over (wlbllm 512 x 512k).
 
 The candidates are the colocated plan (when every rank holding work serves), the descent's plan
 (``descent.descend``: a greedy that minimises this predicted time directly, both ends of every link
