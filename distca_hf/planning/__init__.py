@@ -23,6 +23,8 @@ that no import, at module level or inside a function, closes a circle):
                or where a rank would hold more than the memory budget (``apply_memory_tiles``)
     descent    tolerance="auto"'s main candidate: a greedy descent on the predicted layer time, both
                ends of every link counted, a document's fan-out bounded
+    rehome     a plan over the memory budget brought within it by moving whole groups of served tasks
+               to servers with room in memory and time (``rehome_within_memory``)
     zigzag     per-document context parallelism (zigzag chunks over a document's holders) as CA-tasks:
                the CP-shaped candidate of tolerance="auto"
     tile_grid  a dominant long document as a grid of key-split tiles placed by time: the candidate of

@@ -27,7 +27,10 @@ descent is also run within it (``descent.descend_within_memory``: no move takes 
 limit; counted against the unbounded plan's mean, then once more against its own when that was
 too high; given up once its level passes the best candidate's step) where it can fit and win: the
 colocated plan within the limit (a long document's late pieces keep their prefix's K/V whatever
-the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode.
+the descent does) and the unbounded plan faster than the best so far; and in ``resend`` mode; and
+the unbounded plan with its over-full servers' groups of tasks moved to servers with room in memory
+and time (``rehome.rehome_within_memory``, up to the best step so far), which keeps ``saved`` mode
+where a few servers were over (wlbllm 512 x 512k).
 Under the ``kv_cap`` setting (``PlannerConfig.kv_cap``, ``baselines.kv_cap_tokens``) a candidate whose
 worst server receives more K/V tokens per layer than the cap is never chosen, and the descents plan
 within it; the colocated plan always fits ``"cp"`` (when ranks outside the server pool hold work and
@@ -96,6 +99,7 @@ from .tile_grid import tile_grid_plan
 from .tiles import apply_memory_tiles, apply_time_tiles
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
+from .rehome import rehome_within_memory
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers, memory_limit
 
@@ -202,6 +206,12 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
+            # its over-full servers' groups of tasks moved where memory and time have room (rehome)
+            rehomed = rehome_within_memory(free, pieces, config, transfers=free_transfers, ceiling=best_key[0])
+            if rehomed is not None:
+                seconds, plan = _judged(rehomed, pieces, config)
+                if (seconds, 1) < best_key:
+                    best, best_key = plan, (seconds, 1)
             held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved",
                                               received=free_received).held.mean())
             if step_seconds(free, pieces, config, free_transfers) < best_key[0] \
