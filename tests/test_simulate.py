@@ -65,7 +65,9 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert set(out["wlb"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s", "threshold_tokens",
                                "tokens_left_waiting"} | MEMORY_KEYS
     assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "kv_received_tokens_per_layer",
-                                      "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
+                                      "gathered_kv_tokens_per_layer", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
+    gathered, degree = out["per_doc_cp"]["gathered_kv_tokens_per_layer"], out["per_doc_cp"]["degree"]
+    assert gathered["max"] == gathered["mean"] == (degree - 1) * 2048  # a full batch: every rank gathers its group
     assert set(out["ulysses"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "step_time_s",
                                    "exposed_comm_s"} | MEMORY_KEYS
     for method in ("colocated", "wlb", "distca", "per_doc_cp", "ulysses"):
