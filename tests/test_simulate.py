@@ -67,7 +67,8 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "kv_received_tokens_per_layer",
                                       "gathered_kv_tokens_per_layer", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
     gathered, degree = out["per_doc_cp"]["gathered_kv_tokens_per_layer"], out["per_doc_cp"]["degree"]
-    assert gathered["max"] == gathered["mean"] == (degree - 1) * 2048  # a full batch: every rank gathers its group
+    # a full batch: each rank gathers its group's tokens but its own (head-tail chunks: about 2048)
+    assert gathered["mean"] == pytest.approx((degree - 1) * 2048) and gathered["max"] >= gathered["mean"]
     assert set(out["ulysses"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "step_time_s",
                                    "exposed_comm_s"} | MEMORY_KEYS
     for method in ("colocated", "wlb", "distca", "per_doc_cp", "ulysses"):
