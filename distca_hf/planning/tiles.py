@@ -41,14 +41,14 @@ import numpy as np
 
 from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
-from .cost import TokenBytes, key_start
+from .cost import TokenBytes, causal_pairs, key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, rank_seconds
 from .transfers import backward_memory, kv_received, kv_transfers, memory_limit, rank_bytes
 
-__all__ = ["apply_time_tiles", "apply_memory_tiles", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
@@ -359,3 +359,45 @@ def _with_units(base: Plan, plan: Plan, pieces: DocumentPieces, units, applied: 
     done = np.flatnonzero(applied).tolist()
     touched = sorted({i for u in done for i in units[u][5]})
     return _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+
+
+def memory_tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> float:
+    """A lower bound (seconds) on the predicted step (``rank_time.step_seconds``, ``saved`` mode) of
+    ``apply_memory_tiles(plan, ...)``, whatever units it converts: ``by_time`` skips the tiles where
+    this cannot beat what it has in hand. ``plan``: whole CA-tasks.
+
+    A unit only moves the keys of a piece wholly before a task's own piece (the one holding its first
+    query: ``tile_units``' ``earlier``), so every task keeps on its server its pairs, keys and task
+    against the keys from its own piece's start on (its causal tile), and a task away from its source
+    still receives those queries and K/V from the source and sends its output back. Counted per
+    rank: other work (``rank_time.other_seconds``), those pairs, keys and tasks, ``q + o`` bytes per
+    moved query at both ends and, per (server, document, source), the most such keys one task needs;
+    ``collective_s`` when a task is away from its source. ``-inf`` for pieces whose K/V start before
+    their queries (``kv_start``: not bounded here)."""
+    if plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+        return -np.inf
+    tm, tb, n = config.time_model, config.token_bytes, plan.num_ranks
+    # each task's own piece: the last nonempty piece of its document starting at or before its first query
+    nonempty = pieces.end > pieces.start
+    span = int(pieces.end.max(initial=0)) + 1
+    piece_key = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
+    own = piece_key[np.searchsorted(piece_key, plan.doc * span + plan.q_start, side="right") - 1] % span
+    first = np.maximum(own, key_start(plan.q_start, plan.window))
+    pairs = causal_pairs(plan.q_start - first, plan.q_end - first, plan.window)  # keys from `first` on
+    keys = plan.q_end - first
+    compute = tm.rank_seconds(0, np.bincount(plan.server, weights=pairs, minlength=n),
+                              np.bincount(plan.server, minlength=n), np.bincount(plan.server, weights=keys, minlength=n),
+                              other_s=other_seconds(pieces.tokens(), config))
+    away = np.flatnonzero(plan.source != plan.server)
+    if not away.size:
+        return float(compute.max(initial=0.0))
+    source, server = plan.source[away], plan.server[away]
+    queries = (plan.q_end - plan.q_start)[away] * (tb.q + tb.o)
+    moved = np.bincount(source, weights=queries, minlength=n) + np.bincount(server, weights=queries, minlength=n)
+    # the K/V of the own piece: its holder, the source, sends them once per (server, document)
+    group, at = np.unique((server * (int(plan.doc.max()) + 1) + plan.doc[away]) * n + source, return_inverse=True)
+    most = np.zeros(group.size)
+    np.maximum.at(most, at, keys[away] * tb.kv)
+    moved += np.bincount(group % n, weights=most, minlength=n) + np.bincount(
+        group // n // (int(plan.doc.max()) + 1), weights=most, minlength=n)
+    return float((compute + tm.comm_seconds(0, moved, config.exposed_comm, True, "saved")).max(initial=0.0))
