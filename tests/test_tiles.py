@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, check_tiles, colocated_plan,
                                 plan_tasks, rank_seconds, step_seconds)
-from distca_hf.planning.tiles import apply_time_tiles, tile_units
+from distca_hf.planning.tiles import (apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound,
+                                     tile_units)
 
 # a layer where K/V bytes are dear (GQA: K/V per token 4x smaller than Q + O, but the long prefix
 # fans out) and attention is cheap enough that the holders can take the tiles' pairs
@@ -117,3 +118,22 @@ def test_a_pipeline_tick_keeps_each_stage_plans_tiles():
     assert union.splits_keys
     check_tiles(union, pooled)
     assert union.pairs().sum() == 2 * plan_tasks(stage, config).pairs().sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 160), min_size=1, max_size=6), ranks=st.integers(2, 5),
+       window=st.one_of(st.none(), st.integers(4, 60)), planner=st.sampled_from(["colocated", 0.0, 0.3, "auto"]),
+       budget=st.sampled_from([0.0, 0.05, 0.3]), bytes_per_s=st.sampled_from([1e5, 1e6, 1e8]))
+def test_memory_tiles_lower_bound_never_exceeds_the_tiled_plans_step(lengths, ranks, window, planner, budget,
+                                                                     bytes_per_s):
+    # the bound by_time skips colocated's memory tiles with must hold whatever units apply_memory_tiles converts
+    pieces = _stream(lengths, ranks)
+    config = _config(window, 0.02 if planner == "colocated" else planner, bytes_per_s)
+    plan = colocated_plan(pieces, window=window) if planner == "colocated" else plan_tasks(pieces, config)
+    if plan.splits_keys:
+        return
+    tiled = apply_memory_tiles(plan, pieces, TOKEN_BYTES, budget)
+    assert tiled.backward == "saved"
+    bound = memory_tiles_lower_bound(plan, pieces, config)
+    assert bound <= step_seconds(tiled, pieces, config) * (1 + 1e-9)
+
