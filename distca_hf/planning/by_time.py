@@ -76,6 +76,11 @@ per-task time, a block of pairs, the K/V of what stays local) until the carving 
 Over the memory budget, the descents (unbounded, timing ``resend``'s bytes, within the budget) start
 from one ``descent.DescentStart`` (colocated loads, K/V holders, intervals, colocated memory: prepared
 once), and the unbounded plan's K/V transfers serve its judgement, its fit and the checks after it.
+Colocated's memory tiles are weighed only once some decision could depend on them: until the best
+so far reaches ``tiles.memory_tiles_lower_bound`` of colocated (every task keeps its causal tile
+on its server), they cannot be the best nor change a decision, so skipping them changes no plan
+(at 64 x 64k on the shared samples the unbounded descent's judged step is already below it, and
+one of a batch's two ``apply_memory_tiles`` goes).
 """
 
 from __future__ import annotations
@@ -196,8 +201,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         colocated = colocated_plan(pieces, servers, window=config.window)
         colocated_seconds, best = _judged(colocated, pieces, config)
         best_key = (colocated_seconds, 0)
-        if descent and _may_tile(colocated, best, config):
-            tiles_bound = memory_tiles_lower_bound(colocated, pieces, config)
+        if descent and _may_tile(colocated, best, config):  # (a hair lower: sums in another order)
+            tiles_bound = memory_tiles_lower_bound(colocated, pieces, config) * (1 - 1e-9)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         # any plan that moves work: its busiest server computes at least the mean attention
         bound = max(other.max(initial=0.0), other[is_server].min()
