@@ -244,8 +244,9 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(zigzag, pieces, config)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
-        # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work)
-        grid = tile_grid_plan(pieces, config) if config.key_split else None
+        # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work), and
+        # when its ranks' base time alone reaches the best step so far (it would lose: plan time)
+        grid = tile_grid_plan(pieces, config, give_up_at=best_key[0]) if config.key_split else None
         if grid is not None:
             seconds, plan = _judged(grid, pieces, config)
             if (seconds, GRID_PLACE) < best_key:
