@@ -149,7 +149,8 @@ def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
 def _memory_tiled(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, seconds: float):
     """``(predicted step seconds, plan with memory tiles)`` (``tiles.apply_memory_tiles``) when those
     bring it within the memory budget and are predicted faster than ``seconds``, else None."""
-    tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
+    tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget, config=config,
+                               give_up_at=seconds)
     if tiled is not plan:
         tiled_transfers = kv_transfers(tiled, pieces)
         received = kv_received(tiled_transfers, pieces.num_ranks)

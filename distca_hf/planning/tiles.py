@@ -258,7 +258,8 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     return tiled
 
 
-def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float) -> Plan:
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                       config: PlannerConfig | None = None, give_up_at: float = np.inf) -> Plan:
     """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
     memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
     stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
@@ -275,7 +276,12 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     units when they would leave the worst rank holding more, counted exactly), or unchanged
     for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
     (``by_time`` then runs the step in ``resend`` mode); it is not timed here (``by_time`` judges it
-    against the ``resend`` plan)."""
+    against the ``resend`` plan), except that with ``config`` (its time model) ``plan`` comes back
+    unchanged, the tiles not built, when the units chosen are sure to be predicted no faster than
+    ``give_up_at`` seconds (a lower bound on their plan's step reaches it, ``memory_tiles_lower_bound``
+    counted with those units: ``by_time`` passes the step the tiles must beat) and the plan with key
+    ranges alone (what comes back when the units would leave the worst rank holding more) is over the
+    budget: neither could be kept."""
     if plan.splits_keys or plan.num_tasks == 0 or plan.backward != "saved":
         return plan
     base = with_key_ranges(plan)
@@ -289,6 +295,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
 
     if held.max(initial=0.0) <= limit(total):
         return base
+    base_over = held.max(initial=0.0) > limit(total) * (1 + 1e-9)  # base sure not to fit either (give_up_at)
     units = tile_units(plan, pieces)
     sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
@@ -345,6 +352,9 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         applied[best] = True
     if not applied.any():
         return base
+    if (config is not None and base_over
+            and _tiles_lower_bound(plan, pieces, config, units, applied) >= give_up_at * (1 + 1e-9)):
+        return plan  # the tiled plan sure to lose (a hair above: sums in another order), and base not to fit
     tiled = _with_units(base, plan, pieces, units, applied)
     # the counts above are per unit; a task's tiles are what the memory formula counts, exactly: the
     # worst rank never ends worse off (a server's own earlier piece kept apart from its causal tile
@@ -374,30 +384,59 @@ def memory_tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: Planner
     moved query at both ends and, per (server, document, source), the most such keys one task needs;
     ``collective_s`` when a task is away from its source. ``-inf`` for pieces whose K/V start before
     their queries (``kv_start``: not bounded here)."""
+    return _tiles_lower_bound(plan, pieces, config)
+
+
+def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, units=None, applied=None) -> float:
+    """``memory_tiles_lower_bound``; with the ``units`` (``tile_units(plan, pieces)``) and which are
+    ``applied``, of that plan exactly: every tasks' pairs, those of the converted units on their
+    holders (a full tile of the task's rows and the piece's keys), which also run a task and its keys
+    per (task, holder) and receive its queries and send a partial output (``q + o + lse``) unless they
+    are its source."""
     if plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
         return -np.inf
-    tm, tb, n = config.time_model, config.token_bytes, plan.num_ranks
+    tm, tb, n, window = config.time_model, config.token_bytes, plan.num_ranks, plan.window
     # each task's own piece: the last nonempty piece of its document starting at or before its first query
     nonempty = pieces.end > pieces.start
     span = int(pieces.end.max(initial=0)) + 1
     piece_key = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
     own = piece_key[np.searchsorted(piece_key, plan.doc * span + plan.q_start, side="right") - 1] % span
-    first = np.maximum(own, key_start(plan.q_start, plan.window))
-    pairs = causal_pairs(plan.q_start - first, plan.q_end - first, plan.window)  # keys from `first` on
-    keys = plan.q_end - first
-    compute = tm.rank_seconds(0, np.bincount(plan.server, weights=pairs, minlength=n),
-                              np.bincount(plan.server, minlength=n), np.bincount(plan.server, weights=keys, minlength=n),
-                              other_s=other_seconds(pieces.tokens(), config))
+    k0 = key_start(plan.q_start, window)
+    first = np.maximum(own, k0)
+    keys = plan.q_end - first  # its causal tile's keys, from `first` on
+    tasks, moved = np.bincount(plan.server, minlength=n).astype(np.float64), np.zeros(n)
+    key_count = np.bincount(plan.server, weights=keys, minlength=n)
+    if units is None:  # any units: the pairs against keys from `first` on stay
+        pairs = np.bincount(plan.server, weights=causal_pairs(plan.q_start - first, plan.q_end - first, window),
+                            minlength=n)
+    else:
+        pairs = np.bincount(plan.server, weights=causal_pairs(plan.q_start, plan.q_end, window), minlength=n)
+        rows, starts, sources = (plan.q_end - plan.q_start).tolist(), k0.tolist(), plan.source.tolist()
+        query_bytes, tiles = tb.q + tb.o + tb.lse, set()
+        for u in np.flatnonzero(applied).tolist():
+            server, _, x0, x1, holder, unit_tasks = units[u]
+            for i in unit_tasks:
+                width = x1 - max(x0, starts[i])
+                pairs[server] -= rows[i] * width
+                pairs[holder] += rows[i] * width
+                key_count[holder] += width
+                if (i, holder) not in tiles:
+                    tiles.add((i, holder))
+                    tasks[holder] += 1
+                    if holder != sources[i]:
+                        moved[holder] += rows[i] * query_bytes
+                        moved[sources[i]] += rows[i] * query_bytes
+    compute = tm.rank_seconds(0, pairs, tasks, key_count, other_s=other_seconds(pieces.tokens(), config))
     away = np.flatnonzero(plan.source != plan.server)
-    if not away.size:
+    if not away.size and not moved.any():
         return float(compute.max(initial=0.0))
     source, server = plan.source[away], plan.server[away]
     queries = (plan.q_end - plan.q_start)[away] * (tb.q + tb.o)
-    moved = np.bincount(source, weights=queries, minlength=n) + np.bincount(server, weights=queries, minlength=n)
+    moved += np.bincount(source, weights=queries, minlength=n) + np.bincount(server, weights=queries, minlength=n)
     # the K/V of the own piece: its holder, the source, sends them once per (server, document)
-    group, at = np.unique((server * (int(plan.doc.max()) + 1) + plan.doc[away]) * n + source, return_inverse=True)
+    docs = int(plan.doc.max()) + 1
+    group, at = np.unique((server * docs + plan.doc[away]) * n + source, return_inverse=True)
     most = np.zeros(group.size)
     np.maximum.at(most, at, keys[away] * tb.kv)
-    moved += np.bincount(group % n, weights=most, minlength=n) + np.bincount(
-        group // n // (int(plan.doc.max()) + 1), weights=most, minlength=n)
+    moved += np.bincount(group % n, weights=most, minlength=n) + np.bincount(group // n // docs, weights=most, minlength=n)
     return float((compute + tm.comm_seconds(0, moved, config.exposed_comm, True, "saved")).max(initial=0.0))
