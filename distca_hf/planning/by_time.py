@@ -80,7 +80,9 @@ Colocated's memory tiles are weighed only once some decision could depend on the
 so far reaches ``tiles.memory_tiles_lower_bound`` of colocated (every task keeps its causal tile
 on its server), they cannot be the best nor change a decision, so skipping them changes no plan
 (at 64 x 64k on the shared samples the unbounded descent's judged step is already below it, and
-one of a batch's two ``apply_memory_tiles`` goes).
+one of a batch's two ``apply_memory_tiles`` goes). The others are not built where a sound bound says
+they would lose (``apply_memory_tiles``' and ``tile_grid_plan``'s ``give_up_at``: the bound counted
+from the units chosen, and the grid's ranks' base time). None of these changes a plan.
 """
 
 from __future__ import annotations
