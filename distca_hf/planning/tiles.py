@@ -37,6 +37,8 @@ receive the piece's K/V once and the queries); the holder or the server only.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .baselines import RankLoads
@@ -411,21 +413,25 @@ def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
                             minlength=n)
     else:
         pairs = np.bincount(plan.server, weights=causal_pairs(plan.q_start, plan.q_end, window), minlength=n)
-        rows, starts, sources = (plan.q_end - plan.q_start).tolist(), k0.tolist(), plan.source.tolist()
-        query_bytes, tiles = tb.q + tb.o + tb.lse, set()
-        for u in np.flatnonzero(applied).tolist():
-            server, _, x0, x1, holder, unit_tasks = units[u]
-            for i in unit_tasks:
-                width = x1 - max(x0, starts[i])
-                pairs[server] -= rows[i] * width
-                pairs[holder] += rows[i] * width
-                key_count[holder] += width
-                if (i, holder) not in tiles:
-                    tiles.add((i, holder))
-                    tasks[holder] += 1
-                    if holder != sources[i]:
-                        moved[holder] += rows[i] * query_bytes
-                        moved[sources[i]] += rows[i] * query_bytes
+        done = [units[u] for u in np.flatnonzero(applied).tolist()]
+        # one row per (converted unit, task of it): the full tile it moves from the server to the holder
+        task = np.fromiter(itertools.chain.from_iterable(unit[5] for unit in done), dtype=np.int64)
+        count = [len(unit[5]) for unit in done]
+        server, x0, x1, holder = (np.repeat(np.asarray([unit[i] for unit in done], dtype=np.int64), count)
+                                  for i in (0, 2, 3, 4))
+        width = x1 - np.maximum(x0, k0[task])
+        rows = plan.q_end[task] - plan.q_start[task]
+        pairs += np.bincount(holder, weights=rows * width, minlength=n) - np.bincount(server, weights=rows * width,
+                                                                                     minlength=n)
+        key_count += np.bincount(holder, weights=width, minlength=n)
+        # a task per (task, holder), which receives its queries and sends a partial back unless its source
+        tile = np.unique(task * n + holder)
+        task, holder = tile // n, tile % n
+        tasks += np.bincount(holder, minlength=n)
+        away_tile = holder != plan.source[task]
+        query_bytes = (plan.q_end - plan.q_start)[task[away_tile]] * (tb.q + tb.o + tb.lse)
+        moved += np.bincount(holder[away_tile], weights=query_bytes, minlength=n) + np.bincount(
+            plan.source[task[away_tile]], weights=query_bytes, minlength=n)
     compute = tm.rank_seconds(0, pairs, tasks, key_count, other_s=other_seconds(pieces.tokens(), config))
     away = np.flatnonzero(plan.source != plan.server)
     if not away.size and not moved.any():
