@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, check_tiles, colocated_plan,
                                 plan_tasks, rank_seconds, step_seconds)
-from distca_hf.planning.tiles import apply_time_tiles, tile_units
+from distca_hf.planning.transfers import backward_memory
+from distca_hf.planning.tiles import (apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound,
+                                     tile_units)
 
 # a layer where K/V bytes are dear (GQA: K/V per token 4x smaller than Q + O, but the long prefix
 # fans out) and attention is cheap enough that the holders can take the tiles' pairs
@@ -117,3 +119,59 @@ def test_a_pipeline_tick_keeps_each_stage_plans_tiles():
     assert union.splits_keys
     check_tiles(union, pooled)
     assert union.pairs().sum() == 2 * plan_tasks(stage, config).pairs().sum()
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 400), min_size=1, max_size=6), ranks=st.integers(2, 5),
+       window=st.one_of(st.none(), st.integers(4, 60)), planner=st.sampled_from(["colocated", 0.0, 0.3, "auto"]),
+       budget=st.sampled_from([0.0, 0.05, 0.3]), bytes_per_s=st.sampled_from([1e5, 1e6, 1e8]),
+       factor=st.sampled_from([0.5, 0.9, 0.99, 1.0, 1.01, 2.0]), attn=st.sampled_from([1e-9, 1e-7]))
+def test_memory_tiles_bounds_never_exceed_the_tiled_plans_step(lengths, ranks, window, planner, budget, bytes_per_s,
+                                                               factor, attn):
+    # the bound by_time skips colocated's memory tiles with must hold whatever units apply_memory_tiles converts
+    pieces = _stream(lengths, ranks)
+    config = _config(window, 0.02 if planner == "colocated" else planner, bytes_per_s)
+    config = dataclasses.replace(config, time_model=dataclasses.replace(config.time_model, attn_s_per_pair=attn))
+    plan = colocated_plan(pieces, window=window) if planner == "colocated" else plan_tasks(pieces, config)
+    if plan.splits_keys:
+        return
+    tiled = apply_memory_tiles(plan, pieces, TOKEN_BYTES, budget)
+    assert tiled.backward == "saved"
+    tiled_seconds = step_seconds(tiled, pieces, config)
+    assert memory_tiles_lower_bound(plan, pieces, config) <= tiled_seconds * (1 + 1e-9)
+    # give_up_at: the tiles not built only where by_time could keep neither them nor the key ranges
+    # alone (over the budget, or predicted no faster than give_up_at); else the very same plan
+    give_up_at = factor * tiled_seconds
+    again = apply_memory_tiles(plan, pieces, TOKEN_BYTES, budget, config=config, give_up_at=give_up_at)
+    if again is plan and tiled is not plan:
+        kept = backward_memory(tiled, pieces, TOKEN_BYTES).fits(budget) and tiled_seconds < give_up_at
+        assert not kept
+        if tiled.num_tasks != plan.num_tasks:  # units applied: their plan is no faster, fitting or not
+            assert tiled_seconds >= give_up_at * (1 - 1e-9)
+    if tiled.num_tasks != plan.num_tasks:  # a hair above their step: never given up
+        assert apply_memory_tiles(plan, pieces, TOKEN_BYTES, budget, config=config,
+                                  give_up_at=tiled_seconds * (1 + 1e-6)) is not plan
+    else:
+        for name in ("source", "server", "doc", "q_start", "q_end", "k_start", "k_end"):
+            assert np.array_equal(getattr(again, name), getattr(tiled, name)), name
+
+
+
+def test_memory_tiles_give_up_only_below_the_tiled_plans_step():
+    """Document 0 fills rank 0 and ends with 16 tokens on rank 1, whose queries the memory tiles give
+    to rank 0 (as in ``test_memory``); rank 1, with three more documents, stays the slowest. Asked to
+    beat a step just above the tiled plan's, the same tiles come back; just below it (the key ranges
+    alone over the budget), none are built."""
+    short = iter(range(1, 100))
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 200)], [(0, 200, 216)] + [(next(short), 0, 150) for _ in range(3)],
+                                             *[[(next(short), 0, 8) for _ in range(27)] for _ in range(2)]])
+    tb = TokenBytes(q=8, kv=4, o=8, lse=2)
+    config = PlannerConfig(token_bytes=tb, time_model=TimeModel(1e-8, 1e-6, bytes_per_s=1e6))
+    plan = colocated_plan(pieces)
+    tiled = apply_memory_tiles(plan, pieces, tb, 0.05)
+    assert tiled.splits_keys and tiled.num_tasks > plan.num_tasks and backward_memory(tiled, pieces, tb).fits(0.05)
+    seconds = step_seconds(tiled, pieces, config)
+    assert int(np.argmax(rank_seconds(tiled, pieces, config))) == 1
+    kept = apply_memory_tiles(plan, pieces, tb, 0.05, config=config, give_up_at=seconds * 1.001)
+    assert np.array_equal(kept.k_start, tiled.k_start) and np.array_equal(kept.server, tiled.server)
+    assert apply_memory_tiles(plan, pieces, tb, 0.05, config=config, give_up_at=seconds * 0.999) is plan

@@ -170,6 +170,29 @@ def test_tile_grid_computes_every_query_once_and_auto_is_never_slower(pieces, bl
     assert step_seconds(chosen, pieces, config) <= grid_seconds * (1 + 1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(pieces=long_document_batches(), block=blocks, model=time_models, exposed=st.sampled_from([0.0, 1.0]),
+       budget=st.sampled_from([None, 0.05, 0.5]), factor=st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0, 1.001, 2.0]))
+def test_tile_grid_gives_up_only_where_it_would_lose(pieces, block, model, exposed, budget, factor):
+    # give_up_at: None only when the built grid is judged (by_time._judged, exactly) no faster than it;
+    # otherwise the very same plan
+    config = PlannerConfig("auto", block, None, TokenBytes(8, 4, 8, 4), time_model=model, exposed_comm=exposed,
+                           memory_budget=budget, key_split=True)
+    grid = _every_document_tiled(lambda: tile_grid.tile_grid_plan(pieces, config))
+    if grid is None:
+        return
+    grid_seconds, _ = by_time._judged(grid, pieces, config)
+    give_up_at = factor * grid_seconds
+    again = _every_document_tiled(lambda: tile_grid.tile_grid_plan(pieces, config, give_up_at=give_up_at))
+    if again is None:
+        assert grid_seconds >= give_up_at
+    else:
+        for name in ("source", "server", "doc", "q_start", "q_end", "k_start", "k_end"):
+            assert np.array_equal(getattr(again, name), getattr(grid, name)), name
+    if factor == 0.0 and grid_seconds > 0:  # below any base time: given up
+        assert again is None
+
+
 def _one_dominant_document():
     """A 512k-token document among short ones (lognormal, median 1k tokens) on 32 ranks of 32k tokens:
     the untuned sample's 1M-token batch, at half the scale."""

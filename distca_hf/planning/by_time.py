@@ -83,6 +83,13 @@ per-task time, a block of pairs, the K/V of what stays local) until the carving 
 Over the memory budget, the descents (unbounded, timing ``resend``'s bytes, within the budget) start
 from one ``descent.DescentStart`` (colocated loads, K/V holders, intervals, colocated memory: prepared
 once), and the unbounded plan's K/V transfers serve its judgement, its fit and the checks after it.
+Colocated's memory tiles are weighed only once some decision could depend on them: until the best
+so far reaches ``tiles.memory_tiles_lower_bound`` of colocated (every task keeps its causal tile
+on its server), they cannot be the best nor change a decision, so skipping them changes no plan
+(at 64 x 64k on the shared samples the unbounded descent's judged step is already below it, and
+one of a batch's two ``apply_memory_tiles`` goes). The others are not built where a sound bound says
+they would lose (``apply_memory_tiles``' and ``tile_grid_plan``'s ``give_up_at``: the bound counted
+from the units chosen, and the grid's ranks' base time). None of these changes a plan.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, toler
 from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
-from .tiles import apply_memory_tiles, apply_time_tiles
+from .tiles import apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rehome import rehome_within_memory
@@ -142,19 +149,35 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
         return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)
-    # only where the step may keep saved state (backward="saved"): a tiled plan runs saved
-    if (memory_tiles and fitting.backward != plan.backward and config.backward == "saved" and config.key_split
-            and config.memory_budget is not None):
-        tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget)
-        if tiled is not plan:
-            tiled_transfers = kv_transfers(tiled, pieces)
-            received = kv_received(tiled_transfers, pieces.num_ranks)
-            if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget) \
-                    and (cap is None or int(received.max(initial=0)) <= cap):
-                tiled_seconds = step_seconds(tiled, pieces, config, tiled_transfers)
-                if tiled_seconds < seconds:
-                    return tiled_seconds, tiled
+    if memory_tiles and _may_tile(plan, fitting, config):
+        tiled = _memory_tiled(plan, pieces, config, seconds, cap)
+        if tiled is not None:
+            return tiled
     return seconds, fitting
+
+
+def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
+    """Whether ``_judged`` weighs ``plan``'s memory tiles: ``fitting`` (its judged mode) is not the
+    mode asked for, and that mode may keep saved state (``backward="saved"``: a tiled plan runs saved)."""
+    return (fitting.backward != plan.backward and config.backward == "saved" and config.key_split
+            and config.memory_budget is not None)
+
+
+def _memory_tiled(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, seconds: float, cap: int | None):
+    """``(predicted step seconds, plan with memory tiles)`` (``tiles.apply_memory_tiles``) when those
+    bring it within the memory budget (and no server past ``cap`` K/V tokens, the kv_cap setting) and
+    are predicted faster than ``seconds``, else None."""
+    tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget, config=config,
+                               give_up_at=seconds)
+    if tiled is not plan:
+        tiled_transfers = kv_transfers(tiled, pieces)
+        received = kv_received(tiled_transfers, pieces.num_ranks)
+        if backward_memory(tiled, pieces, config.token_bytes, received=received).fits(config.memory_budget) \
+                and (cap is None or int(received.max(initial=0)) <= cap):
+            tiled_seconds = step_seconds(tiled, pieces, config, tiled_transfers)
+            if tiled_seconds < seconds:
+                return tiled_seconds, tiled
+    return None
 
 
 def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
@@ -182,14 +205,30 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
+    # colocated with memory tiles (place 0 as well), weighed only once some decision could depend on it:
+    # while the best so far is below tiles.memory_tiles_lower_bound of colocated, it cannot be the best
+    colocated, tiles_bound = None, np.inf
+
+    def weigh_colocated_tiles():
+        nonlocal best, best_key, tiles_bound
+        if tiles_bound < np.inf:
+            tiles_bound = np.inf
+            tiled = _memory_tiled(colocated, pieces, config, colocated_seconds, kv_cap_tokens(pieces, config))
+            if tiled is not None and (tiled[0], 0) < best_key:
+                best, best_key = tiled[1], (tiled[0], 0)
+
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
-        seconds, best = _judged(colocated_plan(pieces, servers, window=config.window), pieces, config,
-                                memory_tiles=descent)
-        best_key = (seconds, 0)
+        colocated = colocated_plan(pieces, servers, window=config.window)
+        colocated_seconds, best = _judged(colocated, pieces, config)
+        best_key = (colocated_seconds, 0)
+        if descent and _may_tile(colocated, best, config):  # (a hair lower: sums in another order)
+            tiles_bound = memory_tiles_lower_bound(colocated, pieces, config) * (1 - 1e-9)
         pairs = causal_pairs(pieces.start, pieces.end, config.window)
         # any plan that moves work: its busiest server computes at least the mean attention
         bound = max(other.max(initial=0.0), other[is_server].min()
                     + tm.attn_s_per_pair * pairs.sum() / len(servers)) + tm.collective_s
+        if bound >= min(best_key[0], tiles_bound):
+            weigh_colocated_tiles()
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config) if descent else best
     if descent:
@@ -199,6 +238,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers)
         if (seconds, 1) < best_key:
             best, best_key = plan, (seconds, 1)
+        if best_key[0] >= tiles_bound:
+            weigh_colocated_tiles()
         free_received = kv_received(free_transfers, pieces.num_ranks)
         if fit_memory_budget(free, pieces, config, free_received).backward != config.backward:
             # over the memory budget: the descent timing resend's bytes, and within the budget by
@@ -229,8 +270,9 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             seconds, plan = _judged(zigzag, pieces, config)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
-        # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work)
-        grid = tile_grid_plan(pieces, config) if config.key_split else None
+        # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work), and
+        # when its ranks' base time alone reaches the best step so far (it would lose: plan time)
+        grid = tile_grid_plan(pieces, config, give_up_at=best_key[0]) if config.key_split else None
         if grid is not None:
             seconds, plan = _judged(grid, pieces, config)
             if (seconds, GRID_PLACE) < best_key:

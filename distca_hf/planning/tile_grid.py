@@ -61,11 +61,15 @@ TILE_SHARE = 0.5
 """A tile holds about this share of the mean attention (pairs) a server adds for the tiled documents."""
 
 
-def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None) -> Plan | None:
+def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
+                   give_up_at: float = math.inf) -> Plan | None:
     """The tile-grid plan of ``pieces`` (module docstring), its bytes timed in ``backward`` mode
     (default ``config.backward``), every server of ``config.servers`` (all ranks by default) taking
     tiles; ``None`` when no document qualifies, under a sliding window (a full tile must then lie
-    inside every query's window: not built here), or when a rank holding queries does not serve."""
+    inside every query's window: not built here), or when a rank holding queries does not serve.
+    ``give_up_at`` (seconds, ``by_time``: the best candidate's step): ``None`` as well, before any
+    tile is placed, when the plan is sure to be predicted no faster: some rank's base time (its
+    other work and the documents left colocated, which the exact judgement counts and more) reaches it."""
     if config.window is not None:
         return None
     n = pieces.num_ranks
@@ -90,6 +94,8 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
     pairs = causal_pairs(pieces.start[local], pieces.end[local]).astype(np.float64)
     time = (other_seconds(pieces.tokens(), config)
             + np.bincount(pieces.rank[local], weights=tm.task_seconds(pairs, pieces.end[local]), minlength=n))
+    if float(time.max(initial=0.0)) >= give_up_at * (1 + 1e-9):  # (a hair above: sums in another order)
+        return None
     if tm.collective_s:
         time = time + tm.collective_s
 

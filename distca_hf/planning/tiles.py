@@ -37,18 +37,20 @@ receive the piece's K/V once and the queries); the holder or the server only.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
-from .cost import TokenBytes, key_start
+from .cost import TokenBytes, causal_pairs, key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, rank_seconds
 from .transfers import backward_memory, kv_received, kv_transfers, memory_limit, rank_bytes
 
-__all__ = ["apply_time_tiles", "apply_memory_tiles", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
@@ -258,7 +260,8 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
     return tiled
 
 
-def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float) -> Plan:
+def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                       config: PlannerConfig | None = None, give_up_at: float = np.inf) -> Plan:
     """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
     memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
     stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
@@ -275,7 +278,12 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     units when they would leave the worst rank holding more, counted exactly), or unchanged
     for a plan that already splits keys or runs in ``resend`` mode. It may still exceed the budget
     (``by_time`` then runs the step in ``resend`` mode); it is not timed here (``by_time`` judges it
-    against the ``resend`` plan)."""
+    against the ``resend`` plan), except that with ``config`` (its time model) ``plan`` comes back
+    unchanged, the tiles not built, when the units chosen are sure to be predicted no faster than
+    ``give_up_at`` seconds (a lower bound on their plan's step reaches it, ``memory_tiles_lower_bound``
+    counted with those units: ``by_time`` passes the step the tiles must beat) and the plan with key
+    ranges alone (what comes back when the units would leave the worst rank holding more) is over the
+    budget: neither could be kept."""
     if plan.splits_keys or plan.num_tasks == 0 or plan.backward != "saved":
         return plan
     base = with_key_ranges(plan)
@@ -289,6 +297,7 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
 
     if held.max(initial=0.0) <= limit(total):
         return base
+    base_over = held.max(initial=0.0) > limit(total) * (1 + 1e-9)  # base sure not to fit either (give_up_at)
     units = tile_units(plan, pieces)
     sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
@@ -345,6 +354,9 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         applied[best] = True
     if not applied.any():
         return base
+    if (config is not None and base_over
+            and _tiles_lower_bound(plan, pieces, config, units, applied) >= give_up_at * (1 + 1e-9)):
+        return plan  # the tiled plan sure to lose (a hair above: sums in another order), and base not to fit
     tiled = _with_units(base, plan, pieces, units, applied)
     # the counts above are per unit; a task's tiles are what the memory formula counts, exactly: the
     # worst rank never ends worse off (a server's own earlier piece kept apart from its causal tile
@@ -359,3 +371,78 @@ def _with_units(base: Plan, plan: Plan, pieces: DocumentPieces, units, applied: 
     done = np.flatnonzero(applied).tolist()
     touched = sorted({i for u in done for i in units[u][5]})
     return _tiled_plan(base, _earlier_segments(plan, pieces, touched), {units[u][:3] for u in done}, touched)
+
+
+def memory_tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> float:
+    """A lower bound (seconds) on the predicted step (``rank_time.step_seconds``, ``saved`` mode) of
+    ``apply_memory_tiles(plan, ...)``, whatever units it converts: ``by_time`` skips the tiles where
+    this cannot beat what it has in hand. ``plan``: whole CA-tasks.
+
+    A unit only moves the keys of a piece wholly before a task's own piece (the one holding its first
+    query: ``tile_units``' ``earlier``), so every task keeps on its server its pairs, keys and task
+    against the keys from its own piece's start on (its causal tile), and a task away from its source
+    still receives those queries and K/V from the source and sends its output back. Counted per
+    rank: other work (``rank_time.other_seconds``), those pairs, keys and tasks, ``q + o`` bytes per
+    moved query at both ends and, per (server, document, source), the most such keys one task needs;
+    ``collective_s`` when a task is away from its source. ``-inf`` for pieces whose K/V start before
+    their queries (``kv_start``: not bounded here)."""
+    return _tiles_lower_bound(plan, pieces, config)
+
+
+def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, units=None, applied=None) -> float:
+    """``memory_tiles_lower_bound``; with the ``units`` (``tile_units(plan, pieces)``) and which are
+    ``applied``, of that plan exactly: every tasks' pairs, those of the converted units on their
+    holders (a full tile of the task's rows and the piece's keys), which also run a task and its keys
+    per (task, holder) and receive its queries and send a partial output (``q + o + lse``) unless they
+    are its source."""
+    if plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+        return -np.inf
+    tm, tb, n, window = config.time_model, config.token_bytes, plan.num_ranks, plan.window
+    # each task's own piece: the last nonempty piece of its document starting at or before its first query
+    nonempty = pieces.end > pieces.start
+    span = int(pieces.end.max(initial=0)) + 1
+    piece_key = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
+    own = piece_key[np.searchsorted(piece_key, plan.doc * span + plan.q_start, side="right") - 1] % span
+    k0 = key_start(plan.q_start, window)
+    first = np.maximum(own, k0)
+    keys = plan.q_end - first  # its causal tile's keys, from `first` on
+    tasks, moved = np.bincount(plan.server, minlength=n).astype(np.float64), np.zeros(n)
+    key_count = np.bincount(plan.server, weights=keys, minlength=n)
+    if units is None:  # any units: the pairs against keys from `first` on stay
+        pairs = np.bincount(plan.server, weights=causal_pairs(plan.q_start - first, plan.q_end - first, window),
+                            minlength=n)
+    else:
+        pairs = np.bincount(plan.server, weights=causal_pairs(plan.q_start, plan.q_end, window), minlength=n)
+        done = [units[u] for u in np.flatnonzero(applied).tolist()]
+        # one row per (converted unit, task of it): the full tile it moves from the server to the holder
+        task = np.fromiter(itertools.chain.from_iterable(unit[5] for unit in done), dtype=np.int64)
+        count = [len(unit[5]) for unit in done]
+        server, x0, x1, holder = (np.repeat(np.asarray([unit[i] for unit in done], dtype=np.int64), count)
+                                  for i in (0, 2, 3, 4))
+        width = x1 - np.maximum(x0, k0[task])
+        rows = plan.q_end[task] - plan.q_start[task]
+        pairs += np.bincount(holder, weights=rows * width, minlength=n) - np.bincount(server, weights=rows * width,
+                                                                                     minlength=n)
+        key_count += np.bincount(holder, weights=width, minlength=n)
+        # a task per (task, holder), which receives its queries and sends a partial back unless its source
+        tile = np.unique(task * n + holder)
+        task, holder = tile // n, tile % n
+        tasks += np.bincount(holder, minlength=n)
+        away_tile = holder != plan.source[task]
+        query_bytes = (plan.q_end - plan.q_start)[task[away_tile]] * (tb.q + tb.o + tb.lse)
+        moved += np.bincount(holder[away_tile], weights=query_bytes, minlength=n) + np.bincount(
+            plan.source[task[away_tile]], weights=query_bytes, minlength=n)
+    compute = tm.rank_seconds(0, pairs, tasks, key_count, other_s=other_seconds(pieces.tokens(), config))
+    away = np.flatnonzero(plan.source != plan.server)
+    if not away.size and not moved.any():
+        return float(compute.max(initial=0.0))
+    source, server = plan.source[away], plan.server[away]
+    queries = (plan.q_end - plan.q_start)[away] * (tb.q + tb.o)
+    moved += np.bincount(source, weights=queries, minlength=n) + np.bincount(server, weights=queries, minlength=n)
+    # the K/V of the own piece: its holder, the source, sends them once per (server, document)
+    docs = int(plan.doc.max()) + 1
+    group, at = np.unique((server * docs + plan.doc[away]) * n + source, return_inverse=True)
+    most = np.zeros(group.size)
+    np.maximum.at(most, at, keys[away] * tb.kv)
+    moved += np.bincount(group % n, weights=most, minlength=n) + np.bincount(group // n // docs, weights=most, minlength=n)
+    return float((compute + tm.comm_seconds(0, moved, config.exposed_comm, True, "saved")).max(initial=0.0))
