@@ -1,10 +1,11 @@
-"""Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02, side by side in one process.
+"""Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02 and ``auto`` without a memory
+budget, side by side in one process.
 
 Batches are drawn and packed the way ``distca-hf simulate`` does (``draw_batch``, ``pack_pieces``)
 from the shared length samples; every batch is planned with both configs, alternating, ``--repeats``
 times, and the table gives the median wall time of each (ms), their ratio, and how often ``auto``
-chose each candidate. Planner: ``PlannerConfig(block=128)``, the built-in H100 time model, nothing
-hidden (the simulator's defaults). Timings depend on the machine and on what else runs on it; the
+chose each candidate. Planner: the simulator's defaults (block 128, the ``memory_budget`` setting's
+default, key-split tiles, the built-in H100 time model, nothing hidden). Timings depend on the machine and on what else runs on it; the
 interpreter's objects are frozen out of the garbage collector first (``gc.freeze``).
 
     python examples/plan_time.py [--data ../shared/data] [--batches 8] [--repeats 3]
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distca_hf.config import SETTINGS
 from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, colocated_plan, plan_tasks
 from distca_hf.tools.simulate import draw_batch, load_lengths, pack_pieces
 
@@ -45,24 +47,26 @@ def _chosen(plan, pieces, config: PlannerConfig) -> str:
 
 
 def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats: int, seed: int = 1):
-    """``(auto ms, fixed ms, chosen)``: medians over every batch and repeat, and a count of the
-    candidates ``auto`` chose."""
+    """``(auto ms, fixed ms, auto without a memory budget ms, chosen)``: medians over every batch and
+    repeat, and a count of the candidates ``auto`` chose."""
     rng = np.random.default_rng(seed)
-    auto = PlannerConfig(tolerance="auto", block=128)
-    fixed = dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0])
-    times = {"auto": [], "fixed": []}
+    auto = PlannerConfig(tolerance="auto", block=128, memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+    configs = {"auto": auto, "fixed": dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0]),
+               "unbounded": dataclasses.replace(auto, memory_budget=None)}
+    times = {name: [] for name in configs}
     chosen = Counter()
     for _ in range(batches):
         pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
         for i in range(repeats):
-            # alternate which goes first, so neither always meets a warm (or a cold) cache
-            for name, config in (("auto", auto), ("fixed", fixed)) if i % 2 == 0 else (("fixed", fixed), ("auto", auto)):
+            # rotate which goes first, so none always meets a warm (or a cold) cache
+            order = list(configs.items())
+            for name, config in order[i % 3:] + order[: i % 3]:
                 start = time.perf_counter()
                 plan = plan_tasks(pieces, config)
                 times[name].append((time.perf_counter() - start) * 1e3)
                 if name == "auto" and i == 0:
                     chosen[_chosen(plan, pieces, auto)] += 1
-    return statistics.median(times["auto"]), statistics.median(times["fixed"]), chosen
+    return *(statistics.median(times[name]) for name in configs), chosen
 
 
 def main(argv=None) -> int:
@@ -77,16 +81,16 @@ def main(argv=None) -> int:
     # land in whichever plan happens to trigger it. Freeze them so plan times are the planner's own.
     gc.collect()
     gc.freeze()
-    print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | budget ms "
-          "| auto chose |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | auto without "
+          "a memory budget ms | budget ms | auto chose |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in ("prolong", "wlbllm"):
         lengths = load_lengths(args.data / f"doc_lengths_{name}.json")
         for ranks, tokens, budget in SHAPES:
-            auto_ms, fixed_ms, chosen = measure(lengths, ranks, tokens, args.batches, args.repeats)
+            auto_ms, fixed_ms, unbounded_ms, chosen = measure(lengths, ranks, tokens, args.batches, args.repeats)
             picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
             print(f"| {name} | {ranks} x {tokens // 1024}k | {auto_ms:.1f} | {fixed_ms:.1f} | {auto_ms / fixed_ms:.2f} "
-                  f"| {budget:g} | {picks} |", flush=True)
+                  f"| {unbounded_ms:.1f} | {budget:g} | {picks} |", flush=True)
     return 0
 
 
