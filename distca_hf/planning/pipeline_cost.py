@@ -29,9 +29,10 @@ moves); forward and backward are split by ``forward_backward_models``.
   exchanges (inputs out, outputs back) synchronise the tick's ranks before and after its attention,
   so a rank's linear work and its attention cannot make up for each other: a tick's layer lasts the
   slowest rank's linear layers plus the slowest rank's attention with its exposed communication
-  (``tick_layer_seconds``), and its plan balances the attention alone. A micro-batch's backward meets other micro-batches than
-  its forward did, on other servers, so it runs in ``resend`` mode: servers keep nothing between
-  ticks (no memory added) and the backward tick sends q, k/v, out and dO again (``cost.COMM_PASSES``).
+  (``tick_layer_seconds``), and its plan balances the attention alone. A micro-batch's backward
+  meets other micro-batches than its forward did, on other servers, so it runs in ``resend`` mode:
+  servers keep nothing between ticks (no memory added) and the backward tick sends q, k/v, out and
+  dO again (``cost.COMM_PASSES``).
   It holds up to ``2 (P - s) - 1`` micro-batches' activations on stage ``s`` (1F1B: ``P - s``).
 
 Activations (forward) and their gradients (backward) between stages take ``p2p_s = T x
@@ -60,8 +61,8 @@ from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .rank_time import loads_seconds, other_seconds, plan_loads, step_seconds
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
-           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "tick_layer_seconds",
-           "held_micro_batches"]
+           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "attention_only",
+           "tick_layer_seconds", "held_micro_batches"]
 
 BACKWARD_TO_FORWARD = 2.0
 """A layer's backward compute over its forward's: 2 (the linear layers' backward computes the
@@ -201,18 +202,18 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
     # a stage of one rank plans colocated on its own, which the pooled plan already weighed (plan_by_time)
     if len(groups) < 2 or all(g.size == 1 for g in groups):
         return plan
-    candidates = [plan, _union_of_stage_plans(pooled, groups, config)]
+    own = lambda ranks: attention_only(config, len(ranks))  # each stage's plan over its ranks, also balanced alone
+    candidates = [plan, _union_of_stage_plans(pooled, groups, own, config)]
     seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
     return candidates[int(np.argmin(seconds))]
 
 
-def _union_of_stage_plans(pooled: DocumentPieces, groups, config: PlannerConfig) -> Plan:
-    """Each stage's own plan over its ranks (``config`` with its ranks' ``base_pairs``), as one plan
-    over ``pooled``."""
+def _union_of_stage_plans(pooled: DocumentPieces, groups, config_of, config: PlannerConfig) -> Plan:
+    """Each stage's own plan over its ranks (``config_of(ranks)`` plans it), as one plan over ``pooled``."""
     local, modes, splits = [], set(), False
     for group in groups:
         pieces, doc_ids = rank_subset(pooled, group)
-        own = plan_tasks(pieces, dataclasses.replace(config, base_pairs=tuple(config.base_pairs[i] for i in group)))
+        own = plan_tasks(pieces, config_of(group))
         # key ranges are positions in a document: they carry over as they are (whole prefixes where unsplit)
         local.append((group[own.source], group[own.server], doc_ids[own.doc], own.q_start, own.q_end,
                       *(np.asarray(k, dtype=np.int64) for k in own.key_ranges())))
@@ -324,7 +325,8 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
         pooled = pool_pieces(parts, stages * d)
         plan = plan_lockstep_tick(pooled, dataclasses.replace(config, time_model=tick_model, backward="resend"),
                                   rank_groups=[range(offset, offset + d) for _, offset in parts])
-        tick_s.append(per_stage * tick_layer_seconds(plan, pooled, dataclasses.replace(config, time_model=tick_model)))
+        tick_s.append(per_stage * tick_layer_seconds(plan, pooled, dataclasses.replace(config,
+                                                                                        time_model=tick_model)))
         imbalances.append(imbalance(plan.server_pairs()))
     run = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
     results["cad_across_stages"] = _step(run, np.mean(imbalances))
