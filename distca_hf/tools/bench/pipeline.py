@@ -70,7 +70,9 @@ rank's ``pre``. Now a tick's attention is balanced on its own (``planning.plan_l
 ``attention_only``; ``simulate`` times a tick's layer as the slowest linear work plus the slowest
 attention). Replayed step, cad_1f1b against colocated_1f1b in the same run (2 runs each, 4 steps
 each): before 1.99 / 1.98 s and 1.84 / 1.92 s (0.99x, 1.05x), after 1.72 / 1.96 s and 1.79 / 2.04 s
-(1.14x, 1.14x). Wall clock at load 9-15 scattered 0.69-1.20x for either code (per round 0.27-1.58x).
+(1.14x, 1.14x). Wall clock (``speedup``), the two codes' benches taking turns: at load 1.5-4.7 before
+1.05 / 0.92 / 0.90x, after 1.07 / 1.03 / 0.99x; at load 9-15 0.69-1.20x for either (per round
+0.27-1.58x).
 
 Where the bound is. colocated_1f1b's per-micro-batch CPU (forward 136 / 49 / 140 / 49 ms on stage 0,
 152 / 63 / 160 / 64 on stage 1; backward 284 / 97 / 283 / 87 and 324 / 153 / 331 / 151) fed to the
