@@ -82,43 +82,11 @@ def _case(rank, world, case):
     distca_hf.reset_config()
     return {"stage": stage_index, "stats": {k: stats[k] for k in ("attn_pairs_local", "attn_pairs_served",
                                                                    "moved_query_fraction", "backward")},
-            "worst_grad_error": worst, "own_pairs": own_pairs, "recomputed": len(recomputed),
-            "lm_head_share": runner.lm_head_share}
+            "worst_grad_error": worst, "own_pairs": own_pairs, "recomputed": len(recomputed)}
 
 
 def _worker(rank, world, cases):
     return [_case(rank, world, case) for case in cases]
-
-
-def test_lm_head_share_is_timed_without_touching_gradients_and_follows_the_heads_size():
-    """``measure_lm_head_share`` times the last stage's head + loss against a decoder layer's work besides
-    core attention: a positive finite ratio, no parameter's ``.grad`` written, and a head 64 times wider
-    (vocabulary) is measured costlier than the narrow one; a pinned share is checked, naming the argument."""
-    from distca_hf.runtime.pipeline_schedules import LockstepCAD1F1B, measure_lm_head_share
-    from distca_hf.training.pipeline_stages import build_stage_module
-    from helpers import tiny_model
-
-    def loss(logits, targets):
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                 reduction="sum")
-
-    shares, threads = [], torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded machine a second thread's spin-waits would swamp these tiny timings
-    try:
-        for vocab in (64, 64 * 64):
-            stage = build_stage_module(tiny_model("llama", num_hidden_layers=2, vocab_size=vocab), stage_index=1,
-                                       num_stages=2)
-            share = measure_lm_head_share(stage.model.layers[0], stage.model.norm, stage.lm_head, loss,
-                                          hidden=stage.config.hidden_size, device=torch.device("cpu"), tokens=256,
-                                          repeats=5)
-            assert share > 0 and share < float("inf")
-            assert all(p.grad is None for p in stage.parameters())
-            shares.append(share)
-    finally:
-        torch.set_num_threads(threads)
-    assert shares[1] > shares[0], shares
-    with pytest.raises(ValueError, match="lm_head_share"):
-        LockstepCAD1F1B(None, 4, lm_head_share=-1.0)
 
 
 @pytest.mark.distributed
@@ -144,9 +112,6 @@ def test_cad_1f1b_bubbles_serve_and_refusals_reach_every_rank(tmp_path):
             assert got["worst_grad_error"] < 1e-5, (index, rank, got)
         expected_pairs = [sum(n * (n + 1) // 2 for n in lengths) for lengths in LENGTHS]
         assert [r["value"][index]["own_pairs"] for r in results] == [expected_pairs] * 2
-        # the last stage measured its LM head on the first step and every rank plans with that number
-        shares = [r["value"][index]["lm_head_share"] for r in results]
-        assert shares[0] == shares[1] and 0 < shares[0] < float("inf"), shares
         bubble = results[0]["value"][index]["stats"]  # rank 0 = stage 0, idle in the last forward slot
         assert bubble["attn_pairs_local"][0] == 1  # its dummy token
         assert bubble["attn_pairs_served"][0] > 1  # ... and it computed others' CA-tasks

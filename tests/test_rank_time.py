@@ -78,21 +78,25 @@ def test_auto_with_base_pairs_is_never_slower_than_its_candidates(docs, ranks, b
         assert chosen <= _reference_seconds(candidate, pieces, config).max() * (1 + 1e-9)
 
 
-def test_lockstep_tick_is_judged_with_the_lm_head_share():
-    """A tick of two stages of two ranks: stage 1 (ranks 2, 3) runs the LM head, worth many tokens of
-    linear work (``extra_tokens``). The tick's plan is predicted no slower, with that work counted,
-    than the pooled plans balanced with and without it."""
+def test_lockstep_tick_is_judged_on_attention_alone():
+    """A tick of two stages of two ranks, one stage's rows shorter (less linear work). The tick's
+    exchanges synchronise its ranks around the attention, so its plan is judged with no rank's other
+    work (``base_pairs`` all 0): it is predicted faster there than the pooled plans balanced together
+    with each rank's linear layers (as ``base_pairs`` or as the planner's default other work: both give
+    the short row's rank more attention, which it cannot run while the others run their linear layers),
+    and no slower than colocated."""
     model = TimeModel(linear_s_per_token=2e-6, attn_s_per_pair=1e-8, task_s=1e-5, bytes_per_s=1e9,
                       collective_s=5e-5)
     config = PlannerConfig("auto", block=8, time_model=model, token_bytes=TokenBytes(64, 32, 64))
     stage0 = pack_pieces(np.array([900, 60, 40, 24]), 2, 512)
-    stage1 = pack_pieces(np.array([30] * 30 + [124]), 2, 512)
+    stage1 = pack_pieces(np.array([30] * 20 + [124]), 2, 512)
     pooled = pool_pieces([(stage0, 0), (stage1, 2)], 4)
-    extra = [0.0, 0.0, 3000.0, 3000.0]
-    tick = plan_lockstep_tick(pooled, config, rank_groups=[range(0, 2), range(2, 4)], extra_tokens=extra)
-    tokens = pooled.tokens() + np.asarray(extra)  # the linear work, counted from the least loaded rank's
-    base = (tokens - tokens.min()) * model.linear_s_per_token / model.attn_s_per_pair
-    judge = dataclasses.replace(config, base_pairs=tuple(base.tolist()))
+    tick = plan_lockstep_tick(pooled, config, rank_groups=[range(0, 2), range(2, 4)])
+    judge = dataclasses.replace(config, base_pairs=(0.0,) * 4)
+    tokens = pooled.tokens()
+    linear = dataclasses.replace(config, base_pairs=tuple(
+        ((tokens - tokens.min()) * model.linear_s_per_token / model.attn_s_per_pair).tolist()))
     tick_s = _reference_seconds(tick, pooled, judge).max()
-    for other in (plan_tasks(pooled, config), plan_tasks(pooled, judge)):
-        assert tick_s <= _reference_seconds(other, pooled, judge).max() * (1 + 1e-9)
+    for other in (plan_tasks(pooled, config), plan_tasks(pooled, linear)):
+        assert tick_s < _reference_seconds(other, pooled, judge).max()
+    assert tick_s <= _reference_seconds(colocated_plan(pooled), pooled, judge).max() * (1 + 1e-9)

@@ -25,18 +25,23 @@ moves); forward and backward are split by ``forward_backward_models``.
 - ``cad_across_stages``: the lockstep schedule (``pipeline.lockstep_1f1b_ticks``): in every tick
   each rank runs its stage's linear layers of its micro-batch (none in a bubble) and one plan per
   tick pools the tick's attention over all ``P x D`` ranks, forward with forward (planned with the
-  forward model) and backward with backward (re-planned with the backward model); a tick lasts as
-  long as its slowest rank, layer by layer. A micro-batch's backward meets other micro-batches than
-  its forward did, on other servers, so it runs in ``resend`` mode: servers keep nothing between
-  ticks (no memory added) and the backward tick sends q, k/v, out and dO again (``cost.COMM_PASSES``).
+  forward model) and backward with backward (re-planned with the backward model). Every layer's
+  exchanges (inputs out, outputs back) synchronise the tick's ranks before and after its attention,
+  so a rank's linear work and its attention cannot make up for each other: a tick's layer lasts the
+  slowest rank's linear layers plus the slowest rank's attention with its exposed communication
+  (``tick_layer_seconds``), and its plan balances the attention alone. A micro-batch's backward
+  meets other micro-batches than its forward did, on other servers, so it runs in ``resend`` mode:
+  servers keep nothing between ticks (no memory added) and the backward tick sends q, k/v, out and
+  dO again (``cost.COMM_PASSES``).
   It holds up to ``2 (P - s) - 1`` micro-batches' activations on stage ``s`` (1F1B: ``P - s``).
 
 Activations (forward) and their gradients (backward) between stages take ``p2p_s = T x
 activation_bytes_per_token / bytes_per_s`` per micro-batch, overlapping the stages' compute
 (``pipeline.simulate_1f1b`` / ``simulate_lockstep``). Not modelled, for any method: the embedding on
 the first stage and the final norm, LM head and loss on the last (equal for all four methods except
-that in the lockstep they lengthen every tick of those stages), and bandwidth shared between the
-stages' transfers and the attention exchanges.
+that in the lockstep they lengthen every tick of those stages: the ranks of the other stage wait for
+them at the next exchange), and bandwidth shared between the stages' transfers and the attention
+exchanges.
 """
 
 from __future__ import annotations
@@ -53,11 +58,11 @@ from .pieces import DocumentPieces
 from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
                        simulate_lockstep)
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
-from .rank_time import loads_seconds, plan_loads, step_seconds
+from .rank_time import loads_seconds, other_seconds, plan_loads, step_seconds
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
-           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "tick_base_pairs",
-           "held_micro_batches"]
+           "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "attention_only",
+           "tick_layer_seconds", "held_micro_batches"]
 
 BACKWARD_TO_FORWARD = 2.0
 """A layer's backward compute over its forward's: 2 (the linear layers' backward computes the
@@ -153,50 +158,53 @@ def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarr
                           kv_start=pieces.kv_start[keep]), doc_ids
 
 
-def tick_base_pairs(pooled: DocumentPieces, time_model: TimeModel, extra_tokens=None) -> tuple[float, ...]:
-    """``[ranks]`` each rank's work besides attention in one layer of a lockstep tick, in pairs of
-    attention time (``PlannerConfig.base_pairs``), the least loaded rank at 0: its tokens' linear
-    layers (none on a bubble) plus ``extra_tokens`` (``[ranks]`` tokens' worth of linear-layer work
-    more, e.g. the last stage's LM head spread over its layers)."""
-    tokens = pooled.tokens().astype(np.float64)
-    if extra_tokens is not None:
-        tokens = tokens + np.asarray(extra_tokens, dtype=np.float64)
-    base = tokens * time_model.linear_s_per_token / time_model.attn_s_per_pair
-    return tuple((base - base.min(initial=0.0)).tolist())
+def attention_only(config: PlannerConfig, num_ranks: int) -> PlannerConfig:
+    """``config`` with no rank's work besides attention counted (``base_pairs`` all 0): how a lockstep
+    tick is balanced and judged, since its exchanges synchronise the ranks around every layer's
+    attention (module docstring)."""
+    return dataclasses.replace(config, base_pairs=(0.0,) * num_ranks)
 
 
-def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups, extra_tokens=None) -> Plan:
+def tick_layer_seconds(plan: Plan, pooled: DocumentPieces, config: PlannerConfig) -> float:
+    """Seconds of one layer of a lockstep tick under ``plan`` (module docstring): the slowest rank's
+    linear layers (its tokens of ``pooled``; none on a bubble) plus the slowest rank's attention and
+    exposed communication, each measured between the layer's synchronising exchanges."""
+    loads = plan_loads(plan, pooled, config.token_bytes)
+    linear = other_seconds(loads.tokens, dataclasses.replace(config, base_pairs=None))
+    attention, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward,
+                                       other_s=np.zeros(pooled.num_ranks))
+    return float(linear.max(initial=0.0) + (attention + exposed).max(initial=0.0))
+
+
+def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups) -> Plan:
     """One lockstep tick's plan over ``pooled``, every stage's pieces (all ``P x D`` ranks; a rank in a
     bubble holds nothing, or the runtime's one dummy token). ``rank_groups``: the ranks of each stage
     (its ``D`` data-parallel copies), which hold no document in common.
 
-    The planner balances attention together with each rank's other work in the tick
-    (``tick_base_pairs``: its linear layers, and ``extra_tokens``), so a rank in a bubble, which runs no
-    linear layers, serves more attention than a rank running its micro-batch. With a numeric
-    tolerance that pooled plan is the tick's. Under ``tolerance="auto"`` (plan by time) the
-    candidates are the pooled plan and the union of each stage's own plan over its ranks, each
-    balanced with and without the other work, and the one ``config.time_model`` predicts fastest is
-    the tick's (ties: the earlier of that order), so a tick is never predicted slower than its
-    stages balanced alone: pooling spreads attention over more servers but also spreads a long
-    document's K/V to more of them, and every holder sends its K/V to each server of its document's
-    shards. The runtime (``runtime.pipeline_schedules``) and ``distca-hf simulate`` both plan ticks
-    here."""
-    base = np.asarray(tick_base_pairs(pooled, config.time_model, extra_tokens))
-    with_base = lambda ranks: dataclasses.replace(config, base_pairs=tuple(base[ranks].tolist()))
-    plan = plan_tasks(pooled, with_base(np.arange(pooled.num_ranks)))
+    Every layer's exchanges synchronise the tick's ranks before and after its attention, so a rank
+    that runs less linear work (a bubble runs none; the other stages run no LM head) only waits at the
+    exchange for the others' and cannot use that time for attention: the tick's attention is balanced
+    on its own (``attention_only``; balancing it against the linear work, as the ticks did before,
+    gave a bubble twice the attention of a busy rank and made that rank wait, measured on the bench's
+    2-process pipeline). With a numeric tolerance that pooled plan is the tick's. Under
+    ``tolerance="auto"`` (plan by time) the candidates are the pooled plan and the union of each
+    stage's own plan over its ranks, and the one ``config.time_model`` predicts fastest is the tick's
+    (ties: the earlier), so a tick is never predicted slower than its stages balanced alone: pooling
+    spreads attention over more servers but also spreads a long document's K/V to more of them, and
+    every holder sends its K/V to each server of its document's shards. The runtime
+    (``runtime.pipeline_schedules``) and ``distca-hf simulate`` both plan ticks here."""
+    config = attention_only(config, pooled.num_ranks)
+    plan = plan_tasks(pooled, config)
     if config.tolerance != "auto" or config.servers is not None:  # (a pool names pooled ranks)
         return plan
     groups = [np.asarray(g, dtype=np.int64) for g in rank_groups]
     groups = [g for g in groups if np.isin(pooled.rank, g).any()]
-    candidates = [plan, plan_tasks(pooled, config)]
     # a stage of one rank plans colocated on its own, which the pooled plan already weighed (plan_by_time)
-    if len(groups) > 1 and any(g.size > 1 for g in groups):
-        candidates += [_union_of_stage_plans(pooled, groups, with_base, config),
-                       _union_of_stage_plans(pooled, groups, lambda ranks: config, config)]
-    # judged with every rank's other work in the tick (its linear layers, none in a bubble, and
-    # extra_tokens), whichever way each candidate was balanced
-    judge = with_base(np.arange(pooled.num_ranks))
-    seconds = [step_seconds(candidate, pooled, judge) for candidate in candidates]
+    if len(groups) < 2 or all(g.size == 1 for g in groups):
+        return plan
+    own = lambda ranks: attention_only(config, len(ranks))  # each stage's plan over its ranks, also balanced alone
+    candidates = [plan, _union_of_stage_plans(pooled, groups, own, config)]
+    seconds = [step_seconds(candidate, pooled, config) for candidate in candidates]
     return candidates[int(np.argmin(seconds))]
 
 
@@ -317,8 +325,8 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
         pooled = pool_pieces(parts, stages * d)
         plan = plan_lockstep_tick(pooled, dataclasses.replace(config, time_model=tick_model, backward="resend"),
                                   rank_groups=[range(offset, offset + d) for _, offset in parts])
-        loads = plan_loads(plan, pooled, token_bytes)
-        tick_s.append(per_stage * float(_seconds(loads, tick_model, exposed, "resend").max()))
+        tick_s.append(per_stage * tick_layer_seconds(plan, pooled, dataclasses.replace(config,
+                                                                                        time_model=tick_model)))
         imbalances.append(imbalance(plan.server_pairs()))
     run = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
     results["cad_across_stages"] = _step(run, np.mean(imbalances))

@@ -9,12 +9,10 @@ A rank's time in one layer (forward + backward) is
                                                             (``TimeModel.comm_seconds``)
 
 Other work is the rank's tokens through the linear layers, ``linear_s_per_token * tokens``, or,
-with ``PlannerConfig.base_pairs`` (a pipeline tick: a bubble runs no linear layers, the last stage
-also the LM head's share), ``attn_s_per_pair * base_pairs``: the base is that work itself, in pairs
-of attention time. A tick's base (``pipeline_cost.tick_base_pairs``) is counted from its least loaded
-rank's, so its times are that much below the absolute ones, on every rank alike: the judges compare
-a batch's plans as they would absolutely (their maxima move together); the descent, whose level
-rules scale with the times, may plan a tick a little differently than it would on absolute times.
+with ``PlannerConfig.base_pairs``, ``attn_s_per_pair * base_pairs``: the base is that work itself, in
+pairs of attention time. A pipeline tick plans with a base of 0 on every rank
+(``pipeline_cost.attention_only``): its exchanges synchronise the ranks around every layer's
+attention, so a rank with less linear work (a bubble) cannot spend the difference on attention.
 """
 
 from __future__ import annotations

@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import time
 import types
 import zlib
 
@@ -65,8 +63,7 @@ from .agree import PATH_PLAIN, agree
 from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
 from .forward import CallInputs, plan_batch, tiles_hold_for
 
-__all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule", "check_micro_batches",
-           "measure_lm_head_share"]
+__all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule", "check_micro_batches"]
 
 
 def _start(ops: list) -> list:
@@ -88,76 +85,12 @@ def check_micro_batches(schedule: str, micro_batches: int, num_stages: int, *, s
                          "'cad_1f1b'")
 
 
-HEAD_SHARE_UNITS = 1_000_000
-"""``lm_head_share`` travels in the step's int64 all-gather in millionths."""
-
-HEAD_SHARE_TOKENS = 2048
-"""Random tokens ``measure_lm_head_share`` times (at most a micro-batch's): enough for per-token costs,
-a fraction of the logits a micro-batch makes."""
-
-
-def measure_lm_head_share(layer, norm, lm_head, loss_fn, *, hidden: int, device, tokens: int = HEAD_SHARE_TOKENS,
-                          repeats: int = 3) -> float:
-    """Seconds of the last stage's own work (``norm``, ``lm_head``, ``loss_fn(logits, targets)``,
-    forward + backward) over ``layer``'s work besides core attention (its children other than the
-    attention module, e.g. norms and MLP, and the attention module's ``nn.Linear`` projections,
-    forward + backward), both on ``tokens`` random tokens of width ``hidden`` in the parameters' dtype
-    on ``device``; each the median of ``repeats`` timed runs after one untimed. Gradients are taken with
-    ``torch.autograd.grad``: no parameter's ``.grad`` changes. ``loss_fn=None``: the logits' sum."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-    dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.float32)
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def random(width: int) -> torch.Tensor:
-        return torch.randn(1, tokens, width, generator=g, dtype=torch.float32).to(device, dtype).requires_grad_(True)
-
-    attention = [m for m in layer.children() if type(m).__name__.endswith("Attention")]
-    others = [m for m in layer.children() if m not in attention and any(True for _ in m.parameters())]
-    projections = [m for a in attention for m in a.modules() if isinstance(m, torch.nn.Linear)]
-    x, head_x = random(hidden), random(hidden)
-    inputs = [random(m.in_features) for m in projections]
-    head_params = [p for p in (*norm.parameters(), *lm_head.parameters()) if p.requires_grad]
-    vocab = lm_head.out_features if isinstance(lm_head, torch.nn.Linear) else None
-
-    def layer_work():
-        outs = [m(x) for m in others] + [m(i) for m, i in zip(projections, inputs)]
-        outs = [o[0] if isinstance(o, tuple) else o for o in outs]
-        torch.autograd.grad(sum(o.float().sum() for o in outs), [x, *inputs, *params], allow_unused=True)
-
-    def head_work():
-        logits = lm_head(norm(head_x))
-        targets = torch.randint(0, vocab or logits.shape[-1], (1, tokens), generator=g).to(device)
-        loss = loss_fn(logits, targets) if loss_fn is not None else logits.float().sum()
-        torch.autograd.grad(loss, [head_x, *head_params], allow_unused=True)
-
-    def seconds(work) -> float:
-        times = []
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            work()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - start)
-        return float(np.median(times))
-
-    with torch.enable_grad():
-        layer_s = seconds(layer_work)
-        head_s = seconds(head_work)
-    if not (layer_s > 0 and math.isfinite(head_s)):
-        raise ValueError(f"timing gave {head_s} s for the head and {layer_s} s for the layer")
-    return head_s / layer_s
-
-
 def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batches: int, loss_fn,
-                            pooled_group=None, lm_head_share: float | None = None) -> PipelineScheduleSingle:
+                            pooled_group=None) -> PipelineScheduleSingle:
     """The schedule named ``schedule`` (one of ``PIPELINE_SCHEDULES``) over ``stage``, running
     ``micro_batches`` micro-batches per ``step``; ``loss_fn(logits, targets)`` runs on the last
     stage (see the module docstring for its scaling); ``pooled_group``: the ranks ``cad_1f1b``
-    pools CA-tasks over, every stage of every data-parallel pipeline (``None``: the default group);
-    ``lm_head_share``: ``cad_1f1b``'s (``LockstepCAD1F1B``), ignored by the others.
+    pools CA-tasks over, every stage of every data-parallel pipeline (``None``: the default group).
 
     Build ``stage`` with static shapes (``input_args``, ``output_args``, and ``output_grads`` on all
     but the last stage, ``input_grads`` on all but the first, inputs of later stages with
@@ -172,8 +105,7 @@ def build_pipeline_schedule(stage: PipelineStage, *, schedule: str, micro_batche
     if schedule == "1f1b":
         check_micro_batches(schedule, micro_batches, stage.num_stages)
         return Schedule1F1B(stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
-    return LockstepCAD1F1B(stage, micro_batches, loss_fn=loss_fn, pooled_group=pooled_group,
-                           lm_head_share=lm_head_share)
+    return LockstepCAD1F1B(stage, micro_batches, loss_fn=loss_fn, pooled_group=pooled_group)
 
 
 @dataclasses.dataclass(eq=False)
@@ -198,25 +130,11 @@ class _StepPlans:
 class LockstepCAD1F1B(PipelineScheduleSingle):
     """``pipeline_schedule="cad_1f1b"`` (see the module docstring): torch's single-stage schedule
     interface; the stage's ``forward_one_chunk`` / ``backward_one_chunk`` and send/receive ops run in
-    the order of ``planning.lockstep_1f1b_ticks``, each tick under its pinned plan.
+    the order of ``planning.lockstep_1f1b_ticks``, each tick under its pinned plan."""
 
-    ``lm_head_share``: the last stage's work per token besides its decoder layers (final norm, LM head,
-    loss; forward + backward) over one decoder layer's work besides core attention (its projections,
-    MLP, norms), which the ticks' plans balance together with attention (``planning.tick_base_pairs``).
-    ``None`` (default): measured once, on the first step, by the last stage's ranks
-    (``measure_lm_head_share``, on random tokens) and carried in that step's all-gather, so that every
-    rank plans with the same number (their mean); it stays for later steps. A number pins it (plans
-    that do not depend on timings, e.g. in tests)."""
-
-    def __init__(self, stage: PipelineStage, n_microbatches: int, *, loss_fn=None, pooled_group=None,
-                 lm_head_share: float | None = None):
-        if lm_head_share is not None and not (isinstance(lm_head_share, (int, float)) and not isinstance(
-                lm_head_share, bool) and math.isfinite(lm_head_share) and lm_head_share >= 0):
-            raise ValueError(f"lm_head_share must be a finite number >= 0 (the LM head's work per token over a "
-                             f"decoder layer's linear work) or None (measured), got {lm_head_share!r}")
+    def __init__(self, stage: PipelineStage, n_microbatches: int, *, loss_fn=None, pooled_group=None):
         super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         self._pooled_group = pooled_group
-        self._head_share = None if lm_head_share is None else float(lm_head_share)  # agreed by every rank
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -310,46 +228,6 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                            getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
         return zlib.crc32(repr(layout).encode()) if len(layout) > 1 else -1
 
-    @property
-    def lm_head_share(self) -> float | None:
-        """The ``lm_head_share`` every rank plans with: pinned, or agreed on the first step (``None`` before)."""
-        return self._head_share
-
-    def _decoder_layers(self) -> list:
-        return [m for m in self._stage.submod.modules() if type(m).__name__.endswith("DecoderLayer")]
-
-    def _derived_head_share(self) -> float:
-        """The LM head's weights over a decoder layer's: ``lm_head_share`` from the config and parameter
-        counts, where it cannot be measured."""
-        config = self._model_config()
-        weights = [sum(p.numel() for p in layer.parameters() if p.dim() > 1) for layer in self._decoder_layers()]
-        vocab, hidden = getattr(config, "vocab_size", None), getattr(config, "hidden_size", None)
-        if not weights or not sum(weights) or not vocab or not hidden:
-            return 0.0
-        return vocab * hidden / (sum(weights) / len(weights))
-
-    def _own_head_share(self, tokens: int) -> float:
-        """This rank's ``lm_head_share`` to agree on: measured on the last stage (or derived, with a
-        warning, where its modules cannot be timed); -1 elsewhere (the last stage's ranks decide)."""
-        if not self._stage.is_last:
-            return -1.0
-        layers = self._decoder_layers()
-        head = getattr(self._stage.submod, "lm_head", None)
-        norm = getattr(getattr(self._stage.submod, "model", None), "norm", None)
-        problem = None
-        if not layers or head is None or norm is None:
-            problem = "the stage has no decoder layers, `lm_head` or `model.norm`"
-        else:
-            try:
-                return measure_lm_head_share(layers[0], norm, head, self._loss_fn, tokens=tokens,
-                                             hidden=self._model_config().hidden_size, device=self._stage.device)
-            except Exception as error:  # e.g. a layer whose parts do not take [1, n, hidden]: planning goes on
-                # (raising here, before the step's all-gather, would leave the other ranks waiting in it)
-                problem = f"timing its parts failed ({type(error).__name__}: {error})"
-        warn_once("cad_1f1b-head-share", f"distca: pipeline_schedule='cad_1f1b' could not measure the last stage's "
-                  f"LM head against a decoder layer: {problem}; it plans with the ratio of their weights instead")
-        return self._derived_head_share()
-
     def _model_config(self):
         config = getattr(self._stage.submod, "config", None)
         if config is None:
@@ -388,20 +266,14 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
     def _describe(self, kwarg_mbs, config: DistCAConfig):
         """This rank's micro-batches as ``(documents, first_position)`` each, and the payload the
-        step's all-gather carries: ``[stage, M, attention layout, lm_head_share in HEAD_SHARE_UNITS (-1
-        but on the last stage), then per micro-batch: first_position, count, lengths]``."""
+        step's all-gather carries: ``[stage, M, attention layout, then per micro-batch: first_position,
+        count, lengths]``."""
         described, error = [], None
-        share = self._head_share if self._head_share is not None and self._stage.is_last else None
-        if share is None:
-            # timed on at most a micro-batch's tokens (the logits of HEAD_SHARE_TOKENS may be more than a step holds)
-            positions = (kwarg_mbs[0] or {}).get("position_ids") if kwarg_mbs else None
-            tokens = min(HEAD_SHARE_TOKENS, positions.numel()) if positions is not None else HEAD_SHARE_TOKENS
-            try:
-                share = self._own_head_share(tokens) if self._head_share is None else -1.0
-            except Exception as problem:  # e.g. no HF config: agree() below stops every rank with it, none waits
-                share, error = -1.0, problem
-        payload = [self._stage.stage_index, self._n_microbatches, self._attention_layout(),
-                   round(share * HEAD_SHARE_UNITS)]
+        try:
+            layout = self._attention_layout()
+        except Exception as problem:  # e.g. no HF config: agree() below stops every rank with it, none waits
+            layout, error = -1, problem
+        payload = [self._stage.stage_index, self._n_microbatches, layout]
         for i, kwargs in enumerate(kwarg_mbs if error is None else ()):
             position_ids = (kwargs or {}).get("position_ids")
             if position_ids is None:
@@ -423,9 +295,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         described, payload, error = self._describe(kwarg_mbs, config)
         _, gathered = agree(payload, PATH_PLAIN, error, config, self._stage.device, number,
                             "planning a cad_1f1b pipeline step")
-        stages, per_rank, shares = _read_payloads(gathered, self._num_stages, self._n_microbatches, number)
-        if self._head_share is None:  # the first step: every rank takes the last stage's measurements
-            self._head_share = float(np.mean(shares)) / HEAD_SHARE_UNITS
+        stages, per_rank = _read_payloads(gathered, self._num_stages, self._n_microbatches, number)
         me = dist.get_rank(config.group)
         dummy = CallInputs(1, 1, 1, None, torch.zeros(1, 1, dtype=torch.long), None, None).documents()
         token_bytes, heads = self._token_bytes()
@@ -433,8 +303,6 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
         ticks = {(t.kind, t.slot): t for t in lockstep_1f1b_ticks(p, m)}
         stage_ranks = [[r for r, stage in enumerate(stages) if stage == s] for s in range(p)]
-        # the last stage's LM head per token and layer of the stage, in tokens of a layer's linear work
-        lm_head_tokens = self._head_share / max(1, len(self._decoder_layers()))
         key_split = self._tiles_hold()  # tiles chosen by time, when exact for every layer (agreed by all ranks)
 
         def plan(kind: str, slot: int, *, local: bool = False):
@@ -454,10 +322,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                                           span_ranks=config.span_ranks)
             tick_number = next_forward_number()
             planning = dataclasses.replace(config, mode="colocated") if local else config
-            # the last stage's LM head is linear work its ranks do besides their layers' (per layer of the stage)
-            head = [lm_head_tokens * float(np.sum(x)) if stages[r] == p - 1 and mb_of(p - 1) is not None else 0.0
-                    for r, x in enumerate(lengths)]
-            planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks, extra_tokens=head)
+            planner = functools.partial(plan_lockstep_tick, rank_groups=stage_ranks)
             dispatch, planned = plan_batch(docs, ranks, planning, token_bytes, self._stage.device, tick_number,
                                            "none" if local else config.overlap, planner=planner,
                                            key_split=key_split)
@@ -497,20 +362,17 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
 
 def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):
-    """Every pooled rank's stage and, per micro-batch, ``(first_position, lengths)``, and the last
-    stage's ranks' ``lm_head_share`` (in ``HEAD_SHARE_UNITS``); the same error on every rank when the
-    ranks do not run one pipeline shape."""
-    stages, per_rank, layouts, shares = [], [], {}, []
+    """Every pooled rank's stage and, per micro-batch, ``(first_position, lengths)``; the same error on
+    every rank when the ranks do not run one pipeline shape."""
+    stages, per_rank, layouts = [], [], {}
     for r, payload in enumerate(gathered):
         payload = np.asarray(payload, dtype=np.int64)
         stage, count = int(payload[0]), int(payload[1])
         layouts.setdefault(int(payload[2]), []).append(stage)
-        if stage == num_stages - 1:
-            shares.append(int(payload[3]))
         if count != micro_batches:
             raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' needs the same micro-batches per "
                              f"step on every rank; rank {r} runs {count}, others {micro_batches}")
-        i, batches = 4, []
+        i, batches = 3, []
         for _ in range(count):
             first, n = int(payload[i]), int(payload[i + 1])
             batches.append((first, payload[i + 2: i + 2 + n]))
@@ -532,4 +394,4 @@ def _read_payloads(gathered, num_stages: int, micro_batches: int, number: int):
         raise ValueError(f"distca forward {number}: pipeline_schedule='cad_1f1b' pools every stage's ranks, but no "
                          f"rank of the pooled group runs stage(s) {missing}; pass pooled_group=None (all ranks) or a "
                          "group holding whole pipelines")
-    return stages, per_rank, shares
+    return stages, per_rank

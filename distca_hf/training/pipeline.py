@@ -87,8 +87,6 @@ class PipelineRunner:
     Args:
         stage_module: this rank's ``PipelineStageModule`` (``training.pipeline_stages``).
         topology, rank, schedule, tokens_per_micro_batch, device, timeout_s: as ``apply_pipeline_parallel``.
-        lm_head_share: ``cad_1f1b``'s (``runtime.pipeline_schedules.LockstepCAD1F1B``): ``None`` measures
-            it on the first step; a number pins it (plans that do not depend on timings).
 
     Attributes:
         stage_module: the stage (the optimizer holds its parameters).
@@ -98,7 +96,7 @@ class PipelineRunner:
     """
 
     def __init__(self, stage_module, *, topology: ParallelTopology, rank: int, schedule: str,
-                 tokens_per_micro_batch: int, device, timeout_s: float, lm_head_share: float | None = None):
+                 tokens_per_micro_batch: int, device, timeout_s: float):
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, got {schedule!r}")
         if topology.tensor_parallel != 1:
@@ -115,7 +113,6 @@ class PipelineRunner:
         self.tokens_per_micro_batch = int(tokens_per_micro_batch)
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
-        self._pinned_head_share = lm_head_share
         self.stage_index = topology.coordinates(rank)[1]
         self.num_stages = topology.pipeline_parallel
         if getattr(stage_module, "stage_index", self.stage_index) != self.stage_index:
@@ -148,15 +145,6 @@ class PipelineRunner:
         # runner of the same stage)
         self.step_plans: list[dict] = []
 
-    @property
-    def lm_head_share(self) -> float | None:
-        """``cad_1f1b``'s LM-head share every rank plans with (pinned, or agreed on its first training step;
-        ``None`` before it, and for the other schedules)."""
-        for (_, evaluating), (_, schedule, _) in self._pipelines.items():
-            if not evaluating and getattr(schedule, "lm_head_share", None) is not None:
-                return schedule.lm_head_share
-        return None
-
     def _record_plan(self, module, inputs, output) -> None:
         from ..runtime import plan_stats
 
@@ -187,7 +175,7 @@ class PipelineRunner:
                 schedule = ScheduleGPipe(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
             else:
                 schedule = build_pipeline_schedule(stage, schedule=self.schedule, micro_batches=micro_batches,
-                                                   loss_fn=self._loss, lm_head_share=self._pinned_head_share)
+                                                   loss_fn=self._loss)
             # a training step needs the losses only: with torch's default return_outputs=True the last stage
             # would keep every micro-batch's logits ([tokens, vocab] each) until the step ends and concatenate
             # them (torch releases without the argument keep none)

@@ -41,40 +41,54 @@ whichever was descheduled: wall-clock speedups measured at a load of 3-13 on the
 scattered from 0.64x to 1.45x for the same code (per round 0.25x-2.04x), so most of the analysis
 below reads CPU seconds per rank and step (``rank_cpu_s``), which the load moves far less.
 
-Balance (measured, not derived). At the defaults colocated_1f1b computes 1.02-1.06 CPU-s per step on
-the first stage and 1.27-1.33 on the last (its final norm, LM head and loss); both run the same
-attention (0.59 s a step each). The ticks' plans balance attention with that head work
-(``planning.tick_base_pairs``); its size per token against a decoder layer's linear work is measured
-on the first step by the last stage (``runtime.pipeline_schedules.measure_lm_head_share``: 0.8-0.9 here,
-where the parameter counts said 0.72) and agreed by every rank. What had kept the stages apart: under
-``tolerance="auto"`` every candidate plan of a tick was judged by the time model without the head, so
-the plan balanced on attention alone won (stage 1 served more pairs than stage 0 in every tick with a
-long document); the judges now count it (``rank_time.other_seconds``). cad_across_stages per rank,
-medians of 6 runs each: before 1.27 / 1.53 CPU-s, after 1.45 / 1.45 (a profile: attention 0.73 s on
-stage 0 against 0.48 s on stage 1, busy 1.46 / 1.48 s).
+Where the time goes (measured per tick and rank). Every all-to-all's launch and wait and every
+attention kernel stamped on both ranks (``runtime.timeline``) in each process's CPU seconds, so that
+the other processes on the cores drop out, and the step replayed with each rank on a core of its own
+and every collective completing when both ranks have launched it. With one decoder layer per stage a
+tick is ``pre`` (linear work up to q/k/v; in a backward tick the last stage's loss, LM head and MLP
+backward), the exchange, the attention (both ranks), the return, ``post`` (a backward tick's ``pre``
+below also holds the forward tick's ``post`` before it, no exchange between them); only the exchanges
+synchronise the ranks, so a step lasts the sum over the segments between them of the slower rank's
+work. Medians of 4 steps, ms (load 7-10; the bench's plans before / after this change):
 
-Overhead. The lockstep cost 20% more CPU over both ranks than colocated_1f1b (2.80 against 2.33 s;
-medians, the code before): the per-tick plans 0.04 s per step and rank (11 plans, measured without a
-profiler), the rest the dispatch: gathers into fused batches, zeroed pools scattered into, ``resend``'s
-second pass of q, k, v, out and dO. Most waves of a tick serve their whole pools in order
-(``Wave.q_identity`` / ``k_identity``): they now skip the gathers and scatters, and the pools are
-filled in place otherwise: +13.5% now (median of five runs' ratios; 1.38 / 1.38 CPU-s per rank).
+    segment (rank 0 | rank 1)                        before: r0 / r1    after: r0 / r1
+    F0 attention (mb0 long | bubble)                    45 / 79            62 / 58
+    B0 pre (bubble | loss, head, MLP bwd of mb0)        30 / 149           26 / 134
+    B0 attention (bubble | mb0)                        175 / 62           107 / 116
+    B1 pre (mb0 | head + mb1)                          105 / 163          101 / 143
+    B1 attention                                       159 / 111          123 / 134
+    B2 pre (mb1 | head + mb2)                           97 / 170           87 / 147
+    B3 pre (mb2 | F4 of mb3 + head + mb3)               80 / 206           78 / 199
+    end (B4 of mb3 | bubble)                           121 / 35           119 / 33
+    sum over segments of |r0 - r1|                        904                525
 
-Wall clock, and where the bound is. In the quietest minutes (load 2.0-2.4, two runs) cad_1f1b took
-1.85 / 1.81 s a step against colocated_1f1b's 1.86 / 1.82 s: 1.01x / 1.00x (per round 0.84-1.04x),
-with each rank busy 1.38-1.41 CPU-s, i.e. waiting a quarter of the step inside the lockstep. The 1F1B
-event model (``planning.pipeline.simulate_1f1b``; attention 0.59 s per stage split over the
-micro-batches by their pairs, the rest 0.45 s on stage 0 and 0.72 s on stage 1 split evenly, forward
-1/3 of each) predicts colocated_1f1b at 1.80 s, as measured; a lockstep whose ticks last their
-slowest rank's total work (the time model's per-tick work scaled to the measured CPU per rank)
-predicts 1.49 s (1.2x), which the runs do not show. What that model misses: every attention layer's
-exchanges synchronise the ranks twice (inputs out, outputs back), so a tick lasts about the slowest
-rank before the exchange, plus the slowest attention, plus the slowest after it; the last stage's LM
-head and loss run after its last exchange, outside the part the plan balances, so attention moved to
-stage 0 to offset them lengthens the balanced part instead of hiding the head (and a bubble given more
-attention than the others lengthens it too). A schedule that reaches 1.2x here has to balance each
-synchronised part on its own (or overlap the head with the next tick's exchange); not done (a run
-balancing attention alone, ``tick_base_pairs`` zeroed, was inside the noise at load 6-12).
+The ticks used to balance attention together with each rank's linear work and the LM head
+(``tick_base_pairs``), i.e. a tick's total work, but that work sits in ``pre`` / ``post``, on the
+other side of an exchange from the attention: the bubble of B0 got 175 ms of attention against the
+busy rank's 62 and the busy rank waited for it, after the bubble had waited 120 ms for the busy
+rank's ``pre``. Now a tick's attention is balanced on its own (``planning.plan_lockstep_tick``,
+``attention_only``; ``simulate`` times a tick's layer as the slowest linear work plus the slowest
+attention). Replayed step, cad_1f1b against colocated_1f1b in the same run (2 runs each, 4 steps
+each): before 1.99 / 1.98 s and 1.84 / 1.92 s (0.99x, 1.05x), after 1.72 / 1.96 s and 1.79 / 2.04 s
+(1.14x, 1.14x). Wall clock (``speedup``), the two codes' benches taking turns: at load 1.5-4.7 before
+1.05 / 0.92 / 0.90x, after 1.07 / 1.03 / 0.99x; at load 9-15 0.69-1.20x for either (per round
+0.27-1.58x).
+
+Where the bound is. colocated_1f1b's per-micro-batch CPU (forward 136 / 49 / 140 / 49 ms on stage 0,
+152 / 63 / 160 / 64 on stage 1; backward 284 / 97 / 283 / 87 and 324 / 153 / 331 / 151) fed to the
+1F1B event model (``planning.pipeline.simulate_1f1b``) gives 1.90 s, plus 20 / 58 ms of the step
+outside the operations: 1.96 s, with the stages busy 1.13 / 1.40 s. cad_1f1b computes 1.33 / 1.58
+CPU-s per rank (2.91 against 2.60: +12%, the dispatch and the resent q, k, v, out, dO); perfectly
+balanced that is 1.46 s (1.35x), and a step lasts that plus half the segments' imbalance: 0.26 s, of
+which 0.17 s are the segments that hold the LM head (B0-B3 ``pre``: the first stage waits for it at
+the backward's first exchange) and 0.04 s the pipeline's drain (``end``). 1.2x (1.63 s) needs about
+0.1 s of those: the head's segments can only be filled with attention the first stage computes
+without an exchange, its own documents', before it waits (a backward wave order of local tasks
+first, planned to keep the first stage's long document local by about the head's time); that exists
+in B1 and B3 only (B0's first stage is a bubble, B2's holds short documents): at most ~0.08 s, 1.19x.
+Not done: the wave order alone (local tasks after the remote ones in the forward, before them in the
+backward) replayed at 1.94 against 1.97 s with the old balancing and 1.84 against 1.85 s with the new;
+the planning half needs the head's time per tick again (the measured share this change removed).
 
 This file: the methods, sizes, targets and rows (pure) of ``--pipeline-parallel``; one rank runs in
 ``pipeline_worker``, the summary in ``pipeline_reports``, the command in ``pipeline_cli``.
