@@ -440,6 +440,8 @@ def test_group_documents_packs_whole_documents_best_fit_decreasing(groups, group
     assert (np.bincount(group, weights=length, minlength=groups) <= group_tokens).all() and length.sum() == total
     with pytest.raises(ValueError, match="more than"):
         group_documents(np.array([groups * group_tokens + 1]), groups, group_tokens)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        group_documents(np.array([1, 0]), groups, group_tokens)
 
 
 def test_baselines_keep_a_document_whole_when_a_group_holds_it():

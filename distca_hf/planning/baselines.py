@@ -131,6 +131,8 @@ def group_documents(docs, groups: int, group_tokens: int, *, whole_above: int | 
     of 10^5 documents in milliseconds: at most one per group is cut, which drops under
     ``whole_above ** 2 / 4`` of its pairs."""
     docs = np.asarray(docs, dtype=np.int64)
+    if docs.size and docs.min() < 1:
+        raise ValueError(f"docs must be document lengths >= 1 token, got {int(docs.min())}")
     if docs.sum() > groups * group_tokens:
         raise ValueError(f"docs hold {int(docs.sum())} tokens, more than {groups} groups x {group_tokens}")
     whole_above = group_tokens // 64 if whole_above is None else whole_above
