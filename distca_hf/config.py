@@ -280,6 +280,9 @@ class DistCAConfig:
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"distca {name} {problem}")
+        if self.kv_cap is not None and self.tolerance != "auto":  # refused here, not at the first planned step
+            raise ValueError(f"distca kv_cap {self.kv_cap!r} needs tolerance 'auto' (got tolerance {self.tolerance!r}): "
+                             "only planning by time plans within it; set kv_cap None or tolerance 'auto'")
 
 
 SETTINGS = {f.name: f for f in fields(DistCAConfig) if "check" in f.metadata}

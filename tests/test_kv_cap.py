@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.config import SETTINGS, setting_problem
-from distca_hf.planning import (DocumentPieces, PlannerConfig, colocated_plan, kv_received, kv_transfers, plan_tasks,
-                                step_seconds)
+from distca_hf.planning import (PlannerConfig, colocated_plan, kv_received, kv_transfers, plan_tasks, step_seconds)
 from distca_hf.planning.baselines import kv_cap_tokens, pack_pieces, per_doc_cp_kv_received
 from distca_hf.planning.cost import LLAMA3_8B_BYTES
 from distca_hf.planning.descent import descend
@@ -78,6 +77,18 @@ def test_the_cap_binds_where_auto_would_pass_it():
         < step_seconds(colocated, pieces, config)
 
 
+@pytest.mark.parametrize("cap", ["cp", 1.0])
+def test_a_rank_outside_the_server_pool_gives_its_work_away_under_a_cap(cap):
+    """Found in review: rank 2 lies outside the pool and its document's servers and holders too, so
+    its shards must go to a server new to the document; the cap refused every one and the descent
+    raised. A move that must be made is exempt from the cap (as for the carvings: by_time drops it)."""
+    pieces = pack_pieces(np.array([190, 20, 190, 200]), 3, 200)
+    config = PlannerConfig(tolerance="auto", servers=(0, 1), kv_cap=cap, block=1)
+    plan = plan_tasks(pieces, config)
+    _check_queries(pieces, plan, config)
+    assert set(plan.server.tolist()) <= {0, 1} and plan.server_pairs().sum() == pieces.local_pairs().sum()
+
+
 def test_kv_cap_tokens_hand_checked():
     # ranks of 8 tokens: doc 0 [0, 5) on rank 0; doc 1 (12 tokens) [0, 3) on 0, [3, 11) on 1, [11, 12) on 2
     pieces = pack_pieces(np.array([5, 12, 4]), 3, 8)
@@ -97,6 +108,11 @@ def test_kv_cap_refusals():
     pieces = pack_pieces(np.array([100, 20]), 2, 64)
     with pytest.raises(ValueError, match="kv_cap 'cp' needs tolerance 'auto'"):
         plan_tasks(pieces, PlannerConfig(0.02, kv_cap="cp"))
+    from distca_hf.config import DistCAConfig
+
+    with pytest.raises(ValueError, match="distca kv_cap 'cp' needs tolerance 'auto'"):  # at set-up, not the first step
+        DistCAConfig(tolerance=0.02, kv_cap="cp")
+    assert DistCAConfig(kv_cap="cp").kv_cap == "cp"
     for bad in (0, -1.0, "CP", "auto", True):
         assert setting_problem("kv_cap", bad) is not None
         with pytest.raises(ValueError, match="kv_cap must be 'cp'"):

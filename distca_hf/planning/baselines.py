@@ -25,8 +25,9 @@ best fit decreasing (``group_documents``), as TRL's default packing (``packing_s
 sequences: a data-parallel loader cannot share a document between replicas, and cutting a document
 at a group boundary drops its cross-boundary attention, so a baseline packed in order would compute
 less than distca (up to 19% fewer pairs on average on the wlbllm sample, 48% on a batch holding a 1M
--token document). Only what fits no group whole is cut, so the baselines compute the same attention
-as distca wherever they can, and never more.
+-token document). Only what fits no room whole, and at most one short document per room, is cut (about
+0.1% of the pairs on the shared samples), so the baselines compute the same attention as distca
+wherever they can, and never more.
 
 Bytes are one layer's forward, per rank, sent and received (``RankLoads``).
 """

@@ -161,9 +161,7 @@ class _Descent:
         n = pieces.num_ranks
         self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
         self.servers = start.servers
-        self.is_server = [False] * n
-        for s in self.servers:
-            self.is_server[s] = True
+        self.is_server = np.isin(np.arange(n), self.servers).tolist()  # (Python bools: read in hot loops)
         tm, tb = config.time_model, config.token_bytes
         self.attn, self.key_s, self.task_s = tm.attn_s_per_pair, tm.task_key_s, tm.task_s
         self.q, self.o, self.kv = tb.q, tb.o, tb.kv
@@ -454,12 +452,13 @@ class _Descent:
 
     # -- the descent --------------------------------------------------------------------------------
 
-    def new_server(self, heap, exclude: int, count: int, known, lacks: int = 0) -> int | None:
+    def new_server(self, heap, exclude: int, count: int, known, lacks: int | None = 0) -> int | None:
         """The first of the ``count`` servers predicted fastest (``exclude`` left out, and under kv_cap
-        those that cannot receive ``lacks`` more K/V tokens) that is not in ``known``, or None (lazy
-        heap: stale entries are dropped as they surface)."""
+        those that cannot receive ``lacks`` more K/V tokens; ``None``: a move that must be made, exempt
+        as in ``best_shard``) that is not in ``known``, or None (lazy heap: stale entries are dropped)."""
         time, popped, seen, found = self.time, [], 0, None
-        received, room = self.received, (self.kv_cap - lacks if self.received is not None else 0)
+        received = self.received if lacks is not None else None
+        room = self.kv_cap - lacks if received is not None else 0
         while heap and seen < count:
             t, r = heap[0]
             if t != time[r]:
@@ -503,7 +502,8 @@ class _Descent:
                 if room:
                     # (one is enough: every server new to the document costs its holders the same sends,
                     # so the one with the most room takes the largest shard)
-                    new = self.new_server(heap, donor, LEAST_LOADED, known, end - key_start(end - 1, self.window))
+                    new = self.new_server(heap, donor, LEAST_LOADED, known,
+                                          None if must_empty else end - key_start(end - 1, self.window))
                     if new is not None:
                         candidates.append(new)
                 best, best_key, best_pairs = None, None, 0.0
