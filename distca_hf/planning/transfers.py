@@ -24,14 +24,14 @@ from .cost import TokenBytes, imbalance, key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["memory_limit", "KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
+__all__ = ["memory_limit", "RangeSends", "KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
            "rank_bytes", "RunningBytes",
            "BackwardMemory", "backward_memory", "fit_memory_budget", "document_servers", "long_document_servers"]
 
 
 @dataclass(frozen=True, eq=False)
-class KVTransfers:
-    """K/V ranges to send (arrays ``[num_transfers]``, int64): tokens ``[start, end)`` of document
+class RangeSends:
+    """Token ranges to send (arrays ``[num_sends]``, int64): tokens ``[start, end)`` of document
     ``doc`` go from ``source`` (where they live) to ``server``."""
 
     source: np.ndarray
@@ -42,6 +42,11 @@ class KVTransfers:
 
     def tokens(self) -> int:
         return int((self.end - self.start).sum())
+
+
+@dataclass(frozen=True, eq=False)
+class KVTransfers(RangeSends):
+    """K/V ranges to send (``RangeSends``: K and V of the tokens ``[start, end)``)."""
 
 
 def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
@@ -94,20 +99,12 @@ def kv_transfers(plan: Plan, pieces: DocumentPieces) -> KVTransfers:
 
 
 @dataclass(frozen=True, eq=False)
-class QuerySends:
-    """Query ranges to send (arrays ``[num_sends]``, int64): queries ``[start, end)`` of document
-    ``doc`` go from ``source`` (where they live) to ``server``; ``of_task`` (``[num_tasks]``) is the
-    send that holds each task's queries (``-1``: a task computed on its queries' own rank)."""
+class QuerySends(RangeSends):
+    """Query ranges to send (``RangeSends``: the queries ``[start, end)``); ``of_task``
+    (``[num_tasks]``) is the send that holds each task's queries (``-1``: a task computed on its
+    queries' own rank)."""
 
-    source: np.ndarray
-    server: np.ndarray
-    doc: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
     of_task: np.ndarray
-
-    def tokens(self) -> int:
-        return int((self.end - self.start).sum())
 
 
 def query_sends(plan: Plan) -> QuerySends:
