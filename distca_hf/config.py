@@ -68,6 +68,15 @@ def _kv_cap_problem(value):
                 f"receive per layer) or None (no cap), got {value!r}")
 
 
+def kv_cap_pairing_problem(kv_cap, tolerance) -> str | None:
+    """What is wrong with ``kv_cap`` beside ``tolerance`` (only planning by time plans within a cap),
+    as ``"kv_cap ... needs ..."``, or ``None``; the one home of the rule (settings and planner)."""
+    if kv_cap is not None and tolerance != "auto":
+        return (f"kv_cap {kv_cap!r} needs tolerance 'auto' (got tolerance {tolerance!r}): only planning by time "
+                "plans within it; set kv_cap None or tolerance 'auto'")
+    return None
+
+
 def _parse_kv_cap(text: str):
     lowered = text.strip().lower()
     return None if lowered == "none" else "cp" if lowered == "cp" else float(text)
@@ -280,9 +289,9 @@ class DistCAConfig:
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"distca {name} {problem}")
-        if self.kv_cap is not None and self.tolerance != "auto":  # refused here, not at the first planned step
-            raise ValueError(f"distca kv_cap {self.kv_cap!r} needs tolerance 'auto' (got tolerance {self.tolerance!r}): "
-                             "only planning by time plans within it; set kv_cap None or tolerance 'auto'")
+        problem = kv_cap_pairing_problem(self.kv_cap, self.tolerance)  # refused here, not at the first planned step
+        if problem:
+            raise ValueError(f"distca {problem}")
 
 
 SETTINGS = {f.name: f for f in fields(DistCAConfig) if "check" in f.metadata}

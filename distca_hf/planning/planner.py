@@ -17,6 +17,7 @@ re-exported here, where they lived before the carving had its own module.
 
 from __future__ import annotations
 
+from ..config import kv_cap_pairing_problem
 from .by_time import plan_by_time
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .pieces import DocumentPieces
@@ -32,7 +33,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     ``config.memory_budget``. ``config.kv_cap`` (K/V one server receives per layer) needs ``"auto"``."""
     if config.tolerance == "auto":
         return plan_by_time(pieces, config)
-    if config.kv_cap is not None:  # the carving balances attention whatever K/V that moves
-        raise ValueError(f"kv_cap {config.kv_cap!r} needs tolerance 'auto' (got tolerance {config.tolerance!r}): "
-                         "only planning by time plans within it; set kv_cap None or tolerance 'auto'")
+    problem = kv_cap_pairing_problem(config.kv_cap, config.tolerance)  # the carving ignores K/V it moves
+    if problem:
+        raise ValueError(problem)
     return fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)
