@@ -67,9 +67,9 @@ def rehome_within_memory(plan: Plan, pieces: DocumentPieces, config: PlannerConf
 
     # the groups (server, doc) of the servers over the limit whose server holds no piece of doc: the
     # memory and seconds each moves
-    over = np.flatnonzero(held > limit)
-    span = int(max(plan.doc.max(initial=0), pieces.doc.max(initial=0))) + 1
     is_over = held > limit
+    over = np.flatnonzero(is_over)
+    span = int(max(plan.doc.max(initial=0), pieces.doc.max(initial=0))) + 1
     on_over = np.flatnonzero(is_over[plan.server])
     group_of = plan.server[on_over] * span + plan.doc[on_over]
     keys, index = np.unique(group_of, return_inverse=True)
