@@ -416,21 +416,21 @@ class _Descent:
     def commit(self, donor: int, server: int, doc: int, index: int, a: int, changes, merged) -> None:
         intervals, window = self.intervals(donor), self.window
         _, piece_start, b, piece = intervals[index]
-        if self.held is not None:  # before the needs grow: the K/V the server lacks until now
-            kept = (b - a) * self.query_bytes
-            kv_bytes = self.kv_sends(donor, server, doc, key_start(a, window), b)[1] / 2
-            self.held[donor] -= kept
-            self.held[server] += kept + kv_bytes
-            self.held_total += kv_bytes
-        if self.received is not None:  # before the needs grow, as above
-            self.received[server] += self.kv_sends(donor, server, doc, key_start(a, window), b)[1] // (2 * self.kv)
-        time = self.time
-        for rank, add in changes.items():
-            time[rank] += add
         if window is None:  # causal_pairs and key_start, inlined
             pairs, first = (b * (b + 1) - a * (a + 1)) // 2, 0
         else:
             pairs, first = causal_pairs(a, b, window), key_start(a, window)
+        if self.held is not None or self.received is not None:  # before the needs grow: K/V bytes it lacks (fwd + bwd)
+            lacked = self.kv_sends(donor, server, doc, first, b)[1]
+            if self.held is not None:
+                kept = (b - a) * self.query_bytes
+                self.held[donor] -= kept
+                self.held[server] += kept + lacked / 2
+                self.held_total += lacked / 2
+            if self.received is not None:
+                self.received[server] += lacked // (2 * self.kv)
+        for rank, add in changes.items():
+            self.time[rank] += add
         pairs_s = self.attn * pairs
         # approximately (block rounding, the task it may drop): what moving the rest would save
         self.own[donor] = max(self.own[donor] - pairs_s - self.key_s * (b - a) + self.byte_s * (self.q + self.o) * (b - a),

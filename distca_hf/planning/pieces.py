@@ -108,6 +108,17 @@ class DocumentPieces:
             holders.setdefault(doc, []).append((rank, kv_start, end))
         return holders
 
+    def query_spanning(self) -> np.ndarray:
+        """``[max doc + 1]`` bool: whether the document's pieces with queries lie on more than one rank
+        (key-only pieces aside)."""
+        has_queries = self.end > self.start
+        rank, doc = self.rank[has_queries], self.doc[has_queries]
+        first_rank = np.full(int(self.doc.max(initial=-1)) + 1, -1, dtype=np.int64)
+        first_rank[doc[::-1]] = rank[::-1]
+        spans = np.zeros(first_rank.size, dtype=bool)
+        spans[doc[rank != first_rank[doc]]] = True
+        return spans
+
     def tokens(self) -> np.ndarray:
         return np.bincount(self.rank, weights=self.end - self.start, minlength=self.num_ranks).astype(np.int64)
 

@@ -179,11 +179,8 @@ def _tiled_documents(pieces: DocumentPieces, min_pairs: float) -> np.ndarray:
     has_queries = pieces.end > pieces.start
     if not has_queries.any():
         return np.zeros(pieces.num_pieces, dtype=bool)
-    size = int(pieces.doc.max()) + 1
-    first_rank = np.full(size, -1, dtype=np.int64)
-    first_rank[pieces.doc[has_queries][::-1]] = pieces.rank[has_queries][::-1]
-    spans = np.zeros(size, dtype=bool)
-    spans[pieces.doc[has_queries & (pieces.rank != first_rank[pieces.doc])]] = True
+    spans = pieces.query_spanning()
+    size = spans.size
     key_only = np.zeros(size, dtype=bool)
     key_only[pieces.doc[pieces.kv_start < pieces.start]] = True
     key_only[pieces.doc[~has_queries]] = True

@@ -47,8 +47,8 @@ from .cost import TokenBytes, causal_pairs, key_start
 from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
-from .rank_time import loads_seconds, other_seconds, rank_seconds
-from .transfers import backward_memory, kv_received, kv_transfers, memory_limit, rank_bytes
+from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds
+from .transfers import backward_memory, kv_received, kv_transfers, memory_limit
 
 __all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "tile_units"]
 
@@ -139,16 +139,14 @@ def apply_time_tiles(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, 
     if plan.splits_keys or plan.num_tasks == 0:
         return plan
     base = with_key_ranges(plan)
-    tb, n, backward = config.token_bytes, plan.num_ranks, plan.backward
+    tb, backward = config.token_bytes, plan.backward
     returned = tb.o + tb.lse
     transfers = kv_transfers(base, pieces)
     if not transfers.source.size:
         return plan
-    sent, received = rank_bytes(base, pieces, tb, transfers)
-    loads = np.stack([other_seconds(pieces.tokens(), config), plan.server_pairs().astype(np.float64),
-                      np.bincount(plan.server, minlength=n).astype(np.float64),
-                      np.bincount(plan.server, weights=base.keys(), minlength=n), sent.astype(np.float64),
-                      received.astype(np.float64)])  # [6, ranks]: other work (s), pairs, tasks, keys, sent, received
+    own = plan_loads(base, pieces, tb, transfers)
+    loads = np.stack([other_seconds(own.tokens, config), own.pairs, own.tasks, own.keys, own.sent,
+                      own.received]).astype(np.float64)  # [6, ranks]: other work (s), pairs, tasks, keys, sent, received
     seconds = _rank_seconds(config, backward, *loads)
     slowest = int(np.argmax(seconds))
     if not ((transfers.source == slowest).any() or (transfers.server == slowest).any()):

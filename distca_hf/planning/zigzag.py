@@ -46,7 +46,7 @@ def zigzag_plan(pieces: DocumentPieces, servers: tuple[int, ...] | None = None, 
     servers = tuple(range(pieces.num_ranks)) if servers is None else tuple(servers)
     if not doc.size:
         return None
-    spans = _spanning_documents(rank, doc)
+    spans = pieces.query_spanning()
     spanning = spans[doc]
     if not spanning.any():
         return None
@@ -72,7 +72,7 @@ def zigzag_lower_bound(pieces: DocumentPieces, time_model: TimeModel, window: in
     rank, doc, start, end = (x[has_queries] for x in (pieces.rank, pieces.doc, pieces.start, pieces.end))
     if not doc.size:
         return float("inf")
-    spans = _spanning_documents(rank, doc)
+    spans = pieces.query_spanning()
     spanning = spans[doc]
     if not spanning.any():
         return float("inf")
@@ -143,13 +143,3 @@ def _zigzag_tasks(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.
     ends = np.concatenate((starts[1:], [lo.size])) - 1
     base = seg_doc[starts] * span
     return (source[starts], server[starts], docs[seg_doc[starts]], lo[starts] - base, hi[ends] - base)
-
-
-def _spanning_documents(rank: np.ndarray, doc: np.ndarray) -> np.ndarray:
-    """``[max doc + 1]`` bool: whether the document's query pieces (``rank``, ``doc``: one entry per piece
-    with queries, non-empty) lie on more than one rank."""
-    first_rank = np.full(int(doc.max()) + 1, -1, dtype=np.int64)
-    first_rank[doc[::-1]] = rank[::-1]
-    spans = np.zeros(first_rank.size, dtype=bool)
-    spans[doc[rank != first_rank[doc]]] = True
-    return spans
