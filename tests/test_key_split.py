@@ -537,3 +537,36 @@ def test_the_kernels_run_causal_and_full_tiles_on_slices_of_the_fused_batch(monk
         varlen_attention_forward(fq, fk, fv, *args, full=[False, True, False])
     with pytest.raises(ValueError, match="causal_rows .* disagree"):
         varlen_attention_forward(fq, fk, fv, *args, full=batch.full, causal_rows=(12, 12))
+
+
+@pytest.mark.parametrize("kind", ["colocated", "moved", "tiles"])
+def test_a_waves_identity_flags_equal_its_fused_rows_covering_the_pool_in_order(kind):
+    """``Wave.q_identity`` / ``k_identity`` (the gathers the phases skip) are decided on the host
+    arrays; they must say exactly whether the fused batch's rows are the whole pool in order."""
+    from distca_hf.planning import PlannerConfig, TimeModel, kv_transfers, plan_tasks, stitch_rank_documents
+    from distca_hf.planning.carving import colocated_plan
+    from distca_hf.planning.documents import PackedDocuments
+    from distca_hf.runtime.tables import LocalDocuments, build_wave
+
+    world, doc_lengths, window = 2, [40, 3, 5, 2, 6], None
+    bounds, per_rank, first = _slices(doc_lengths, world)
+    ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first, span_ranks=True)
+    pieces = ranks.pieces
+    if kind == "colocated":
+        plan = colocated_plan(pieces)
+    elif kind == "moved":
+        plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1, token_bytes=TOKEN_BYTES))
+    else:
+        cols = _hand_tiles(pieces, window, world, seed=0)
+        plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
+    kv = kv_transfers(plan, pieces)
+    q_flags = []
+    for rank in range(world):
+        local = LocalDocuments(PackedDocuments.from_lengths(per_rank[rank]), ranks.global_ids[rank], ranks.offsets[rank])
+        wave = build_wave(plan, kv, local, rank, "cpu")
+        for flag, index, pool in ((wave.q_identity, wave.served.q_index, wave.num_local + sum(wave.recv_q_counts)),
+                                  (wave.k_identity, wave.served.k_index, wave.num_local_kv + sum(wave.recv_kv_counts))):
+            assert flag == (index.numel() == pool and torch.equal(index, torch.arange(pool)))
+        q_flags.append(wave.q_identity)
+    if kind == "colocated":  # every rank serves its own queries, in order: no gather of them
+        assert all(q_flags)

@@ -114,16 +114,13 @@ def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, de
     as_tensor = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
     sends = sends if sends is not None else query_sends(plan)
     send_q_rows, send_q_counts, send_kv_rows, send_kv_counts = _source_tables(plan, sends, kv, local, rank)
-    recv_q_counts, recv_kv_counts, served = _server_tables(plan, sends, kv, local, rank, device)
+    recv_q_counts, recv_kv_counts, served, q_identity, k_identity = _server_tables(plan, sends, kv, local, rank, device)
     docs = local.docs
-    identity = lambda index, rows: (not plan.splits_keys and index.numel() == rows
-                                    and bool(torch.equal(index, torch.arange(rows, device=index.device))))
     return Wave(world=plan.num_ranks, rank=rank, num_local=docs.num_query_tokens, num_local_kv=docs.num_key_tokens,
                 send_q_rows=as_tensor(send_q_rows), send_q_counts=send_q_counts,
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
                 recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=plan.window,
-                merges=plan.splits_keys, q_identity=identity(served.q_index, docs.num_query_tokens + sum(recv_q_counts)),
-                k_identity=identity(served.k_index, docs.num_key_tokens + sum(recv_kv_counts)), **settings)
+                merges=plan.splits_keys, q_identity=q_identity, k_identity=k_identity, **settings)
 
 
 def _source_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalDocuments, rank: int):
@@ -146,7 +143,9 @@ def _server_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalD
     """Rows this server receives from each source, and its fused batch over the pools ``[local rows]
     ++ [received rows, by source]``. A task's K/V prefix (cut to ``plan.window``) may come in several
     segments: its document's piece on this rank and the ranges received from every other holder. A
-    received task's queries are rows of its send (several key-split tiles of a row share them)."""
+    received task's queries are rows of its send (several key-split tiles of a row share them).
+    Also whether the batch's query / key rows are the whole pool in order (``Wave.q_identity`` /
+    ``k_identity``), decided here on the host arrays: no device sync per wave."""
     window = plan.window
     world, docs = plan.num_ranks, local.docs
     on_me = plan.server == rank
@@ -186,7 +185,11 @@ def _server_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalD
     else:
         k_rows = _prefix_rows(t_doc, key_start(t_a, window), t_b, seg_doc, seg_start, seg_end, seg_row)
         batch = fused_batch(q_index, k_rows, t_a, t_b, device, window=window)
-    return recv_q_counts.tolist(), recv_kv_counts.tolist(), batch
+    # (fused_batch reorders rows only for key-split tasks, which never cover a pool in order)
+    identity = lambda rows, pool: not plan.splits_keys and np.array_equal(rows, np.arange(pool))
+    return (recv_q_counts.tolist(), recv_kv_counts.tolist(), batch,
+            identity(q_index, docs.num_query_tokens + int(recv_q_counts.sum())),
+            identity(k_rows, docs.num_key_tokens + int(recv_kv_counts.sum())))
 
 
 def _prefix_rows(task_doc, task_start, task_end, seg_doc, seg_start, seg_end, seg_row) -> np.ndarray:
