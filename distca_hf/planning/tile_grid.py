@@ -80,8 +80,9 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
     if not is_server[pieces.rank[has_queries]].all():
         return None
     all_pairs = causal_pairs(pieces.start, pieces.end)
-    tiled = _tiled_documents(pieces, LONG * all_pairs.sum() / len(servers))
-    if not tiled.any() or all_pairs[tiled].sum() < DOMINANT * all_pairs.sum():
+    tiled = _tiled_documents(pieces, all_pairs, LONG * all_pairs.sum() / len(servers))
+    doc_pairs = float(all_pairs[tiled].sum())
+    if not tiled.any() or doc_pairs < DOMINANT * all_pairs.sum():
         return None
     tm, tb = config.time_model, config.token_bytes
     byte_s = tm.byte_seconds(config.exposed_comm, backward or config.backward)
@@ -91,7 +92,7 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
     # base_pairs' in a pipeline tick: rank_time's formula) included (its K/V transfers, for a spanning
     # document left whole, are not counted: the exact judgement in by_time counts them)
     local = has_queries & ~tiled
-    pairs = causal_pairs(pieces.start[local], pieces.end[local]).astype(np.float64)
+    pairs = all_pairs[local].astype(np.float64)
     time = (other_seconds(pieces.tokens(), config)
             + np.bincount(pieces.rank[local], weights=tm.task_seconds(pairs, pieces.end[local]), minlength=n))
     if float(time.max(initial=0.0)) >= give_up_at * (1 + 1e-9):  # (a hair above: sums in another order)
@@ -100,7 +101,6 @@ def tile_grid_plan(pieces: DocumentPieces, config: PlannerConfig, *, backward: s
         time = time + tm.collective_s
 
     # the grid: query blocks of m tokens, key groups of r blocks
-    doc_pairs = float(causal_pairs(pieces.start[tiled], pieces.end[tiled]).sum())
     ratio = max(1, round((tb.q + returned) / max(tb.kv, 1)))
     tile = max(TILE_SHARE * doc_pairs / len(servers), 1.0)
     block = config.block
@@ -172,10 +172,10 @@ def _least(heap, time, count):
     return found
 
 
-def _tiled_documents(pieces: DocumentPieces, min_pairs: float) -> np.ndarray:
-    """``[num_pieces]`` bool: the pieces of documents of at least ``min_pairs`` pairs whose queries
-    lie on more than one rank and whose pieces hold no key-only rows (their queries tile ``[0,
-    length)``)."""
+def _tiled_documents(pieces: DocumentPieces, pairs: np.ndarray, min_pairs: float) -> np.ndarray:
+    """``[num_pieces]`` bool: the pieces of documents of at least ``min_pairs`` pairs (``pairs``: each
+    piece's, ``[num_pieces]``) whose queries lie on more than one rank and whose pieces hold no
+    key-only rows (their queries tile ``[0, length)``)."""
     has_queries = pieces.end > pieces.start
     if not has_queries.any():
         return np.zeros(pieces.num_pieces, dtype=bool)
@@ -184,8 +184,7 @@ def _tiled_documents(pieces: DocumentPieces, min_pairs: float) -> np.ndarray:
     key_only = np.zeros(size, dtype=bool)
     key_only[pieces.doc[pieces.kv_start < pieces.start]] = True
     key_only[pieces.doc[~has_queries]] = True
-    long = np.bincount(pieces.doc, weights=causal_pairs(pieces.start, pieces.end).astype(np.float64),
-                       minlength=size) >= min_pairs
+    long = np.bincount(pieces.doc, weights=pairs.astype(np.float64), minlength=size) >= min_pairs
     return (spans & long & ~key_only)[pieces.doc]
 
 
