@@ -27,6 +27,20 @@ from .pieces import DocumentPieces
 __all__ = ["zigzag_plan", "zigzag_lower_bound"]
 
 
+def _query_pieces(pieces: DocumentPieces):
+    """``(rank, doc, start, end, spanning, spans)``: the pieces holding queries, ``spanning`` [those
+    pieces] true where the piece's document has queries on more than one rank, and ``spans``
+    [documents] the same per document (``DocumentPieces.query_spanning``); ``None`` when no document spans
+    ranks (the CP-shaped plan would be colocated, so it does not exist)."""
+    has_queries = pieces.end > pieces.start
+    rank, doc, start, end = (x[has_queries] for x in (pieces.rank, pieces.doc, pieces.start, pieces.end))
+    spans = pieces.query_spanning()
+    spanning = spans[doc]
+    if not spanning.any():
+        return None
+    return rank, doc, start, end, spanning, spans
+
+
 def zigzag_plan(pieces: DocumentPieces, servers: tuple[int, ...] | None = None, *, window: int | None = None,
                 block: int = 1) -> Plan | None:
     """The CP-shaped plan of ``pieces`` (module docstring): every document whose queries lie on more
@@ -36,20 +50,16 @@ def zigzag_plan(pieces: DocumentPieces, servers: tuple[int, ...] | None = None, 
     document and queries, as plans are."""
     if block < 1:
         raise ValueError(f"block must be an integer >= 1, got {block!r}")
-    has_queries = pieces.end > pieces.start
-    rank, doc, start, end = (x[has_queries] for x in (pieces.rank, pieces.doc, pieces.start, pieces.end))
+    found = _query_pieces(pieces)
+    if found is None:
+        return None
+    rank, doc, start, end, spanning, _ = found
     if servers is not None:
         is_server = np.zeros(pieces.num_ranks, dtype=bool)
         is_server[list(servers)] = True
         if not is_server[rank].all():
             return None
     servers = tuple(range(pieces.num_ranks)) if servers is None else tuple(servers)
-    if not doc.size:
-        return None
-    spans = pieces.query_spanning()
-    spanning = spans[doc]
-    if not spanning.any():
-        return None
     source, server, q_doc, q_start, q_end = _zigzag_tasks(*(x[spanning] for x in (rank, doc, start, end)), block)
     local = ~spanning
     cols = [np.concatenate((x[local], y)) for x, y in zip((rank, rank, doc, start, end),
@@ -68,14 +78,10 @@ def zigzag_lower_bound(pieces: DocumentPieces, time_model: TimeModel, window: in
     it holds, sums to at least the document's pairs). Keys, tasks and communication only add
     (``collective_s`` too, but not always: under a sliding window a holder may need nothing from the
     others). ``inf`` when the plan does not exist."""
-    has_queries = pieces.end > pieces.start
-    rank, doc, start, end = (x[has_queries] for x in (pieces.rank, pieces.doc, pieces.start, pieces.end))
-    if not doc.size:
+    found = _query_pieces(pieces)
+    if found is None:
         return float("inf")
-    spans = pieces.query_spanning()
-    spanning = spans[doc]
-    if not spanning.any():
-        return float("inf")
+    rank, doc, start, end, spanning, spans = found
     pairs = causal_pairs(start, end, window).astype(np.float64)
     base = time_model.rank_seconds(pieces.tokens(), np.bincount(rank[~spanning], weights=pairs[~spanning],
                                                               minlength=pieces.num_ranks))
