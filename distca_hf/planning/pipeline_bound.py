@@ -1,0 +1,111 @@
+"""Floors under the time model of ``pipeline_cost``: how fast CAD across stages (the lockstep of
+``pipeline_schedule="cad_1f1b"``) and CAD inside each stage could run one step if attention were
+balanced perfectly and moved no byte. Pure numpy.
+
+Why a floor: ``cad_across_stages / cad_per_stage`` is what issue 20 sets a target for (1.15x), and
+``step_s(cad_per_stage) / floor(cad_across_stages)`` is an upper bound on that ratio for any tick
+planner: if it is below the target, no plan reaches it under the model.
+
+The floors keep everything of ``pipeline_cost``'s model that no plan can change and drop the rest:
+
+- a lockstep tick's layer lasts the slowest rank's linear layers plus the slowest rank's attention
+  (``pipeline_cost.tick_layer_seconds``): the floor takes the slowest linear layers as they are (a
+  busy row) and the attention as the tick's total over all ``P x D`` ranks, spread evenly;
+- an operation of CAD inside each stage lasts its slowest copy's linear layers plus attention: the
+  floor takes its ``D`` copies' work spread evenly (and at least the slowest copy's linear layers);
+- attention's total is its pairs plus the least key and task cost any plan pays: every key of a
+  document is read by at least one task (the query at that position sees it) and every document is
+  at least one task (``TimeModel.rank_seconds``);
+- communication between the servers is free (none of it exposed, no ``collective_s``); the
+  activations between stages (``p2p_s``) are kept, as the event models (``pipeline.simulate_lockstep``,
+  ``simulate_1f1b``) time them for both methods whatever is hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .baselines import pack_pieces
+from .cost import TimeModel, document_pairs
+from .pipeline import FORWARD, PipelineRun, lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep
+from .pipeline_cost import check_layers, forward_backward_models
+
+__all__ = ["PipelineFloors", "attention_floor_seconds", "pipeline_floors"]
+
+
+def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None = None) -> float:
+    """The least total attention seconds (summed over servers, one layer, in ``time_model``'s share)
+    any plan pays for documents of lengths ``docs`` (``[documents]`` tokens): their pairs, one key
+    read per token and one task per document."""
+    docs = np.asarray(docs, dtype=np.int64)
+    docs = docs[docs > 0]
+    pairs = float(np.sum(document_pairs(docs, window), dtype=np.float64))
+    return float(time_model.rank_seconds(0.0, pairs, tasks=docs.size, keys=float(docs.sum())))
+
+
+@dataclass(frozen=True)
+class PipelineFloors:
+    """One step's floors (module docstring).
+
+    Attributes:
+        cad_across_stages: the lockstep with every tick's attention spread evenly over all ranks and
+            no byte between servers.
+        cad_per_stage: torch's 1F1B with every micro-batch's attention spread evenly over its stage's
+            copies and no byte between them.
+        tick_s: ``[ticks]`` seconds of each lockstep tick in ``cad_across_stages`` (all its layers).
+        attention_share: the step's attention over its attention plus linear work (compute only).
+    """
+
+    cad_across_stages: PipelineRun
+    cad_per_stage: PipelineRun
+    tick_s: tuple
+    attention_share: float
+
+
+def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
+                    time_model: TimeModel, activation_bytes_per_token: int,
+                    window: int | None = None) -> PipelineFloors:
+    """The floors of one step of ``pipeline_cost.pipeline_step`` with the same arguments
+    (``micro_batch_docs``: ``M`` arrays of document lengths, each packed in order into ``data_parallel``
+    rows of ``tokens``; ``layers`` a multiple of ``stages``; ``time_model`` the layer's forward +
+    backward, split as ``pipeline_cost.forward_backward_models`` splits it). No plan of the
+    lockstep ticks (``cad_across_stages``) or of the stages (``cad_per_stage``) is predicted faster
+    by ``pipeline_step``, at any hidden share of communication."""
+    layers_per_stage = check_layers(layers, stages)
+    for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if activation_bytes_per_token < 0:
+        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
+    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
+    if not micro_batch_docs:
+        raise ValueError("micro_batch_docs must hold at least one micro-batch")
+    for i, docs in enumerate(micro_batch_docs):
+        if int(docs.sum()) > data_parallel * tokens:
+            raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel "
+                             f"({data_parallel}) x tokens ({tokens})")
+    m, ranks = len(micro_batch_docs), stages * data_parallel
+    p2p_s = tokens * activation_bytes_per_token / time_model.bytes_per_s
+    parts = forward_backward_models(time_model)  # compute shares 1/3 and 2/3 whatever the mode
+    row_tokens = [pack_pieces(docs, data_parallel, tokens).tokens() for docs in micro_batch_docs]
+    # [kind, micro-batch] seconds of one layer: the slowest row's linear layers, the total attention
+    linear = np.array([[part.linear_s_per_token * float(rows.max(initial=0)) for rows in row_tokens]
+                       for part in parts])
+    mean_linear = np.array([[part.linear_s_per_token * float(rows.mean()) for rows in row_tokens] for part in parts])
+    attention = np.array([[attention_floor_seconds(docs, part, window=window) for docs in micro_batch_docs]
+                          for part in parts])
+
+    operation = np.maximum(linear, mean_linear + attention / data_parallel)
+    every_stage = layers_per_stage * np.ones((stages, 1))  # [stages, micro-batches] seconds: equal stages
+    cad_per_stage = simulate_1f1b(every_stage * operation[0], every_stage * operation[1], p2p_s=p2p_s)
+
+    tick_s = []
+    for tick in lockstep_1f1b_ticks(stages, m):
+        kind = 0 if tick.kind == FORWARD else 1
+        busy = [mb for mb in tick.micro_batches if mb is not None]
+        tick_s.append(layers_per_stage * (linear[kind, busy].max(initial=0.0) + attention[kind, busy].sum() / ranks))
+    across = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
+    share = float(attention.sum() / (attention.sum() + data_parallel * mean_linear.sum()))
+    return PipelineFloors(across, cad_per_stage, tuple(float(s) for s in tick_s), share)
