@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.planning import PlannerConfig, TimeModel, TokenBytes
-from distca_hf.planning.pipeline_bound import attention_floor_seconds, pipeline_floors
+from distca_hf.planning.pipeline_bound import attention_floor_seconds, holder_link_floor_seconds, pipeline_floors
 from distca_hf.planning.pipeline_cost import pipeline_step
 from distca_hf.tools.simulate import draw_batch
 
@@ -23,6 +23,23 @@ def test_attention_floor_counts_pairs_one_key_per_token_and_one_task_per_documen
     assert attention_floor_seconds([4, 6, 0], model) == pytest.approx(2.0 * (10 + 21) + 3.0 * 10 + 5.0 * 2)
     # window 3: the 6-token document's queries see 1, 2, 3, 3, 3, 3 keys
     assert attention_floor_seconds([6], model, window=3) == pytest.approx(2.0 * 15 + 3.0 * 6 + 5.0)
+
+
+def test_holder_link_floor_hand_computed():
+    """q + o = 16 bytes, kv = 4, 1 s a pair, 1/8 s a byte: offloading costs the holders at least
+    2 / 8 sqrt(16 * 4 * 1 / tau) = 2 / sqrt(tau) s a pair. 100 pairs on 2 holders:
+    min(100 / 2, (2 * 100 / 2) ^ (2/3)) = 100 ^ (2/3); 4 pairs on 1 holder: min(4, 8 ^ (2/3) = 4) = 4;
+    with free bytes nothing is left but 0."""
+    tb = TokenBytes(q=10, kv=4, o=6)
+    got = holder_link_floor_seconds([100, 4, 3], [2, 1, 1], attn_s_per_pair=1.0, byte_s=1 / 8, token_bytes=tb)
+    assert got == pytest.approx([100 ** (2 / 3), 4.0, 3.0])
+    # the last: min(3, 6 ^ (2/3) = 3.30) = 3, all on its holder
+    # tau = 100 ^ (2/3): offloading all 100 pairs costs 100 * 2 / sqrt(tau) = 2 tau, two holders' tau each
+    tau = got[0]
+    assert 100 * 2 / np.sqrt(tau) == pytest.approx(2 * tau)
+    assert holder_link_floor_seconds([100], [2], attn_s_per_pair=1.0, byte_s=0.0, token_bytes=tb).tolist() == [0.0]
+    with pytest.raises(ValueError, match="holders must be >= 1"):
+        holder_link_floor_seconds([1], [0], attn_s_per_pair=1.0, byte_s=1.0, token_bytes=tb)
 
 
 def test_floors_hand_computed():
@@ -52,6 +69,10 @@ def test_floors_refuse_bad_input_naming_it():
         pipeline_floors([np.array([4])], **{**args, "layers": 3})
     with pytest.raises(ValueError, match="at least one micro-batch"):
         pipeline_floors([], **args)
+    with pytest.raises(ValueError, match="exposed_comm > 0 needs token_bytes"):
+        pipeline_floors([np.array([4])], exposed_comm=0.5, **args)
+    with pytest.raises(ValueError, match="exposed_comm must be between 0 and 1"):
+        pipeline_floors([np.array([4])], exposed_comm=2.0, token_bytes=TOKEN_BYTES, **args)
 
 
 @settings(max_examples=8, deadline=None)
@@ -68,9 +89,30 @@ def test_no_plan_beats_the_floors(seed, stages, micro_batches, data_parallel, by
     args = dict(stages=stages, data_parallel=data_parallel, tokens=tokens, layers=2 * stages,
                 activation_bytes_per_token=64)
     steps = pipeline_step(docs, config=config, **args)
-    floors = pipeline_floors(docs, time_model=model, window=window, **args)
+    floors = pipeline_floors(docs, time_model=model, window=window, exposed_comm=config.exposed_comm,
+                             token_bytes=TOKEN_BYTES, **args)
     for method in ("cad_per_stage", "cad_across_stages"):
         assert getattr(floors, method).step_s <= steps[method].step_s * (1 + 1e-9), method
     # with one stage both methods are the same plan of one micro-batch at a time, and so are the floors
     if stages == 1:
         assert floors.cad_across_stages.step_s == pytest.approx(floors.cad_per_stage.step_s, rel=1e-12)
+
+
+def test_holders_links_bind_a_long_document_and_no_plan_beats_them():
+    """The built-in H100 model at Llama-3-8B's shape, 2 stages x 2 copies of 8192-token rows: micro-batch 0
+    is one 16384-token document (2 holders), the others short documents. With the communication counted,
+    the lockstep's floor rises above the floor of free communication (the holders' links bind in the ticks
+    that hold the long document) and stays below what the planner achieves."""
+    from distca_hf.planning.cost import default_time_model
+
+    token_bytes = TokenBytes.for_model(4096, 32, 8)
+    model = default_time_model("cuda", token_bytes, 2)
+    docs = [np.array([16384]), np.full(32, 512), np.full(16, 1024)]
+    config = PlannerConfig(tolerance="auto", block=128, token_bytes=token_bytes, time_model=model, key_split=True)
+    args = dict(stages=2, data_parallel=2, tokens=8192, layers=2, activation_bytes_per_token=8192)
+    steps = pipeline_step(docs, config=config, **args)
+    free = pipeline_floors(docs, time_model=model, **args)
+    counted = pipeline_floors(docs, time_model=model, exposed_comm=1.0, token_bytes=token_bytes, **args)
+    assert counted.cad_across_stages.step_s > 1.05 * free.cad_across_stages.step_s
+    assert counted.cad_across_stages.step_s <= steps["cad_across_stages"].step_s
+    assert counted.cad_per_stage.step_s <= steps["cad_per_stage"].step_s

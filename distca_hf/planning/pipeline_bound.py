@@ -16,9 +16,21 @@ The floors keep everything of ``pipeline_cost``'s model that no plan can change 
 - attention's total is its pairs plus the least key and task cost any plan pays: every key of a
   document is read by at least one task (the query at that position sees it) and every document is
   at least one task (``TimeModel.rank_seconds``);
-- communication between the servers is free (none of it exposed, no ``collective_s``); the
-  activations between stages (``p2p_s``) are kept, as the event models (``pipeline.simulate_lockstep``,
-  ``simulate_1f1b``) time them for both methods whatever is hidden.
+- with ``exposed_comm=0`` communication between the servers is free; with a share exposed, only the
+  links of a document's holders are counted (``holder_link_floor_seconds``), never ``collective_s``;
+  the activations between stages (``p2p_s``) are kept, as the event models
+  (``pipeline.simulate_lockstep``, ``simulate_1f1b``) time them for both methods whatever is hidden.
+
+The holders' links. Under the model a server gets a document's queries and K/V from the ranks that hold
+its pieces (no relays: ``transfers.rank_bytes``) and returns the outputs to them. A server that computes
+``p`` pairs of the document and holds none of it receives queries ``Q`` and keys ``K`` with
+``|Q| |K| >= p``, so its traffic with the holders is at least ``|Q| (q + o) + |K| kv >= 2 sqrt(p (q + o)
+kv)`` bytes, and it computes at most ``tau / a`` pairs in a layer of ``tau`` seconds (``a``: seconds per
+pair). Spreading the ``X`` pairs the holders do not compute themselves over servers costs their links at
+least ``2 X sqrt((q + o) kv a / tau)`` bytes (fewest, fullest servers: the square root is concave).
+The ``H`` holders each spend at most ``tau`` on their compute and exposed bytes (``c`` seconds a byte),
+so ``a (P - X) + 2 c X sqrt((q + o) kv a / tau) <= H tau`` for some ``X`` in ``[0, P]``: linear in ``X``,
+it holds at ``X = 0`` or ``X = P``, hence ``tau >= min(a P / H, (2 c P sqrt((q + o) kv a) / H) ^ (2/3))``.
 """
 
 from __future__ import annotations
@@ -28,11 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import TimeModel, document_pairs
+from .cost import TimeModel, TokenBytes, document_pairs
 from .pipeline import FORWARD, PipelineRun, lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep
 from .pipeline_cost import check_layers, forward_backward_models
 
-__all__ = ["PipelineFloors", "attention_floor_seconds", "pipeline_floors"]
+__all__ = ["PipelineFloors", "attention_floor_seconds", "holder_link_floor_seconds", "pipeline_floors"]
 
 
 def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None = None) -> float:
@@ -43,6 +55,20 @@ def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None =
     docs = docs[docs > 0]
     pairs = float(np.sum(document_pairs(docs, window), dtype=np.float64))
     return float(time_model.rank_seconds(0.0, pairs, tasks=docs.size, keys=float(docs.sum())))
+
+
+def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s: float,
+                              token_bytes: TokenBytes) -> np.ndarray:
+    """``[documents]`` the least seconds of one layer's attention part (compute + exposed bytes) on
+    the busiest holder of each document (module docstring): ``pairs`` (``[documents]``) its pairs,
+    ``holders`` (``[documents]``, >= 1) the ranks holding its pieces, ``attn_s_per_pair`` seconds a pair,
+    ``byte_s`` exposed seconds a byte (``TimeModel.byte_seconds``)."""
+    pairs, holders = np.asarray(pairs, dtype=np.float64), np.asarray(holders, dtype=np.float64)
+    if (holders < 1).any():
+        raise ValueError(f"holders must be >= 1 per document, got {holders.min()}")
+    compute_all = attn_s_per_pair * pairs / holders
+    per_pair = 2.0 * byte_s * np.sqrt((token_bytes.q + token_bytes.o) * token_bytes.kv * attn_s_per_pair)
+    return np.minimum(compute_all, (per_pair * pairs / holders) ** (2.0 / 3.0))
 
 
 @dataclass(frozen=True)
@@ -65,14 +91,16 @@ class PipelineFloors:
 
 
 def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
-                    time_model: TimeModel, activation_bytes_per_token: int,
-                    window: int | None = None) -> PipelineFloors:
+                    time_model: TimeModel, activation_bytes_per_token: int, window: int | None = None,
+                    exposed_comm: float = 0.0, token_bytes: TokenBytes | None = None) -> PipelineFloors:
     """The floors of one step of ``pipeline_cost.pipeline_step`` with the same arguments
     (``micro_batch_docs``: ``M`` arrays of document lengths, each packed in order into ``data_parallel``
     rows of ``tokens``; ``layers`` a multiple of ``stages``; ``time_model`` the layer's forward +
     backward, split as ``pipeline_cost.forward_backward_models`` splits it). No plan of the
     lockstep ticks (``cad_across_stages``) or of the stages (``cad_per_stage``) is predicted faster
-    by ``pipeline_step``, at any hidden share of communication."""
+    by ``pipeline_step`` at ``exposed_comm`` (the share of communication not hidden, as
+    ``PlannerConfig.exposed_comm``; above 0 it needs ``token_bytes``, the wire size of a token) or
+    any larger share."""
     layers_per_stage = check_layers(layers, stages)
     for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -86,10 +114,15 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
         if int(docs.sum()) > data_parallel * tokens:
             raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel "
                              f"({data_parallel}) x tokens ({tokens})")
+    if not 0.0 <= exposed_comm <= 1.0:
+        raise ValueError(f"exposed_comm must be between 0 and 1, got {exposed_comm!r}")
+    if exposed_comm > 0 and token_bytes is None:
+        raise ValueError("exposed_comm > 0 needs token_bytes (the bytes a token's q, k/v and out move)")
     m, ranks = len(micro_batch_docs), stages * data_parallel
     p2p_s = tokens * activation_bytes_per_token / time_model.bytes_per_s
     parts = forward_backward_models(time_model)  # compute shares 1/3 and 2/3 whatever the mode
-    row_tokens = [pack_pieces(docs, data_parallel, tokens).tokens() for docs in micro_batch_docs]
+    packed = [pack_pieces(docs, data_parallel, tokens) for docs in micro_batch_docs]
+    row_tokens = [pieces.tokens() for pieces in packed]
     # [kind, micro-batch] seconds of one layer: the slowest row's linear layers, the total attention
     linear = np.array([[part.linear_s_per_token * float(rows.max(initial=0)) for rows in row_tokens]
                        for part in parts])
@@ -97,15 +130,35 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     attention = np.array([[attention_floor_seconds(docs, part, window=window) for docs in micro_batch_docs]
                           for part in parts])
 
-    operation = np.maximum(linear, mean_linear + attention / data_parallel)
+    min_linear = np.array([[part.linear_s_per_token * float(rows.min()) for rows in row_tokens] for part in parts])
+
+    def holders_floor(mode: str) -> np.ndarray:
+        """[kind, micro-batch] seconds: the busiest holder's attention part, bytes in ``mode``"""
+        if exposed_comm == 0:
+            return np.zeros((2, m))
+        out = np.zeros((2, m))
+        for kind, part in enumerate(forward_backward_models(time_model, mode)):
+            for i, (docs, pieces) in enumerate(zip(micro_batch_docs, packed)):
+                holders = np.bincount(pieces.doc, minlength=docs.size)
+                keep = docs > 0
+                out[kind, i] = holder_link_floor_seconds(
+                    document_pairs(docs[keep], window), holders[keep], attn_s_per_pair=part.attn_s_per_pair,
+                    byte_s=part.byte_seconds(exposed_comm, mode), token_bytes=token_bytes).max(initial=0.0)
+        return out
+
+    # CAD inside each stage may run its backward in saved mode (fewer bytes): the floor takes it
+    operation = np.maximum.reduce([linear, mean_linear + attention / data_parallel,
+                                   min_linear + holders_floor("saved")])
     every_stage = layers_per_stage * np.ones((stages, 1))  # [stages, micro-batches] seconds: equal stages
     cad_per_stage = simulate_1f1b(every_stage * operation[0], every_stage * operation[1], p2p_s=p2p_s)
 
+    tick_holders = holders_floor("resend")  # the lockstep's ticks re-plan: resend mode
     tick_s = []
     for tick in lockstep_1f1b_ticks(stages, m):
         kind = 0 if tick.kind == FORWARD else 1
         busy = [mb for mb in tick.micro_batches if mb is not None]
-        tick_s.append(layers_per_stage * (linear[kind, busy].max(initial=0.0) + attention[kind, busy].sum() / ranks))
+        spread = max(attention[kind, busy].sum() / ranks, tick_holders[kind, busy].max(initial=0.0))
+        tick_s.append(layers_per_stage * (linear[kind, busy].max(initial=0.0) + spread))
     across = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
     share = float(attention.sum() / (attention.sum() + data_parallel * mean_linear.sum()))
     return PipelineFloors(across, cad_per_stage, tuple(float(s) for s in tick_s), share)
