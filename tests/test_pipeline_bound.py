@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf.planning import PlannerConfig, TimeModel, TokenBytes
-from distca_hf.planning.pipeline_bound import attention_floor_seconds, holder_link_floor_seconds, pipeline_floors
+from distca_hf.planning.pipeline_bound import (attention_floor_seconds, bubble_gain, holder_link_floor_seconds,
+                                               pipeline_floors)
 from distca_hf.planning.pipeline_cost import pipeline_step
 from distca_hf.tools.simulate import draw_batch
 
@@ -58,6 +59,23 @@ def test_floors_hand_computed():
     assert floors.cad_across_stages.step_s == pytest.approx(348.0)
     assert floors.cad_per_stage.step_s == pytest.approx(472.0)
     assert floors.attention_share == pytest.approx(86 / (86 + 20))
+
+
+@pytest.mark.parametrize("stages, micro_batches, data_parallel", [(2, 2, 1), (4, 8, 2), (3, 5, 3)])
+def test_equal_micro_batches_gain_only_the_bubbles(stages, micro_batches, data_parallel):
+    """Every micro-batch the same documents (no key or task cost, activations free): the floors' ratio
+    is ``bubble_gain`` of their attention share, ``1 / (1 - b s)``, written out here for P = 2, M = 2."""
+    model = TimeModel(linear_s_per_token=3.0, attn_s_per_pair=3.0, task_s=0.0, bytes_per_s=1.0, task_key_s=0.0)
+    docs = [np.array([10, 7, 3] * data_parallel)] * micro_batches
+    floors = pipeline_floors(docs, stages=stages, data_parallel=data_parallel, tokens=20, layers=stages,
+                             time_model=model, activation_bytes_per_token=0)
+    gain = bubble_gain(stages=stages, micro_batches=micro_batches, attention_share=floors.attention_share)
+    assert floors.cad_per_stage.step_s / floors.cad_across_stages.step_s == pytest.approx(gain, rel=1e-12)
+    assert floors.attention_share == pytest.approx((55 + 28 + 6) / (55 + 28 + 6 + 20))
+    if (stages, micro_batches) == (2, 2):  # b = 1/3: 3 (L + A) / (3 L + 2 A) with L = 20, A = 89
+        assert gain == pytest.approx(3 * 109 / (3 * 20 + 2 * 89))
+    with pytest.raises(ValueError, match="attention_share must be between 0 and 1"):
+        bubble_gain(stages=stages, micro_batches=micro_batches, attention_share=1.5)
 
 
 def test_floors_refuse_bad_input_naming_it():

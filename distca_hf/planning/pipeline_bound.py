@@ -44,7 +44,8 @@ from .cost import TimeModel, TokenBytes, document_pairs
 from .pipeline import FORWARD, PipelineRun, lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep
 from .pipeline_cost import check_layers, forward_backward_models
 
-__all__ = ["PipelineFloors", "attention_floor_seconds", "holder_link_floor_seconds", "pipeline_floors"]
+__all__ = ["PipelineFloors", "attention_floor_seconds", "holder_link_floor_seconds", "pipeline_floors",
+           "bubble_gain"]
 
 
 def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None = None) -> float:
@@ -162,3 +163,20 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     across = simulate_lockstep(tick_s, num_stages=stages, num_micro_batches=m, p2p_s=p2p_s)
     share = float(attention.sum() / (attention.sum() + data_parallel * mean_linear.sum()))
     return PipelineFloors(across, cad_per_stage, tuple(float(s) for s in tick_s), share)
+
+
+def bubble_gain(*, stages: int, micro_batches: int, attention_share: float) -> float:
+    """What the lockstep's bubbles alone give over CAD inside each stage when every micro-batch holds the
+    same attention, each at its floor with free communication: ``1 / (1 - b s)``, ``b = (P - 1) / (M + P -
+    1)`` the bubble fraction of 1F1B and ``s`` the attention share of a layer's compute. CAD inside each
+    stage takes ``(M + P - 1) (L + A)`` per kind (``L``, ``A``: a micro-batch's linear and attention
+    seconds on one stage); the lockstep's slots hold every micro-batch's attention once over all stages'
+    ranks, ``(M + P - 1) L + M A``. More than this comes only from micro-batches that differ (a long
+    document's micro-batch holds up every stage it passes under 1F1B)."""
+    if not 0.0 <= attention_share <= 1.0:
+        raise ValueError(f"attention_share must be between 0 and 1, got {attention_share!r}")
+    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    bubble = (stages - 1) / (micro_batches + stages - 1)
+    return 1.0 / (1.0 - bubble * attention_share)

@@ -71,7 +71,7 @@ from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pie
 from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.descent import long_document_servers
 from ..planning.cost import H100_MEASURED, default_time_model
-from ..planning.pipeline_bound import pipeline_floors
+from ..planning.pipeline_bound import bubble_gain, pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
@@ -479,6 +479,7 @@ def format_table(result: dict) -> str:
 def format_pipeline_table(pipeline: dict) -> str:
     """The ``--pipeline-parallel`` section of the table."""
     p, m, d = pipeline["stages"], pipeline["micro_batches"], pipeline["data_parallel"]
+    floors = pipeline["floor_step_time_s"]
     rows = [("pipeline: stages x data-parallel pipelines, micro-batches per step",
              f"{p} x {d}, {m} micro-batches of {pipeline['tokens_per_micro_batch_row']} tokens per row "
              f"({pipeline['steps']} steps, {pipeline['layers']} layers, {pipeline['layers_per_stage']} per stage)")]
@@ -492,10 +493,9 @@ def format_pipeline_table(pipeline: dict) -> str:
          f"{pipeline['speedup_vs_balanced_micro_batches']:.2f}x"),
         ("speedup of CAD across stages vs CAD inside each stage", f"{pipeline['speedup_vs_cad_per_stage']:.2f}x"),
         ("  bound on it (attention spread evenly, bytes only on documents' holders)",
-         f"{pipeline['speedup_bound_vs_cad_per_stage']:.2f}x (floors "
-         f"{pipeline['floor_step_time_s']['cad_per_stage']:.3f} / {pipeline['floor_step_time_s']['cad_across_stages']:.3f}"
-         f" s, attention "
-         f"{100 * pipeline['attention_share']:.0f}% of compute)"),
+         f"{pipeline['speedup_bound_vs_cad_per_stage']:.2f}x (floors {floors['cad_per_stage']:.3f} / "
+         f"{floors['cad_across_stages']:.3f} s; attention {100 * pipeline['attention_share']:.0f}% of compute, equal micro-batches would gain "
+         f"{bubble_gain(stages=p, micro_batches=m, attention_share=pipeline['attention_share']):.2f}x)"),
         ("micro-batches held per stage, 1F1B / CAD across stages",
          f"{pipeline['held_micro_batches']['1f1b']} / {pipeline['held_micro_batches']['cad_across_stages']}"),
         ("activations between stages per micro-batch", f"{1e3 * pipeline['p2p_s_per_micro_batch']:.2f} ms"),
