@@ -134,3 +134,30 @@ def test_holders_links_bind_a_long_document_and_no_plan_beats_them():
     assert counted.cad_across_stages.step_s > 1.05 * free.cad_across_stages.step_s
     assert counted.cad_across_stages.step_s <= steps["cad_across_stages"].step_s
     assert counted.cad_per_stage.step_s <= steps["cad_per_stage"].step_s
+
+
+def test_simulate_reports_the_floors_and_the_bound(tmp_path):
+    """``distca-hf simulate --pipeline-parallel --json`` adds the floors of both CAD methods (none above
+    its step time) and the bound they put on CAD across stages over CAD inside each stage; the table
+    prints it."""
+    import json
+
+    from helpers import cli_in_process
+
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([40, 300, 900, 2000, 64, 700]))
+    base = ("simulate", "--lengths", path, "--ranks", "4", "--tokens-per-rank", "512", "--batches", "1",
+            "--pipeline-parallel", "2", "--micro-batches", "3", "--layers", "4", "--bytes-per-s", "1e9")
+    result = cli_in_process(*base, "--json")
+    assert result.returncode == 0, result.stderr
+    pipeline = json.loads(result.stdout)["pipeline"]
+    floors, steps = pipeline["floor_step_time_s"], pipeline["step_time_s"]
+    assert set(floors) == {"cad_per_stage", "cad_across_stages"}
+    for method, floor in floors.items():
+        assert 0 < floor <= steps[method]
+    assert pipeline["speedup_bound_vs_cad_per_stage"] == pytest.approx(
+        steps["cad_per_stage"] / floors["cad_across_stages"])
+    assert pipeline["speedup_bound_vs_cad_per_stage"] >= pipeline["speedup_vs_cad_per_stage"]
+    assert 0 < pipeline["attention_share"] < 1
+    table = cli_in_process(*base)
+    assert table.returncode == 0 and "bound on it (attention spread evenly" in table.stdout, table.stderr
