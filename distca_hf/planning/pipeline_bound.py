@@ -1,6 +1,6 @@
 """Floors under the time model of ``pipeline_cost``: how fast CAD across stages (the lockstep of
 ``pipeline_schedule="cad_1f1b"``) and CAD inside each stage could run one step if attention were
-balanced perfectly and moved no byte. Pure numpy.
+balanced perfectly and moved only the bytes no plan avoids. Pure numpy.
 
 Why a floor: ``cad_across_stages / cad_per_stage`` is what issue 20 sets a target for (1.15x), and
 ``step_s(cad_per_stage) / floor(cad_across_stages)`` is an upper bound on that ratio for any tick
@@ -77,10 +77,10 @@ class PipelineFloors:
     """One step's floors (module docstring).
 
     Attributes:
-        cad_across_stages: the lockstep with every tick's attention spread evenly over all ranks and
-            no byte between servers.
+        cad_across_stages: the lockstep with every tick's attention spread evenly over all ranks,
+            bytes only on the holders' links.
         cad_per_stage: torch's 1F1B with every micro-batch's attention spread evenly over its stage's
-            copies and no byte between them.
+            copies, bytes only on the holders' links (``saved`` mode's).
         tick_s: ``[ticks]`` seconds of each lockstep tick in ``cad_across_stages`` (all its layers).
         attention_share: the step's attention over its attention plus linear work (compute only).
     """
