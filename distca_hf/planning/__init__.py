@@ -38,6 +38,8 @@ that no import, at module level or inside a function, closes a circle):
     micro_batches  a step's documents over its micro-batch rows, balanced for attention at equal tokens
     pipeline_cost  one pipeline step timed for stock 1F1B (colocated / balanced micro-batches), CAD
                inside each stage and CAD across stages (``distca-hf simulate --pipeline-parallel``)
+    pipeline_bound  floors of a pipeline step under that model (attention spread evenly, no byte between
+               servers): the bound on CAD across stages over CAD inside each stage
 """
 
 from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, attention_flops, causal_pairs,

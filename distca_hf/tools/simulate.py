@@ -46,6 +46,9 @@ non-interleaved 1F1B pipeline of ``P`` stages x ``N / P`` data-parallel pipeline
 (``simulate_pipeline``, ``planning.pipeline_cost``): stock 1F1B with colocated packing, with
 micro-batches balanced for attention, with CAD inside each stage and with CAD across stages (the
 lockstep schedule whose bubbles serve CA-tasks); ``--tokens-per-rank`` is then one micro-batch row.
+It adds the floors of the two CAD methods (``planning.pipeline_bound``: attention spread evenly, bytes
+counted only on the links of a document's holders) and the bound they put on CAD across stages over CAD
+inside each stage.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pie
 from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.descent import long_document_servers
 from ..planning.cost import H100_MEASURED, default_time_model
+from ..planning.pipeline_bound import bubble_gain, pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
@@ -288,13 +292,19 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     lengths = np.asarray(lengths, dtype=np.int64)
     planning = _planning_config(config, time_model, hidden_comm_fraction)
     rng = np.random.default_rng(seed)
-    steps = []
+    steps, floors = [], []
     for _ in range(batches):
         drawn = [draw_batch(lengths, data_parallel * tokens_per_rank, rng) for _ in range(micro_batches)]
         steps.append(pipeline_step(drawn, stages=stages, data_parallel=data_parallel, tokens=tokens_per_rank,
                                    layers=layers, config=planning, activation_bytes_per_token=hidden * dtype_bytes))
+        floors.append(pipeline_floors(drawn, stages=stages, data_parallel=data_parallel, tokens=tokens_per_rank,
+                                      layers=layers, time_model=time_model, window=config.window,
+                                      activation_bytes_per_token=hidden * dtype_bytes,
+                                      exposed_comm=planning.exposed_comm, token_bytes=config.token_bytes))
     mean = lambda method, key: float(np.mean([getattr(step[method], key) for step in steps]))
     step_time = {m: mean(m, "step_s") for m in PIPELINE_METHODS}
+    floor_time = {m: float(np.mean([getattr(floor, m).step_s for floor in floors]))
+                  for m in ("cad_per_stage", "cad_across_stages")}
     result = {
         "stages": stages,
         "micro_batches": micro_batches,
@@ -310,6 +320,10 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
         "bubble_fraction": {m: mean(m, "bubble_fraction") for m in PIPELINE_METHODS},
         "attn_imbalance": {m: mean(m, "attn_imbalance") for m in PIPELINE_METHODS},
         "held_micro_batches": held_micro_batches(stages, micro_batches),
+        # what no plan beats: attention spread evenly, only holders' links counted (planning.pipeline_bound)
+        "floor_step_time_s": floor_time,
+        "speedup_bound_vs_cad_per_stage": step_time["cad_per_stage"] / floor_time["cad_across_stages"],
+        "attention_share": float(np.mean([floor.attention_share for floor in floors])),
         "p2p_s_per_micro_batch": tokens_per_rank * hidden * dtype_bytes / time_model.bytes_per_s,
     }
     if micro_batches < stages:
@@ -465,6 +479,7 @@ def format_table(result: dict) -> str:
 def format_pipeline_table(pipeline: dict) -> str:
     """The ``--pipeline-parallel`` section of the table."""
     p, m, d = pipeline["stages"], pipeline["micro_batches"], pipeline["data_parallel"]
+    floors = pipeline["floor_step_time_s"]
     rows = [("pipeline: stages x data-parallel pipelines, micro-batches per step",
              f"{p} x {d}, {m} micro-batches of {pipeline['tokens_per_micro_batch_row']} tokens per row "
              f"({pipeline['steps']} steps, {pipeline['layers']} layers, {pipeline['layers_per_stage']} per stage)")]
@@ -477,6 +492,10 @@ def format_pipeline_table(pipeline: dict) -> str:
         ("speedup of CAD across stages vs balanced micro-batches",
          f"{pipeline['speedup_vs_balanced_micro_batches']:.2f}x"),
         ("speedup of CAD across stages vs CAD inside each stage", f"{pipeline['speedup_vs_cad_per_stage']:.2f}x"),
+        ("  bound on it (attention spread evenly, bytes only on documents' holders)",
+         f"{pipeline['speedup_bound_vs_cad_per_stage']:.2f}x (floors {floors['cad_per_stage']:.3f} / "
+         f"{floors['cad_across_stages']:.3f} s; attention {100 * pipeline['attention_share']:.0f}% of compute, equal micro-batches would gain "
+         f"{bubble_gain(stages=p, micro_batches=m, attention_share=pipeline['attention_share']):.2f}x)"),
         ("micro-batches held per stage, 1F1B / CAD across stages",
          f"{pipeline['held_micro_batches']['1f1b']} / {pipeline['held_micro_batches']['cad_across_stages']}"),
         ("activations between stages per micro-batch", f"{1e3 * pipeline['p2p_s_per_micro_batch']:.2f} ms"),
