@@ -136,16 +136,17 @@ GRID_PLACE = ZIGZAG_PLACE + 1
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
-            memory_tiles: bool = False, transfers=None) -> tuple[float, Plan]:
+            memory_tiles: bool = False, transfers=None, cap=...) -> tuple[float, Plan]:
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
     a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
     with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
     predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
-    mode). ``transfers``: the plan's ``kv_transfers``, when in hand."""
+    mode). ``transfers``: the plan's ``kv_transfers``, when in hand; ``cap``: ``kv_cap_tokens(pieces,
+    config)``, when in hand (one batch's candidates share it)."""
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     received = kv_received(transfers, pieces.num_ranks)
     fitting = fit_memory_budget(plan, pieces, config, received)
-    cap = kv_cap_tokens(pieces, config)
+    cap = kv_cap_tokens(pieces, config) if cap is ... else cap
     if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
         return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)
@@ -205,6 +206,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
+    cap = kv_cap_tokens(pieces, config)  # (the kv_cap setting's, shared by every candidate judged)
     # colocated with memory tiles (place 0 as well), weighed only once some decision could depend on it:
     # while the best so far is below tiles.memory_tiles_lower_bound of colocated, it cannot be the best
     colocated, tiles_bound = None, np.inf
@@ -213,13 +215,14 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         nonlocal best, best_key, tiles_bound
         if tiles_bound < np.inf:
             tiles_bound = np.inf
-            tiled = _memory_tiled(colocated, pieces, config, colocated_seconds, kv_cap_tokens(pieces, config))
+            tiled = _memory_tiled(colocated, pieces, config, colocated_seconds, cap)
             if tiled is not None and (tiled[0], 0) < best_key:
                 best, best_key = tiled[1], (tiled[0], 0)
 
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
         colocated = colocated_plan(pieces, servers, window=config.window)
-        colocated_seconds, best = _judged(colocated, pieces, config)
+        colocated_transfers = kv_transfers(colocated, pieces)  # (the descents start from them too)
+        colocated_seconds, best = _judged(colocated, pieces, config, transfers=colocated_transfers, cap=cap)
         best_key = (colocated_seconds, 0)
         if descent and _may_tile(colocated, best, config):  # (a hair lower: sums in another order)
             tiles_bound = memory_tiles_lower_bound(colocated, pieces, config) * (1 - 1e-9)
@@ -230,12 +233,14 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= min(best_key[0], tiles_bound):
             weigh_colocated_tiles()
         if bound >= best_key[0]:
-            return _with_tiles(best, best_key[0], pieces, config) if descent else best
+            return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
     if descent:
-        start = DescentStart(pieces, config)  # what the descents below share
+        # what the descents below share (colocated, when judged above, not built again)
+        start = DescentStart(pieces, config, colocated=colocated,
+                             transfers=colocated_transfers if colocated is not None else None)
         free = descend(pieces, config, backward=config.backward, start=start)
         free_transfers = kv_transfers(free, pieces)
-        seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers)
+        seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers, cap=cap)
         if (seconds, 1) < best_key:
             best, best_key = plan, (seconds, 1)
         if best_key[0] >= tiles_bound:
@@ -244,13 +249,13 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if fit_memory_budget(free, pieces, config, free_received).backward != config.backward:
             # over the memory budget: the descent timing resend's bytes, and within the budget by
             # construction where that can fit and win (bounded, it is rarely faster than unbounded)
-            seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config)
+            seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config, cap=cap)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
             # its over-full servers' groups of tasks moved where memory and time have room (rehome)
             rehomed = rehome_within_memory(free, pieces, config, transfers=free_transfers, ceiling=best_key[0])
             if rehomed is not None:
-                seconds, plan = _judged(rehomed, pieces, config)
+                seconds, plan = _judged(rehomed, pieces, config, cap=cap)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
             held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved",
@@ -258,7 +263,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             if step_seconds(free, pieces, config, free_transfers) < best_key[0] \
                     and _saved_may_fit(pieces, config, held_mean, start):
                 bounded = _bounded_descent(pieces, config, held_mean, best_key[0], start)
-                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True) if bounded else (np.inf, None)
+                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True, cap=cap) if bounded \
+                    else (np.inf, None)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
         # the CP-shaped candidate, built and judged only when a sound bound on it could win (not in
@@ -267,14 +273,14 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                   if config.base_pairs is None
                   and (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
         if zigzag is not None:
-            seconds, plan = _judged(zigzag, pieces, config)
+            seconds, plan = _judged(zigzag, pieces, config, cap=cap)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
         # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work), and
         # when its ranks' base time alone reaches the best step so far (it would lose: plan time)
         grid = tile_grid_plan(pieces, config, give_up_at=best_key[0]) if config.key_split else None
         if grid is not None:
-            seconds, plan = _judged(grid, pieces, config)
+            seconds, plan = _judged(grid, pieces, config, cap=cap)
             if (seconds, GRID_PLACE) < best_key:
                 best, best_key = plan, (seconds, GRID_PLACE)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
@@ -306,13 +312,13 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if plan is None:  # given up: sure to be predicted slower than the best so far
             continue
         finished.append(tolerance)
-        seconds, plan = _judged(plan, pieces, config)
+        seconds, plan = _judged(plan, pieces, config, cap=cap)
         key = (seconds, tie_order[tolerance])
         if key < best_key:
             best, best_key = plan, key
     if best is None:  # nothing within kv_cap: ranks outside the server pool give their work away, whatever it moves
         return _plan_by_candidates(pieces, dataclasses.replace(config, kv_cap=None), descent=descent)
-    return _with_tiles(best, best_key[0], pieces, config) if descent else best
+    return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
 
 
 def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, start: DescentStart) -> bool:
@@ -346,14 +352,14 @@ def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: f
     return bounded
 
 
-def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig, cap) -> Plan:
     """With ``config.key_split``, ``best`` (predicted ``seconds``) with key-split tiles chosen by time
     (``tiles.apply_time_tiles``) when that is predicted faster, judged as every candidate is (memory
-    budget included); ties keep ``best``."""
+    budget included; ``cap``: ``kv_cap_tokens``'); ties keep ``best``."""
     if not config.key_split:
         return best
     tiled = apply_time_tiles(best, pieces, config, judge=False)  # judged below, as every candidate
     if tiled is best:
         return best
-    tiled_seconds, tiled = _judged(tiled, pieces, config)
+    tiled_seconds, tiled = _judged(tiled, pieces, config, cap=cap)
     return tiled if tiled_seconds < seconds else best

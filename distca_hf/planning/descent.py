@@ -105,17 +105,20 @@ class DescentStart:
     """What every descent of one batch starts from, whatever its backward mode or memory budget:
     ``by_time`` plans up to three descents of the same ``pieces`` and ``config``
     (unbounded, timing ``resend``'s bytes, within the memory budget) and prepares this once. Read only:
-    each descent copies what it changes. Pass it as ``start=`` with the same ``pieces`` and ``config``."""
+    each descent copies what it changes. Pass it as ``start=`` with the same ``pieces`` and ``config``.
+    ``colocated`` and ``transfers``: ``colocated_plan(pieces, servers, window=config.window)`` and its
+    ``kv_transfers``, when the caller holds them (``by_time`` judges colocated first): not built twice."""
 
-    def __init__(self, pieces: DocumentPieces, config: PlannerConfig):
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, *, colocated: Plan | None = None,
+                 transfers=None):
         n = pieces.num_ranks
         self.pieces, self.config = pieces, config
         self.servers = config.servers if config.servers is not None else tuple(range(n))
         if self.servers[-1] >= n:
             raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
         tm, tb, window = config.time_model, config.token_bytes, config.window
-        self.colocated = colocated_plan(pieces, self.servers, window=window)
-        transfers = kv_transfers(self.colocated, pieces)
+        self.colocated = colocated_plan(pieces, self.servers, window=window) if colocated is None else colocated
+        transfers = kv_transfers(self.colocated, pieces) if transfers is None else transfers
         self.loads = plan_loads(self.colocated, pieces, tb, transfers)
         # rank_time's formula: other work (the linear layers, or base_pairs'), the attention each rank
         # computes at home ([ranks] seconds)
