@@ -117,6 +117,12 @@ class DescentStart:
         if self.servers[-1] >= n:
             raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
         tm, tb, window = config.time_model, config.token_bytes, config.window
+        if colocated is None and transfers is not None:
+            raise ValueError("DescentStart: transfers= given without the colocated= plan they belong to")
+        if colocated is not None and (colocated.num_ranks != n or colocated.moved_queries() != 0 or int(
+                (colocated.q_end - colocated.q_start).sum()) != int((pieces.end - pieces.start).sum())):
+            raise ValueError("DescentStart: colocated= is not these pieces' colocated plan "
+                             "(colocated_plan(pieces, servers, window=config.window))")
         self.colocated = colocated_plan(pieces, self.servers, window=window) if colocated is None else colocated
         transfers = kv_transfers(self.colocated, pieces) if transfers is None else transfers
         self.loads = plan_loads(self.colocated, pieces, tb, transfers)
