@@ -50,7 +50,7 @@ from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds
 from .transfers import backward_memory, kv_received, kv_transfers, memory_limit
 
-__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "memory_tiles_may_fit", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
@@ -385,6 +385,47 @@ def memory_tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: Planner
     ``collective_s`` when a task is away from its source. ``-inf`` for pieces whose K/V start before
     their queries (``kv_start``: not bounded here)."""
     return _tiles_lower_bound(plan, pieces, config)
+
+
+def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                         transfers=None) -> bool:
+    """False when no plan ``apply_memory_tiles(plan, ...)`` can return fits ``budget``
+    (``BackwardMemory.fits``), whatever units it converts (the plan with key ranges alone included):
+    ``by_time`` then skips the tiles, which it would refuse (plan time). ``plan``: whole CA-tasks;
+    ``transfers``: its ``kv_transfers``, when in hand. True where it cannot tell.
+
+    Sound, from the memory formula (``transfers.backward_memory``, key-split): against the plan with
+    key ranges, a unit adds a tile (its task's rows) on a holder and drops K/V its server received.
+    A task keeps its causal tile (keys from its own piece on) on its server, so no rank serves fewer
+    rows, no rank receives K/V it did not (a holder's tiles read its own piece), and a server of
+    ``(server, doc)`` tasks stops receiving at most the keys before the latest own-piece start among
+    them. Every rank therefore holds at least its key-ranged hold less that, and the mean grows at
+    most by the rows of one more tile per task and earlier piece (``_earlier_segments``); the tiled
+    plan cannot fit when some rank's least hold passes the limit at that most mean."""
+    if plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+        return True
+    base, n = with_key_ranges(plan), plan.num_ranks
+    # (without a window every task's key range is its whole prefix: the union is the hull, the same transfers)
+    if transfers is None or plan.window is not None:
+        transfers = kv_transfers(base, pieces)
+    received = kv_received(transfers, n)
+    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=received)
+    held = memory.held.astype(np.float64)
+    # each task's own piece (the nonempty pieces of a document tile it) starts at `own`, after `earlier` pieces
+    nonempty = pieces.end > pieces.start
+    span = int(pieces.end.max(initial=0)) + 1
+    starts = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
+    index = np.searchsorted(starts, plan.doc * span + plan.q_start, side="right") - 1
+    own, earlier = starts[index] % span, index - np.searchsorted(starts, plan.doc * span)
+    most_mean = (held.sum() + float(((plan.q_end - plan.q_start) * earlier).sum()) * token_bytes.q) / n
+    # the latest own start per (server, document): the last of each group in (server, document, own) order
+    docs = int(plan.doc.max()) + 1
+    keyed = np.sort((plan.server * docs + plan.doc) * span + own)
+    last = np.flatnonzero(np.concatenate((keyed[1:] // span != keyed[:-1] // span, [True])))
+    dropped = np.minimum(np.bincount(keyed[last] // span // docs, weights=keyed[last] % span, minlength=n),
+                         received) * token_bytes.kv
+    least = float((held - dropped).max(initial=0.0))
+    return least <= memory_limit(budget, most_mean, float(memory.floor)) * (1 + 1e-12) * (1 + 1e-9)
 
 
 def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, units=None, applied=None) -> float:
