@@ -91,7 +91,7 @@ one of a batch's two ``apply_memory_tiles`` goes). The others are not built wher
 they would lose (``apply_memory_tiles``' and ``tile_grid_plan``'s ``give_up_at``: the bound counted
 from the units chosen, and the grid's ranks' base time), and no plan's memory tiles are built where
 ``tiles.memory_tiles_may_fit`` says none could fit the budget (the unbounded descent's at 64 x 64k
-on 5 of 8 prolong batches). None of these changes a plan.
+on 7 of 8 batches of either shared sample). None of these changes a plan.
 """
 
 from __future__ import annotations

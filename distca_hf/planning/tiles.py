@@ -395,13 +395,13 @@ def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenB
     ``transfers``: its ``kv_transfers``, when in hand. True where it cannot tell.
 
     Sound, from the memory formula (``transfers.backward_memory``, key-split): against the plan with
-    key ranges, a unit adds a tile (its task's rows) on a holder and drops K/V its server received.
-    A task keeps its causal tile (keys from its own piece on) on its server, so no rank serves fewer
-    rows, no rank receives K/V it did not (a holder's tiles read its own piece), and a server of
-    ``(server, doc)`` tasks stops receiving at most the keys before the latest own-piece start among
-    them. Every rank therefore holds at least its key-ranged hold less that, and the mean grows at
-    most by the rows of one more tile per task and earlier piece (``_earlier_segments``); the tiled
-    plan cannot fit when some rank's least hold passes the limit at that most mean."""
+    key ranges, a converted unit (``tile_units``) gives its tasks a tile (their rows) on its holder
+    and drops K/V its server received. A task keeps its causal tile (keys from its own piece on) on
+    its server, so no rank serves fewer rows, no rank receives K/V it did not (a holder's tiles read
+    its own piece), and a server stops receiving at most its units' pieces. Every rank therefore
+    holds at least its key-ranged hold less those, and the mean grows at most by the rows of one more
+    tile per earlier piece of every task of a unit (``_earlier_segments``, ``key_split.task_tiles``);
+    the tiled plan cannot fit when some rank's least hold passes the limit at that most mean."""
     if plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
         return True
     base, n = with_key_ranges(plan), plan.num_ranks
@@ -411,19 +411,19 @@ def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenB
     received = kv_received(transfers, n)
     memory = backward_memory(base, pieces, token_bytes, backward="saved", received=received)
     held = memory.held.astype(np.float64)
-    # each task's own piece (the nonempty pieces of a document tile it) starts at `own`, after `earlier` pieces
+    units = tile_units(plan, pieces)
+    if not units:
+        return memory.fits(budget)
+    # the tasks of the units, each after `earlier` pieces (its own piece's index in its document's)
+    tasks = np.unique(np.fromiter(itertools.chain.from_iterable(unit[5] for unit in units), dtype=np.int64))
     nonempty = pieces.end > pieces.start
     span = int(pieces.end.max(initial=0)) + 1
     starts = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
-    index = np.searchsorted(starts, plan.doc * span + plan.q_start, side="right") - 1
-    own, earlier = starts[index] % span, index - np.searchsorted(starts, plan.doc * span)
-    most_mean = (held.sum() + float(((plan.q_end - plan.q_start) * earlier).sum()) * token_bytes.q) / n
-    # the latest own start per (server, document): the last of each group in (server, document, own) order
-    docs = int(plan.doc.max()) + 1
-    keyed = np.sort((plan.server * docs + plan.doc) * span + own)
-    last = np.flatnonzero(np.concatenate((keyed[1:] // span != keyed[:-1] // span, [True])))
-    dropped = np.minimum(np.bincount(keyed[last] // span // docs, weights=keyed[last] % span, minlength=n),
-                         received) * token_bytes.kv
+    doc, first = plan.doc[tasks], plan.q_start[tasks]
+    earlier = np.searchsorted(starts, doc * span + first, side="right") - 1 - np.searchsorted(starts, doc * span)
+    most_mean = (held.sum() + float(((plan.q_end[tasks] - first) * earlier).sum()) * token_bytes.q) / n
+    server, start, end = (np.fromiter((unit[i] for unit in units), dtype=np.int64, count=len(units)) for i in (0, 2, 3))
+    dropped = np.minimum(np.bincount(server, weights=end - start, minlength=n), received) * token_bytes.kv
     least = float((held - dropped).max(initial=0.0))
     return least <= memory_limit(budget, most_mean, float(memory.floor)) * (1 + 1e-12) * (1 + 1e-9)
 
