@@ -17,7 +17,7 @@ from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, PlannerConfig, 
 from distca_hf.planning.by_time import plan_by_tolerances
 from distca_hf.planning.cost import LLAMA3_8B_BYTES, H100_MEASURED
 from distca_hf.planning.descent import DescentStart, descend, descend_within_memory, document_servers, fan_out_bounds
-from distca_hf.planning.transfers import backward_memory, fit_memory_budget, kv_transfers
+from distca_hf.planning.transfers import backward_memory, fit_memory_budget
 from distca_hf.tools.simulate import pack_pieces
 from test_planner import (_check_plan, _same_plan, batches_with_key_only_prefixes, packed_batches, time_models,
                           windowed_configs)
@@ -136,8 +136,7 @@ def test_descent_counts_base_pairs_as_other_work():
 def test_descents_sharing_a_start_plan_as_each_alone(pieces, config, model, budget):
     """``by_time`` plans the unbounded descent, the one timing ``resend``'s bytes and the one within
     the memory budget from one ``DescentStart``: each plans exactly as when planned alone (none
-    changes what the next starts from), also when the caller hands it the colocated plan and its K/V
-    transfers; a start prepared for other pieces or config, or given another colocated plan, is refused."""
+    changes what the next starts from), and a start prepared for other pieces or config is refused."""
     auto = _auto(config, model, 1.0, memory_budget=budget)
     held_mean = float(backward_memory(descend(pieces, auto), pieces, auto.token_bytes, backward="saved").held.mean())
 
@@ -150,12 +149,3 @@ def test_descents_sharing_a_start_plan_as_each_alone(pieces, config, model, budg
     assert all(_same_plan(shared, alone) for shared, alone in zip(plans(start), plans(None)))
     with pytest.raises(ValueError, match="start"):
         descend(pieces, dataclasses.replace(auto), start=start)
-    # by_time hands its colocated plan and K/V transfers over (not built twice): the same descents
-    colocated = colocated_plan(pieces, auto.servers, window=auto.window)
-    given_start = DescentStart(pieces, auto, colocated=colocated, transfers=kv_transfers(colocated, pieces))
-    assert all(_same_plan(shared, alone) for shared, alone in zip(plans(given_start), plans(None)))
-    if colocated.num_tasks and (pieces.end - pieces.start).sum() > 1:  # another batch's colocated plan: refused
-        with pytest.raises(ValueError, match="colocated="):
-            DescentStart(pieces, auto, colocated=colocated.subset(np.arange(colocated.num_tasks) > 0))
-    with pytest.raises(ValueError, match="transfers="):
-        DescentStart(pieces, auto, transfers=kv_transfers(colocated, pieces))

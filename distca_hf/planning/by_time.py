@@ -227,7 +227,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
 
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
         colocated = colocated_plan(pieces, servers, window=config.window)
-        colocated_transfers = kv_transfers(colocated, pieces)  # (the descents start from them too)
+        colocated_transfers = kv_transfers(colocated, pieces)
         colocated_seconds, best = _judged(colocated, pieces, config, transfers=colocated_transfers, cap=cap)
         best_key = (colocated_seconds, 0)
         if descent and _may_tile(colocated, best, config):  # (a hair lower: sums in another order)
@@ -241,9 +241,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= best_key[0]:
             return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
     if descent:
-        # what the descents below share (colocated, when judged above, not built again)
-        start = DescentStart(pieces, config, colocated=colocated,
-                             transfers=colocated_transfers if colocated is not None else None)
+        start = DescentStart(pieces, config)  # what the descents below share
         free = descend(pieces, config, backward=config.backward, start=start)
         free_transfers = kv_transfers(free, pieces)
         seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers, cap=cap)

@@ -105,26 +105,17 @@ class DescentStart:
     """What every descent of one batch starts from, whatever its backward mode or memory budget:
     ``by_time`` plans up to three descents of the same ``pieces`` and ``config``
     (unbounded, timing ``resend``'s bytes, within the memory budget) and prepares this once. Read only:
-    each descent copies what it changes. Pass it as ``start=`` with the same ``pieces`` and ``config``.
-    ``colocated`` and ``transfers``: ``colocated_plan(pieces, servers, window=config.window)`` and its
-    ``kv_transfers``, when the caller holds them (``by_time`` judges colocated first): not built twice."""
+    each descent copies what it changes. Pass it as ``start=`` with the same ``pieces`` and ``config``."""
 
-    def __init__(self, pieces: DocumentPieces, config: PlannerConfig, *, colocated: Plan | None = None,
-                 transfers=None):
+    def __init__(self, pieces: DocumentPieces, config: PlannerConfig):
         n = pieces.num_ranks
         self.pieces, self.config = pieces, config
         self.servers = config.servers if config.servers is not None else tuple(range(n))
         if self.servers[-1] >= n:
             raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
         tm, tb, window = config.time_model, config.token_bytes, config.window
-        if colocated is None and transfers is not None:
-            raise ValueError("DescentStart: transfers= given without the colocated= plan they belong to")
-        if colocated is not None and (colocated.num_ranks != n or colocated.moved_queries() != 0 or int(
-                (colocated.q_end - colocated.q_start).sum()) != int((pieces.end - pieces.start).sum())):
-            raise ValueError("DescentStart: colocated= is not these pieces' colocated plan "
-                             "(colocated_plan(pieces, servers, window=config.window))")
-        self.colocated = colocated_plan(pieces, self.servers, window=window) if colocated is None else colocated
-        transfers = kv_transfers(self.colocated, pieces) if transfers is None else transfers
+        self.colocated = colocated_plan(pieces, self.servers, window=window)
+        transfers = kv_transfers(self.colocated, pieces)
         self.loads = plan_loads(self.colocated, pieces, tb, transfers)
         # rank_time's formula: other work (the linear layers, or base_pairs'), the attention each rank
         # computes at home ([ranks] seconds)
@@ -339,8 +330,7 @@ class _Descent:
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
             if self.held is not None and not must_empty:  # (a rank outside the pool must empty, come what may)
-                a = self.memory_cut(donor, server, doc, piece_start, a, end,
-                                    sends[1] if window is None else None)  # (no window: the same keys [0, end))
+                a = self.memory_cut(donor, server, doc, piece_start, a, end, sends[1] if window is None else None)
                 if a is None:
                     return None
             # what the move adds to the donor and the server, before K/V
@@ -403,15 +393,11 @@ class _Descent:
                 return None
         return None
 
-    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int,
-                   lacked: int | None = None):
+    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int, lacked=None):
         """The cut ``a`` of a tail ``[a, end)`` moved up by whole blocks until ``server`` holds at most
         the memory limit after taking it (the queries it keeps, ``query_bytes`` each, and the K/V it
-        lacks); ``None`` when not one block fits (the K/V alone may not). ``lacked``: ``kv_sends``'
-        bytes for the tail, when in hand."""
-        if lacked is None:
-            lacked = self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1]
-        kv_bytes = lacked / 2  # received, not sent
+        lacks: half ``lacked``, kv_sends' bytes, when in hand); ``None`` when not one block fits (the K/V alone may not)."""
+        kv_bytes = (self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] if lacked is None else lacked) / 2
         # the limit after the move: (1 + budget) x the mean held, which the received K/V raise (the
         # queries only change hands; at least ``held_mean``, the mean the finished plan is expected
         # to reach: the first moves would otherwise be judged against colocated's), or the floor
