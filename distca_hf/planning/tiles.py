@@ -402,7 +402,7 @@ def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenB
     holds at least its key-ranged hold less those, and the mean grows at most by the rows of one more
     tile per earlier piece of every task of a unit (``_earlier_segments``, ``key_split.task_tiles``);
     the tiled plan cannot fit when some rank's least hold passes the limit at that most mean."""
-    if plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+    if budget is None or plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
         return True
     base, n = with_key_ranges(plan), plan.num_ranks
     # (without a window every task's key range is its whole prefix: the union is the hull, the same transfers)
