@@ -15,7 +15,7 @@ from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenB
                                 plan_tasks, rank_seconds, step_seconds)
 from distca_hf.planning.transfers import backward_memory
 from distca_hf.planning.tiles import (apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound,
-                                     tile_units)
+                                     memory_tiles_may_fit, tile_units)
 
 # a layer where K/V bytes are dear (GQA: K/V per token 4x smaller than Q + O, but the long prefix
 # fans out) and attention is cheap enough that the holders can take the tiles' pairs
@@ -139,6 +139,9 @@ def test_memory_tiles_bounds_never_exceed_the_tiled_plans_step(lengths, ranks, w
     assert tiled.backward == "saved"
     tiled_seconds = step_seconds(tiled, pieces, config)
     assert memory_tiles_lower_bound(plan, pieces, config) <= tiled_seconds * (1 + 1e-9)
+    # ...and the one it skips them with where they cannot fit
+    assert memory_tiles_may_fit(plan, pieces, TOKEN_BYTES, budget) or not backward_memory(
+        tiled, pieces, TOKEN_BYTES).fits(budget)
     # give_up_at: the tiles not built only where by_time could keep neither them nor the key ranges
     # alone (over the budget, or predicted no faster than give_up_at); else the very same plan
     give_up_at = factor * tiled_seconds
@@ -155,6 +158,30 @@ def test_memory_tiles_bounds_never_exceed_the_tiled_plans_step(lengths, ranks, w
         for name in ("source", "server", "doc", "q_start", "q_end", "k_start", "k_end"):
             assert np.array_equal(getattr(again, name), getattr(tiled, name)), name
 
+
+
+def test_memory_tiles_may_fit_tells_plans_no_tiles_bring_within_the_budget():
+    """A carving at tolerance 0 moves tails of single-piece documents: their servers receive K/V that
+    no tile gives back (a task's causal tile stays), and one stays over a budget of 5%, tiles or not:
+    ``memory_tiles_may_fit`` says so (``by_time`` skips the tiles). Where tiles fit, it never does."""
+    pieces = _stream([208, 320, 383, 186, 48, 371], 3)
+    plan = plan_tasks(pieces, _config(None, 0.0, 1e6))
+    tiled = apply_memory_tiles(plan, pieces, TOKEN_BYTES, 0.05)
+    assert not memory_tiles_may_fit(plan, pieces, TOKEN_BYTES, 0.05)
+    assert not backward_memory(tiled, pieces, TOKEN_BYTES).fits(0.05)
+    assert memory_tiles_may_fit(plan, pieces, TOKEN_BYTES, 0.5)  # a looser budget: it cannot tell
+    # tiles that fit only as their holders' extra rows raise the mean (the limit) with them
+    pieces = _stream([259, 232, 254, 390], 3)
+    plan = plan_tasks(pieces, _config(None, 0.3, 1e6))
+    assert backward_memory(apply_memory_tiles(plan, pieces, TOKEN_BYTES, 0.05), pieces, TOKEN_BYTES).fits(0.05)
+    assert memory_tiles_may_fit(plan, pieces, TOKEN_BYTES, 0.05)
+    short = iter(range(1, 100))  # the tiles below fit (test_memory_tiles_give_up_only_below_the_tiled_plans_step)
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 200)], [(0, 200, 216)] + [(next(short), 0, 150) for _ in range(3)],
+                                             *[[(next(short), 0, 8) for _ in range(27)] for _ in range(2)]])
+    tb = TokenBytes(q=8, kv=4, o=8, lse=2)
+    plan = colocated_plan(pieces)
+    assert backward_memory(apply_memory_tiles(plan, pieces, tb, 0.05), pieces, tb).fits(0.05)
+    assert memory_tiles_may_fit(plan, pieces, tb, 0.05)
 
 
 def test_memory_tiles_give_up_only_below_the_tiled_plans_step():

@@ -89,7 +89,9 @@ on its server), they cannot be the best nor change a decision, so skipping them 
 (at 64 x 64k on the shared samples the unbounded descent's judged step is already below it, and
 one of a batch's two ``apply_memory_tiles`` goes). The others are not built where a sound bound says
 they would lose (``apply_memory_tiles``' and ``tile_grid_plan``'s ``give_up_at``: the bound counted
-from the units chosen, and the grid's ranks' base time). None of these changes a plan.
+from the units chosen, and the grid's ranks' base time), and no plan's memory tiles are built where
+``tiles.memory_tiles_may_fit`` says none could fit the budget (the unbounded descent's at 64 x 64k
+on 7 of 8 batches of either shared sample). None of these changes a plan.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, toler
 from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
-from .tiles import apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound
+from .tiles import apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound, memory_tiles_may_fit
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rehome import rehome_within_memory
@@ -136,21 +138,22 @@ GRID_PLACE = ZIGZAG_PLACE + 1
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
-            memory_tiles: bool = False, transfers=None) -> tuple[float, Plan]:
+            memory_tiles: bool = False, transfers=None, cap=...) -> tuple[float, Plan]:
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
     a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
     with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
     predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
-    mode). ``transfers``: the plan's ``kv_transfers``, when in hand."""
+    mode). ``transfers``: the plan's ``kv_transfers``, when in hand; ``cap``: ``kv_cap_tokens(pieces,
+    config)``, when in hand (one batch's candidates share it)."""
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     received = kv_received(transfers, pieces.num_ranks)
     fitting = fit_memory_budget(plan, pieces, config, received)
-    cap = kv_cap_tokens(pieces, config)
+    cap = kv_cap_tokens(pieces, config) if cap is ... else cap
     if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
         return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)
     if memory_tiles and _may_tile(plan, fitting, config):
-        tiled = _memory_tiled(plan, pieces, config, seconds, cap)
+        tiled = _memory_tiled(plan, pieces, config, seconds, cap, transfers)
         if tiled is not None:
             return tiled
     return seconds, fitting
@@ -163,10 +166,14 @@ def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
             and config.memory_budget is not None)
 
 
-def _memory_tiled(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, seconds: float, cap: int | None):
+def _memory_tiled(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, seconds: float, cap: int | None,
+                  transfers=None):
     """``(predicted step seconds, plan with memory tiles)`` (``tiles.apply_memory_tiles``) when those
     bring it within the memory budget (and no server past ``cap`` K/V tokens, the kv_cap setting) and
-    are predicted faster than ``seconds``, else None."""
+    are predicted faster than ``seconds``, else None: not built where ``tiles.memory_tiles_may_fit``
+    says none could fit (plan time). ``transfers``: ``plan``'s ``kv_transfers``, when in hand."""
+    if not memory_tiles_may_fit(plan, pieces, config.token_bytes, config.memory_budget, transfers=transfers):
+        return None
     tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget, config=config,
                                give_up_at=seconds)
     if tiled is not plan:
@@ -205,6 +212,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     is_server = np.zeros(pieces.num_ranks, dtype=bool)
     is_server[list(servers)] = True
     best, best_key = None, (np.inf, 0)  # (predicted seconds, place in the tie order)
+    cap = kv_cap_tokens(pieces, config)  # (the kv_cap setting's, shared by every candidate judged)
     # colocated with memory tiles (place 0 as well), weighed only once some decision could depend on it:
     # while the best so far is below tiles.memory_tiles_lower_bound of colocated, it cannot be the best
     colocated, tiles_bound = None, np.inf
@@ -213,13 +221,14 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         nonlocal best, best_key, tiles_bound
         if tiles_bound < np.inf:
             tiles_bound = np.inf
-            tiled = _memory_tiled(colocated, pieces, config, colocated_seconds, kv_cap_tokens(pieces, config))
+            tiled = _memory_tiled(colocated, pieces, config, colocated_seconds, cap, colocated_transfers)
             if tiled is not None and (tiled[0], 0) < best_key:
                 best, best_key = tiled[1], (tiled[0], 0)
 
     if is_server[pieces.rank[pieces.end > pieces.start]].all():  # else ranks outside the pool must give work away
         colocated = colocated_plan(pieces, servers, window=config.window)
-        colocated_seconds, best = _judged(colocated, pieces, config)
+        colocated_transfers = kv_transfers(colocated, pieces)
+        colocated_seconds, best = _judged(colocated, pieces, config, transfers=colocated_transfers, cap=cap)
         best_key = (colocated_seconds, 0)
         if descent and _may_tile(colocated, best, config):  # (a hair lower: sums in another order)
             tiles_bound = memory_tiles_lower_bound(colocated, pieces, config) * (1 - 1e-9)
@@ -230,12 +239,12 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= min(best_key[0], tiles_bound):
             weigh_colocated_tiles()
         if bound >= best_key[0]:
-            return _with_tiles(best, best_key[0], pieces, config) if descent else best
+            return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
     if descent:
         start = DescentStart(pieces, config)  # what the descents below share
         free = descend(pieces, config, backward=config.backward, start=start)
         free_transfers = kv_transfers(free, pieces)
-        seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers)
+        seconds, plan = _judged(free, pieces, config, memory_tiles=True, transfers=free_transfers, cap=cap)
         if (seconds, 1) < best_key:
             best, best_key = plan, (seconds, 1)
         if best_key[0] >= tiles_bound:
@@ -244,13 +253,13 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if fit_memory_budget(free, pieces, config, free_received).backward != config.backward:
             # over the memory budget: the descent timing resend's bytes, and within the budget by
             # construction where that can fit and win (bounded, it is rarely faster than unbounded)
-            seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config)
+            seconds, plan = _judged(descend(pieces, config, backward="resend", start=start), pieces, config, cap=cap)
             if (seconds, 1) < best_key:
                 best, best_key = plan, (seconds, 1)
             # its over-full servers' groups of tasks moved where memory and time have room (rehome)
             rehomed = rehome_within_memory(free, pieces, config, transfers=free_transfers, ceiling=best_key[0])
             if rehomed is not None:
-                seconds, plan = _judged(rehomed, pieces, config)
+                seconds, plan = _judged(rehomed, pieces, config, cap=cap)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
             held_mean = float(backward_memory(free, pieces, config.token_bytes, backward="saved",
@@ -258,7 +267,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
             if step_seconds(free, pieces, config, free_transfers) < best_key[0] \
                     and _saved_may_fit(pieces, config, held_mean, start):
                 bounded = _bounded_descent(pieces, config, held_mean, best_key[0], start)
-                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True) if bounded else (np.inf, None)
+                seconds, plan = _judged(bounded, pieces, config, memory_tiles=True, cap=cap) if bounded \
+                    else (np.inf, None)
                 if (seconds, 1) < best_key:
                     best, best_key = plan, (seconds, 1)
         # the CP-shaped candidate, built and judged only when a sound bound on it could win (not in
@@ -267,14 +277,14 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
                   if config.base_pairs is None
                   and (zigzag_lower_bound(pieces, tm, config.window), ZIGZAG_PLACE) < best_key else None)
         if zigzag is not None:
-            seconds, plan = _judged(zigzag, pieces, config)
+            seconds, plan = _judged(zigzag, pieces, config, cap=cap)
             if (seconds, ZIGZAG_PLACE) < best_key:
                 best, best_key = plan, (seconds, ZIGZAG_PLACE)
         # None unless a long document dominates (a pipeline tick's base_pairs weighed as other work), and
         # when its ranks' base time alone reaches the best step so far (it would lose: plan time)
         grid = tile_grid_plan(pieces, config, give_up_at=best_key[0]) if config.key_split else None
         if grid is not None:
-            seconds, plan = _judged(grid, pieces, config)
+            seconds, plan = _judged(grid, pieces, config, cap=cap)
             if (seconds, GRID_PLACE) < best_key:
                 best, best_key = plan, (seconds, GRID_PLACE)
     tie_order = {tolerance: i for i, tolerance in enumerate(AUTO_TOLERANCES, start=2)}
@@ -306,13 +316,13 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if plan is None:  # given up: sure to be predicted slower than the best so far
             continue
         finished.append(tolerance)
-        seconds, plan = _judged(plan, pieces, config)
+        seconds, plan = _judged(plan, pieces, config, cap=cap)
         key = (seconds, tie_order[tolerance])
         if key < best_key:
             best, best_key = plan, key
     if best is None:  # nothing within kv_cap: ranks outside the server pool give their work away, whatever it moves
         return _plan_by_candidates(pieces, dataclasses.replace(config, kv_cap=None), descent=descent)
-    return _with_tiles(best, best_key[0], pieces, config) if descent else best
+    return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
 
 
 def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, start: DescentStart) -> bool:
@@ -346,14 +356,14 @@ def _bounded_descent(pieces: DocumentPieces, config: PlannerConfig, held_mean: f
     return bounded
 
 
-def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+def _with_tiles(best: Plan, seconds: float, pieces: DocumentPieces, config: PlannerConfig, cap) -> Plan:
     """With ``config.key_split``, ``best`` (predicted ``seconds``) with key-split tiles chosen by time
     (``tiles.apply_time_tiles``) when that is predicted faster, judged as every candidate is (memory
-    budget included); ties keep ``best``."""
+    budget included; ``cap``: ``kv_cap_tokens``'); ties keep ``best``."""
     if not config.key_split:
         return best
     tiled = apply_time_tiles(best, pieces, config, judge=False)  # judged below, as every candidate
     if tiled is best:
         return best
-    tiled_seconds, tiled = _judged(tiled, pieces, config)
+    tiled_seconds, tiled = _judged(tiled, pieces, config, cap=cap)
     return tiled if tiled_seconds < seconds else best

@@ -330,7 +330,7 @@ class _Descent:
                 if a >= end:  # less than a block fits: one block (the last one may be shorter)
                     a = max(piece_start, piece_start + ((end - piece_start - 1) // block) * block)
             if self.held is not None and not must_empty:  # (a rank outside the pool must empty, come what may)
-                a = self.memory_cut(donor, server, doc, piece_start, a, end)
+                a = self.memory_cut(donor, server, doc, piece_start, a, end, sends[1] if window is None else None)
                 if a is None:
                     return None
             # what the move adds to the donor and the server, before K/V
@@ -393,11 +393,11 @@ class _Descent:
                 return None
         return None
 
-    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int):
+    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int, lacked=None):
         """The cut ``a`` of a tail ``[a, end)`` moved up by whole blocks until ``server`` holds at most
         the memory limit after taking it (the queries it keeps, ``query_bytes`` each, and the K/V it
-        lacks); ``None`` when not one block fits (the K/V alone may not)."""
-        kv_bytes = self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] / 2  # received, not sent
+        lacks: half ``lacked``, kv_sends' bytes, when in hand); ``None`` when not one block fits (the K/V alone may not)."""
+        kv_bytes = (self.kv_sends(donor, server, doc, key_start(a, self.window), end)[1] if lacked is None else lacked) / 2
         # the limit after the move: (1 + budget) x the mean held, which the received K/V raise (the
         # queries only change hands; at least ``held_mean``, the mean the finished plan is expected
         # to reach: the first moves would otherwise be judged against colocated's), or the floor

@@ -50,7 +50,7 @@ from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds
 from .transfers import backward_memory, kv_received, kv_transfers, memory_limit
 
-__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "tile_units"]
+__all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "memory_tiles_may_fit", "tile_units"]
 
 
 def _rank_seconds(config: PlannerConfig, backward: str, other, pairs, tasks, keys, sent, received):
@@ -385,6 +385,47 @@ def memory_tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: Planner
     ``collective_s`` when a task is away from its source. ``-inf`` for pieces whose K/V start before
     their queries (``kv_start``: not bounded here)."""
     return _tiles_lower_bound(plan, pieces, config)
+
+
+def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
+                         transfers=None) -> bool:
+    """False when no plan ``apply_memory_tiles(plan, ...)`` can return fits ``budget``
+    (``BackwardMemory.fits``), whatever units it converts (the plan with key ranges alone included):
+    ``by_time`` then skips the tiles, which it would refuse (plan time). ``plan``: whole CA-tasks;
+    ``transfers``: its ``kv_transfers``, when in hand. True where it cannot tell.
+
+    Sound, from the memory formula (``transfers.backward_memory``, key-split): against the plan with
+    key ranges, a converted unit (``tile_units``) gives its tasks a tile (their rows) on its holder
+    and drops K/V its server received. A task keeps its causal tile (keys from its own piece on) on
+    its server, so no rank serves fewer rows, no rank receives K/V it did not (a holder's tiles read
+    its own piece), and a server stops receiving at most its units' pieces. Every rank therefore
+    holds at least its key-ranged hold less those, and the mean grows at most by the rows of one more
+    tile per earlier piece of every task of a unit (``_earlier_segments``, ``key_split.task_tiles``);
+    the tiled plan cannot fit when some rank's least hold passes the limit at that most mean."""
+    if budget is None or plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+        return True
+    base, n = with_key_ranges(plan), plan.num_ranks
+    # (without a window every task's key range is its whole prefix: the union is the hull, the same transfers)
+    if transfers is None or plan.window is not None:
+        transfers = kv_transfers(base, pieces)
+    received = kv_received(transfers, n)
+    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=received)
+    held = memory.held.astype(np.float64)
+    units = tile_units(plan, pieces)
+    if not units:
+        return memory.fits(budget)
+    # the tasks of the units, each after `earlier` pieces (its own piece's index in its document's)
+    tasks = np.unique(np.fromiter(itertools.chain.from_iterable(unit[5] for unit in units), dtype=np.int64))
+    nonempty = pieces.end > pieces.start
+    span = int(pieces.end.max(initial=0)) + 1
+    starts = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
+    doc, first = plan.doc[tasks], plan.q_start[tasks]
+    earlier = np.searchsorted(starts, doc * span + first, side="right") - 1 - np.searchsorted(starts, doc * span)
+    most_mean = (held.sum() + float(((plan.q_end[tasks] - first) * earlier).sum()) * token_bytes.q) / n
+    server, start, end = (np.fromiter((unit[i] for unit in units), dtype=np.int64, count=len(units)) for i in (0, 2, 3))
+    dropped = np.minimum(np.bincount(server, weights=end - start, minlength=n), received) * token_bytes.kv
+    least = float((held - dropped).max(initial=0.0))
+    return least <= memory_limit(budget, most_mean, float(memory.floor)) * (1 + 1e-12) * (1 + 1e-9)
 
 
 def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, units=None, applied=None) -> float:
