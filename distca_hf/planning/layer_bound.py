@@ -152,62 +152,75 @@ def _least_bytes(terms: RankBoundTerms, served, query_bytes: float, kv_bytes: fl
     return best
 
 
-def _rank_seconds(terms: RankBoundTerms, served, config: PlannerConfig, collective: float) -> np.ndarray:
-    """``[num_ranks]`` ``cost_r(served)``: the least seconds each rank can take serving ``served`` pairs."""
+def _rank_seconds(terms: RankBoundTerms, served, config: PlannerConfig, collective: float,
+                  level: float | None = None) -> np.ndarray:
+    """``[num_ranks]`` ``cost_r(served)``: the least seconds each rank can take serving ``served``
+    pairs, in a step of at most ``level`` seconds (``None``: any step; only the bilinear bytes of the
+    pairs it serves for others need it, module docstring)."""
     tm, tb = config.time_model, config.token_bytes
     passes = COMM_PASSES["resend"] if config.backward == "resend" else min(COMM_PASSES.values())
     per_byte = config.exposed_comm * passes / tm.bytes_per_s
     keys = tm.task_key_s * served * (1.0 / terms.longest if terms.longest else 0.0)
-    moved = _least_bytes(terms, served, tb.q + tb.o, tb.kv)
+    query_bytes, kv_bytes = tb.q + tb.o, tb.kv
+    moved = _least_bytes(terms, served, query_bytes, kv_bytes)
+    # bilinear: x queries and y keys that both travel hold at most x y pairs, so they take at least
+    # 2 sqrt((q + o) kv pairs) bytes, and at least the chord of that over [0, most] for pairs <= most
+    product = query_bytes * kv_bytes
+    own_keyed = terms.pairs - terms.foreign  # own queries on own keys: when they go away, both travel
+    shed = 2.0 * np.sqrt(product * _inverse(own_keyed)) * np.maximum(terms.pairs - served - terms.foreign, 0.0)
+    if level is None or tm.attn_s_per_pair == 0:
+        most = np.full_like(terms.pairs, np.inf)
+    else:  # pairs a rank serves within the level, its other work alone already counted
+        most = np.clip((level - terms.other) / tm.attn_s_per_pair, 0.0, terms.total)
+    taken = 2.0 * np.sqrt(product * _inverse(most)) * np.maximum(served - terms.pairs - terms.held, 0.0)
+    moved = np.maximum(moved, shed + taken)
     return terms.other + tm.attn_s_per_pair * served + keys + per_byte * moved + collective
 
 
-def _cheapest_served(terms: RankBoundTerms, config: PlannerConfig, collective: float) -> np.ndarray:
-    """``[num_ranks]`` the pairs at which each rank's ``cost_r`` is least (ternary search over
-    ``[0, total]``, ``cost_r`` being convex; the breakpoints ``0``, ``P - F`` and ``P`` weighed too,
-    where a flat stretch could hide the least value); 0 for ranks outside the server pool."""
+def _cheapest_served(terms: RankBoundTerms, config: PlannerConfig, collective: float, level: float) -> np.ndarray:
+    """``[num_ranks]`` the pairs at which each rank's ``cost_r`` (within ``level``) is least (ternary
+    search over ``[0, total]``, ``cost_r`` being convex; the breakpoints ``0``, ``P - F`` and ``P``
+    weighed too, where a flat stretch could hide the least value); 0 for ranks outside the server pool."""
     low, high = np.zeros_like(terms.pairs), np.full_like(terms.pairs, terms.total)
     for _ in range(2 * _ITERATIONS):
         left, right = low + (high - low) / 3, high - (high - low) / 3
-        lower = _rank_seconds(terms, left, config, collective) <= _rank_seconds(terms, right, config, collective)
+        lower = (_rank_seconds(terms, left, config, collective, level)
+                 <= _rank_seconds(terms, right, config, collective, level))
         low, high = np.where(lower, low, left), np.where(lower, right, high)
     candidates = np.stack([(low + high) / 2, np.zeros_like(low), np.maximum(terms.pairs - terms.foreign, 0.0),
                            terms.pairs])
-    values = np.stack([_rank_seconds(terms, c, config, collective) for c in candidates])
+    values = np.stack([_rank_seconds(terms, c, config, collective, level) for c in candidates])
     best = candidates[values.argmin(axis=0), np.arange(low.size)]
     return np.where(terms.serves, best, 0.0)
 
 
-def _served_range(terms: RankBoundTerms, config: PlannerConfig, collective: float, level: float, best):
+def _served_range(terms: RankBoundTerms, config: PlannerConfig, collective: float, level: float):
     """``(low, high, ok)``, each ``[num_ranks]``: the pairs each rank may serve within ``level``
-    seconds (an interval around ``best``, ``_cheapest_served``, ``cost_r`` being convex) and whether it
-    can at all."""
-    ok = _rank_seconds(terms, best, config, collective) <= level
+    seconds (an interval around ``_cheapest_served``, ``cost_r`` being convex) and whether it can at all."""
+    seconds = lambda served: _rank_seconds(terms, served, config, collective, level)
+    best = _cheapest_served(terms, config, collective, level)
+    ok = seconds(best) <= level
 
     def edge(inside, outside):  # bisection between a served count within the level and one past it
         for _ in range(_ITERATIONS):
             middle = (inside + outside) / 2
-            within = _rank_seconds(terms, middle, config, collective) <= level
+            within = seconds(middle) <= level
             inside, outside = np.where(within, middle, inside), np.where(within, outside, middle)
         return outside  # the interval's far side: a wider interval keeps the bound sound
 
-    top = np.full_like(best, terms.total)
-    high = np.where(_rank_seconds(terms, top, config, collective) <= level, top, edge(best, top))
-    low = np.where(_rank_seconds(terms, np.zeros_like(best), config, collective) <= level, 0.0,
-                   edge(best, np.zeros_like(best)))
-    high = np.where(terms.serves, high, 0.0)
-    low = np.where(terms.serves, low, 0.0)
-    return low, high, ok
+    top, none = np.full_like(best, terms.total), np.zeros_like(best)
+    high = np.where(seconds(top) <= level, top, edge(best, top))
+    low = np.where(seconds(none) <= level, 0.0, edge(best, none))
+    return np.where(terms.serves, low, 0.0), np.where(terms.serves, high, 0.0), ok
 
 
 def _least_level(terms: RankBoundTerms, config: PlannerConfig, collective: float) -> float:
-    best = _cheapest_served(terms, config, collective)
-
     def feasible(level):
-        low, high, ok = _served_range(terms, config, collective, level, best)
+        low, high, ok = _served_range(terms, config, collective, level)
         return bool(ok.all()) and low.sum() <= terms.total <= high.sum()
 
-    start = _rank_seconds(terms, best, config, collective).max(initial=0.0)
+    # every rank's least time with no level (the bilinear bytes of what it serves for others left out)
+    start = _rank_seconds(terms, _cheapest_served(terms, config, collective, None), config, collective).max(initial=0.0)
     low, high = float(start), float(max(start, 1e-12))
     while not feasible(high):
         low, high = high, 2 * high
