@@ -90,8 +90,9 @@ on its server), they cannot be the best nor change a decision, so skipping them 
 one of a batch's two ``apply_memory_tiles`` goes). The others are not built where a sound bound says
 they would lose (``apply_memory_tiles``' and ``tile_grid_plan``'s ``give_up_at``: the bound counted
 from the units chosen, and the grid's ranks' base time), and no plan's memory tiles are built where
-``tiles.memory_tiles_may_fit`` says none could fit the budget (the unbounded descent's at 64 x 64k
-on 7 of 8 batches of either shared sample). None of these changes a plan.
+``tiles.memory_tiles_may_fit`` says none could fit the budget (``apply_memory_tiles`` asks it: the
+unbounded descent's at 64 x 64k on 7 of 8 batches of either shared sample). None of these changes a
+plan.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, toler
 from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
-from .tiles import apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound, memory_tiles_may_fit
+from .tiles import apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound
 from .zigzag import zigzag_lower_bound, zigzag_plan
 from .pieces import DocumentPieces
 from .rehome import rehome_within_memory
@@ -138,17 +139,16 @@ GRID_PLACE = ZIGZAG_PLACE + 1
 
 
 def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
-            memory_tiles: bool = False, transfers=None, cap=...) -> tuple[float, Plan]:
+            memory_tiles: bool = False, transfers=None, cap: int | None) -> tuple[float, Plan]:
     """``(predicted step seconds, plan)``, the plan in the backward mode that fits the memory budget:
     a ``saved`` plan over it runs in ``resend`` mode, or (``memory_tiles`` and ``config.key_split``)
     with the key-split tiles that bring it within (``tiles.apply_memory_tiles``) when that is
     predicted faster (not without a budget: then only ``backward="resend"`` runs the step in ``resend``
     mode). ``transfers``: the plan's ``kv_transfers``, when in hand; ``cap``: ``kv_cap_tokens(pieces,
-    config)``, when in hand (one batch's candidates share it)."""
+    config)`` (one batch's candidates share it)."""
     transfers = kv_transfers(plan, pieces) if transfers is None else transfers
     received = kv_received(transfers, pieces.num_ranks)
     fitting = fit_memory_budget(plan, pieces, config, received)
-    cap = kv_cap_tokens(pieces, config) if cap is ... else cap
     if cap is not None and int(received.max(initial=0)) > cap:  # past the kv_cap setting: never chosen
         return np.inf, fitting
     seconds = step_seconds(fitting, pieces, config, transfers)
@@ -167,15 +167,12 @@ def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
 
 
 def _memory_tiled(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, seconds: float, cap: int | None,
-                  transfers=None):
+                  transfers):
     """``(predicted step seconds, plan with memory tiles)`` (``tiles.apply_memory_tiles``) when those
     bring it within the memory budget (and no server past ``cap`` K/V tokens, the kv_cap setting) and
-    are predicted faster than ``seconds``, else None: not built where ``tiles.memory_tiles_may_fit``
-    says none could fit (plan time). ``transfers``: ``plan``'s ``kv_transfers``, when in hand."""
-    if not memory_tiles_may_fit(plan, pieces, config.token_bytes, config.memory_budget, transfers=transfers):
-        return None
+    are predicted faster than ``seconds``, else None. ``transfers``: ``plan``'s ``kv_transfers``."""
     tiled = apply_memory_tiles(plan, pieces, config.token_bytes, config.memory_budget, config=config,
-                               give_up_at=seconds)
+                               give_up_at=seconds, transfers=transfers)
     if tiled is not plan:
         tiled_transfers = kv_transfers(tiled, pieces)
         received = kv_received(tiled_transfers, pieces.num_ranks)

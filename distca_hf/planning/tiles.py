@@ -48,7 +48,7 @@ from .key_split import check_tiles, task_tiles, with_key_ranges
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds
-from .transfers import backward_memory, kv_received, kv_transfers, memory_limit
+from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
 
 __all__ = ["apply_time_tiles", "apply_memory_tiles", "memory_tiles_lower_bound", "memory_tiles_may_fit", "tile_units"]
 
@@ -259,7 +259,7 @@ def _tiled_plan(base: Plan, segments: dict, converted: set, touched) -> Plan:
 
 
 def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float, *,
-                       config: PlannerConfig | None = None, give_up_at: float = np.inf) -> Plan:
+                       config: PlannerConfig | None = None, give_up_at: float = np.inf, transfers=None) -> Plan:
     """``plan`` (whole CA-tasks, ``saved`` mode) with key-split tiles that bring the ranks over the
     memory ``budget`` (``BackwardMemory.fits``) within it, where tiles can: a rank over the limit
     stops receiving a holder's piece of a document (a unit, module docstring) and the holder keeps
@@ -281,12 +281,17 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
     ``give_up_at`` seconds (a lower bound on their plan's step reaches it, ``memory_tiles_lower_bound``
     counted with those units: ``by_time`` passes the step the tiles must beat) and the plan with key
     ranges alone (what comes back when the units would leave the worst rank holding more) is over the
-    budget: neither could be kept."""
+    budget: neither could be kept; so too, with ``config``, where no units could bring it within the
+    budget (``memory_tiles_may_fit``; ``by_time`` keeps only tiles within it). ``transfers``:
+    ``plan``'s ``kv_transfers``, when in hand."""
     if plan.splits_keys or plan.num_tasks == 0 or plan.backward != "saved":
         return plan
     base = with_key_ranges(plan)
-    transfers = kv_transfers(base, pieces)
-    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=kv_received(transfers, plan.num_ranks))
+    # (without a window every task's key range is its whole prefix: the union is the hull, the same transfers)
+    if transfers is None or plan.window is not None:
+        transfers = kv_transfers(base, pieces)
+    received = kv_received(transfers, plan.num_ranks)
+    memory = backward_memory(base, pieces, token_bytes, backward="saved", received=received)
     held = memory.held.astype(np.float64)
     total, n = float(held.sum()), held.size
 
@@ -297,6 +302,9 @@ def apply_memory_tiles(plan: Plan, pieces: DocumentPieces, token_bytes: TokenByt
         return base
     base_over = held.max(initial=0.0) > limit(total) * (1 + 1e-9)  # base sure not to fit either (give_up_at)
     units = tile_units(plan, pieces)
+    if config is not None and base_over and not _units_may_fit(plan, pieces, token_bytes, budget, memory, received,
+                                                               units):
+        return plan  # no tiles bring it within the budget, nor does base: by_time could keep neither
     sent_kv: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for src, srv, d, start, end in zip(*(x.tolist() for x in (transfers.source, transfers.server, transfers.doc,
                                                              transfers.start, transfers.end))):
@@ -402,30 +410,46 @@ def memory_tiles_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenB
     holds at least its key-ranged hold less those, and the mean grows at most by the rows of one more
     tile per earlier piece of every task of a unit (``_earlier_segments``, ``key_split.task_tiles``);
     the tiled plan cannot fit when some rank's least hold passes the limit at that most mean."""
-    if budget is None or plan.splits_keys or plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
+    if budget is None or plan.splits_keys or plan.num_tasks == 0:
         return True
-    base, n = with_key_ranges(plan), plan.num_ranks
-    # (without a window every task's key range is its whole prefix: the union is the hull, the same transfers)
-    if transfers is None or plan.window is not None:
+    base = with_key_ranges(plan)
+    if transfers is None or plan.window is not None:  # (as apply_memory_tiles: the same without a window)
         transfers = kv_transfers(base, pieces)
-    received = kv_received(transfers, n)
+    received = kv_received(transfers, plan.num_ranks)
     memory = backward_memory(base, pieces, token_bytes, backward="saved", received=received)
+    return _units_may_fit(plan, pieces, token_bytes, budget, memory, received, tile_units(plan, pieces))
+
+
+def _units_may_fit(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, budget: float,
+                   memory: BackwardMemory, received: np.ndarray, units) -> bool:
+    """``memory_tiles_may_fit`` from what ``apply_memory_tiles`` has in hand: ``memory`` and
+    ``received`` ([ranks] K/V tokens) of the plan with key ranges, ``units`` its ``tile_units``."""
+    if not np.array_equal(pieces.kv_start, pieces.start):
+        return True
+    n = plan.num_ranks
     held = memory.held.astype(np.float64)
-    units = tile_units(plan, pieces)
     if not units:
         return memory.fits(budget)
     # the tasks of the units, each after `earlier` pieces (its own piece's index in its document's)
     tasks = np.unique(np.fromiter(itertools.chain.from_iterable(unit[5] for unit in units), dtype=np.int64))
-    nonempty = pieces.end > pieces.start
-    span = int(pieces.end.max(initial=0)) + 1
-    starts = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
-    doc, first = plan.doc[tasks], plan.q_start[tasks]
-    earlier = np.searchsorted(starts, doc * span + first, side="right") - 1 - np.searchsorted(starts, doc * span)
+    first = plan.q_start[tasks]
+    _, earlier = _own_pieces(pieces, plan.doc[tasks], first)
     most_mean = (held.sum() + float(((plan.q_end[tasks] - first) * earlier).sum()) * token_bytes.q) / n
     server, start, end = (np.fromiter((unit[i] for unit in units), dtype=np.int64, count=len(units)) for i in (0, 2, 3))
     dropped = np.minimum(np.bincount(server, weights=end - start, minlength=n), received) * token_bytes.kv
     least = float((held - dropped).max(initial=0.0))
     return least <= memory_limit(budget, most_mean, float(memory.floor)) * (1 + 1e-12) * (1 + 1e-9)
+
+
+def _own_pieces(pieces: DocumentPieces, doc: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, earlier)`` of each task's own piece, for tasks of documents ``doc`` whose first query
+    is ``first`` ([tasks] each): the last nonempty piece of the document starting at or before
+    ``first``, its first token and how many of the document's nonempty pieces come before it."""
+    nonempty = pieces.end > pieces.start
+    span = int(pieces.end.max(initial=0)) + 1
+    starts = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
+    at = np.searchsorted(starts, doc * span + first, side="right") - 1
+    return starts[at] % span, at - np.searchsorted(starts, doc * span)
 
 
 def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, units=None, applied=None) -> float:
@@ -437,11 +461,7 @@ def _tiles_lower_bound(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
     if plan.num_tasks == 0 or not np.array_equal(pieces.kv_start, pieces.start):
         return -np.inf
     tm, tb, n, window = config.time_model, config.token_bytes, plan.num_ranks, plan.window
-    # each task's own piece: the last nonempty piece of its document starting at or before its first query
-    nonempty = pieces.end > pieces.start
-    span = int(pieces.end.max(initial=0)) + 1
-    piece_key = np.sort(pieces.doc[nonempty] * span + pieces.start[nonempty])
-    own = piece_key[np.searchsorted(piece_key, plan.doc * span + plan.q_start, side="right") - 1] % span
+    own, _ = _own_pieces(pieces, plan.doc, plan.q_start)
     k0 = key_start(plan.q_start, window)
     first = np.maximum(own, k0)
     keys = plan.q_end - first  # its causal tile's keys, from `first` on
