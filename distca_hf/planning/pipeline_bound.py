@@ -42,7 +42,7 @@ import numpy as np
 from .baselines import pack_pieces
 from .cost import TimeModel, TokenBytes, document_pairs
 from .pipeline import FORWARD, PipelineRun, lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep
-from .pipeline_cost import check_layers, forward_backward_models
+from .pipeline_cost import check_step, forward_backward_models
 
 __all__ = ["PipelineFloors", "attention_floor_seconds", "holder_link_floor_seconds", "pipeline_floors",
            "bubble_gain"]
@@ -102,19 +102,9 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     by ``pipeline_step`` at ``exposed_comm`` (the share of communication not hidden, as
     ``PlannerConfig.exposed_comm``; above 0 it needs ``token_bytes``, the wire size of a token) or
     any larger share."""
-    layers_per_stage = check_layers(layers, stages)
-    for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if activation_bytes_per_token < 0:
-        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
-    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
-    if not micro_batch_docs:
-        raise ValueError("micro_batch_docs must hold at least one micro-batch")
-    for i, docs in enumerate(micro_batch_docs):
-        if int(docs.sum()) > data_parallel * tokens:
-            raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel "
-                             f"({data_parallel}) x tokens ({tokens})")
+    layers_per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
+                                                    tokens=tokens, layers=layers,
+                                                    activation_bytes_per_token=activation_bytes_per_token)
     if not 0.0 <= exposed_comm <= 1.0:
         raise ValueError(f"exposed_comm must be between 0 and 1, got {exposed_comm!r}")
     if exposed_comm > 0 and token_bytes is None:
@@ -124,14 +114,12 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     parts = forward_backward_models(time_model)  # compute shares 1/3 and 2/3 whatever the mode
     packed = [pack_pieces(docs, data_parallel, tokens) for docs in micro_batch_docs]
     row_tokens = [pieces.tokens() for pieces in packed]
-    # [kind, micro-batch] seconds of one layer: the slowest row's linear layers, the total attention
-    linear = np.array([[part.linear_s_per_token * float(rows.max(initial=0)) for rows in row_tokens]
-                       for part in parts])
-    mean_linear = np.array([[part.linear_s_per_token * float(rows.mean()) for rows in row_tokens] for part in parts])
+    # [kind, micro-batch] seconds of one layer: the slowest, mean and fastest row's linear layers, the
+    # total attention
+    linear, mean_linear, min_linear = (np.array([[part.linear_s_per_token * float(stat(rows)) for rows in row_tokens]
+                                                 for part in parts]) for stat in (np.max, np.mean, np.min))
     attention = np.array([[attention_floor_seconds(docs, part, window=window) for docs in micro_batch_docs]
                           for part in parts])
-
-    min_linear = np.array([[part.linear_s_per_token * float(rows.min()) for rows in row_tokens] for part in parts])
 
     def holders_floor(mode: str) -> np.ndarray:
         """[kind, micro-batch] seconds: the busiest holder's attention part, bytes in ``mode``"""

@@ -60,7 +60,7 @@ from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .rank_time import loads_seconds, other_seconds, plan_loads, step_seconds
 
-__all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers",
+__all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers", "check_step",
            "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "attention_only",
            "tick_layer_seconds", "held_micro_batches"]
 
@@ -247,6 +247,26 @@ def _step(run: PipelineRun, attn_imbalance: float) -> PipelineMethodStep:
     return PipelineMethodStep(float(run.step_s), float(run.bubble_fraction), float(attn_imbalance))
 
 
+def check_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
+               activation_bytes_per_token: int) -> tuple[int, list[np.ndarray]]:
+    """``(layers per stage, micro-batches as int64 arrays)`` of one step's arguments
+    (``pipeline_step``'s), refused with the argument named where they cannot be a step."""
+    per_stage = check_layers(layers, stages)
+    for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if activation_bytes_per_token < 0:
+        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
+    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
+    if not micro_batch_docs:
+        raise ValueError("micro_batch_docs must hold at least one micro-batch")
+    for i, docs in enumerate(micro_batch_docs):
+        if int(docs.sum()) > data_parallel * tokens:
+            raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel "
+                             f"({data_parallel}) x tokens ({tokens})")
+    return per_stage, micro_batch_docs
+
+
 def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
                   config: PlannerConfig, activation_bytes_per_token: int) -> dict[str, PipelineMethodStep]:
     """Time one step for each of ``PIPELINE_METHODS`` (module docstring).
@@ -264,20 +284,10 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     Returns:
         ``{method: PipelineMethodStep}``.
     """
-    per_stage = check_layers(layers, stages)
-    for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if activation_bytes_per_token < 0:
-        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
-    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
+    per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
+                                             tokens=tokens, layers=layers,
+                                             activation_bytes_per_token=activation_bytes_per_token)
     m, d = len(micro_batch_docs), data_parallel
-    if m < 1:
-        raise ValueError("micro_batch_docs must hold at least one micro-batch")
-    for i, docs in enumerate(micro_batch_docs):
-        if int(docs.sum()) > d * tokens:
-            raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel ({d}) x "
-                             f"tokens ({tokens})")
     model, exposed, token_bytes = config.time_model, config.exposed_comm, config.token_bytes
     saved_models = forward_backward_models(model, "saved")
     p2p_s = tokens * activation_bytes_per_token / model.bytes_per_s
