@@ -1,0 +1,210 @@
+"""What K/V relays would give: a plan's bytes and time if servers forwarded K/V (a what-if, pure numpy).
+
+Today (``transfers.kv_transfers``) every rank holding a piece of a document sends the K/V a server
+needs **directly** to each server of a later shard, so a long document's holders send their K/V
+once per server and their links bound the layer (issues 20 and 21). With relays, the ``S`` servers
+that need one K/V range of one holder form a tree: the holder sends the range to at most
+``holder_fanout`` of them, and every server that has it forwards it to at most ``fanout`` more.
+Each server still receives each K/V token it needs exactly once; the holder sends each range at
+most ``holder_fanout`` times instead of ``S``.
+
+What the relay costs (all counted here, nothing hidden):
+
+- latency: a send at depth ``d`` of its tree goes out in exchange round ``d``; a layer then needs
+  ``rounds`` = the deepest tree's depth K/V exchanges in its forward instead of one, and as many
+  for the K/V gradients in its backward. Each extra round is one more all-to-all, which every rank of
+  the group enters (``relay_rank_seconds`` adds ``TimeModel.collective_s`` per extra round to every
+  rank: the time model's fixed cost of a layer's dispatch, so a generous price for one more round).
+- bytes on servers: a server that forwards sends what it forwards, on top of what it receives; the
+  total bytes crossing ranks are the same as direct (one send per server and range), they only move
+  from the holders' links to the servers'.
+- backward: in ``saved`` mode the K/V gradients flow back up the same tree, each server summing its
+  children's with its own before sending one range to its parent (so the backward moves exactly the
+  forward's K/V bytes, reversed, per rank: ``COMM_PASSES["saved"]`` holds); in ``resend`` mode the
+  backward also relays K/V down the tree again before the gradients go up (``COMM_PASSES["resend"]``
+  holds too). Queries and outputs stay point-to-point, as in ``transfers.query_sends``.
+
+Trees: the servers of one (holder, document) are ordered by how far into the document they need
+keys (furthest first, then by rank), and every elementary K/V range takes them in that order, so a
+server that needs a prefix sits near the root of every tree of that prefix and a parent forwards one
+contiguous range per child (sends merged per (sender, receiver, document, round)). The root holder
+has children ``0 .. holder_fanout - 1``; server ``j`` (0-based in that order) has children
+``holder_fanout + j * fanout ..``, a complete tree whose depth grows as ``log_fanout S``.
+``fanout=math.inf`` is the direct dispatch.
+
+A real implementation would need (not done here): in the runtime, one more K/V exchange per tree
+level in the forward and one more dK/dV exchange per level in the backward (``runtime/tables.py``:
+per-round send/receive tables, a server's receive buffer becoming the next round's send buffer;
+``runtime/phases.py`` and ``dispatch.py``: the rounds in order, gradients summed at each hop before
+going up); in the planner, the descent (``descent.py``) and the byte counters (``transfers.RunningBytes``)
+would price a new server of a prefix at its parent server's link, not the holder's, and count the
+rounds' latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .baselines import RankLoads
+from .carving import Plan, PlannerConfig
+from .cost import TokenBytes
+from .pieces import DocumentPieces
+from .rank_time import plan_loads, rank_seconds
+from .transfers import KVTransfers, RangeSends, kv_transfers
+
+__all__ = ["RelaySends", "relay_kv_sends", "relay_rank_bytes", "relay_plan_loads", "relay_rank_seconds",
+           "relay_step_seconds"]
+
+
+@dataclass(frozen=True, eq=False)
+class RelaySends(RangeSends):
+    """K/V ranges sent along relay trees (``RangeSends``: ``source`` is the sender, a holder or a
+    server forwarding, ``server`` the receiver); ``round`` (``[num_sends]``, int64, from 1) is the
+    exchange round of each send: 1 for a holder's own sends, ``d`` at depth ``d`` of its tree."""
+
+    round: np.ndarray
+
+    @property
+    def rounds(self) -> int:
+        """K/V exchange rounds of a layer's forward (the deepest tree; 1 = direct, 0 = nothing moves)."""
+        return int(self.round.max(initial=0))
+
+
+def _check_fanout(name: str, value) -> float:
+    if value == math.inf:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or math.inf (direct sends), got {value!r}")
+    return int(value)
+
+
+def _tree_depths(count: int, holder_fanout: float, fanout: float) -> tuple[list[int], list[int]]:
+    """``(parent, depth)`` of ``count`` servers in tree order: ``parent[j]`` is ``-1`` (the holder)
+    or the position of the server that forwards to ``j``; ``depth[j]`` >= 1 its round."""
+    parent, depth = [], []
+    for j in range(count):
+        p = -1 if j < holder_fanout else int((j - holder_fanout) // fanout)
+        parent.append(p)
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return parent, depth
+
+
+def relay_kv_sends(transfers: KVTransfers, *, fanout=2, holder_fanout=None) -> RelaySends:
+    """The sends of ``transfers`` (``kv_transfers`` of a plan) relayed along trees (module docstring):
+    every elementary K/V range a holder must deliver to ``S`` servers goes to at most ``holder_fanout``
+    (default ``fanout``) of them, and each server forwards it to at most ``fanout`` more.
+
+    Args:
+        transfers: the direct K/V sends, ``[num_sends]`` arrays of holder, server, document, tokens.
+        fanout: an integer >= 1 (1: a chain) or ``math.inf`` (direct: the holder sends to all).
+        holder_fanout: the holder's own sends per range (``None``: ``fanout``).
+
+    Returns:
+        ``RelaySends``, in order of holder, document, round; every server receives each token it
+        receives in ``transfers`` exactly once."""
+    fanout = _check_fanout("fanout", fanout)
+    holder_fanout = fanout if holder_fanout is None else _check_fanout("holder_fanout", holder_fanout)
+    rows: list[tuple[int, int, int, int, int, int]] = []  # (sender, receiver, doc, start, end, round)
+    if transfers.source.size:
+        order = np.lexsort((transfers.server, transfers.doc, transfers.source))
+        source, server, doc, start, end = (x[order].tolist() for x in (transfers.source, transfers.server,
+                                                                     transfers.doc, transfers.start, transfers.end))
+        first = 0
+        for i in range(1, len(source) + 1):
+            if i < len(source) and (source[i], doc[i]) == (source[first], doc[first]):
+                continue
+            rows.extend(_relay_group(source[first], doc[first], server[first:i], start[first:i], end[first:i],
+                                     holder_fanout, fanout))
+            first = i
+    rows.sort()
+    merged: list[list[int]] = []
+    for sender, receiver, d, s, e, r in rows:  # contiguous ranges of one (sender, receiver, doc, round): one send
+        last = merged[-1] if merged else None
+        if last is not None and (last[0], last[1], last[2], last[5]) == (sender, receiver, d, r) and last[4] == s:
+            last[4] = e
+        else:
+            merged.append([sender, receiver, d, s, e, r])
+    columns = np.array(merged, dtype=np.int64).reshape(-1, 6).T
+    sender, receiver, d, s, e, r = columns
+    order = np.lexsort((s, receiver, r, d, sender))
+    return RelaySends(sender[order], receiver[order], d[order], s[order], e[order], r[order])
+
+
+def _relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
+                 fanout: float) -> list[tuple[int, int, int, int, int, int]]:
+    """The relayed sends of one holder's K/V of one document to the servers that need it (lists, one
+    entry per direct send): one tree per elementary range between consecutive start/end points."""
+    reach: dict[int, int] = {}
+    for server, end in zip(servers, ends):
+        reach[server] = max(reach.get(server, 0), end)
+    tree_order = sorted(reach, key=lambda s: (-reach[s], s))  # furthest need first, then by rank
+    points = sorted(set(starts) | set(ends))
+    out = []
+    for a, b in zip(points[:-1], points[1:]):
+        covered = {s for s, lo, hi in zip(servers, starts, ends) if lo <= a and b <= hi}
+        if not covered:
+            continue
+        members = [s for s in tree_order if s in covered]
+        parent, depth = _tree_depths(len(members), holder_fanout, fanout)
+        for j, receiver in enumerate(members):
+            out.append((holder if parent[j] < 0 else members[parent[j]], receiver, doc, a, b, depth[j]))
+    return out
+
+
+def _kv_bytes_per_rank(sends: RangeSends, token_bytes: TokenBytes, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    kv = (sends.end - sends.start) * token_bytes.kv
+    per_rank = lambda ranks: np.bincount(ranks, weights=kv, minlength=num_ranks).astype(np.int64)
+    return per_rank(sends.source), per_rank(sends.server)
+
+
+def _no_kv() -> KVTransfers:
+    empty = np.zeros(0, dtype=np.int64)
+    return KVTransfers(empty, empty, empty, empty, empty)
+
+
+def relay_plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
+                     transfers: KVTransfers | None = None) -> tuple[RankLoads, int]:
+    """``(loads, rounds)``: ``rank_time.plan_loads`` of ``plan`` with its K/V relayed
+    (``relay_kv_sends``) instead of sent directly, and the K/V exchange rounds of a layer's forward."""
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    relayed = relay_kv_sends(transfers, fanout=fanout, holder_fanout=holder_fanout)
+    loads = plan_loads(plan, pieces, token_bytes, _no_kv())  # queries and outputs: point-to-point, as direct
+    kv_sent, kv_received = _kv_bytes_per_rank(relayed, token_bytes, plan.num_ranks)
+    return dataclasses.replace(loads, sent=loads.sent + kv_sent, received=loads.received + kv_received), \
+        relayed.rounds
+
+
+def relay_rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
+                     transfers: KVTransfers | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(sent, received)``, each ``[num_ranks]`` int64 bytes of one layer's forward, as
+    ``transfers.rank_bytes`` but with every K/V range relayed along a tree (module docstring): Q out
+    and O back point-to-point, K/V from the holder to at most ``holder_fanout`` servers (default
+    ``fanout``), each forwarding to at most ``fanout`` more. Both sum to ``comm_bytes(...).total`` as
+    direct's do; a holder sends at most as many K/V bytes as direct, a forwarding server more. The
+    backward moves the same bytes per rank (gradients up the tree, summed at each hop)."""
+    loads, _ = relay_plan_loads(plan, pieces, token_bytes, fanout=fanout, holder_fanout=holder_fanout,
+                                transfers=transfers)
+    return loads.sent, loads.received
+
+
+def relay_rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanout=2, holder_fanout=None,
+                       transfers: KVTransfers | None = None) -> tuple[np.ndarray, int]:
+    """``([num_ranks] seconds, rounds)``: ``rank_time.rank_seconds`` of the same ``plan`` with relayed
+    K/V bytes (``relay_plan_loads``), plus ``config.time_model.collective_s`` per exchange round beyond
+    the first on every rank (each round is one more all-to-all the whole group enters)."""
+    loads, rounds = relay_plan_loads(plan, pieces, config.token_bytes, fanout=fanout, holder_fanout=holder_fanout,
+                                     transfers=transfers)
+    extra = max(rounds - 1, 0) * config.time_model.collective_s
+    return rank_seconds(plan, pieces, config, loads=loads) + extra, rounds
+
+
+def relay_step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanout=2, holder_fanout=None,
+                       transfers: KVTransfers | None = None) -> tuple[float, int]:
+    """``(seconds, rounds)``: the slowest rank's predicted layer under ``relay_rank_seconds``."""
+    seconds, rounds = relay_rank_seconds(plan, pieces, config, fanout=fanout, holder_fanout=holder_fanout,
+                                         transfers=transfers)
+    return float(seconds.max(initial=0.0)), rounds
