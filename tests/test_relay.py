@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from distca_hf.planning import PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks, rank_seconds
 from distca_hf.planning.baselines import pack_pieces
-from distca_hf.planning.relay import relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds
+from distca_hf.planning.relay import (relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds,
+                                      relay_step_seconds, relay_where_it_helps)
 from distca_hf.planning.transfers import KVTransfers, rank_bytes
 
 TOKEN_BYTES = TokenBytes(q=2, kv=4, o=2)
@@ -34,26 +35,12 @@ def _held(pieces) -> set:
                                             pieces.end.tolist()) for t in range(s, e)}
 
 
-@settings(max_examples=120, deadline=None)
-@given(docs=st.lists(st.integers(1, 300), min_size=2, max_size=16), ranks=st.integers(2, 6),
-       budget=st.sampled_from([48, 96, 160]), tolerance=st.sampled_from([0.0, 0.05, 0.3, "auto"]),
-       key_split=st.booleans(), fanout=st.sampled_from([1, 2, 3]), holder_fanout=st.sampled_from([None, 1, 2]))
-def test_relay_delivers_every_needed_token_once(docs, ranks, budget, tolerance, key_split, fanout, holder_fanout):
-    docs = np.asarray(docs, dtype=np.int64)
-    docs = docs[np.cumsum(docs) <= ranks * budget] if docs.sum() > ranks * budget else docs
-    if not docs.size:
-        return
-    pieces = pack_pieces(docs, ranks, budget)
-    config = PlannerConfig(tolerance, block=16, key_split=key_split, token_bytes=TOKEN_BYTES, time_model=MODEL)
-    plan = plan_tasks(pieces, config)
-    direct = kv_transfers(plan, pieces)
-    relayed = relay_kv_sends(direct, fanout=fanout, holder_fanout=holder_fanout)
-
-    # every server receives each K/V token it needs exactly once, and nothing else
+def _check_delivery(relayed, direct, pieces, holder_fanout, fanout) -> Counter:
+    """Every server receives each K/V token it needs exactly once, and nothing else; a rank sends
+    only tokens it holds (in round 1, to at most ``holder_fanout`` ranks) or received in the round
+    before (to at most ``fanout``). Returns ``{(sender, doc, token): times sent}``."""
     assert _tokens(relayed) == _tokens(direct)
     assert max(_tokens(relayed).values(), default=1) == 1
-    # a rank sends only tokens it holds (in round 1) or received in an earlier round, to each at most
-    # holder_fanout / fanout receivers
     held, arrived = _held(pieces), {}
     for r, d, s, e, k in zip(relayed.server.tolist(), relayed.doc.tolist(), relayed.start.tolist(),
                              relayed.end.tolist(), relayed.round.tolist()):
@@ -69,7 +56,27 @@ def test_relay_delivers_every_needed_token_once(docs, ranks, budget, tolerance, 
                 assert arrived[snd, d, t] == k - 1
             out[snd, d, t] += 1
     for (snd, d, t), count in out.items():
-        assert count <= ((holder_fanout or fanout) if (snd, d, t) in held else fanout)
+        assert count <= (holder_fanout if (snd, d, t) in held else fanout)
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(docs=st.lists(st.integers(1, 300), min_size=2, max_size=16), ranks=st.integers(2, 6),
+       budget=st.sampled_from([48, 96, 160]), tolerance=st.sampled_from([0.0, 0.05, 0.3, "auto"]),
+       key_split=st.booleans(), fanout=st.sampled_from([1, 2, 3]), holder_fanout=st.sampled_from([None, 1, 2]))
+def test_relay_delivers_every_needed_token_once(docs, ranks, budget, tolerance, key_split, fanout, holder_fanout):
+    docs = np.asarray(docs, dtype=np.int64)
+    docs = docs[np.cumsum(docs) <= ranks * budget] if docs.sum() > ranks * budget else docs
+    if not docs.size:
+        return
+    pieces = pack_pieces(docs, ranks, budget)
+    config = PlannerConfig(tolerance, block=16, key_split=key_split, token_bytes=TOKEN_BYTES, time_model=MODEL)
+    plan = plan_tasks(pieces, config)
+    direct = kv_transfers(plan, pieces)
+    relayed = relay_kv_sends(direct, fanout=fanout, holder_fanout=holder_fanout)
+
+    out = _check_delivery(relayed, direct, pieces, holder_fanout or fanout, fanout)
+    held = _held(pieces)
     # holders send at most what they send directly; bytes in total are direct's
     relay_sent, relay_received = relay_rank_bytes(plan, pieces, TOKEN_BYTES, fanout=fanout,
                                                   holder_fanout=holder_fanout, transfers=direct)
@@ -88,6 +95,10 @@ def test_relay_delivers_every_needed_token_once(docs, ranks, budget, tolerance, 
     assert relay_kv_sends(direct, fanout=math.inf).rounds == (1 if direct.source.size else 0)
     seconds, rounds = relay_rank_seconds(plan, pieces, config, fanout=math.inf, transfers=direct)
     assert seconds.tolist() == pytest.approx(rank_seconds(plan, pieces, config, direct).tolist())
+    # relays placed by time deliver the same tokens and are never predicted slower than direct
+    placed = relay_where_it_helps(plan, pieces, config, transfers=direct)
+    _check_delivery(placed, direct, pieces, math.inf, 4)
+    assert relay_step_seconds(plan, pieces, config, sends=placed)[0] <= seconds.max() * (1 + 1e-9)
 
 
 def test_relay_tree_by_hand():

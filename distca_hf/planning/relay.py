@@ -57,7 +57,7 @@ from .rank_time import plan_loads, rank_seconds
 from .transfers import KVTransfers, RangeSends, kv_transfers
 
 __all__ = ["RelaySends", "relay_kv_sends", "relay_rank_bytes", "relay_plan_loads", "relay_rank_seconds",
-           "relay_step_seconds"]
+           "relay_step_seconds", "relay_where_it_helps"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,44 +104,58 @@ def relay_kv_sends(transfers: KVTransfers, *, fanout=2, holder_fanout=None) -> R
         holder_fanout: the holder's own sends per range (``None``: ``fanout``).
 
     Returns:
-        ``RelaySends``, in order of holder, document, round; every server receives each token it
+        ``RelaySends``, in order of sender, document, round; every server receives each token it
         receives in ``transfers`` exactly once."""
     fanout = _check_fanout("fanout", fanout)
     holder_fanout = fanout if holder_fanout is None else _check_fanout("holder_fanout", holder_fanout)
-    rows: list[tuple[int, int, int, int, int, int]] = []  # (sender, receiver, doc, start, end, round)
-    if transfers.source.size:
-        order = np.lexsort((transfers.server, transfers.doc, transfers.source))
-        source, server, doc, start, end = (x[order].tolist() for x in (transfers.source, transfers.server,
-                                                                     transfers.doc, transfers.start, transfers.end))
-        first = 0
-        for i in range(1, len(source) + 1):
-            if i < len(source) and (source[i], doc[i]) == (source[first], doc[first]):
-                continue
-            rows.extend(_relay_group(source[first], doc[first], server[first:i], start[first:i], end[first:i],
-                                     holder_fanout, fanout))
+    rows = []
+    for group in _holder_groups(transfers):
+        rows.extend(_relay_group(*group, holder_fanout, fanout))
+    return _as_sends(rows)
+
+
+def _holder_groups(transfers: KVTransfers) -> list[tuple[int, int, list, list, list]]:
+    """``(holder, doc, servers, starts, ends)`` of every (holder, document) of ``transfers`` (lists,
+    one entry per direct send)."""
+    if not transfers.source.size:
+        return []
+    order = np.lexsort((transfers.server, transfers.doc, transfers.source))
+    source, server, doc, start, end = (x[order].tolist() for x in (transfers.source, transfers.server, transfers.doc,
+                                                                 transfers.start, transfers.end))
+    groups, first = [], 0
+    for i in range(1, len(source) + 1):
+        if i == len(source) or (source[i], doc[i]) != (source[first], doc[first]):
+            groups.append((source[first], doc[first], server[first:i], start[first:i], end[first:i]))
             first = i
-    rows.sort()
+    return groups
+
+
+def _as_sends(rows) -> RelaySends:
+    """``(sender, receiver, doc, start, end, round)`` rows as ``RelaySends``, contiguous ranges of one
+    (sender, receiver, document, round) merged into one send."""
     merged: list[list[int]] = []
-    for sender, receiver, d, s, e, r in rows:  # contiguous ranges of one (sender, receiver, doc, round): one send
+    for sender, receiver, d, s, e, r in sorted(rows):
         last = merged[-1] if merged else None
         if last is not None and (last[0], last[1], last[2], last[5]) == (sender, receiver, d, r) and last[4] == s:
             last[4] = e
         else:
             merged.append([sender, receiver, d, s, e, r])
-    columns = np.array(merged, dtype=np.int64).reshape(-1, 6).T
-    sender, receiver, d, s, e, r = columns
+    sender, receiver, d, s, e, r = np.array(merged, dtype=np.int64).reshape(-1, 6).T
     order = np.lexsort((s, receiver, r, d, sender))
     return RelaySends(sender[order], receiver[order], d[order], s[order], e[order], r[order])
 
 
 def _relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
-                 fanout: float) -> list[tuple[int, int, int, int, int, int]]:
+                 fanout: float, priority=None) -> list[tuple[int, int, int, int, int, int]]:
     """The relayed sends of one holder's K/V of one document to the servers that need it (lists, one
-    entry per direct send): one tree per elementary range between consecutive start/end points."""
+    entry per direct send): one tree per elementary range between consecutive start/end points, its
+    members in one order (``priority[server]`` lowest first when given, then furthest need first,
+    then by rank)."""
     reach: dict[int, int] = {}
     for server, end in zip(servers, ends):
         reach[server] = max(reach.get(server, 0), end)
-    tree_order = sorted(reach, key=lambda s: (-reach[s], s))  # furthest need first, then by rank
+    first = (lambda s: priority[s]) if priority is not None else (lambda s: 0)
+    tree_order = sorted(reach, key=lambda s: (first(s), -reach[s], s))
     points = sorted(set(starts) | set(ends))
     out = []
     for a, b in zip(points[:-1], points[1:]):
@@ -167,15 +181,16 @@ def _no_kv() -> KVTransfers:
 
 
 def relay_plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
-                     transfers: KVTransfers | None = None) -> tuple[RankLoads, int]:
-    """``(loads, rounds)``: ``rank_time.plan_loads`` of ``plan`` with its K/V relayed
-    (``relay_kv_sends``) instead of sent directly, and the K/V exchange rounds of a layer's forward."""
-    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
-    relayed = relay_kv_sends(transfers, fanout=fanout, holder_fanout=holder_fanout)
+                     transfers: KVTransfers | None = None, sends: RelaySends | None = None) -> tuple[RankLoads, int]:
+    """``(loads, rounds)``: ``rank_time.plan_loads`` of ``plan`` with its K/V relayed (``sends``, by
+    default ``relay_kv_sends`` at ``fanout`` / ``holder_fanout``) instead of sent directly, and the
+    K/V exchange rounds of a layer's forward."""
+    if sends is None:
+        transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+        sends = relay_kv_sends(transfers, fanout=fanout, holder_fanout=holder_fanout)
     loads = plan_loads(plan, pieces, token_bytes, _no_kv())  # queries and outputs: point-to-point, as direct
-    kv_sent, kv_received = _kv_bytes_per_rank(relayed, token_bytes, plan.num_ranks)
-    return dataclasses.replace(loads, sent=loads.sent + kv_sent, received=loads.received + kv_received), \
-        relayed.rounds
+    kv_sent, kv_received = _kv_bytes_per_rank(sends, token_bytes, plan.num_ranks)
+    return dataclasses.replace(loads, sent=loads.sent + kv_sent, received=loads.received + kv_received), sends.rounds
 
 
 def relay_rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
@@ -192,19 +207,64 @@ def relay_rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes
 
 
 def relay_rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanout=2, holder_fanout=None,
-                       transfers: KVTransfers | None = None) -> tuple[np.ndarray, int]:
+                       transfers: KVTransfers | None = None, sends: RelaySends | None = None) -> tuple[np.ndarray, int]:
     """``([num_ranks] seconds, rounds)``: ``rank_time.rank_seconds`` of the same ``plan`` with relayed
-    K/V bytes (``relay_plan_loads``), plus ``config.time_model.collective_s`` per exchange round beyond
-    the first on every rank (each round is one more all-to-all the whole group enters)."""
+    K/V bytes (``relay_plan_loads``: ``sends``, or trees at ``fanout`` / ``holder_fanout``), plus
+    ``config.time_model.collective_s`` per exchange round beyond the first on every rank (each round
+    is one more all-to-all the whole group enters)."""
     loads, rounds = relay_plan_loads(plan, pieces, config.token_bytes, fanout=fanout, holder_fanout=holder_fanout,
-                                     transfers=transfers)
+                                     transfers=transfers, sends=sends)
     extra = max(rounds - 1, 0) * config.time_model.collective_s
     return rank_seconds(plan, pieces, config, loads=loads) + extra, rounds
 
 
 def relay_step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanout=2, holder_fanout=None,
-                       transfers: KVTransfers | None = None) -> tuple[float, int]:
+                       transfers: KVTransfers | None = None, sends: RelaySends | None = None) -> tuple[float, int]:
     """``(seconds, rounds)``: the slowest rank's predicted layer under ``relay_rank_seconds``."""
     seconds, rounds = relay_rank_seconds(plan, pieces, config, fanout=fanout, holder_fanout=holder_fanout,
-                                         transfers=transfers)
+                                         transfers=transfers, sends=sends)
     return float(seconds.max(initial=0.0)), rounds
+
+
+def relay_where_it_helps(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(1, 2, 4),
+                         transfers: KVTransfers | None = None, passes: int = 2) -> RelaySends:
+    """Relays placed by time on ``plan`` as it is: each (holder, document)'s K/V goes direct or along
+    a tree of one of ``fanouts``, whose members are ordered by their predicted seconds (the least
+    loaded nearest the root, so they forward the most). Greedy, holders in order of their predicted
+    seconds (slowest first), ``passes`` times: a group's tree replaces its current sends where the
+    holder gets faster and no rank gets slower than the slowest before (``rank_seconds`` plus
+    ``collective_s`` per extra round, counted on every rank when a tree deepens the layer). A plan
+    whose slowest rank is not a holder of a K/V range several servers need keeps its direct sends.
+
+    Returns ``RelaySends`` delivering what ``transfers`` do (``relay_rank_seconds(..., sends=)``
+    times it; never slower than direct under the model)."""
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    fanouts = [_check_fanout("fanouts", f) for f in fanouts]
+    now = rank_seconds(plan, pieces, config, transfers).astype(np.float64)
+    byte_s = config.time_model.byte_seconds(config.exposed_comm, plan.backward)
+    kv, n = config.token_bytes.kv, plan.num_ranks
+    groups = _holder_groups(transfers)
+    chosen = [_relay_group(*g, math.inf, math.inf) for g in groups]
+    rounds = 1 if groups else 0
+
+    def seconds_of(rows) -> np.ndarray:
+        moved = np.zeros(n)
+        for sender, receiver, _, a, b, _ in rows:
+            moved[sender] += (b - a) * kv
+            moved[receiver] += (b - a) * kv
+        return moved * byte_s
+
+    for _ in range(passes):
+        for i in sorted(range(len(groups)), key=lambda g: -now[groups[g][0]]):
+            holder, current = groups[i][0], seconds_of(chosen[i])
+            best = None
+            for fanout in [math.inf, *fanouts]:
+                rows = _relay_group(*groups[i], fanout, fanout, priority=now)
+                depth = max(r[5] for r in rows)
+                new = now - current + seconds_of(rows) + max(depth - rounds, 0) * config.time_model.collective_s
+                if new.max() <= now.max() * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
+                    if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
+                        best = (new, rows, depth)
+            if best is not None:
+                now, chosen[i], rounds = best[0], best[1], max(rounds, best[2])
+    return _as_sends([row for rows in chosen for row in rows])
