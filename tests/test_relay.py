@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks, rank_seconds
+from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks,
+                                rank_seconds)
 from distca_hf.planning.baselines import pack_pieces
 from distca_hf.planning.relay import (relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds,
                                       relay_step_seconds, relay_where_it_helps)
@@ -136,3 +137,22 @@ def test_relay_seconds_add_collective_per_extra_round():
     assert same_rounds == rounds
     assert seconds.tolist() == pytest.approx((rank_seconds(plan, pieces, config, loads=loads)
                                               + (rounds - 1) * MODEL.collective_s).tolist())
+
+
+def test_relays_placed_by_time_unload_a_holder_that_bounds_the_layer():
+    """Rank 0 holds an 800-token document whose eight 100-query shards run on ranks 0..7: direct, rank 0
+    sends 200 + ... + 800 K/V tokens and bounds the layer; relays placed by time take most of that
+    off it (servers that need the prefix forward it) and the predicted layer drops."""
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 800)]] + [[] for _ in range(7)])
+    k = np.arange(8)
+    plan = Plan(source=np.zeros(8, dtype=np.int64), server=k, doc=np.zeros(8, dtype=np.int64), q_start=100 * k,
+                q_end=100 * (k + 1), num_ranks=8, servers=tuple(range(8)))
+    links = TimeModel(linear_s_per_token=0.0, attn_s_per_pair=1e-3, bytes_per_s=4.0, collective_s=7.0)
+    config = PlannerConfig(0.0, token_bytes=TOKEN_BYTES, time_model=links)
+    direct = kv_transfers(plan, pieces)
+    before = rank_seconds(plan, pieces, config, direct)
+    assert int(np.argmax(before)) == 0
+    placed = relay_where_it_helps(plan, pieces, config, transfers=direct)
+    _check_delivery(placed, direct, pieces, math.inf, 4)
+    after, rounds = relay_step_seconds(plan, pieces, config, sends=placed)
+    assert rounds >= 2 and after < 0.6 * before.max()
