@@ -17,6 +17,8 @@ that no import, at module level or inside a function, closes a circle):
     rank_time  a plan's predicted seconds per rank: the one home of the time formula the judges, the
                descent, the tiles and the simulator use (``base_pairs``' other work included)
     layer_bound  a lower bound on the predicted layer time of any plan of a batch (what a planner could still win)
+    relay      a what-if: a plan's K/V bytes and time if servers forwarded K/V along trees (a holder sends
+               each range O(1) times) instead of every holder sending to every server directly
     key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
                tiles of one task given where its earlier prefix pieces are computed (``task_tiles``)
     tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full
