@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dist_harness import run_ranks
 from distca_hf.planning import PlannerConfig, plan_tasks, step_seconds, tile_grid
 from distca_hf.planning.baselines import pack_pieces
-from distca_hf.planning.by_time import _judged
+from distca_hf.planning.by_time import judged
 from distca_hf.planning.cost import H100_MEASURED, LLAMA3_8B_BYTES, causal_pairs
 from distca_hf.planning.key_split import check_tiles
 from test_planner import packed_batches, time_models
@@ -46,7 +46,7 @@ def test_tile_grid_weighs_a_ticks_base_pairs():
     assert weighed.splits_keys and weighed.backward == "resend"
     assert step_seconds(weighed, pieces, config) < 0.9 * step_seconds(unweighed, pieces, config)
     assert weighed.server_pairs()[busy].sum() < unweighed.server_pairs()[busy].sum()
-    grid_seconds, _ = _judged(weighed, pieces, config)
+    grid_seconds, _ = judged(weighed, pieces, config)
     assert step_seconds(plan_tasks(pieces, config), pieces, config) <= grid_seconds * (1 + 1e-12)
 
 

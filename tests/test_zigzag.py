@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from distca_hf.planning import DocumentPieces, PlannerConfig, TimeModel, TokenBytes, plan_tasks, step_seconds
 from distca_hf.planning.baselines import head_tail_chunks, pack_pieces
 from distca_hf.tools.simulate import cut_to
-from distca_hf.planning.by_time import _judged
+from distca_hf.planning.by_time import judged
 from distca_hf.planning import by_time, tile_grid
 from distca_hf.planning.cost import H100_MEASURED, LLAMA3_8B_BYTES
 from distca_hf.planning.key_split import check_tiles
@@ -109,7 +109,7 @@ def test_auto_is_never_predicted_slower_than_the_cp_shaped_plan(pieces, window, 
     if zigzag is None:
         assert zigzag_lower_bound(pieces, model, window) == float("inf")
         return
-    zigzag_seconds, _ = _judged(zigzag, pieces, config)  # in the backward mode that fits the budget
+    zigzag_seconds, _ = judged(zigzag, pieces, config)  # in the backward mode that fits the budget
     assert zigzag_lower_bound(pieces, model, window) <= zigzag_seconds * (1 + 1e-12)
     assert step_seconds(plan_tasks(pieces, config), pieces, config) <= zigzag_seconds * (1 + 1e-12)
 
@@ -165,7 +165,7 @@ def test_tile_grid_computes_every_query_once_and_auto_is_never_slower(pieces, bl
     for d, s in zip(grid.doc.tolist(), grid.q_start.tolist()):
         inside = (pieces.doc == d) & (pieces.start < s) & (s < pieces.end)
         assert all((s - pieces.start[inside]) % block == 0)
-    grid_seconds, _ = by_time._judged(grid, pieces, config)
+    grid_seconds, _ = by_time.judged(grid, pieces, config)
     chosen = _every_document_tiled(lambda: plan_tasks(pieces, config))
     assert step_seconds(chosen, pieces, config) <= grid_seconds * (1 + 1e-12)
 
@@ -174,14 +174,14 @@ def test_tile_grid_computes_every_query_once_and_auto_is_never_slower(pieces, bl
 @given(pieces=long_document_batches(), block=blocks, model=time_models, exposed=st.sampled_from([0.0, 1.0]),
        budget=st.sampled_from([None, 0.05, 0.5]), factor=st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0, 1.001, 2.0]))
 def test_tile_grid_gives_up_only_where_it_would_lose(pieces, block, model, exposed, budget, factor):
-    # give_up_at: None only when the built grid is judged (by_time._judged, exactly) no faster than it;
+    # give_up_at: None only when the built grid is judged (by_time.judged, exactly) no faster than it;
     # otherwise the very same plan
     config = PlannerConfig("auto", block, None, TokenBytes(8, 4, 8, 4), time_model=model, exposed_comm=exposed,
                            memory_budget=budget, key_split=True)
     grid = _every_document_tiled(lambda: tile_grid.tile_grid_plan(pieces, config))
     if grid is None:
         return
-    grid_seconds, _ = by_time._judged(grid, pieces, config)
+    grid_seconds, _ = by_time.judged(grid, pieces, config)
     give_up_at = factor * grid_seconds
     again = _every_document_tiled(lambda: tile_grid.tile_grid_plan(pieces, config, give_up_at=give_up_at))
     if again is None:

@@ -113,7 +113,7 @@ from .rehome import rehome_within_memory
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers, memory_limit
 
-__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
+__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "judged", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
@@ -157,6 +157,12 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
         if tiled is not None:
             return tiled
     return seconds, fitting
+
+
+def judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
+    """How ``tolerance="auto"`` weighs a candidate ``plan``: ``(predicted step seconds, plan)`` in the
+    backward mode that fits ``config.memory_budget`` (``inf`` past the ``kv_cap`` setting)."""
+    return _judged(plan, pieces, config, cap=kv_cap_tokens(pieces, config))
 
 
 def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
