@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from distca_hf.config import SETTINGS
 from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, colocated_plan, plan_tasks
-from distca_hf.tools.simulate import draw_batch, load_lengths, pack_pieces
+from distca_hf.tools.simulate import default_planner_config, draw_batch, load_lengths, pack_pieces
 
 HERE = Path(__file__).resolve().parent
 SHAPES = [(64, 65536, 5.0), (512, 131072, 100.0)]  # (ranks, tokens per rank, plan-time budget in ms)
@@ -50,7 +49,7 @@ def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats:
     """``(auto ms, fixed ms, auto without a memory budget ms, chosen)``: medians over every batch and
     repeat, and a count of the candidates ``auto`` chose."""
     rng = np.random.default_rng(seed)
-    auto = PlannerConfig(tolerance="auto", block=128, memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+    auto = dataclasses.replace(default_planner_config(), tolerance="auto")
     configs = {"auto": auto, "fixed": dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0]),
                "unbounded": dataclasses.replace(auto, memory_budget=None)}
     times = {name: [] for name in configs}

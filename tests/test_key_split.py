@@ -543,7 +543,7 @@ def test_the_kernels_run_causal_and_full_tiles_on_slices_of_the_fused_batch(monk
 def test_a_waves_identity_flags_equal_its_fused_rows_covering_the_pool_in_order(kind):
     """``Wave.q_identity`` / ``k_identity`` (the gathers the phases skip) are decided on the host
     arrays; they must say exactly whether the fused batch's rows are the whole pool in order."""
-    from distca_hf.planning import PlannerConfig, TimeModel, kv_transfers, plan_tasks, stitch_rank_documents
+    from distca_hf.planning import PlannerConfig, kv_transfers, plan_tasks, stitch_rank_documents
     from distca_hf.planning.carving import colocated_plan
     from distca_hf.planning.documents import PackedDocuments
     from distca_hf.runtime.tables import LocalDocuments, build_wave

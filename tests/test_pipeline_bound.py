@@ -3,7 +3,6 @@ enough to write out, and never above what ``pipeline_step`` predicts for any pla
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest

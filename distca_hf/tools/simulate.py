@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import SETTINGS
+from ..config import SETTINGS, kv_cap_pairing_problem
 from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, backward_memory, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pieces, per_doc_cp_kv_received,
@@ -75,7 +75,7 @@ from ..planning.pipeline_bound import bubble_gain, pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
-           "distca_plan", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table", "build_parser",
+           "distca_plan", "default_planner_config", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table", "build_parser",
            "main"]
 
 METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
@@ -155,6 +155,14 @@ def _colocated_memory(pieces: DocumentPieces, token_bytes: TokenBytes, prefix: s
     return _memory(pieces.tokens(), added, token_bytes, prefix)
 
 
+def default_planner_config() -> PlannerConfig:
+    """The planner the simulator runs unless given one: the settings' defaults (``tolerance``,
+    ``memory_budget``), block 128, key-split tiles (the one home of it for ``simulate``,
+    ``simulate_pipeline`` and the examples that measure what it plans)."""
+    return PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
+                         memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+
+
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
              config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED, keep_first: bool = False,
              *, hidden_comm_fraction: float = 0.0, heads: int = 32, kv_heads: int = 8,
@@ -165,8 +173,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
-    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
-                                     memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+    config = config or default_planner_config()
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
@@ -277,8 +284,7 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     ``step_time_s`` is the mean over steps of one whole step (all ``layers`` layers, forward +
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
     dtype_bytes`` bytes per token."""
-    config = config or PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
-                                     memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+    config = config or default_planner_config()
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
@@ -605,7 +611,7 @@ def run_cli(args, parser) -> int:
         if args.layers < 1 or args.layers % stages:
             parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
-    if args.kv_cap is not None and args.tolerance != "auto":
+    if kv_cap_pairing_problem(args.kv_cap, args.tolerance):  # the settings' rule, in the flags' names
         parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
                      "time caps K/V")
     try:

@@ -63,7 +63,7 @@ work. Medians of 4 steps, ms (load 7-10; the bench's plans before / after this c
     sum over segments of |r0 - r1|                        904                525
 
 The ticks used to balance attention together with each rank's linear work and the LM head
-(``tick_base_pairs``), i.e. a tick's total work, but that work sits in ``pre`` / ``post``, on the
+(the former ``tick_base_pairs``), i.e. a tick's total work, but that work sits in ``pre`` / ``post``, on the
 other side of an exchange from the attention: the bubble of B0 got 175 ms of attention against the
 busy rank's 62 and the busy rank waited for it, after the bubble had waited 120 ms for the busy
 rank's ``pre``. Now a tick's attention is balanced on its own (``planning.plan_lockstep_tick``,
