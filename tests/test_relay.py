@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks,
                                 rank_seconds)
 from distca_hf.planning.baselines import pack_pieces
+from distca_hf.planning.rank_time import loads_seconds
 from distca_hf.planning.relay import (relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds,
                                       relay_step_seconds, relay_where_it_helps)
 from distca_hf.planning.transfers import KVTransfers, rank_bytes
@@ -135,8 +136,8 @@ def test_relay_seconds_add_collective_per_extra_round():
     assert rounds >= 2
     seconds, same_rounds = relay_rank_seconds(plan, pieces, config, fanout=1)
     assert same_rounds == rounds
-    assert seconds.tolist() == pytest.approx((rank_seconds(plan, pieces, config, loads=loads)
-                                              + (rounds - 1) * MODEL.collective_s).tolist())
+    compute, exposed = loads_seconds(loads, MODEL, config.exposed_comm, plan.backward)
+    assert seconds.tolist() == pytest.approx((compute + exposed + (rounds - 1) * MODEL.collective_s).tolist())
 
 
 def test_relays_placed_by_time_unload_a_holder_that_bounds_the_layer():

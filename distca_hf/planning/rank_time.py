@@ -69,12 +69,12 @@ def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float, 
 
 
 def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
-                 transfers: KVTransfers | None = None, *, loads: RankLoads | None = None) -> np.ndarray:
+                 transfers: KVTransfers | None = None) -> np.ndarray:
     """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
     ``plan`` in its backward mode (module docstring, ``config.base_pairs`` included); ``config``
-    gives the time model, token bytes and ``exposed_comm``. ``loads``: the plan's loads when they are
-    not ``plan_loads``' (``relay``: the same plan with other bytes)."""
-    loads = loads if loads is not None else plan_loads(plan, pieces, config.token_bytes, transfers)
+    gives the time model, token bytes and ``exposed_comm``; ``transfers``: the K/V sends, by default
+    ``kv_transfers(plan, pieces)`` (``relay``: the same plan with relayed sends)."""
+    loads = plan_loads(plan, pieces, config.token_bytes, transfers)
     other = None if config.base_pairs is None else other_seconds(loads.tokens, config)
     compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward, other_s=other)
     return compute + exposed

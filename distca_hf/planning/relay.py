@@ -50,7 +50,6 @@ that fan long documents out further, re-timed with relays placed by time, gain u
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -176,17 +175,6 @@ def _relay_group(holder: int, doc: int, servers: list, starts: list, ends: list,
     return out
 
 
-def _kv_bytes_per_rank(sends: RangeSends, token_bytes: TokenBytes, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    kv = (sends.end - sends.start) * token_bytes.kv
-    per_rank = lambda ranks: np.bincount(ranks, weights=kv, minlength=num_ranks).astype(np.int64)
-    return per_rank(sends.source), per_rank(sends.server)
-
-
-def _no_kv() -> KVTransfers:
-    empty = np.zeros(0, dtype=np.int64)
-    return KVTransfers(empty, empty, empty, empty, empty)
-
-
 def relay_plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
                      transfers: KVTransfers | None = None, sends: RelaySends | None = None) -> tuple[RankLoads, int]:
     """``(loads, rounds)``: ``rank_time.plan_loads`` of ``plan`` with its K/V relayed (``sends``, by
@@ -195,9 +183,8 @@ def relay_plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes
     if sends is None:
         transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
         sends = relay_kv_sends(transfers, fanout=fanout, holder_fanout=holder_fanout)
-    loads = plan_loads(plan, pieces, token_bytes, _no_kv())  # queries and outputs: point-to-point, as direct
-    kv_sent, kv_received = _kv_bytes_per_rank(sends, token_bytes, plan.num_ranks)
-    return dataclasses.replace(loads, sent=loads.sent + kv_sent, received=loads.received + kv_received), sends.rounds
+    # (plan_loads counts K/V per sender and receiver of any RangeSends; queries and outputs as direct)
+    return plan_loads(plan, pieces, token_bytes, sends), sends.rounds
 
 
 def relay_rank_bytes(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
@@ -219,10 +206,11 @@ def relay_rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
     K/V bytes (``relay_plan_loads``: ``sends``, or trees at ``fanout`` / ``holder_fanout``), plus
     ``config.time_model.collective_s`` per exchange round beyond the first on every rank (each round
     is one more all-to-all the whole group enters)."""
-    loads, rounds = relay_plan_loads(plan, pieces, config.token_bytes, fanout=fanout, holder_fanout=holder_fanout,
-                                     transfers=transfers, sends=sends)
-    extra = max(rounds - 1, 0) * config.time_model.collective_s
-    return rank_seconds(plan, pieces, config, loads=loads) + extra, rounds
+    if sends is None:
+        transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+        sends = relay_kv_sends(transfers, fanout=fanout, holder_fanout=holder_fanout)
+    extra = max(sends.rounds - 1, 0) * config.time_model.collective_s
+    return rank_seconds(plan, pieces, config, sends) + extra, sends.rounds
 
 
 def relay_step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanout=2, holder_fanout=None,
