@@ -16,7 +16,8 @@ from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, PlannerConfig, 
                                 plan_tasks, step_seconds)
 from distca_hf.planning.by_time import plan_by_tolerances
 from distca_hf.planning.cost import LLAMA3_8B_BYTES, H100_MEASURED
-from distca_hf.planning.descent import DescentStart, descend, descend_within_memory, document_servers, fan_out_bounds
+from distca_hf.planning.descent import DescentStart, descend, descend_within_memory, fan_out_bounds
+from distca_hf.planning.transfers import document_servers
 from distca_hf.planning.transfers import backward_memory, fit_memory_budget
 from distca_hf.tools.simulate import pack_pieces
 from test_planner import (_check_plan, _same_plan, batches_with_key_only_prefixes, packed_batches, time_models,

@@ -71,11 +71,10 @@ from .carving import Plan, PlannerConfig, colocated_plan
 from .cost import causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
-from .transfers import (BackwardMemory, backward_memory, document_servers, kv_received, kv_transfers,  # noqa: F401
-                        long_document_servers, memory_limit)  # (the servers per document: re-exported here)
+from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
 from .baselines import kv_cap_tokens
 
-__all__ = ["descend", "descend_within_memory", "DescentStart", "fan_out_bounds", "document_servers", "long_document_servers", "LEAST_LOADED", "RAISE", "CONVERGED",
+__all__ = ["descend", "descend_within_memory", "DescentStart", "fan_out_bounds", "LEAST_LOADED", "RAISE", "CONVERGED",
            "MAX_MOVES_PER_RANK"]
 
 LEAST_LOADED = 3
@@ -393,7 +392,7 @@ class _Descent:
                 return None
         return None
 
-    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int, lacked=None):
+    def memory_cut(self, donor: int, server: int, doc: int, piece_start: int, a: int, end: int, lacked):
         """The cut ``a`` of a tail ``[a, end)`` moved up by whole blocks until ``server`` holds at most
         the memory limit after taking it (the queries it keeps, ``query_bytes`` each, and the K/V it
         lacks: half ``lacked``, kv_sends' bytes, when in hand); ``None`` when not one block fits (the K/V alone may not)."""
@@ -452,7 +451,7 @@ class _Descent:
 
     # -- the descent --------------------------------------------------------------------------------
 
-    def new_server(self, heap, exclude: int, count: int, known, lacks: int | None = 0) -> int | None:
+    def new_server(self, heap, exclude: int, count: int, known, lacks: int | None) -> int | None:
         """The first of the ``count`` servers predicted fastest (``exclude`` left out, and under kv_cap
         those that cannot receive ``lacks`` more K/V tokens; ``None``: a move that must be made, exempt
         as in ``best_shard``) that is not in ``known``, or None (lazy heap: stale entries are dropped)."""

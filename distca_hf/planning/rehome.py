@@ -20,8 +20,9 @@ every other rank's time and memory stay. For each server over the limit, most ex
 move (the quickest that brings it within, else the most memory per second first) to the server
 predicted least loaded among those with room for the group in memory and in time (at most
 ``ceiling``: by default the plan's predicted step in ``saved`` mode, which then does not grow;
-``by_time`` passes the best other candidate's). Exact under the time model
-(``rank_time.rank_seconds``) and the memory formula; ``by_time`` judges the result as every candidate.
+``by_time`` passes the best other candidate's). Exact under the memory formula and the time model
+(``rank_time.rank_seconds``) but for ``collective_s``, which a target that moved no bytes before
+starts paying and the room test leaves out; ``by_time`` judges the result exactly, as every candidate.
 
 Not done: moving part of a group, or to a server that already holds or serves the document (its K/V
 then overlaps what it has); a server over the limit by its own pieces' prefixes (a long document's

@@ -69,7 +69,7 @@ from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenByt
 from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pieces, per_doc_cp_kv_received,
                                   smallest_degree, ulysses_degree_ok, ulysses_loads, wlb_steps)
 from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
-from ..planning.descent import long_document_servers
+from ..planning.transfers import long_document_servers
 from ..planning.cost import H100_MEASURED, default_time_model
 from ..planning.pipeline_bound import bubble_gain, pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
