@@ -467,7 +467,8 @@ def test_running_bytes_are_rank_bytes_of_the_tasks_added(pieces, config, data):
 @given(pieces=packed_batches(), config=configs, data=st.data())
 def test_auto_plan_with_a_server_pool_gives_non_servers_work_away(pieces, config, data):
     pool = tuple(data.draw(st.lists(st.integers(0, pieces.num_ranks - 1), min_size=1, unique=True)))
-    auto = PlannerConfig("auto", config.block, pool, config.token_bytes, time_model=TimeModel(1e-6, 1e-9))
+    auto = PlannerConfig("auto", config.block, pool, config.token_bytes, time_model=TimeModel(1e-6, 1e-9),
+                         key_split=data.draw(st.booleans()))
     _check_plan(pieces, plan_tasks(pieces, auto), auto, guarantee=False)
 
 

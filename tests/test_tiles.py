@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenBytes, check_tiles, colocated_plan,
+from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, check_tiles, colocated_plan,
                                 plan_tasks, rank_seconds, step_seconds)
+from distca_hf.planning.cost import causal_pairs
 from distca_hf.planning.transfers import backward_memory
 from distca_hf.planning.tiles import (apply_memory_tiles, apply_time_tiles, memory_tiles_lower_bound,
                                      memory_tiles_may_fit, tile_units)
@@ -97,6 +98,24 @@ def test_auto_with_key_split_is_one_more_candidate_never_predicted_slower():
     assert step_seconds(tiled, pieces, with_tiles) < step_seconds(plain, pieces, without)
     balanced = _stream([50, 50, 50, 50], 4)
     assert not plan_tasks(balanced, dataclasses.replace(with_tiles)).splits_keys
+
+
+def test_tiles_stay_in_the_server_pool():
+    """One 5-token document over ranks 0-4, one token each, servers (0, 1), bytes free: a tile of the
+    last query against key 3 pays on rank 3, which holds that key, but rank 3 is outside the pool (it
+    was once given it)."""
+    pieces = DocumentPieces(np.arange(5), np.zeros(5, dtype=np.int64), np.arange(5), np.arange(1, 6), 9,
+                            kv_start=np.arange(5))
+    model = TimeModel(0.0, 1e-9, task_s=0.0, bytes_per_s=1e5, task_key_s=0.0, collective_s=0.0)
+    config = PlannerConfig("auto", block=1, servers=(0, 1), token_bytes=TokenBytes(8, 4, 8), time_model=model,
+                           exposed_comm=0.0, key_split=True)
+    plan = plan_tasks(pieces, config)
+    assert set(plan.server.tolist()) <= {0, 1}
+    assert plan.server_pairs().sum() == causal_pairs(0, 5)
+    whole = Plan(np.arange(5), np.array([0, 1, 0, 1, 0]), np.zeros(5, dtype=np.int64), np.arange(5), np.arange(1, 6),
+                 9, (0, 1))
+    units = tile_units(whole, pieces)
+    assert units and {holder for *_, holder, _ in units} <= {0, 1}
 
 
 def test_key_split_setting_is_checked():

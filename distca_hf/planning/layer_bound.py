@@ -122,7 +122,7 @@ class RankBoundTerms:
                 self.held[k] += crossing
                 self.held_keys[k] = max(self.held_keys[k], rank_doc_keys[k, d])
                 self.held_away[k] = max(self.held_away[k], float(doc_queries[d]) - rank_doc_queries.get((k, d), 0))
-        # 1 / each divisor (0 where it is 0: then no pairs of that kind), for _least_bytes
+        # 1 / each divisor (0 where it is 0: then no pairs of that kind), for least_bytes
         self.inverses = tuple(_inverse(x) for x in (self.per_query, self.foreign_queries, self.held_keys,
                                                     self.held_away, np.full(n, self.most_per_query)))
         servers = config.servers if config.servers is not None else range(n)
@@ -141,7 +141,7 @@ def _inverse(x) -> np.ndarray:
     return np.divide(1.0, x, out=np.zeros_like(x), where=x > 0)
 
 
-def _least_bytes(terms: RankBoundTerms, served, query_bytes: float, kv_bytes: float) -> np.ndarray:
+def least_bytes(terms: RankBoundTerms, served, query_bytes: float, kv_bytes: float) -> np.ndarray:
     """``[num_ranks]`` the fewest bytes (sent + received, one forward) each rank moves when it serves
     ``served`` (``[num_ranks]``) pairs: the least, over how many of its own pairs go away and how many
     of the pairs on its keys it computes, of the four kinds of transfer (module docstring). The
@@ -150,7 +150,9 @@ def _least_bytes(terms: RankBoundTerms, served, query_bytes: float, kv_bytes: fl
     own, foreign, held = terms.pairs, terms.foreign, terms.held
     per_query, foreign_queries, held_keys, held_away, most = terms.inverses
     low = np.maximum(own - served, 0.0)
-    slope = held_keys * most  # where the incoming queries' two counts cross (here = slope x received pairs)
+    # incoming = max(received / M, here / h) (inverses hold 1 / M and 1 / h): its two counts cross at
+    # here = received x h / M, the vertex between its pieces
+    slope = np.divide(most, held_keys, out=np.zeros_like(most), where=held_keys > 0)
     aways = [low, own, np.clip(foreign, low, own), np.clip(held + own - served, low, own),
              np.clip(np.divide(held, slope, out=np.zeros_like(held), where=slope > 0) + own - served, low, own)]
     best = np.full(own.shape, np.inf)
@@ -174,7 +176,7 @@ def _rank_seconds(terms: RankBoundTerms, served, config: PlannerConfig, collecti
     per_byte = config.exposed_comm * passes / tm.bytes_per_s
     keys = tm.task_key_s * served * (1.0 / terms.longest if terms.longest else 0.0)
     query_bytes, kv_bytes = tb.q + tb.o, tb.kv
-    moved = _least_bytes(terms, served, query_bytes, kv_bytes)
+    moved = least_bytes(terms, served, query_bytes, kv_bytes)
     # bilinear: x queries and y keys that both travel hold at most x y pairs, so they take at least
     # 2 sqrt((q + o) kv pairs) bytes, and at least the chord of that over [0, most] for pairs <= most
     product = query_bytes * kv_bytes

@@ -96,7 +96,9 @@ def tile_units(plan: Plan, pieces: DocumentPieces):
         np.minimum.at(first, pair_task[earlier], np.maximum(x0, k0)[earlier])
         splittable &= first >= plan.q_end - w
     needed = (h != s) & (x1 > k0) & (x0 < b)  # the server receives some of the piece's keys for the task
-    ok = needed & earlier & splittable[pair_task]
+    in_pool = np.zeros(plan.num_ranks, dtype=bool)  # a holder outside the server pool serves no tile
+    in_pool[list(plan.servers)] = True
+    ok = needed & earlier & splittable[pair_task] & in_pool[h]
     key = (s * (int(p_doc.max()) + 1) + plan.doc[pair_task]) * (int(p_x1.max()) + 1) + x0
     blocked = np.unique(key[needed & ~ok])  # a task that stays whole keeps needing them
     ok &= ~np.isin(key, blocked)
