@@ -40,6 +40,9 @@ def test_holder_link_floor_hand_computed():
     assert holder_link_floor_seconds([100], [2], attn_s_per_pair=1.0, byte_s=0.0, token_bytes=tb).tolist() == [0.0]
     with pytest.raises(ValueError, match="holders must be >= 1"):
         holder_link_floor_seconds([1], [0], attn_s_per_pair=1.0, byte_s=1.0, token_bytes=tb)
+    for name, bad in (("attn_s_per_pair", -1.0), ("byte_s", float("nan"))):
+        with pytest.raises(ValueError, match=name):
+            holder_link_floor_seconds([1], [1], **{"attn_s_per_pair": 1.0, "byte_s": 1.0, name: bad}, token_bytes=tb)
 
 
 def test_floors_hand_computed():
@@ -86,6 +89,12 @@ def test_floors_refuse_bad_input_naming_it():
         pipeline_floors([np.array([4])], **{**args, "layers": 3})
     with pytest.raises(ValueError, match="at least one micro-batch"):
         pipeline_floors([], **args)
+    with pytest.raises(ValueError, match=r"micro_batch_docs\[1\] holds a negative document length \(-2\)"):
+        pipeline_floors([np.array([4]), np.array([8, -2])], **args)
+    with pytest.raises(ValueError, match=r"micro_batch_docs\[0\] holds no tokens"):
+        pipeline_floors([np.array([0, 0]), np.array([4])], **args)
+    # an empty document holds nothing: the same floors as without it
+    assert pipeline_floors([np.array([4, 0, 3])], **args) == pipeline_floors([np.array([4, 3])], **args)
     with pytest.raises(ValueError, match="exposed_comm > 0 needs token_bytes"):
         pipeline_floors([np.array([4])], exposed_comm=0.5, **args)
     with pytest.raises(ValueError, match="exposed_comm must be between 0 and 1"):

@@ -42,8 +42,8 @@ byte_seconds x (least bytes given S) + collective_s``, a convex function of ``S`
 bound is the least such ``T`` (bisection on ``T``; each rank's interval by bisection on ``S``).
 ``task_s`` (a task's fixed time) and memory are left out; dropping a term keeps the bound sound.
 
-How tight. Within 3-15% of the ``auto`` plan on the 8-rank and the wlbllm 512 x 512k rows of ``make
-bench-sim``, and within 0.8 of the best tiled plan of a tiny batch by brute force (the tests); 1.7-3x
+How tight. Within 3-18% of the ``auto`` plan on the 8-rank and the wlbllm 512 x 512k rows of ``make
+bench-sim``, and within 0.8 of the best tiled plan of a tiny batch by brute force (the tests); 1.6-3x
 below it where one long document's K/V fans out to many servers (prolong at 64 and 512 ranks): a key
 that the bound counts once serves every query of a server, and a holder sending one prefix to many
 servers is not counted. It costs 0.5-1.3 s at 512 ranks: a yardstick for the planner, not part of it.
@@ -126,6 +126,8 @@ class RankBoundTerms:
         self.inverses = tuple(_inverse(x) for x in (self.per_query, self.foreign_queries, self.held_keys,
                                                     self.held_away, np.full(n, self.most_per_query)))
         servers = config.servers if config.servers is not None else range(n)
+        if any(not 0 <= s < n for s in servers):
+            raise ValueError(f"config.servers={tuple(servers)} names a rank outside the batch's {n} ranks")
         self.serves = np.zeros(n, dtype=bool)
         self.serves[list(servers)] = True
 
@@ -250,7 +252,7 @@ def layer_time_lower_bound(pieces: DocumentPieces, config: PlannerConfig, terms:
     ``window``, servers): ``rank_time.step_seconds`` of every plan is at least this (module
     docstring). ``terms``: ``bound_terms(pieces, config)`` when in hand."""
     terms = bound_terms(pieces, config) if terms is None else terms
-    if terms.total == 0 and not terms.other.size:
+    if terms.total == 0 and not terms.other.any():  # no pairs and no other work
         return 0.0
     moving = _least_level(terms, config, config.time_model.collective_s)
     # a plan that moves no byte pays no collective: one exists unless some pair must move bytes (its key

@@ -35,6 +35,7 @@ it holds at ``X = 0`` or ``X = P``, hence ``tau >= min(a P / H, (2 c P sqrt((q +
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,11 @@ def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s:
     pairs, holders = np.asarray(pairs, dtype=np.float64), np.asarray(holders, dtype=np.float64)
     if (holders < 1).any():
         raise ValueError(f"holders must be >= 1 per document, got {holders.min()}")
+    for name, value in (("attn_s_per_pair", attn_s_per_pair), ("byte_s", byte_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    if not (np.isfinite(pairs).all() and (pairs >= 0).all()):
+        raise ValueError("pairs must be finite counts >= 0 per document")
     compute_all = attn_s_per_pair * pairs / holders
     per_pair = 2.0 * byte_s * np.sqrt((token_bytes.q + token_bytes.o) * token_bytes.kv * attn_s_per_pair)
     return np.minimum(compute_all, (per_pair * pairs / holders) ** (2.0 / 3.0))
@@ -128,10 +134,9 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
         out = np.zeros((2, m))
         for kind, part in enumerate(forward_backward_models(time_model, mode)):
             for i, (docs, pieces) in enumerate(zip(micro_batch_docs, packed)):
-                holders = np.bincount(pieces.doc, minlength=docs.size)
-                keep = docs > 0
+                holders = np.bincount(pieces.doc, minlength=docs.size)  # (check_step dropped empty documents)
                 out[kind, i] = holder_link_floor_seconds(
-                    document_pairs(docs[keep], window), holders[keep], attn_s_per_pair=part.attn_s_per_pair,
+                    document_pairs(docs, window), holders, attn_s_per_pair=part.attn_s_per_pair,
                     byte_s=part.byte_seconds(exposed_comm, mode), token_bytes=token_bytes).max(initial=0.0)
         return out
 

@@ -250,21 +250,27 @@ def _step(run: PipelineRun, attn_imbalance: float) -> PipelineMethodStep:
 def check_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
                activation_bytes_per_token: int) -> tuple[int, list[np.ndarray]]:
     """``(layers per stage, micro-batches as int64 arrays)`` of one step's arguments
-    (``pipeline_step``'s), refused with the argument named where they cannot be a step."""
+    (``pipeline_step``'s), refused with the argument named where they cannot be a step. Documents of
+    length 0 hold nothing to time and are dropped; a micro-batch must keep at least one token."""
     per_stage = check_layers(layers, stages)
     for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if activation_bytes_per_token < 0:
         raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
-    micro_batch_docs = [np.asarray(docs, dtype=np.int64) for docs in micro_batch_docs]
+    micro_batch_docs = [np.asarray(docs, dtype=np.int64).reshape(-1) for docs in micro_batch_docs]
     if not micro_batch_docs:
         raise ValueError("micro_batch_docs must hold at least one micro-batch")
     for i, docs in enumerate(micro_batch_docs):
+        if (docs < 0).any():
+            raise ValueError(f"micro_batch_docs[{i}] holds a negative document length ({int(docs.min())}); "
+                             "lengths are tokens, >= 0")
+        if not docs.sum():
+            raise ValueError(f"micro_batch_docs[{i}] holds no tokens: every micro-batch needs at least one")
         if int(docs.sum()) > data_parallel * tokens:
             raise ValueError(f"micro-batch {i} holds {int(docs.sum())} tokens, more than data_parallel "
                              f"({data_parallel}) x tokens ({tokens})")
-    return per_stage, micro_batch_docs
+    return per_stage, [docs[docs > 0] for docs in micro_batch_docs]
 
 
 def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
