@@ -182,11 +182,54 @@ def test_simulate_reports_memory_for_every_method():
     assert held["worst_memory_imbalance"] <= 1.05 + 1e-9
 
 
+# ---- overlap="wave": a prefix several waves bring is kept once, what the plan budgets ----
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=packed_batches(), tolerance=st.sampled_from([0.0, 0.05, 0.3]), window=st.sampled_from([None, 5]),
+       block=st.sampled_from([1, 4]))
+def test_waves_keep_the_k_v_the_plan_budgets(pieces, tolerance, window, block):
+    from distca_hf.planning import kv_kept, wave_plans
+    from distca_hf.runtime.tables import kv_store_tables
+
+    n = pieces.num_ranks
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=tolerance, window=window, block=block))
+    waves = [kv_transfers(sub, pieces) for _, sub in wave_plans(plan, block)]
+    planned, kept = kv_received(kv_transfers(plan, pieces), n), kv_kept(waves, n)
+    # without a window every wave's keys of a document on a server start at 0: the union is the plan's
+    assert (kept == planned).all() if window is None else (kept <= planned).all()
+    assert (kept <= sum(kv_received(t, n) for t in waves)).all()
+    for rank in range(n):  # the runtime's tables keep exactly those rows, and every pool row finds its row
+        local_kv = 7
+        tables = kv_store_tables(waves, rank, local_kv)
+        rows = 0
+        for t, (keep, store) in zip(waves, tables):
+            received = int(kv_received(t, n)[rank])
+            assert (store is None) == (received == 0)
+            if store is not None:
+                assert store.size == local_kv + received and (store[:local_kv] == np.arange(local_kv)).all()
+                rows += received if keep is None else keep.size
+                assert store.max() < local_kv + rows
+        assert rows == kept[rank]
+
+
+def test_a_prefix_two_waves_bring_is_counted_once():
+    from distca_hf.planning import kv_kept, wave_plans
+
+    # one document spanning both ranks: rank 1's own tasks of it fall in both local waves, each
+    # bringing rank 0's piece
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 48)], [(0, 48, 80), (1, 0, 16)]])
+    plan = plan_tasks(pieces, PlannerConfig(tolerance=0.02))
+    waves = [kv_transfers(sub, pieces) for _, sub in wave_plans(plan)]
+    per_wave = sum(kv_received(t, 2) for t in waves)
+    assert per_wave[1] > kv_kept(waves, 2)[1] == kv_received(kv_transfers(plan, pieces), 2)[1] == 48
+
+
 # ---- on gloo ranks: the formula is what the dispatch really keeps ----
 
 def _memory_worker(rank, world):
     import distca_hf
     from helpers import objective_weights, param_grads, per_document_reference, tiny_model
+    from workers import global_stream
 
     model = tiny_model("llama")
     config = model.config
@@ -199,7 +242,7 @@ def _memory_worker(rank, world):
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     report = []
     for backward, overlap, budget in (("saved", "none", None), ("resend", "none", None), ("saved", "pingpong", None),
-                                      ("saved", "none", 0.0)):
+                                      ("saved", "wave", None), ("saved", "none", 0.0)):
         distca_hf.configure(backward=backward, overlap=overlap, tolerance=0.02, memory_budget=budget)
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, position_ids=pos).logits[0]
@@ -211,10 +254,21 @@ def _memory_worker(rank, world):
             entry["logit_err"] = float((logits.detach() - torch.cat(ref_logits)).abs().max())
             entry["grad_excess"] = max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
                                        for n in ref_grads)
+        entry["tokens"] = sum(lengths)
         report.append(entry)
+    # wave over a document spanning both ranks (80 tokens, rank 0 holding its first 48): rank 1's own
+    # tasks of it fall in both local waves, each bringing its prefix from rank 0, and every wave
+    # exchanges; backward keeps the local K/V and each received row once
+    tokens, positions, _ = global_stream([80, 16])
+    lo, hi = (0, 48) if rank == 0 else (48, 96)
+    distca_hf.configure(backward="saved", overlap="wave", tolerance=0.02, memory_budget=None, span_ranks=True)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=tokens[lo:hi][None], position_ids=positions[lo:hi][None]).logits.sum().backward()
+    report.append({"backward": "saved", "overlap": "wave", "budget": None, "stats": distca_hf.plan_stats(),
+                   "tokens": hi - lo})
     per_token = {"q": config.num_attention_heads * head_dim * 4, "kv": 2 * config.num_key_value_heads * head_dim * 4,
                  "lse": 4 * config.num_attention_heads}
-    return {"report": report, "per_token": per_token, "tokens": sum(lengths), "layers": config.num_hidden_layers}
+    return {"report": report, "per_token": per_token, "layers": config.num_hidden_layers}
 
 
 @pytest.mark.distributed
@@ -224,8 +278,8 @@ def test_formula_is_what_the_dispatch_keeps(tmp_path):
     for rank, result in enumerate(results):
         value = result["value"]
         t = value["per_token"]
-        own = value["tokens"] * (2 * t["q"] + t["kv"] + t["lse"])  # q, k, v, out, log-sum-exp (fp32)
         for run in value["report"]:
+            own = run["tokens"] * (2 * t["q"] + t["kv"] + t["lse"])  # q, k, v, out, log-sum-exp (fp32)
             stats = run["stats"]
             assert stats["dispatched"] and stats["overlap"] == run["overlap"], run
             kept = stats["rank_saved_for_backward_bytes"]
@@ -237,6 +291,9 @@ def test_formula_is_what_the_dispatch_keeps(tmp_path):
             if run["budget"] == 0.0:  # the saved plan adds memory on the server: this step ran in resend mode
                 assert stats["backward"] == "resend" and added == 0 and stats["memory_imbalance"] == 1.0
                 assert run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5
+        spanning = value["report"][-1]["stats"]  # a prefix came in two waves, kept once: what the plan budgets
+        assert spanning["waves"] >= 3 and spanning["backward"] == "saved"
+        assert spanning["kv_tokens_received_per_layer"][1] > spanning["kv_tokens_kept_per_layer"][1] > 0
 
 
 # ---- the budget by construction: the descent within it, memory tiles, resend only where nothing fits ----

@@ -55,8 +55,8 @@ from .ranges import concat_ranges
 from .key_split import check_tiles, full_tiles, with_key_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
 from .tasks import CATask, FusedBatch, fuse_tasks, fused_batch, split_document, whole_document_tasks
-from .transfers import (BackwardMemory, CommBytes, KVTransfers, QuerySends, backward_memory, comm_bytes, kv_received,
-                        kv_transfers, query_sends)
+from .transfers import (BackwardMemory, CommBytes, KVTransfers, QuerySends, backward_memory, comm_bytes, kv_kept,
+                        kv_received, kv_transfers, query_sends)
 from .pipeline import (BACKWARD, FORWARD, PipelineRun, Tick, backward_slot, forward_slot, in_flight_micro_batches,
                        lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
 from .micro_batches import balance_micro_batches
@@ -65,7 +65,7 @@ from .by_time import AUTO_TOLERANCES, plan_by_time
 from .pipeline_cost import plan_lockstep_tick
 
 __all__ = [
-    "AUTO_TOLERANCES", "BackwardMemory", "backward_memory", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
+    "AUTO_TOLERANCES", "BackwardMemory", "backward_memory", "kv_kept", "BACKWARD", "FORWARD", "Tick", "backward_slot", "forward_slot", "in_flight_micro_batches",
     "lockstep_1f1b_ticks", "plan_lockstep_tick", "PipelineRun", "simulate_1f1b", "simulate_lockstep", "stock_1f1b_order",
     "balance_micro_batches", "CATask", "CommBytes", "DocumentBoundaryError", "DocumentPieces", "FusedBatch", "KVTransfers", "LLAMA3_8B_BYTES",
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",

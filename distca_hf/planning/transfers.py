@@ -24,7 +24,7 @@ from .cost import TokenBytes, imbalance, key_start
 from .pieces import DocumentPieces
 from .ranges import concat_ranges
 
-__all__ = ["memory_limit", "RangeSends", "KVTransfers", "kv_transfers", "kv_received", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
+__all__ = ["memory_limit", "RangeSends", "KVTransfers", "kv_transfers", "kv_received", "kv_kept", "QuerySends", "query_sends", "CommBytes", "comm_bytes",
            "rank_bytes", "RunningBytes",
            "BackwardMemory", "backward_memory", "fit_memory_budget", "document_servers", "long_document_servers"]
 
@@ -133,6 +133,34 @@ def query_sends(plan: Plan) -> QuerySends:
     of_task[moved] = np.cumsum(new) - 1
     return QuerySends(source[first], server[first], doc[first], start[first], np.maximum.reduceat(end, first),
                       of_task)
+
+
+def kv_kept(transfers: list[KVTransfers], num_ranks: int) -> np.ndarray:
+    """``[num_ranks]`` distinct K/V tokens each server keeps for backward when it receives
+    ``transfers`` (one ``KVTransfers`` per wave of a dispatch): a token that several waves bring from
+    the same source counts once (the runtime keeps one copy, ``runtime.tables.kv_store_tables``).
+    One wave: ``kv_received``. Waves of one plan (``splits.wave_plans``) keep at most the plan's
+    ``kv_received``, exactly it without a sliding window (each wave's keys of a document on a server
+    lie in the plan's, and without a window they all start at 0)."""
+    parts = [t for t in transfers if t.source.size]
+    if not parts:
+        return np.zeros(num_ranks, dtype=np.int64)
+    server, source, doc, start, end = (np.concatenate([getattr(t, f) for t in parts])
+                                       for f in ("server", "source", "doc", "start", "end"))
+    # the union of the ranges of each (server, source, document): sort, then a range that starts past
+    # the running end of the ones before it in its group opens a new run
+    order = np.lexsort((start, doc, source, server))
+    server, source, doc, start, end = (x[order] for x in (server, source, doc, start, end))
+    new_group = np.ones(server.size, dtype=bool)
+    new_group[1:] = (server[1:] != server[:-1]) | (source[1:] != source[:-1]) | (doc[1:] != doc[:-1])
+    group = np.cumsum(new_group) - 1
+    span = int(end.max()) + 1  # running max of the ends within a group (offset so groups never mix)
+    reach = np.maximum.accumulate(end + group * span) - group * span
+    run = new_group.copy()
+    run[1:] |= start[1:] > reach[:-1]
+    first = np.flatnonzero(run)
+    run_end = np.maximum.reduceat(end, first)
+    return np.bincount(server[first], weights=run_end - start[first], minlength=num_ranks).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -318,12 +346,13 @@ def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
     - ``resend``: a rank keeps its own q, k, v, out and log-sum-exp, servers nothing: it adds
       ``(k - n) kv``.
 
-    Exact for a dispatch that exchanges once per layer (``overlap="none"``, each ping-pong
-    nano-batch in ``saved`` mode), as ``plan_stats()["rank_saved_for_backward_bytes"]`` counts it;
-    ``overlap="wave"`` keeps a copy of the rank's own K/V in the pool of every wave that exchanges
-    (up to two more), and ping-pong in ``resend`` mode keeps its outputs and log-sum-exp twice: not
-    counted here. Transient buffers of one layer's backward (what ``resend`` receives) are not held
-    across layers and not counted either."""
+    Exact for what the dispatch keeps (``plan_stats()["rank_saved_for_backward_bytes"]``) with
+    ``overlap="none"``, each ping-pong nano-batch in ``saved`` mode, and ``overlap="wave"``, which
+    keeps the local K/V once and each received K/V row once however many waves brought it
+    (``kv_kept``: without a sliding window exactly the plan's ``kv_received``, under one at most
+    it). Ping-pong in ``resend`` mode keeps its outputs and log-sum-exp twice: not counted here.
+    Transient buffers of one layer's backward (what ``resend`` receives, the pools ``wave``
+    rebuilds) are not held across layers and not counted either."""
     backward = backward or plan.backward
     n = pieces.tokens()
     k = np.bincount(pieces.rank, weights=pieces.end - pieces.kv_start, minlength=pieces.num_ranks).astype(np.int64)

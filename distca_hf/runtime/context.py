@@ -46,9 +46,12 @@ class PlanStats:
         waves: exchanges per layer and direction (``wave``: up to 4; ping-pong: one per nano-batch).
         tasks: CA-tasks in the plan, all ranks.
         moved_query_fraction: query tokens sent away from their rank (each row once per server) / all query tokens.
-        kv_tokens_received_per_layer: ``[ranks]`` K/V tokens each server receives in one layer (the
-            memory a plan adds on a server besides the queries); ``kv_tokens_received_max`` /
+        kv_tokens_received_per_layer: ``[ranks]`` K/V tokens each server receives in one layer, all
+            waves (``wave`` brings a prefix in every wave that needs it); ``kv_tokens_received_max`` /
             ``_mean``: over the servers.
+        kv_tokens_kept_per_layer: ``[ranks]`` distinct K/V tokens each server keeps for backward in
+            ``saved`` mode, each once however many waves brought it (``planning.kv_kept``; the memory
+            a plan adds on a server besides the queries).
         memory_bytes_per_layer: ``[ranks]`` bytes the plan makes each rank hold for attention's
             backward in one layer beyond its own tokens' activations (``planning.backward_memory``;
             signed: in ``saved`` mode a rank whose queries are served elsewhere keeps less). Own
@@ -72,6 +75,7 @@ class PlanStats:
     kv_tokens_received_per_layer: list = field(default_factory=list)
     kv_tokens_received_max: int = 0
     kv_tokens_received_mean: float = 0.0
+    kv_tokens_kept_per_layer: list = field(default_factory=list)
     memory_bytes_per_layer: list = field(default_factory=list)
     memory_imbalance: float = 1.0
     nano_batches: tuple = ()
@@ -97,6 +101,8 @@ class BatchPlan:
         queries_sent: query tokens crossing ranks per layer as the dispatch's waves send them (a
             key-split row whose tiles fall in two waves goes in each); ``None``: ``query_sends`` of
             the plan.
+        kv_kept: ``[ranks]`` distinct K/V tokens each server keeps for backward (``Dispatch.kv_kept``:
+            a prefix several waves bring is kept once); ``None``: ``kv_received`` (one wave).
     """
 
     pieces: DocumentPieces
@@ -105,6 +111,7 @@ class BatchPlan:
     waves: int = 0
     window: int | None = None
     queries_sent: int | None = None
+    kv_kept: np.ndarray | None = None
 
     @property
     def pair_window(self) -> int | None:
@@ -124,6 +131,8 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)
     ranks = batches[0].pieces.num_ranks
     received = sum((b.kv_received for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
+    kept_kv = sum((b.kv_kept if b.kv_kept is not None else b.kv_received for b in planned if b.kv_received is not None),
+                  np.zeros(ranks, dtype=np.int64))
     sent = 0
     if planned:
         # queries out and outputs back, K/V, as the waves really send them; in resend mode and with
@@ -139,7 +148,8 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     if planned:
         token_bytes = token_bytes if token_bytes.lse else dataclasses.replace(token_bytes, lse=4 * num_heads)
         for b in planned:
-            added += backward_memory(b.plan, b.pieces, token_bytes, received=b.kv_received).added
+            kept = b.kv_kept if b.kv_kept is not None else b.kv_received
+            added += backward_memory(b.plan, b.pieces, token_bytes, received=kept).added
         held = tokens * token_bytes.held + added
     else:  # each rank keeps its own tokens' activations: the imbalance is the tokens'
         held = tokens
@@ -157,6 +167,7 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         moved_query_fraction=moved / max(1, queries), kv_tokens_received_per_layer=received.tolist(),
         kv_tokens_received_max=int(received[servers].max(initial=0)),
         kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0,
+        kv_tokens_kept_per_layer=np.asarray(kept_kv, dtype=np.int64).tolist(),
         memory_bytes_per_layer=added.tolist(), memory_imbalance=imbalance(held), nano_batches=per_batch)
 
 

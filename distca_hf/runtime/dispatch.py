@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ..planning import DocumentPieces, Plan, kv_received, kv_transfers, query_sends, wave_plans
-from .tables import DispatchCounters, LocalDocuments, Wave, build_wave
+from ..planning import DocumentPieces, Plan, kv_kept, kv_received, kv_transfers, query_sends, wave_plans
+from .tables import DispatchCounters, LocalDocuments, Wave, build_wave, kv_store_tables
 
 __all__ = ["Dispatch", "build_dispatch"]
 
@@ -54,6 +55,10 @@ class Dispatch:
     overlap: str = "none"
     kv_received: np.ndarray | None = None  # [ranks] K/V tokens each server receives per layer, all waves
     queries_sent: int = 0  # query tokens crossing ranks per layer, all ranks and waves (planning.query_sends)
+    kv_kept: np.ndarray | None = None  # [ranks] distinct K/V tokens each server keeps for backward (planning.kv_kept)
+    keeps_kv_once: bool = False
+    """Several waves in ``saved`` mode: backward keeps the local K/V once and each received K/V row
+    once (``tables.kv_store_tables``), not every wave's pool, and rebuilds the pools from them."""
     backward: "Dispatch | None" = None
     """The dispatch the backward runs, when it is planned apart from the forward's (``None``: the same).
     ``pipeline_schedule="cad_1f1b"`` pools a backward tick's CA-tasks over the micro-batches that run
@@ -76,10 +81,11 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
     the model's layers) tasks carry only the K/V it sees."""
     counters = counters if counters is not None else DispatchCounters()
     named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
-    waves, received, queries_sent = [], np.zeros(plan.num_ranks, dtype=np.int64), 0
+    waves, received, queries_sent, every_transfer = [], np.zeros(plan.num_ranks, dtype=np.int64), 0, []
     for name, sub in named:
         transfers, sends = kv_transfers(sub, pieces), query_sends(sub)
         received += kv_received(transfers, plan.num_ranks)
+        every_transfer.append(transfers)
         queries_sent += sends.tokens()  # a row whose tiles fall in two waves is sent in each
         wave = build_wave(sub, transfers, local, rank, device, sends=sends, counters=counters, name=name, **settings)
         # A wave runs no collective when nothing crosses ranks in it (the same on every rank: the
@@ -87,4 +93,11 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
         # all-to-all; a local task may still need K/V of its document held on another rank.
         wave.local_only = sub.moved_queries() == 0 and transfers.tokens() == 0
         waves.append(wave)
-    return Dispatch(waves, counters, overlap, received, queries_sent)
+    # Each wave brings the K/V its tasks need: a server's tasks of one document in several waves get
+    # its prefix in each. Backward keeps every K/V row once, what the plan's memory budget counts.
+    once = len(waves) > 1 and plan.backward == "saved"
+    if once:
+        as_tensor = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
+        for wave, (keep, store) in zip(waves, kv_store_tables(every_transfer, rank, local.docs.num_key_tokens)):
+            wave.keep_kv_rows, wave.kv_store_rows = as_tensor(keep), as_tensor(store)
+    return Dispatch(waves, counters, overlap, received, queries_sent, kv_kept(every_transfer, plan.num_ranks), once)

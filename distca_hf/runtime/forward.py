@@ -327,4 +327,4 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
                               block=block, group=group, timeout_s=config.timeout_s,
                               backward_mode=plan.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves),
-                               queries_sent=dispatch.queries_sent)
+                               queries_sent=dispatch.queries_sent, kv_kept=dispatch.kv_kept)

@@ -15,7 +15,7 @@ import torch
 from ..planning import (FusedBatch, KVTransfers, PackedDocuments, Plan, QuerySends, concat_ranges, fused_batch,
                         key_start, query_sends)
 
-__all__ = ["DispatchCounters", "LocalDocuments", "Wave", "build_wave"]
+__all__ = ["DispatchCounters", "LocalDocuments", "Wave", "build_wave", "kv_store_tables"]
 
 
 @dataclass(eq=False)
@@ -69,6 +69,13 @@ class Wave:
     forward_number: int = 0
     name: str = "all"
     counters: DispatchCounters = field(default_factory=DispatchCounters)
+    keep_kv_rows: torch.Tensor | None = None
+    """``saved`` mode with several waves (``kv_store_tables``): the rows of this wave's received K/V
+    kept for backward (those no earlier wave brought; ``None``: all of them)."""
+    kv_store_rows: torch.Tensor | None = None
+    """``[num_local_kv + received]`` row of each K/V pool row in the dispatch's K/V store (``[local
+    rows] ++ [every wave's kept rows, in wave order]``), from which backward rebuilds the pool;
+    ``None``: the wave keeps its own pool (one wave), or its pool is the local rows (no exchange)."""
     buffers: dict = field(default_factory=dict)  # send/receive buffers shared by the forward's layers
 
     @property
@@ -121,6 +128,46 @@ def build_wave(plan: Plan, kv: KVTransfers, local: LocalDocuments, rank: int, de
                 send_kv_rows=as_tensor(send_kv_rows), send_kv_counts=send_kv_counts,
                 recv_q_counts=recv_q_counts, recv_kv_counts=recv_kv_counts, served=served, kv_window=plan.window,
                 merges=plan.splits_keys, q_identity=q_identity, k_identity=k_identity, **settings)
+
+
+def kv_store_tables(transfers: list[KVTransfers], rank: int, num_local_kv: int) -> list[tuple]:
+    """How a dispatch of several waves keeps each K/V row once for backward on ``rank``: per wave (its
+    ``kv_transfers``), ``(keep, store)`` (``Wave.keep_kv_rows`` / ``kv_store_rows`` as arrays):
+    ``keep`` the rows of its received K/V that no earlier wave brought from the same source
+    (``None``: all), ``store`` the store row of every pool row; ``(None, None)`` for a wave that
+    receives nothing. Waves of one plan bring a document's prefix to a server once each (a server's
+    tasks of it in several waves), and each pool also holds the local rows: kept per wave, the local
+    K/V would be kept once per exchanging wave and a prefix once per wave that needs it.
+    ``planning.kv_kept`` counts the rows kept."""
+    ids = [_received_rows(kv, rank) for kv in transfers]  # (source, doc, position) of each received row
+    top = [max((int(x.max(initial=0)) for x in (doc, pos)), default=0) for _, doc, pos in ids]
+    width = max(top, default=0) + 1
+    codes = [(source * width + doc) * width + pos for source, doc, pos in ids]
+    every = np.concatenate(codes) if codes else np.zeros(0, np.int64)
+    _, first, inverse = np.unique(every, return_index=True, return_inverse=True)
+    first_of_row = first[inverse.reshape(-1)]  # where each row's token was first received
+    new = first_of_row == np.arange(every.size)
+    store_row = num_local_kv + np.cumsum(new)[first_of_row] - 1  # the kept rows, in wave then buffer order
+    tables, offset = [], 0
+    for c in codes:
+        rows = slice(offset, offset + c.size)
+        offset += c.size
+        if not c.size:
+            tables.append((None, None))
+            continue
+        keep = None if new[rows].all() else np.flatnonzero(new[rows])
+        tables.append((keep, np.concatenate((np.arange(num_local_kv), store_row[rows]))))
+    return tables
+
+
+def _received_rows(kv: KVTransfers, rank: int):
+    """``(source, doc, position)`` of every K/V row ``rank`` receives, in its receive buffer's order
+    (by source in rank order, then transfer order: ``_server_tables``)."""
+    kv_in = np.flatnonzero(kv.server == rank)
+    kv_in = kv_in[np.argsort(kv.source[kv_in], kind="stable")]
+    lengths = kv.end[kv_in] - kv.start[kv_in]
+    return (np.repeat(kv.source[kv_in], lengths), np.repeat(kv.doc[kv_in], lengths),
+            concat_ranges(kv.start[kv_in], lengths))
 
 
 def _source_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalDocuments, rank: int):

@@ -47,14 +47,16 @@ class _WaveSchedule(torch.autograd.Function):
             if not w.local_only:
                 returning.append((w, launch_outputs(w, served)))
             if not resend:
-                kept.append((served.fq, served.k_pool, served.v_pool) if merges else
-                            (served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse))
+                pools = _kept_kv(w, k, v, received) if dispatch.keeps_kv_once else (served.k_pool, served.v_pool)
+                kept.append((served.fq, *pools) if merges else (served.fq, *pools, served.f_out, served.f_lse))
         if merges:
             out, lse = merge_outputs(partials + [returned_partials(w, pending) for w, pending in returning], q.shape[0])
         else:
             for w, pending in returning:
                 place_outputs(w, pending, out, lse)
         ctx.dispatch, ctx.scale, ctx.variant, ctx.q_shape = dispatch, scale, variant, q.shape
+        if dispatch.keeps_kv_once:  # the local K/V, once: every wave's pool starts with it
+            kept.append((k, v))
         if merges and not resend:  # backward runs every task with the rows' merged out and lse
             kept.append((out, lse))
         flat = [t for group in kept for t in group] if not resend else [q, k, v, out, lse]
@@ -74,6 +76,8 @@ class _WaveSchedule(torch.autograd.Function):
         merged = tuple(saved[-2:]) if ctx.dispatch.waves[0].merges and not resend else None
         width = 3 if merged is not None else 5  # tensors kept per wave in saved mode
         per_wave = (lambda i: saved) if resend else (lambda i: saved[width * i : width * i + width])
+        if ctx.dispatch.keeps_kv_once:
+            per_wave = _pools_rebuilt(ctx.dispatch.waves, saved, width, tail=2 if merged is not None else 0)
         order = list(reversed(range(len(waves))))
         in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None, merged)
                      for i in order if not waves[i].local_only}
@@ -93,6 +97,34 @@ class _WaveSchedule(torch.autograd.Function):
         for w, pending in returning:
             place_grads(w, pending, dq, dk, dv)
         return dq, dk, dv, None, None, None
+
+
+def _kept_kv(w, k, v, received):
+    """``(k rows, v rows)`` a wave keeps for backward when its dispatch keeps K/V once
+    (``Dispatch.keeps_kv_once``): the received rows no earlier wave brought (``Wave.keep_kv_rows``);
+    none when it receives no K/V (its pool is the local rows, kept once for every wave)."""
+    if received is None or w.kv_store_rows is None:
+        return k[:0], v[:0]
+    if w.keep_kv_rows is None:
+        return received[1], received[2]
+    return received[1].index_select(0, w.keep_kv_rows), received[2].index_select(0, w.keep_kv_rows)
+
+
+def _pools_rebuilt(waves, saved, width: int, tail: int):
+    """``per_wave`` of a backward whose forward kept K/V once (``_kept_kv``): each wave's saved
+    tensors with its K/V pools rebuilt from the store ``[local rows] ++ [every wave's kept rows]``
+    (``Wave.kv_store_rows``). ``saved``: ``width`` tensors per wave, the local k and v, then ``tail``
+    more. The store lives for this backward only (one layer's transient, as the pools were)."""
+    k, v = saved[len(saved) - tail - 2], saved[len(saved) - tail - 1]
+    stores = [torch.cat([local] + [saved[width * i + j] for i in range(len(waves))]) for j, local in ((1, k), (2, v))]
+
+    def per_wave(i):
+        group = saved[width * i : width * i + width]
+        rows = waves[i].kv_store_rows
+        pools = (k, v) if rows is None else tuple(store.index_select(0, rows) for store in stores)
+        return (group[0], *pools, *group[3:])
+
+    return per_wave
 
 
 def dispatched_attention(q, k, v, dispatch: Dispatch, scale: float, *,
