@@ -242,7 +242,7 @@ def _memory_worker(rank, world):
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     report = []
     for backward, overlap, budget in (("saved", "none", None), ("resend", "none", None), ("saved", "pingpong", None),
-                                      ("saved", "wave", None), ("saved", "none", 0.0)):
+                                      ("resend", "pingpong", None), ("saved", "wave", None), ("saved", "none", 0.0)):
         distca_hf.configure(backward=backward, overlap=overlap, tolerance=0.02, memory_budget=budget)
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, position_ids=pos).logits[0]

@@ -347,10 +347,10 @@ def backward_memory(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
       ``(k - n) kv``.
 
     Exact for what the dispatch keeps (``plan_stats()["rank_saved_for_backward_bytes"]``) with
-    ``overlap="none"``, each ping-pong nano-batch in ``saved`` mode, and ``overlap="wave"``, which
+    ``overlap="none"``, each ping-pong nano-batch in either mode, and ``overlap="wave"``, which
     keeps the local K/V once and each received K/V row once however many waves brought it
     (``kv_kept``: without a sliding window exactly the plan's ``kv_received``, under one at most
-    it). Ping-pong in ``resend`` mode keeps its outputs and log-sum-exp twice: not counted here.
+    it).
     Transient buffers of one layer's backward (what ``resend`` receives, the pools ``wave``
     rebuilds) are not held across layers and not counted either."""
     backward = backward or plan.backward

@@ -194,10 +194,13 @@ class _Serve(torch.autograd.Function):
         flight.dtype, flight.device = q.dtype, q.device
         if flight.resend or flight.merges:
             flight.lse_local = served.lse_pool[: w.num_local]
-        if flight.merges:  # backward takes the merged out and lse from _Finish (flight.merged)
-            kept = (q, k, v) if flight.resend else (served.fq, served.k_pool, served.v_pool)
-        elif flight.resend:
-            kept = (q, k, v, out_local, flight.lse_local)
+        # resend: q, k, v only, and backward takes the rows' out and lse from _Finish (flight.merged),
+        # which keeps them anyway; out_local and lse_local are views of the whole pool, rows served for
+        # other sources included, so keeping them would keep that pool alive until backward
+        if flight.resend:
+            kept = (q, k, v)
+        elif flight.merges:  # backward takes the merged out and lse from _Finish (flight.merged)
+            kept = (served.fq, served.k_pool, served.v_pool)
         else:
             kept = (served.fq, served.k_pool, served.v_pool, served.f_out, served.f_lse)
         ctx.save_for_backward(*kept)
@@ -212,7 +215,7 @@ class _Serve(torch.autograd.Function):
         w = flight.wave
         dout = dout.contiguous()
         saved, merged = ctx.saved_tensors, flight.merged
-        if flight.merges and flight.resend:
+        if flight.resend:  # _Serve kept q, k, v: _Finish's out and lse complete them
             saved, merged = (*saved, *merged), None
         pools = serve_backward(w, dout, receive_all(flight.grad_inputs), saved, flight.scale, flight.variant, merged)
         flight.merged = None
@@ -244,7 +247,7 @@ class _Finish(torch.autograd.Function):
                 flight.counters.saved_bytes += kept_bytes((out, lse))
         elif flight.resend:
             ctx.save_for_backward(q, k, v, out, lse)
-            if flight.merges and ctx.needs_input_grad[1]:  # _Serve kept q, k, v only: the merged out and lse
+            if ctx.needs_input_grad[1]:  # _Serve kept q, k, v only: the rows' out and lse
                 flight.counters.saved_bytes += kept_bytes((out, lse))
         ctx.flight = flight
         return out
@@ -254,7 +257,7 @@ class _Finish(torch.autograd.Function):
         flight = ctx.flight
         dout = dout.contiguous()
         saved = ctx.saved_tensors
-        if flight.merges:  # _Serve's backward runs every task with the rows' merged out and lse
+        if flight.merges or flight.resend:  # _Serve's backward runs every task with the rows' out and lse
             flight.merged = tuple(saved[-2:])
         flight.grad_inputs = launch_grad_inputs(flight.wave, dout, saved if flight.resend else None,
                                                 flight.merged if not flight.resend else None)
