@@ -129,7 +129,7 @@ def test_bytes_raise_the_bound_by_what_shedding_a_long_document_must_move():
 
 def test_servers_outside_the_batch_are_refused_naming_them():
     pieces = DocumentPieces.from_rank_lists([[4], [2]])
-    with pytest.raises(ValueError, match=r"config.servers=\(5,\) names a rank outside the batch's 2 ranks"):
+    with pytest.raises(ValueError, match=r"PlannerConfig.servers=\(5,\) names server rank 5, which does not exist in a world of 2 ranks"):
         layer_time_lower_bound(pieces, PlannerConfig("auto", servers=(5,)))
 
 

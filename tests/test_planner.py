@@ -207,6 +207,25 @@ def test_pieces_validation():
         DocumentPieces.from_rank_lists([[(0, 0, 0)]])
     with pytest.raises(ValueError, match="does not exist"):
         plan_tasks(DocumentPieces.from_rank_lists([[3]]), PlannerConfig(servers=(1,)))
+    with pytest.raises(ValueError, match=r"PlannerConfig.servers=\(0, 2\) names server rank 2"):  # auto too
+        plan_tasks(DocumentPieces.from_rank_lists([[5], [7]]), PlannerConfig("auto", servers=(0, 2)))
+
+
+def test_tolerance_zero_returns_when_only_float_rounding_is_left():
+    """A server donor left with ~1e-13 pairs to shed (float rounding of the mean) moved nothing in
+    either try and looped forever; found by hypothesis."""
+    pieces = DocumentPieces.from_rank_lists([[(0, 0, 2), (1, 0, 11)], [(1, 11, 33)], [(1, 33, 38)],
+                                             [(1, 38, 88), (2, 0, 14)], [(2, 14, 32)], [(2, 32, 56)], [(2, 56, 78)]])
+    config = PlannerConfig(tolerance=0.0)
+    _check_plan(pieces, plan_tasks(pieces, config), config)
+
+
+def test_tolerance_zero_keeps_its_bound_on_a_large_batch():
+    """100k one-token documents on rank 0 of 2: the bound is the mean plus one block (1 pair). Tolerance 0
+    once planned to 1.001 x the mean, so receivers filled up to 49 pairs past it."""
+    pieces = DocumentPieces.from_rank_lists([[1] * 100_000, []])
+    loads = plan_tasks(pieces, PlannerConfig(tolerance=0.0, block=1)).server_pairs()
+    assert loads.sum() == 100_000 and loads.max() <= 50_000 + 1
 
 
 @pytest.mark.parametrize("sample", ["prolong", "wlbllm"])

@@ -7,7 +7,7 @@ that no import, at module level or inside a function, closes a circle):
 
     documents  boundaries of packed documents in one rank's micro-batch (``find_documents``)
     cost       pairs, FLOPs, bytes per token, imbalance and the time model (one home per formula)
-    ranges     concatenated integer ranges (a numpy helper)
+    ranges     integer index helpers: concatenated ranges, a fast lexsort of integer keys
     tasks      CA-tasks (a query shard + its K/V prefix) and fused varlen batches
     pieces     every rank's documents as pieces, the planner's input
     carving    CA-tasks -> attention servers at a fixed tolerance, few bytes moved (``Plan``, ``PlannerConfig``)

@@ -102,7 +102,7 @@ import dataclasses
 import numpy as np
 
 from .baselines import kv_cap_tokens
-from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
+from .carving import CarvingProgress, Plan, PlannerConfig, colocated_plan, server_pool, tolerance_plans
 from .cost import causal_pairs
 from .descent import DescentStart, descend, descend_within_memory
 from .tile_grid import tile_grid_plan
@@ -208,7 +208,7 @@ def plan_by_tolerances(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
 
 
 def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descent: bool) -> Plan:
-    servers = config.servers if config.servers is not None else tuple(range(pieces.num_ranks))
+    servers = server_pool(config, pieces.num_ranks)
     tm = config.time_model
     tokens = pieces.tokens()
     other = other_seconds(tokens, config)  # every rank's linear layers (or base_pairs' other work)

@@ -42,8 +42,9 @@ from ..config import setting_problem
 from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, end_with_pairs, key_start,
                    start_with_pairs, tile_pairs)
 from .pieces import DocumentPieces
+from .ranges import lexsort_ints
 
-__all__ = ["PlannerConfig", "Plan", "tolerance_plans", "CarvingProgress", "colocated_plan", "PLANNING_MARGIN"]
+__all__ = ["PlannerConfig", "Plan", "tolerance_plans", "CarvingProgress", "colocated_plan", "PLANNING_MARGIN", "server_pool"]
 
 
 PLANNING_MARGIN = 0.85  # the planner aims at (1 + 0.85 tolerance) x mean
@@ -250,14 +251,22 @@ def tolerance_plans(pieces: DocumentPieces, config: PlannerConfig, tolerances, *
         yield layout.plan(tolerance, give_up)
 
 
+def server_pool(config: PlannerConfig, num_ranks: int) -> tuple[int, ...]:
+    """The ranks that serve attention in a batch of ``num_ranks`` ranks: ``config.servers`` (sorted;
+    ``None``: every rank), refused naming it when it names a rank the batch does not have."""
+    servers = config.servers if config.servers is not None else tuple(range(num_ranks))
+    if servers[-1] >= num_ranks:
+        raise ValueError(f"PlannerConfig.servers={servers} names server rank {servers[-1]}, which does not exist "
+                         f"in a world of {num_ranks} ranks")
+    return servers
+
+
 class _Layout:
     """What every carving of one batch shares, whatever its tolerance."""
 
     def __init__(self, pieces: DocumentPieces, config: PlannerConfig):
         num_ranks = pieces.num_ranks
-        self.servers = config.servers if config.servers is not None else tuple(range(num_ranks))
-        if self.servers[-1] >= num_ranks:
-            raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {num_ranks} ranks")
+        self.servers = server_pool(config, num_ranks)
         self.is_server = np.zeros(num_ranks, dtype=bool)
         self.is_server[list(self.servers)] = True
         self.pieces, self.config, self.window = pieces, config, config.window
@@ -279,7 +288,7 @@ class _Layout:
         rank's group starts, and who holds the documents that span ranks."""
         if self._by_rank is None:
             p = self.pieces
-            by_rank = _lexsort_ints((p.doc, int(p.end.max(initial=0)) - p.end, p.rank))
+            by_rank = lexsort_ints((p.doc, int(p.end.max(initial=0)) - p.end, p.rank))
             by_rank = by_rank[p.end[by_rank] > p.start[by_rank]]  # a key-only piece holds no work
             rank_start = np.searchsorted(p.rank[by_rank], np.arange(p.num_ranks + 1)).tolist()
             self._by_rank = (by_rank, rank_start, _PrefixHolders(p, self.window))
@@ -298,21 +307,22 @@ class _Layout:
     def plan(self, tolerance: float, give_up=None) -> Plan | None:
         num_ranks, servers, window = self.pieces.num_ranks, self.servers, self.window
         load = self.load + self.base  # pairs, plus the other work when base_pairs is given
+        total, tb, margin = load.sum(), self.config.token_bytes, PLANNING_MARGIN * tolerance
+        # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
+        # margin between the planning cap and the guarantee (so the guarantee still holds).
+        carver = _Carver(self.config.block, tb.q + tb.o, tb.kv, 0.1 * max(tolerance - margin, 0.0) * total / len(servers),
+                         window)
         # Plan to a cap a little inside the tolerance, so that the rare block that cannot be placed
-        # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow.
-        margin = PLANNING_MARGIN * tolerance if tolerance > 0 else 1e-3
-        cap = (1.0 + margin) * load.sum() / len(servers)
+        # exactly still lands within it. Tolerance 0 asks for the tightest balance the blocks allow: 0.1%
+        # above the mean, at most half the one block of the longest document the guarantee allows.
+        if tolerance == 0 and total > 0:
+            margin = min(1e-3, 0.5 * carver.block_pairs(self.longest) * len(servers) / total)
+        cap = (1.0 + margin) * total / len(servers)
         excess = load - np.where(self.is_server, cap, 0.0)
         donors = [int(r) for r in np.lexsort((np.arange(num_ranks), -excess)) if excess[r] > 0]
         if not donors:
             return colocated_plan(self.pieces, servers, window=window)
-
-        tb = self.config.token_bytes
-        # What a server donor may keep above the cap, and the room not worth filling: a tenth of the
-        # margin between the planning cap and the guarantee (so the guarantee still holds).
-        slack = 0.1 * max(tolerance - margin, 0.0) * load.sum() / len(servers)
-        bound = (1.0 + tolerance) * load.sum() / len(servers)  # the guarantee (the cap can exceed it at tolerance 0)
-        shedder = _Shedder(self, cap, _Carver(self.config.block, tb.q + tb.o, tb.kv, slack, window), bound)
+        shedder = _Shedder(self, cap, carver, (1.0 + tolerance) * total / len(servers))  # the guarantee: its bound
         if give_up is not None:
             shedder.watch(CarvingProgress(shedder, tolerance), give_up)
             if give_up(shedder.progress):
@@ -450,6 +460,8 @@ class _Shedder:
                 room = min(self._room(receiver), self.bound - served[receiver])
                 budget = max(room, 0.0) + self.carver.block_pairs(intervals[0][2])
                 moved = self.carver.move(intervals, need - keep, budget, donor, receiver, self.out)
+                if moved == 0:
+                    return  # not one pair left to move (what remains of need is float rounding)
             need -= moved
             served[receiver] += moved
             served[donor] -= moved
@@ -500,7 +512,7 @@ def colocated_plan(pieces: DocumentPieces, servers=None, *, window=None) -> Plan
     """Every piece's queries computed on the rank that holds them (no query moves; the K/V of a
     document spanning ranks still has to reach its later pieces). ``window``: as ``PlannerConfig``'s."""
     servers = tuple(range(pieces.num_ranks)) if servers is None else servers
-    order = _lexsort_ints((pieces.start, pieces.doc, pieces.rank))
+    order = lexsort_ints((pieces.start, pieces.doc, pieces.rank))
     order = order[pieces.end[order] > pieces.start[order]]  # a key-only piece holds no work
     r = pieces.rank[order]
     return Plan(r, r.copy(), pieces.doc[order], pieces.start[order], pieces.end[order], pieces.num_ranks, servers,
@@ -525,7 +537,7 @@ class _TaskList:
             extra = np.asarray(self.rows, dtype=np.int64).T
             cols = [np.concatenate((c, x)) for c, x in zip(cols, extra)]
         source, server, doc, q_start, q_end = cols
-        order = _lexsort_ints((q_start, doc, source, server))
+        order = lexsort_ints((q_start, doc, source, server))
         return Plan(*(c[order] for c in cols), num_ranks, servers, window)
 
 
@@ -631,19 +643,6 @@ class _Carver:
         while a < b and causal_pairs(a, b, w) > budget:  # float rounding: at most a step or two
             a += block
         return a if a < b else None
-
-
-def _lexsort_ints(keys) -> np.ndarray:
-    """``np.lexsort(keys)`` (the last key sorts first) of non-negative int64 arrays, as one stable
-    argsort of their mixed-radix combination when it fits in int64: several times faster than
-    ``lexsort``'s pass per key on the tens of thousands of tasks of a large batch."""
-    spans = [int(k.max(initial=0)) + 1 for k in keys]
-    if math.prod(spans) >= 2**62 or any(k.size and k.min() < 0 for k in keys):
-        return np.lexsort(keys)
-    combined = np.zeros(keys[0].size, dtype=np.int64)
-    for key, span in zip(reversed(keys), reversed(spans)):
-        combined = combined * span + key
-    return np.argsort(combined, kind="stable")
 
 
 def _neg_end(interval) -> int:

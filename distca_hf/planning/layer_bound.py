@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .carving import PlannerConfig
+from .carving import PlannerConfig, server_pool
 from .cost import COMM_PASSES, causal_pairs, tile_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds
@@ -125,11 +125,8 @@ class RankBoundTerms:
         # 1 / each divisor (0 where it is 0: then no pairs of that kind), for least_bytes
         self.inverses = tuple(_inverse(x) for x in (self.per_query, self.foreign_queries, self.held_keys,
                                                     self.held_away, np.full(n, self.most_per_query)))
-        servers = config.servers if config.servers is not None else range(n)
-        if any(not 0 <= s < n for s in servers):
-            raise ValueError(f"config.servers={tuple(servers)} names a rank outside the batch's {n} ranks")
         self.serves = np.zeros(n, dtype=bool)
-        self.serves[list(servers)] = True
+        self.serves[list(server_pool(config, n))] = True
 
 
 def bound_terms(pieces: DocumentPieces, config: PlannerConfig) -> RankBoundTerms:
