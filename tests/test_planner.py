@@ -205,6 +205,8 @@ def test_pieces_validation():
         DocumentPieces.from_rank_lists([[(0, 0, 5)], [(0, 3, 8)]])  # overlap
     with pytest.raises(ValueError, match="empty"):
         DocumentPieces.from_rank_lists([[(0, 0, 0)]])
+    with pytest.raises(ValueError, match=r"num_ranks must be an integer >= 1, got 2.5"):
+        DocumentPieces([0], [0], [0], [4], 2.5)
     with pytest.raises(ValueError, match="does not exist"):
         plan_tasks(DocumentPieces.from_rank_lists([[3]]), PlannerConfig(servers=(1,)))
     with pytest.raises(ValueError, match=r"PlannerConfig.servers=\(0, 2\) names server rank 2"):  # auto too

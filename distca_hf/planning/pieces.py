@@ -47,8 +47,10 @@ class DocumentPieces:
             object.__setattr__(self, name, a)
         if (self.kv_start > self.start).any():
             raise ValueError("a piece's kv_start must not exceed its start (its queries need their own K/V)")
-        if self.num_ranks < 1:
-            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if isinstance(self.num_ranks, np.integer):
+            object.__setattr__(self, "num_ranks", int(self.num_ranks))
+        if not isinstance(self.num_ranks, int) or isinstance(self.num_ranks, bool) or self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be an integer >= 1, got {self.num_ranks!r}")
         if self.rank.size:
             if self.rank.min() < 0 or self.rank.max() >= self.num_ranks:
                 raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
