@@ -144,8 +144,9 @@ def test_least_bytes_is_the_least_over_a_grid_of_its_two_choices(own, foreign_sh
                                                                  query_bytes, kv_bytes):
     """``least_bytes`` minimises the module docstring's bytes over how many own pairs go away and how
     many served pairs have their key here: a fine grid over both (the same formula written out) never
-    finds fewer bytes, and finds about as few (the vertex where the incoming queries' two counts cross
-    was once placed at ``here = received / (h M)`` instead of ``received h / M``: 1.3x too many)."""
+    finds fewer bytes (the vertex where the incoming queries' two counts cross was once placed at
+    ``here = received / (h M)`` instead of ``received h / M``: up to 1.3x too many). The grid may miss
+    the least point between its nodes, so it bounds ``least_bytes`` from above only."""
     per_query, foreign_queries, held_keys, held_away, most = divisors
     foreign = own * foreign_share
     terms = SimpleNamespace(pairs=np.array([own]), foreign=np.array([foreign]), held=np.array([held]),
@@ -157,7 +158,6 @@ def test_least_bytes_is_the_least_over_a_grid_of_its_two_choices(own, foreign_sh
     grid = (query_bytes * away / per_query + kv_bytes * np.maximum(foreign - away, 0.0) / foreign_queries
             + query_bytes * np.maximum(received / most, here / held_keys) + kv_bytes * (held - here) / held_away)
     assert got <= grid.min() * (1 + 1e-9) + 1e-9
-    assert got >= grid.min() * (1 - 1e-2) - 1e-6
 
 
 def _every_plan(pieces: DocumentPieces, cut: int):
