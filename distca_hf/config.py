@@ -143,9 +143,14 @@ def _time_model_fingerprint(value):
     return value
 
 
+MAX_TIMEOUT_S = 1e9
+"""The longest ``timeout_s`` (about 31 years): far longer ones overflow ``datetime.timedelta``, which
+torch's waits and process groups take."""
+
+
 def _timeout_problem(value):
-    if not (_is_number(value) and value > 0):
-        return f"must be a positive number of seconds, got {value!r}"
+    if not (_is_number(value) and 0 < value <= MAX_TIMEOUT_S):
+        return f"must be a positive number of seconds, at most 1e9 (about 31 years), got {value!r}"
 
 
 def _servers_problem(value):
@@ -245,7 +250,8 @@ class DistCAConfig:
              "(Llama-family decoder stacks)")
     timeout_s: float = setting(
         600.0, env="DISTCA_TIMEOUT_S", parse=float, check=_timeout_problem, agree=False,
-        help="seconds a distca collective may wait for a peer before raising DistCATimeoutError")
+        help="seconds a distca collective may wait for a peer before raising DistCATimeoutError (at most 1e9, about "
+             "31 years: longer waits overflow datetime.timedelta)")
     mode: str = setting(
         "distca", check=_one_of(MODES), agree=False,
         help="'distca' redistributes attention; 'colocated' runs each rank's own documents with the same kernel "

@@ -56,6 +56,23 @@ def test_each_variable_is_read_and_checked(monkeypatch, name):
         distca_hf.current_config()
 
 
+def test_timeout_is_bounded_where_datetime_timedelta_still_holds_it(monkeypatch):
+    """A timeout of ~8.7e13 s or more overflows ``datetime.timedelta`` (a false DistCATimeoutError in
+    the runtime's waits, an OverflowError making the pipeline's groups): refused, at most 1e9 s."""
+    import datetime
+
+    assert setting_problem("timeout_s", 1e9) is None
+    datetime.timedelta(seconds=1e9)  # the bound itself is held
+    for value in (1e9 + 1, 8.7e13, 1e15, 1e300):
+        assert "at most 1e9" in setting_problem("timeout_s", value)
+    monkeypatch.setenv("DISTCA_TIMEOUT_S", "1e15")
+    with pytest.raises(ValueError, match=r"invalid DISTCA_TIMEOUT_S='1e15'.*at most 1e9"):
+        distca_hf.current_config()
+    monkeypatch.delenv("DISTCA_TIMEOUT_S")
+    with pytest.raises(ValueError, match="distca timeout_s .*at most 1e9"):
+        distca_hf.configure(timeout_s=1e14)
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_each_setting_is_checked_in_code_plugin_and_file(name, tmp_path):
     with pytest.raises(ValueError, match=f"distca {name} must be"):

@@ -14,6 +14,7 @@ import dataclasses
 import json
 from collections import Counter, defaultdict
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -188,6 +189,77 @@ def test_collator_and_config_refuse_bad_input():
         import datasets
 
         PackedDataset(datasets.Dataset.from_dict({"text": ["a"]}), PackingConfig(tokens_per_rank=8))
+
+
+def test_packing_config_refuses_a_seed_that_is_not_an_integer_and_flags_that_are_not_bools():
+    """``seed=None`` seeded each process from the OS: ranks read slices of different packings (documents
+    lost and duplicated). Flags given as text ("no" is truthy) are refused too, naming the field."""
+    for seed in (None, 1.5, "a", True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            PackingConfig(tokens_per_rank=8, seed=seed)
+    for name in ("shuffle", "length_aware", "balance_micro_batches"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'no'"):
+            PackingConfig(tokens_per_rank=8, **{name: "no"})
+    config = PackingConfig(tokens_per_rank=8, seed=np.int64(3), shuffle=np.bool_(True), length_aware=np.bool_(False))
+    assert config.seed == 3 and config.shuffle is True and config.length_aware is False
+    lengths = [3, 5, 7, 2, 6, 4, 8, 1, 5, 3]
+    assert pack_rows(lengths, config)[0] == pack_rows(lengths, PackingConfig(tokens_per_rank=8, seed=3))[0]
+
+
+def test_pack_rows_refuses_negative_and_fractional_lengths_naming_the_document():
+    # a negative document was dropped silently, 4.9 tokens packed as 4
+    config = PackingConfig(tokens_per_rank=8, shuffle=False)
+    with pytest.raises(ValueError, match=r"lengths\[1\] must be a document length, an integer >= 0 .*got -4"):
+        pack_rows([3, -4, 5], config)
+    with pytest.raises(ValueError, match=r"lengths\[1\] .*got 4.9"):
+        pack_lengths([3, 4.9, 5], config)
+    with pytest.raises(ValueError, match=r"lengths\[0\]"):
+        pack_rows([True, 2], config)
+    rows, report = pack_rows(np.array([3, 0, 5]), config)  # numpy integers and empty documents are fine
+    assert report.tokens == 8 and report.empty_documents == 1
+
+
+def test_collator_refuses_padding_outside_the_item_and_non_integer_keys():
+    # padding -1 or past the item's tokens silently masked every label
+    for padding in (-1, 3, 1.5):
+        with pytest.raises(ValueError, match=rf"item 0 has padding={padding}"):
+            PackedCollator()([{"input_ids": [[1, 2]], "padding": padding}])
+    with pytest.raises(ValueError, match=r"item 0 has first_position='x'; expected an integer"):
+        PackedCollator()([{"input_ids": [[1, 2]], "first_position": "x"}])
+    with pytest.raises(ValueError, match=r"item 0 has last_label=None"):
+        PackedCollator()([{"input_ids": [[1, 2]], "last_label": None}])
+    with pytest.raises(ValueError, match=r"item 0's input_ids\[0\] \(a piece\) must be a 1-D sequence"):
+        PackedCollator()([{"input_ids": [1, 2, 3]}])
+    whole = PackedCollator()([{"input_ids": [[1, 2]], "padding": 2}])  # a filler row: all padding
+    assert whole["shift_labels"].tolist() == [[-100, -100]]
+    assert PackedCollator()([{"input_ids": [[5, 6, 7]], "padding": 1}])["labels"].tolist() == [[-100, 6, -100]]
+
+
+def test_documents_must_be_one_dimensional_integer_token_ids_refused_at_construction():
+    """Text counted characters as tokens (failing late in the collator), float ids were truncated, 2-D
+    tensors / nested lists / None failed deep: all refused when the dataset is made, naming the document."""
+    config = PackingConfig(tokens_per_rank=4, shuffle=False)
+    bad = {"text": ["hello world"], "float": [[1, 2], [1.5, 2.7]], "negative": [[-100, 5]], "none": [None],
+           "int": [5], "nested": [[[1, 2], [3, 4]]], "2-D tensor": [torch.tensor([[1, 2, 3]])],
+           "float tensor": [torch.tensor([1.0, 2.0])], "float array": [np.array([1.0, 2.0])]}
+    for label, documents in bad.items():
+        index = len(documents) - 1
+        with pytest.raises(ValueError, match=rf"document {index} must be a 1-D sequence of integer token ids.*"
+                                             "tokenize text first"):
+            PackedDataset(documents, config)
+        with pytest.raises(ValueError, match=rf"document {index} of the stream must be a 1-D sequence"):
+            list(StreamingPackedDataset(documents, config))
+    with pytest.raises(ValueError, match="documents must be a sequence of token-id documents"):
+        PackedDataset("hello", config)
+    import datasets
+
+    with pytest.raises(ValueError, match="'input_ids' column must hold lists of integer token ids"):
+        PackedDataset(datasets.Dataset.from_dict({"input_ids": [[1.5, 2.0]]}), config)
+    assert PackedDataset(datasets.Dataset.from_dict({"input_ids": [[], []]}), config).report.empty_documents == 2
+    good = [[1, 2, 3], np.array([4, 5]), torch.tensor([6, 7]), [np.int64(8), np.int64(9)], {"input_ids": [10]}]
+    dataset = PackedDataset(good, config)
+    tokens = [t for i in range(len(dataset)) for t in PackedCollator()([dataset[i]])["input_ids"][0].tolist()]
+    assert sorted(tokens) == list(range(1, 11))
 
 
 def test_report_names_the_cut_documents():
@@ -533,6 +605,15 @@ def test_rank_layout_and_sampler_refuse_bad_input():
         RankLayout.for_ranks(0)
     with pytest.raises(ValueError, match="multiple of world_size"):
         GlobalBatchSampler(7, 2)
+    for num_items in (4.0, -4):  # 4.0 raised TypeError in randperm, -4 in len()
+        with pytest.raises(ValueError, match=rf"num_items must be an integer >= 0, got {num_items}"):
+            GlobalBatchSampler(num_items, 4)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        GlobalBatchSampler(4, 4, seed=None)
+    for groups in ("01", ["0", "1"], [[0.5], [1]]):  # "01" was read as [[0], [1]]
+        with pytest.raises(ValueError, match="server_groups must be lists of ranks"):
+            RankLayout.for_ranks(2, span_ranks=True, server_groups=groups)
+    assert RankLayout.for_ranks(np.int64(2), span_ranks=True, server_groups=[[np.int64(1), 0]]).group_size == 2
     layout = RankLayout.for_ranks(4, span_ranks=True, server_groups=[[2, 0], [3, 1]])
     assert layout.server_groups == ((0, 2), (1, 3)) and layout.group_size == 2 and layout.num_groups == 2
     assert [layout.locate(i) for i in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]

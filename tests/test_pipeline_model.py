@@ -114,6 +114,15 @@ def test_balance_micro_batches_hand_checked():
         balance_micro_batches([3, 0], micro_batches=1, tokens=10)
 
 
+def test_balance_micro_batches_refuses_a_window_that_is_not_none_or_an_integer_of_at_least_one():
+    # 0 divided by zero, -1 counted negative pairs, 0.5 / nan / True passed silently, "8" failed in numpy
+    for window in (0, -1, 0.5, float("nan"), True, "8"):
+        with pytest.raises(ValueError, match=r"window must be None or an integer >= 1 .*got"):
+            balance_micro_batches([10, 2], micro_batches=3, tokens=4, window=window)
+    expected = _row_contents(balance_micro_batches([10, 2], micro_batches=3, tokens=4, window=2))
+    assert _row_contents(balance_micro_batches([10, 2], micro_batches=3, tokens=4, window=np.int64(2))) == expected
+
+
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=30), rows=st.integers(1, 6),
        tokens=st.integers(1, 200), fill=st.booleans(), window=st.sampled_from([None, 16]))

@@ -434,6 +434,12 @@ def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
                           **{"train_dataset": documents, **trainer_arguments})
     with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="zero_bubble")
+    from distca_hf.training.pipeline import PipelineRunner
+
+    # a timeout datetime.timedelta cannot hold is refused (the setting's own check), before any group is made
+    with pytest.raises(ValueError, match=r"timeout_s must be a positive number of seconds, at most 1e9"):
+        PipelineRunner(None, topology=None, rank=0, schedule="1f1b", tokens_per_micro_batch=8, device="cpu",
+                       timeout_s=1e15)
 
 
 def test_balanced_micro_batches_keep_every_document_and_lower_the_busiest_micro_batch():

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import setting_problem
-from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, end_with_pairs, key_start,
-                   start_with_pairs, tile_pairs)
+from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, check_window, end_with_pairs,
+                   key_start, start_with_pairs, tile_pairs)
 from .pieces import DocumentPieces
 from .ranges import lexsort_ints
 
@@ -126,11 +126,7 @@ class PlannerConfig:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
         if not isinstance(self.key_split, (bool, np.bool_)):
             raise ValueError(f"key_split must be True or False, got {self.key_split!r}")
-        if isinstance(self.window, np.integer):
-            object.__setattr__(self, "window", int(self.window))
-        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
-                                        or self.window < 1):
-            raise ValueError(f"window must be None or an integer >= 1 (tokens a query sees), got {self.window!r}")
+        object.__setattr__(self, "window", check_window(self.window))
 
 
 @dataclass(frozen=True, eq=False)

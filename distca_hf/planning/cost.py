@@ -20,6 +20,16 @@ __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_w
            "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model"]
 
 
+def check_window(window) -> int | None:
+    """A sliding attention ``window`` as given to the planners: ``None`` (full causal) or an int >= 1
+    (numpy integers too), anything else refused naming ``window``."""
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be None or an integer >= 1 (tokens a query sees), got {window!r}")
+    return int(window)
+
+
 def causal_pairs(q_start, q_end, window=None):
     """Pairs of the queries ``[q_start, q_end)`` of a document, bottom-right causal: query ``t`` sees
     ``t + 1`` keys, or ``min(t + 1, window)`` under a sliding window (HF's ``sliding_window``: the

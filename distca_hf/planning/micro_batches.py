@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import causal_pairs, start_with_pairs
+from .cost import causal_pairs, check_window, start_with_pairs
 from .pieces import DocumentPieces
 
 __all__ = ["balance_micro_batches"]
@@ -50,7 +50,7 @@ def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: i
         micro_batches: rows to fill (>= 1); a data-parallel step of ``D`` ranks x ``M`` micro-batches
             passes ``D * M`` (row ``m * D + d``: micro-batch ``m`` of rank ``d``).
         tokens: tokens a row holds (>= 1).
-        window: sliding attention window counted in the pairs (``None``: full causal).
+        window: sliding attention window counted in the pairs (``None``: full causal; else an integer >= 1).
 
     Returns:
         ``DocumentPieces`` with ``num_ranks = micro_batches`` (a "rank" is a row) and ``doc`` indexing
@@ -64,6 +64,7 @@ def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: i
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     lengths = _check_lengths(lengths)
+    window = check_window(window)
     capacity = int(micro_batches) * int(tokens)
     if int(lengths.sum()) > capacity:
         raise ValueError(f"the documents hold {int(lengths.sum())} tokens, more than {micro_batches} micro-batch "

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import PIPELINE_SCHEDULES
+from ..config import PIPELINE_SCHEDULES, setting_problem
 from ..errors import DistCAPeerError, DistCATimeoutError
 from .topology import ParallelTopology
 
@@ -99,6 +99,9 @@ class PipelineRunner:
                  tokens_per_micro_batch: int, device, timeout_s: float):
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {list(PIPELINE_SCHEDULES)}, got {schedule!r}")
+        problem = setting_problem("timeout_s", timeout_s)
+        if problem:
+            raise ValueError(f"timeout_s {problem}")
         if topology.tensor_parallel != 1:
             raise ValueError(
                 f"pipeline_parallel_size={topology.pipeline_parallel} with tensor_parallel_size="

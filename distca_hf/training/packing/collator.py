@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .dataset import tokens_of
@@ -44,7 +45,8 @@ class PackedCollator:
             if not isinstance(item, dict) or "input_ids" not in item:
                 raise ValueError("PackedCollator expects items {'input_ids': [piece tokens, ...]} from a "
                                  f"PackedDataset, got {type(item).__name__}")
-            position, label = int(item.get("first_position", 0)), int(item.get("last_label", IGNORE_INDEX))
+            position = _integer_key(item, index, "first_position", 0)
+            label = _integer_key(item, index, "last_label", IGNORE_INDEX)
             if position < 0 or (position > 0 and (index > 0 or not item["input_ids"])):
                 raise ValueError(f"PackedCollator: item {index} has first_position={position}; only the row's first "
                                  "piece can continue a document (first_position > 0), and positions are >= 0")
@@ -54,8 +56,16 @@ class PackedCollator:
             if index == 0:
                 first_position = position
             last_label = label
-            pieces.extend(tokens_of(p) for p in item["input_ids"])
-            padding = int(item.get("padding", 0))
+            if isinstance(item["input_ids"], (str, bytes)) or not hasattr(item["input_ids"], "__iter__"):
+                raise ValueError(f"PackedCollator: item {index}'s input_ids must be a list of pieces (token-id lists), "
+                                 f"got {type(item['input_ids']).__name__}")
+            own = [tokens_of(p, what=f"PackedCollator: item {index}'s input_ids[{j}] (a piece)")
+                   for j, p in enumerate(item["input_ids"])]
+            pieces.extend(own)
+            padding, tokens = _integer_key(item, index, "padding", 0), sum(len(p) for p in own)
+            if not 0 <= padding <= tokens:
+                raise ValueError(f"PackedCollator: item {index} has padding={padding}; it counts the item's trailing "
+                                 f"padding tokens: an integer from 0 to its {tokens} tokens")
             if padding and (index < len(items) - 1 or label != IGNORE_INDEX):
                 raise ValueError(f"PackedCollator: item {index} has padding={padding}; only the row's last item can "
                                  "end in padding, and padding has no label (last_label -100)")
@@ -76,3 +86,13 @@ class PackedCollator:
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
                 "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
                 "max_length_q": longest, "max_length_k": longest, "shift_labels": shift_labels}
+
+
+def _integer_key(item: dict, index: int, key: str, default: int) -> int:
+    """``item[key]`` (``default`` when absent) as an int; anything but an integer is refused, naming the key."""
+    value = item.get(key, default)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"PackedCollator: item {index} has {key}={value!r}; expected an integer")
+    return int(value)

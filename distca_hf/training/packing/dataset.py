@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .layout import RankLayout
-from .rows import IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_positive, pack_rows
+from .rows import IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_flag, check_positive, pack_rows
 
 
 def _document_lengths(documents) -> list[int]:
@@ -17,10 +18,14 @@ def _document_lengths(documents) -> list[int]:
 
         if isinstance(documents, datasets.Dataset):
             _require_input_ids(documents.column_names)
+            _require_token_ids_column(documents.features["input_ids"])
             return [len(ids) for batch in documents.iter(batch_size=1024) for ids in batch["input_ids"]]
     except ImportError:
         pass
-    return [len(tokens_of(documents[i])) for i in range(len(documents))]
+    if isinstance(documents, (str, bytes)) or not (hasattr(documents, "__len__") and hasattr(documents, "__getitem__")):
+        raise ValueError(f"documents must be a sequence of token-id documents (a datasets.Dataset with an 'input_ids' "
+                         f"column, or a list of token lists / tensors), got {type(documents).__name__}")
+    return [len(tokens_of(documents[i], what=f"document {i}")) for i in range(len(documents))]
 
 
 def _require_input_ids(columns) -> None:
@@ -29,14 +34,59 @@ def _require_input_ids(columns) -> None:
                          "tokenize them first, e.g. with distca_hf.training.load_documents(..., tokenizer=...)")
 
 
-def tokens_of(document) -> list[int]:
-    """The token ids of one document: a list, a tensor or ``{"input_ids": ...}``."""
+_TOKENIZE_FIRST = "tokenize text first, e.g. with distca_hf.training.load_documents(..., tokenizer=...)"
+
+
+def _require_token_ids_column(feature) -> None:
+    """A ``datasets`` ``input_ids`` column must hold lists of integers ('null': no token at all)."""
+    inner = getattr(feature, "feature", None)
+    dtype = "null" if getattr(feature, "dtype", None) == "null" else str(getattr(inner, "dtype", ""))
+    if not dtype.startswith(("int", "uint", "null")):
+        raise ValueError(f"the documents' 'input_ids' column must hold lists of integer token ids, got {feature}; "
+                         f"{_TOKENIZE_FIRST}")
+
+
+def _read_tokens(document) -> list:
+    if isinstance(document, dict):
+        document = document["input_ids"]
+    if isinstance(document, (torch.Tensor, np.ndarray)):
+        return document.tolist()
+    return list(document)
+
+
+def tokens_of(document, what: str = "a document") -> list[int]:
+    """The token ids of one document: a list, a 1-D tensor or array, or ``{"input_ids": ...}``; anything
+    else (text, floats, negative ids, nested lists, 2-D tensors) is refused naming ``what``."""
     if isinstance(document, dict):
         _require_input_ids(document.keys())
         document = document["input_ids"]
-    if isinstance(document, torch.Tensor):
-        document = document.tolist()
-    return list(document)
+
+    def refuse(got: str) -> ValueError:
+        return ValueError(f"{what} must be a 1-D sequence of integer token ids >= 0 (a list, a 1-D tensor or array, or "
+                          f"{{'input_ids': ...}}), got {got}; {_TOKENIZE_FIRST}")
+
+    if isinstance(document, (str, bytes)):
+        raise refuse(f"text {document[:40]!r}")
+    if isinstance(document, (torch.Tensor, np.ndarray)):
+        integral = (not document.dtype.is_floating_point and not document.dtype.is_complex
+                    and document.dtype != torch.bool) if isinstance(document, torch.Tensor) \
+            else np.issubdtype(document.dtype, np.integer)
+        if document.ndim != 1 or not integral:
+            raise refuse(f"a {type(document).__name__} of shape {tuple(document.shape)} and dtype {document.dtype}")
+        tokens = document.tolist()
+    else:
+        try:
+            tokens = list(document)
+        except TypeError:
+            raise refuse(f"{type(document).__name__} {document!r:.60}") from None
+        if not all(type(t) is int for t in tokens):
+            for position, t in enumerate(tokens):
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                    raise refuse(f"{type(t).__name__} {t!r:.40} at position {position}")
+            tokens = [int(t) for t in tokens]
+    if tokens and min(tokens) < 0:
+        raise refuse(f"token id {min(tokens)}")
+    return tokens
 
 
 def row_item(row: PackedRow, tokens_of_document, pad_token_id: int, full_row_tokens: int | None = None) -> dict:
@@ -94,7 +144,7 @@ class PackedDataset(torch.utils.data.Dataset):
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
         self.documents = documents
         self.config = config
-        self.full_rows = bool(full_rows)
+        self.full_rows = check_flag("full_rows", full_rows)
         self.step_micro_batches = check_positive("step_micro_batches", step_micro_batches)
         self._lengths = _document_lengths(documents)
         self._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
@@ -115,7 +165,7 @@ class PackedDataset(torch.utils.data.Dataset):
         copy = object.__new__(PackedDataset)
         copy.__dict__.update(self.__dict__)
         if full_rows is not None:
-            copy.full_rows = bool(full_rows)
+            copy.full_rows = check_flag("full_rows", full_rows)
         if step_micro_batches is not None:
             copy.step_micro_batches = check_positive("step_micro_batches", step_micro_batches)
         copy._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
@@ -143,7 +193,8 @@ class PackedDataset(torch.utils.data.Dataset):
         global_batch, position = self.layout.locate(index % len(self))
         row_index = global_batch * self.layout.group_size + position
         row = self.rows[row_index] if row_index < len(self.rows) else PackedRow()
-        return row_item(row, lambda key: tokens_of(self.documents[key]), self.config.pad_token_id,
+        # documents were checked when packed (``_document_lengths``): read them as they are
+        return row_item(row, lambda key: _read_tokens(self.documents[key]), self.config.pad_token_id,
                      self.config.tokens_per_rank if getattr(self, "full_rows", False) else None)
 
     def label_tokens(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .rows import check_positive
+from .rows import check_integer, check_positive
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,11 @@ class RankLayout:
         if server_groups is None:
             return cls((tuple(range(world_size)),), True)
         try:
-            groups = tuple(tuple(sorted(int(rank) for rank in group)) for group in server_groups)
+            if isinstance(server_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in server_groups):
+                raise TypeError  # "01" would read as groups [0] and [1]
+            groups = tuple(tuple(sorted(check_integer("rank", rank, 0) for rank in group)) for group in server_groups)
         except (TypeError, ValueError):
-            raise ValueError(f"server_groups must be lists of ranks, got {server_groups!r}") from None
+            raise ValueError(f"server_groups must be lists of ranks (integers >= 0), got {server_groups!r}") from None
         ranks = sorted(rank for group in groups for rank in group)
         if ranks != list(range(world_size)):
             raise ValueError(f"server_groups must hold every rank 0 .. {world_size - 1} exactly once (world_size "

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
+import numpy as np
+
 
 IGNORE_INDEX = -100
 """The label of a token that is not trained (``transformers``' ``ignore_index``)."""
@@ -84,7 +86,8 @@ class PackingConfig:
             rows (fewer per epoch) at the price of grouping documents by length.
         window: documents per sorting window for ``length_aware`` (also what streaming holds in memory).
         shuffle: shuffle the document order before packing (map-style datasets; seeded).
-        seed: seed of that shuffle.
+        seed: seed of that shuffle, an integer: every process packs the same rows from it (ranks
+            read slices of one packing).
         pad_token_id: the token of filler rows (never a label).
         balance_micro_batches: the global batches of one optimizer step (``micro_batches`` per server
             group, ``PackedDataset(step_micro_batches=...)``: ``DistCATrainer`` in pipeline stages passes its
@@ -112,6 +115,9 @@ class PackingConfig:
             raise ValueError(f"window must be an integer >= 1 (documents), got {self.window!r}")
         if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             raise ValueError(f"pad_token_id must be a token id >= 0, got {self.pad_token_id!r}")
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        for name in ("length_aware", "shuffle", "balance_micro_batches"):
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
 
 
 @dataclass
@@ -343,11 +349,12 @@ def pack_rows(lengths: Sequence[int], config: PackingConfig, *, group_size: int 
     documents (key ``PADDING``, no labels) at the end of its token stream. ``step_batches``: global
     batches per optimizer step, balanced together when ``config.balance_micro_batches``."""
     group_size = check_positive("group_size", group_size)
+    lengths = _check_lengths(lengths)
     order = list(range(len(lengths)))
     if config.shuffle:
         random.Random(config.seed).shuffle(order)
     report = PackingReport(config.tokens_per_rank, group_size)
-    rows = [row for batch in global_batch_rows(((i, int(lengths[i])) for i in order), config, group_size, report, full_rows,
+    rows = [row for batch in global_batch_rows(((i, lengths[i]) for i in order), config, group_size, report, full_rows,
                                    step_batches) for row in batch]
     return rows, report
 
@@ -359,7 +366,40 @@ def pack_lengths(lengths: Sequence[int], config: PackingConfig) -> tuple[list[li
     return [list(row.pieces) for row in rows], report
 
 
+def _check_lengths(lengths) -> list[int]:
+    """``lengths`` as ints, each an integer >= 0 (a negative or fractional length is refused, naming
+    its document)."""
+    checked = []
+    for index, length in enumerate(lengths):
+        if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)) or length < 0:
+            raise ValueError(f"lengths[{index}] must be a document length, an integer >= 0 (tokens), got {length!r}")
+        checked.append(int(length))
+    return checked
+
+
 def check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    """``value`` as an int, refused (naming ``name``) unless an integer >= 1."""
+    return check_integer(name, value, 1)
+
+
+def check_integer(name: str, value, minimum: int) -> int:
+    """``value`` as an int (numpy integers too), refused (naming ``name``) unless an integer >= ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_seed(value) -> int:
+    """``value`` as an int, refused (naming ``seed``) unless an integer: every process must draw the same
+    order from it (None would seed each one from the OS)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"seed must be an integer (every process must draw the same order from it; None would seed "
+                         f"each process from the OS), got {value!r}")
+    return int(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool (numpy bools too), refused (naming ``name``) unless True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)

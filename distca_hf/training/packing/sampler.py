@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from .rows import check_positive
+from .rows import check_flag, check_integer, check_positive, check_seed
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
@@ -31,8 +31,11 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, num_items: int, world_size: int, *, shuffle: bool = True, seed: int = 0,
                  step_blocks: int = 1):
+        num_items = check_integer("num_items", num_items, 0)
         world_size = check_positive("world_size", world_size)
         step_blocks = check_positive("step_blocks", step_blocks)
+        shuffle = check_flag("shuffle", shuffle)
+        seed = check_seed(seed)
         if num_items % (world_size * step_blocks):
             raise ValueError(f"num_items ({num_items}) must be a multiple of world_size x step_blocks ({world_size} x "
                              f"{step_blocks}): a PackedDataset packed for this world size is")

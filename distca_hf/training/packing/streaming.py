@@ -62,7 +62,8 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
         report = PackingReport(self.config.tokens_per_rank, layout.group_size)
         self.report = report
         # The token lists themselves are the document keys: pieces slice them directly.
-        stream = ((tokens, len(tokens)) for tokens in map(tokens_of, self.documents))
+        stream = ((tokens, len(tokens)) for tokens in (tokens_of(document, what=f"document {index} of the stream")
+                                                       for index, document in enumerate(self.documents)))
         block: list[list[PackedRow]] = []
         for rows in global_batch_rows(stream, self.config, layout.group_size, report):
             block.append(rows)
