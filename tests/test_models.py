@@ -179,6 +179,18 @@ def test_a_forward_whose_layer_types_get_masks_of_their_own_opens_once():
     assert plan_stats()["step"] == before + 1
 
 
+def test_generate_after_a_packed_prefill_is_refused():
+    """A prefill whose position_ids restart (several documents in its row) leaves them all in the
+    row's cache; the decoding steps cannot keep them apart, so they raise as cu_seq_lens do."""
+    from distca_hf import DocumentBoundaryError
+
+    model = tiny_model("llama").eval()
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad(), pytest.raises(DocumentBoundaryError, match="several documents"):
+        model.generate(input_ids=torch.randint(0, VOCAB, (1, 8)), position_ids=positions, max_new_tokens=2,
+                       do_sample=False)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_generation_matches_eager(family):
     """Decoding with a KV cache and left padding: each new query is a CA-task at the end of its row."""

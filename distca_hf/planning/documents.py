@@ -108,7 +108,10 @@ def find_documents(
                 "cu_seq_lens_q/cu_seq_lens_k (packed documents) cannot be combined with a KV cache that "
                 f"already holds tokens (kv_len={kv_len} > query_len={query_len}); decode one document per row"
             )
-        return _documents_with_cache(batch_size, query_len, kv_len, mask)
+        docs = _documents_with_cache(batch_size, query_len, kv_len, mask)
+        if torch.is_tensor(position_ids) and position_ids.dim() <= 2:  # [3, batch, seq] (multimodal) tell nothing
+            _refuse_several_documents_in_cache(docs, _check_position_ids(position_ids, batch_size, query_len))
+        return docs
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if mask is not None and not mask.all():
             raise DocumentBoundaryError(
@@ -260,6 +263,26 @@ def _first_true_per_row(valid: np.ndarray) -> np.ndarray:
     has_any = valid.any(axis=1)
     first[np.flatnonzero(has_any), valid.argmax(axis=1)[has_any]] = True
     return first
+
+
+def _refuse_several_documents_in_cache(docs: PackedDocuments, positions: np.ndarray) -> None:
+    """Decoding treats each cached row as one document. Queries at a position below the row's cached
+    tokens (or restarting among themselves) say the row holds several documents (a packed prefill):
+    its cached keys of earlier documents would be attended to, so refuse, as ``cu_seq_lens`` with a
+    cache are refused. A position above the cached tokens is a chunk cut from a longer text (or
+    positions counted over left padding): the row is still one document."""
+    query_len = positions.shape[1]
+    restarts = (np.diff(positions, axis=1) != 1).any(axis=1)
+    before = positions[:, 0] < docs.past
+    bad = np.flatnonzero(restarts | before)
+    if bad.size:
+        row = int(bad[0])
+        raise DocumentBoundaryError(
+            f"position_ids row {row} ({positions[row, :8].tolist()}) do not continue the {int(docs.past[row])} tokens "
+            f"the KV cache holds for that row (the next position would be {int(docs.past[row])}, and the {query_len} "
+            "queries must count up from it): the cached row holds several documents (a packed prefill), which a "
+            "decoding step cannot keep apart; decode one document per row"
+        )
 
 
 def _documents_with_cache(batch_size: int, query_len: int, kv_len: int, mask: np.ndarray | None) -> PackedDocuments:
