@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GptOssConfig
 
 import distca_hf
-from distca_hf import DocumentBoundaryError, UnsupportedAttentionError
+from distca_hf import DocumentBoundaryError, UnsupportedAttentionError, find_documents
 from helpers import VOCAB, tiny_model
 
 
@@ -74,6 +74,24 @@ def test_cu_seq_lens_that_disagree_with_the_sequence(cu_q, cu_k, match):
                   max_length_q=6, max_length_k=6)
     with pytest.raises(DocumentBoundaryError, match=match):
         model(input_ids=torch.arange(10).unsqueeze(0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "cu, match",
+    [
+        (torch.tensor([0.0, 2.5, 10.0]), "cu_seq_lens_q must hold integers, got torch.float32"),
+        (torch.tensor([0, 3 + 1j, 10]), "cu_seq_lens_q must hold integers, got torch.complex64"),
+        (torch.tensor([[0, 3], [5, 10]]), r"cu_seq_lens_q must be 1-D .* shape \(2, 2\)"),
+        ([0, 3, 10], "cu_seq_lens_q must be a 1-D integer tensor .* got list"),
+    ],
+)
+def test_cu_seq_lens_that_are_not_a_1d_integer_tensor(cu, match):
+    """Floats and complex numbers were cut to integers, a 2-D tensor flattened, and a list raised
+    AttributeError: each is refused naming the argument, at the model and in find_documents."""
+    with pytest.raises(DocumentBoundaryError, match=match):
+        tiny_model("llama")(input_ids=torch.arange(10).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(DocumentBoundaryError, match=match):
+        find_documents(1, 10, 10, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 @pytest.mark.parametrize(

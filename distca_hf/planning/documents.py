@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DocumentBoundaryError
 
-__all__ = ["PackedDocuments", "DocumentBoundaryError", "find_documents"]
+__all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "find_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,12 +173,27 @@ def _check_position_ids(position_ids: torch.Tensor, batch_size: int, query_len: 
     return np.broadcast_to(_to_numpy(position_ids).astype(np.int64), (batch_size, query_len))
 
 
+def check_cu_seq_lens(cu, name: str) -> torch.Tensor:
+    """One ``cu_seq_lens`` argument as ``DataCollatorWithFlattening`` emits it: a 1-D integer tensor.
+    Float or complex entries would be cut to integers and a 2-D tensor flattened without a word."""
+    if not torch.is_tensor(cu):
+        raise DocumentBoundaryError(
+            f"{name} must be a 1-D integer tensor (torch.int32, as DataCollatorWithFlattening emits), got "
+            f"{type(cu).__name__}")
+    if cu.dim() != 1:
+        raise DocumentBoundaryError(
+            f"{name} must be 1-D (cumulative document lengths over the flattened batch), got shape {tuple(cu.shape)}")
+    if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        raise DocumentBoundaryError(f"{name} must hold integers, got {cu.dtype}")
+    return cu
+
+
 def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, query_len: int) -> PackedDocuments:
     total_tokens = batch_size * query_len
     if cu_q is None or cu_k is None:
         raise DocumentBoundaryError("cu_seq_lens_q and cu_seq_lens_k must be given together")
-    cu_q_np = _to_numpy(cu_q).astype(np.int64).reshape(-1)
-    cu_k_np = _to_numpy(cu_k).astype(np.int64).reshape(-1)
+    cu_q_np = _to_numpy(check_cu_seq_lens(cu_q, "cu_seq_lens_q")).astype(np.int64)
+    cu_k_np = _to_numpy(check_cu_seq_lens(cu_k, "cu_seq_lens_k")).astype(np.int64)
     if not np.array_equal(cu_q_np, cu_k_np):
         raise DocumentBoundaryError(
             "cu_seq_lens_q and cu_seq_lens_k differ; causal self-attention over packed documents needs "

@@ -88,8 +88,10 @@ def is_decoding() -> bool:
 
 
 def _identity(tensors: tuple) -> tuple:
-    # Inference tensors keep no version counter; they cannot change outside inference mode.
-    return tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
+    # Inference tensors keep no version counter; they cannot change outside inference mode. A
+    # non-tensor (a list) is refused when the forward opens (planning.find_documents).
+    return tuple(None if t is None else (id(t), 0 if not torch.is_tensor(t) or t.is_inference() else t._version)
+                 for t in tensors)
 
 
 def _starts_forward(module) -> bool:
