@@ -94,6 +94,23 @@ def test_cu_seq_lens_that_are_not_a_1d_integer_tensor(cu, match):
         find_documents(1, 10, 10, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
+def test_cu_seq_lens_and_position_ids_that_disagree():
+    """position_ids restarting inside a cu_seq_lens document were ignored (cu_seq_lens win), so RoPE
+    and attention saw different documents: refused, as the span_ranks path refuses them (one rule,
+    planning.documents.check_positions_agree). Positions running on across documents stay fine."""
+    from distca_hf.planning.documents import check_positions_agree
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(DocumentBoundaryError, match="cu_seq_lens_q and position_ids disagree at flat token 4"):
+        tiny_model("llama")(input_ids=torch.arange(8).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    docs = find_documents(1, 8, 8, cu_seq_lens_q=cu, cu_seq_lens_k=cu, position_ids=torch.arange(8)[None])
+    assert docs.lengths.tolist() == [3, 5]
+    check_positions_agree(docs, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), 1, 8, exact=True)
+    with pytest.raises(DocumentBoundaryError, match="span_ranks=True"):
+        check_positions_agree(docs, torch.arange(8)[None], 1, 8, exact=True)
+
+
 @pytest.mark.parametrize(
     "positions, match",
     [

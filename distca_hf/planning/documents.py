@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DocumentBoundaryError
 
-__all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "find_documents"]
+__all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "check_positions_agree", "find_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +118,10 @@ def find_documents(
                 "both cu_seq_lens_q/k and a padding attention_mask were given; packed inputs from "
                 "DataCollatorWithFlattening carry no padding: pass one or the other"
             )
-        return _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size, query_len)
+        docs = _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size, query_len)
+        if torch.is_tensor(position_ids) and position_ids.dim() <= 2:  # [3, batch, seq] (multimodal) tell nothing
+            check_positions_agree(docs, position_ids, batch_size, query_len)
+        return docs
     if position_ids is not None:
         positions = _check_position_ids(position_ids, batch_size, query_len)
     else:
@@ -186,6 +189,27 @@ def check_cu_seq_lens(cu, name: str) -> torch.Tensor:
     if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
         raise DocumentBoundaryError(f"{name} must hold integers, got {cu.dtype}")
     return cu
+
+
+def check_positions_agree(docs: PackedDocuments, position_ids: torch.Tensor, batch_size: int, query_len: int, *,
+                          exact: bool = False) -> None:
+    """``cu_seq_lens`` (``docs``) given beside ``position_ids`` must not contradict them: a position 0
+    inside a cu_seq_lens document would have RoPE start a new document where attention does not.
+    Positions that run on across documents are fine (HF makes ``arange`` positions when given only
+    cu_seq_lens; RoPE is relative). ``exact`` (span_ranks, where positions also say where a piece
+    continues): every document must also restart at 0 (or start its row)."""
+    positions = _check_position_ids(position_ids, batch_size, query_len).reshape(-1)
+    by_position = np.union1d(np.flatnonzero(positions == 0), np.arange(0, positions.size, query_len))
+    inside = np.setdiff1d(by_position, docs.q_starts)
+    running_on = np.setdiff1d(docs.q_starts, by_position) if exact else inside[:0]
+    if inside.size or running_on.size:
+        token = int(inside[0]) if inside.size else int(running_on[0])
+        rule = (" with span_ranks=True they must describe the same documents" if exact else
+                " a position 0 inside a cu_seq_lens document would split it")
+        raise DocumentBoundaryError(
+            f"cu_seq_lens_q and position_ids disagree at flat token {token} (row {token // query_len}): cu_seq_lens_q "
+            f"start documents at {docs.q_starts.tolist()[:8]}, position_ids restart at 0 at "
+            f"{by_position.tolist()[:8]};{rule}. Pass the position_ids DataCollatorWithFlattening emits with them")
 
 
 def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, query_len: int) -> PackedDocuments:

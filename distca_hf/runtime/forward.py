@@ -36,6 +36,7 @@ from ..config import DistCAConfig, block_for_device, current_config
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
                         TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers, plan_tasks,
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
+from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
 from .agree import PATH_PLAIN, agree
 from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
@@ -277,12 +278,7 @@ class CallInputs:
         if self.position_ids is None or docs.num_docs == 0:
             return 0
         if any(c is not None for c in self.cu_seq_lens):
-            by_position = find_documents(*self.shape, attention_mask=self.attention_mask,
-                                         position_ids=self.position_ids)
-            if not np.array_equal(by_position.lengths, docs.lengths):
-                raise DocumentBoundaryError(
-                    f"cu_seq_lens_q describe documents of {docs.lengths.tolist()[:8]} tokens but position_ids describe "
-                    f"{by_position.lengths.tolist()[:8]}; with span_ranks=True they must agree")
+            check_positions_agree(docs, self.position_ids, batch_size, query_len, exact=True)
         positions = self.position_ids.reshape(-1)
         return int(positions[int(docs.q_starts[0])])
 
