@@ -179,6 +179,15 @@ def test_static_cache():
         model(input_ids=torch.arange(6).unsqueeze(0), **{cache_argument(model): cache})
 
 
+def test_a_mask_wider_than_the_input_without_a_cache_is_blamed_not_a_static_cache():
+    """Without a cache HF takes the key length from the mask: a mask wider than the input got the
+    static-cache refusal, which named the wrong culprit."""
+    model = tiny_model("llama")
+    with pytest.raises(DocumentBoundaryError, match="attention_mask has 10 columns but the call has only 8 key"):
+        model(input_ids=torch.arange(8).unsqueeze(0), attention_mask=torch.ones(1, 10, dtype=torch.long),
+              use_cache=False)
+
+
 def test_models_that_ignore_the_attention_interface_are_refused_at_load():
     """Bloom computes attention in its own code: with "distca" its packed documents would attend to
     each other without a word, so choosing "distca" for it raises, naming the model (plain
