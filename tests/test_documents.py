@@ -87,6 +87,21 @@ def test_decoding_with_a_cache_is_one_bottom_right_task_per_row():
         find_documents(1, 2, 6, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
+def test_decoding_refuses_a_cached_row_of_several_documents():
+    """Queries whose position_ids fall below the row's cached tokens (a packed prefill's later
+    document), or restart among themselves, would attend to other documents' cached keys: refused as
+    cu_seq_lens with a cache are. Positions that continue the cache, or run above it (left padding
+    counted, a chunk of a longer text), are one document per row."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    docs = find_documents(2, 2, 6, attention_mask=mask, position_ids=torch.tensor([[2, 3], [4, 5]]))
+    assert docs.lengths.tolist() == [4, 6] and docs.past.tolist() == [2, 4]
+    assert find_documents(1, 1, 9, position_ids=torch.tensor([[20]])).past.tolist() == [8]
+    assert find_documents(1, 2, 9, position_ids=torch.tensor([[7, 8]])).past.tolist() == [7]
+    for positions in ([[5]], [[8, 0]], [[6, 7]]):
+        with pytest.raises(DocumentBoundaryError, match="several documents"):
+            find_documents(1, len(positions[0]), 9, position_ids=torch.tensor(positions))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

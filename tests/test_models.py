@@ -142,6 +142,55 @@ def test_gradient_checkpointing():
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=position_ids), False)
 
 
+def test_checkpointed_forwards_sharing_position_ids_recompute_with_their_own_padding():
+    """Two forwards given one position_ids tensor but different padding, then one backward: the
+    checkpointed layers of the first forward are recomputed after the second forward ran, and must
+    find the first forward's documents (its mask), not the second's."""
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    first, second = _documents([12, 12], seed=21)
+    docs = [first[3:], second[:9]]
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    positions = torch.arange(12).unsqueeze(0)  # one tensor, both forwards
+    masks = torch.ones(2, 1, 12, dtype=torch.long)
+    masks[0, 0, :3] = 0  # left padding
+    masks[1, 0, 9:] = 0  # right padding
+    logits_a = model(input_ids=first[None], attention_mask=masks[0], position_ids=positions, use_cache=False).logits
+    logits_b = model(input_ids=second[None], attention_mask=masks[1], position_ids=positions, use_cache=False).logits
+    ((logits_a[0, 3:] * weights[0]).sum() + (logits_b[0, :9] * weights[1]).sum()).backward()
+    model.activation_checkpointing_disable()
+    torch.testing.assert_close(logits_b[0, :9], ref_logits[1], atol=1e-5, rtol=1e-4)
+    assert_grads_close(param_grads(model), ref_grads)
+
+
+def test_a_forward_whose_layer_types_get_masks_of_their_own_opens_once():
+    """HF makes one padding mask per layer type (a new tensor each): the forward's later layers adopt
+    an equal mask instead of opening (and planning) the forward again."""
+    from distca_hf import plan_stats
+    from distca_hf.runtime.context import current_forward
+
+    model = tiny_model("qwen2", layer_types=["full_attention", "sliding_attention"], sliding_window=64,
+                       use_sliding_window=True)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    before = plan_stats()["step"] if current_forward() is not None else 0
+    model(input_ids=torch.randint(0, VOCAB, (2, 8)), attention_mask=mask, use_cache=False)
+    assert plan_stats()["step"] == before + 1
+
+
+def test_generate_after_a_packed_prefill_is_refused():
+    """A prefill whose position_ids restart (several documents in its row) leaves them all in the
+    row's cache; the decoding steps cannot keep them apart, so they raise as cu_seq_lens do."""
+    from distca_hf import DocumentBoundaryError
+
+    model = tiny_model("llama").eval()
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad(), pytest.raises(DocumentBoundaryError, match="several documents"):
+        model.generate(input_ids=torch.randint(0, VOCAB, (1, 8)), position_ids=positions, max_new_tokens=2,
+                       do_sample=False)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_generation_matches_eager(family):
     """Decoding with a KV cache and left padding: each new query is a CA-task at the end of its row."""

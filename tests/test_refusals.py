@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GptOssConfig
 
 import distca_hf
-from distca_hf import DocumentBoundaryError, UnsupportedAttentionError
+from distca_hf import DocumentBoundaryError, UnsupportedAttentionError, find_documents
 from helpers import VOCAB, tiny_model
 
 
@@ -77,6 +77,41 @@ def test_cu_seq_lens_that_disagree_with_the_sequence(cu_q, cu_k, match):
 
 
 @pytest.mark.parametrize(
+    "cu, match",
+    [
+        (torch.tensor([0.0, 2.5, 10.0]), "cu_seq_lens_q must hold integers, got torch.float32"),
+        (torch.tensor([0, 3 + 1j, 10]), "cu_seq_lens_q must hold integers, got torch.complex64"),
+        (torch.tensor([[0, 3], [5, 10]]), r"cu_seq_lens_q must be 1-D .* shape \(2, 2\)"),
+        ([0, 3, 10], "cu_seq_lens_q must be a 1-D integer tensor .* got list"),
+    ],
+)
+def test_cu_seq_lens_that_are_not_a_1d_integer_tensor(cu, match):
+    """Floats and complex numbers were cut to integers, a 2-D tensor flattened, and a list raised
+    AttributeError: each is refused naming the argument, at the model and in find_documents."""
+    with pytest.raises(DocumentBoundaryError, match=match):
+        tiny_model("llama")(input_ids=torch.arange(10).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(DocumentBoundaryError, match=match):
+        find_documents(1, 10, 10, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_cu_seq_lens_and_position_ids_that_disagree():
+    """position_ids restarting inside a cu_seq_lens document were ignored (cu_seq_lens win), so RoPE
+    and attention saw different documents: refused, as the span_ranks path refuses them (one rule,
+    planning.documents.check_positions_agree). Positions running on across documents stay fine."""
+    from distca_hf.planning.documents import check_positions_agree
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(DocumentBoundaryError, match="cu_seq_lens_q and position_ids disagree at flat token 4"):
+        tiny_model("llama")(input_ids=torch.arange(8).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    docs = find_documents(1, 8, 8, cu_seq_lens_q=cu, cu_seq_lens_k=cu, position_ids=torch.arange(8)[None])
+    assert docs.lengths.tolist() == [3, 5]
+    check_positions_agree(docs, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), 1, 8, exact=True)
+    with pytest.raises(DocumentBoundaryError, match="span_ranks=True"):
+        check_positions_agree(docs, torch.arange(8)[None], 1, 8, exact=True)
+
+
+@pytest.mark.parametrize(
     "positions, match",
     [
         ([0, 1, 2, 5, 6, 7], r"position_ids\[0, 3\] = 5 follows 2"),
@@ -142,6 +177,15 @@ def test_static_cache():
     cache = StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(UnsupportedAttentionError, match="static"):
         model(input_ids=torch.arange(6).unsqueeze(0), **{cache_argument(model): cache})
+
+
+def test_a_mask_wider_than_the_input_without_a_cache_is_blamed_not_a_static_cache():
+    """Without a cache HF takes the key length from the mask: a mask wider than the input got the
+    static-cache refusal, which named the wrong culprit."""
+    model = tiny_model("llama")
+    with pytest.raises(DocumentBoundaryError, match="attention_mask has 10 columns but the call has only 8 key"):
+        model(input_ids=torch.arange(8).unsqueeze(0), attention_mask=torch.ones(1, 10, dtype=torch.long),
+              use_cache=False)
 
 
 def test_models_that_ignore_the_attention_interface_are_refused_at_load():

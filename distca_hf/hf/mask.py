@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import DocumentBoundaryError
 from .attention import UnsupportedAttentionError
 
 __all__ = ["distca_mask"]
@@ -29,10 +30,7 @@ def distca_mask(
     handled by the attention function itself."""
     filled = int(q_offset) + q_length
     if filled < kv_length:
-        raise UnsupportedAttentionError(
-            f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
-            f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
-        )
+        _refuse_unfilled_keys(kv_length, filled, attention_mask)
     if attention_mask is None or attention_mask.dim() != 2:
         return attention_mask
     if attention_mask.shape[1] != kv_length:
@@ -40,3 +38,18 @@ def distca_mask(
     if bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _refuse_unfilled_keys(kv_length: int, filled: int, attention_mask) -> None:
+    """HF asks for more keys than are filled in two cases it does not tell apart here: without a cache
+    it takes the key length from a 2D attention_mask, which may be wider than the input; a static
+    (pre-allocated) cache reports all its slots."""
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == kv_length:
+        raise DocumentBoundaryError(
+            f"attention_mask has {kv_length} columns but the call has only {filled} key tokens (its input, plus "
+            "any cached ones): give a padding mask of one column per key token, [batch, cached + new tokens]. (A "
+            "static, pre-allocated KV cache also gives this: distca needs the default dynamic cache)")
+    raise UnsupportedAttentionError(
+        f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
+        f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
+    )

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DocumentBoundaryError
 
-__all__ = ["PackedDocuments", "DocumentBoundaryError", "find_documents"]
+__all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "check_positions_agree", "find_documents"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,14 +108,20 @@ def find_documents(
                 "cu_seq_lens_q/cu_seq_lens_k (packed documents) cannot be combined with a KV cache that "
                 f"already holds tokens (kv_len={kv_len} > query_len={query_len}); decode one document per row"
             )
-        return _documents_with_cache(batch_size, query_len, kv_len, mask)
+        docs = _documents_with_cache(batch_size, query_len, kv_len, mask)
+        if torch.is_tensor(position_ids) and position_ids.dim() <= 2:  # [3, batch, seq] (multimodal) tell nothing
+            _refuse_several_documents_in_cache(docs, _check_position_ids(position_ids, batch_size, query_len))
+        return docs
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if mask is not None and not mask.all():
             raise DocumentBoundaryError(
                 "both cu_seq_lens_q/k and a padding attention_mask were given; packed inputs from "
                 "DataCollatorWithFlattening carry no padding: pass one or the other"
             )
-        return _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size, query_len)
+        docs = _documents_from_cu_seq_lens(cu_seq_lens_q, cu_seq_lens_k, batch_size, query_len)
+        if torch.is_tensor(position_ids) and position_ids.dim() <= 2:  # [3, batch, seq] (multimodal) tell nothing
+            check_positions_agree(docs, position_ids, batch_size, query_len)
+        return docs
     if position_ids is not None:
         positions = _check_position_ids(position_ids, batch_size, query_len)
     else:
@@ -170,12 +176,48 @@ def _check_position_ids(position_ids: torch.Tensor, batch_size: int, query_len: 
     return np.broadcast_to(_to_numpy(position_ids).astype(np.int64), (batch_size, query_len))
 
 
+def check_cu_seq_lens(cu, name: str) -> torch.Tensor:
+    """One ``cu_seq_lens`` argument as ``DataCollatorWithFlattening`` emits it: a 1-D integer tensor.
+    Float or complex entries would be cut to integers and a 2-D tensor flattened without a word."""
+    if not torch.is_tensor(cu):
+        raise DocumentBoundaryError(
+            f"{name} must be a 1-D integer tensor (torch.int32, as DataCollatorWithFlattening emits), got "
+            f"{type(cu).__name__}")
+    if cu.dim() != 1:
+        raise DocumentBoundaryError(
+            f"{name} must be 1-D (cumulative document lengths over the flattened batch), got shape {tuple(cu.shape)}")
+    if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        raise DocumentBoundaryError(f"{name} must hold integers, got {cu.dtype}")
+    return cu
+
+
+def check_positions_agree(docs: PackedDocuments, position_ids: torch.Tensor, batch_size: int, query_len: int, *,
+                          exact: bool = False) -> None:
+    """``cu_seq_lens`` (``docs``) given beside ``position_ids`` must not contradict them: a position 0
+    inside a cu_seq_lens document would have RoPE start a new document where attention does not.
+    Positions that run on across documents are fine (HF makes ``arange`` positions when given only
+    cu_seq_lens; RoPE is relative). ``exact`` (span_ranks, where positions also say where a piece
+    continues): every document must also restart at 0 (or start its row)."""
+    positions = _check_position_ids(position_ids, batch_size, query_len).reshape(-1)
+    by_position = np.union1d(np.flatnonzero(positions == 0), np.arange(0, positions.size, query_len))
+    inside = np.setdiff1d(by_position, docs.q_starts)
+    running_on = np.setdiff1d(docs.q_starts, by_position) if exact else inside[:0]
+    if inside.size or running_on.size:
+        token = int(inside[0]) if inside.size else int(running_on[0])
+        rule = (" with span_ranks=True they must describe the same documents" if exact else
+                " a position 0 inside a cu_seq_lens document would split it")
+        raise DocumentBoundaryError(
+            f"cu_seq_lens_q and position_ids disagree at flat token {token} (row {token // query_len}): cu_seq_lens_q "
+            f"start documents at {docs.q_starts.tolist()[:8]}, position_ids restart at 0 at "
+            f"{by_position.tolist()[:8]};{rule}. Pass the position_ids DataCollatorWithFlattening emits with them")
+
+
 def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, query_len: int) -> PackedDocuments:
     total_tokens = batch_size * query_len
     if cu_q is None or cu_k is None:
         raise DocumentBoundaryError("cu_seq_lens_q and cu_seq_lens_k must be given together")
-    cu_q_np = _to_numpy(cu_q).astype(np.int64).reshape(-1)
-    cu_k_np = _to_numpy(cu_k).astype(np.int64).reshape(-1)
+    cu_q_np = _to_numpy(check_cu_seq_lens(cu_q, "cu_seq_lens_q")).astype(np.int64)
+    cu_k_np = _to_numpy(check_cu_seq_lens(cu_k, "cu_seq_lens_k")).astype(np.int64)
     if not np.array_equal(cu_q_np, cu_k_np):
         raise DocumentBoundaryError(
             "cu_seq_lens_q and cu_seq_lens_k differ; causal self-attention over packed documents needs "
@@ -260,6 +302,26 @@ def _first_true_per_row(valid: np.ndarray) -> np.ndarray:
     has_any = valid.any(axis=1)
     first[np.flatnonzero(has_any), valid.argmax(axis=1)[has_any]] = True
     return first
+
+
+def _refuse_several_documents_in_cache(docs: PackedDocuments, positions: np.ndarray) -> None:
+    """Decoding treats each cached row as one document. Queries at a position below the row's cached
+    tokens (or restarting among themselves) say the row holds several documents (a packed prefill):
+    its cached keys of earlier documents would be attended to, so refuse, as ``cu_seq_lens`` with a
+    cache are refused. A position above the cached tokens is a chunk cut from a longer text (or
+    positions counted over left padding): the row is still one document."""
+    query_len = positions.shape[1]
+    restarts = (np.diff(positions, axis=1) != 1).any(axis=1)
+    before = positions[:, 0] < docs.past
+    bad = np.flatnonzero(restarts | before)
+    if bad.size:
+        row = int(bad[0])
+        raise DocumentBoundaryError(
+            f"position_ids row {row} ({positions[row, :8].tolist()}) do not continue the {int(docs.past[row])} tokens "
+            f"the KV cache holds for that row (the next position would be {int(docs.past[row])}, and the {query_len} "
+            "queries must count up from it): the cached row holds several documents (a packed prefill), which a "
+            "decoding step cannot keep apart; decode one document per row"
+        )
 
 
 def _documents_with_cache(batch_size: int, query_len: int, kv_len: int, mask: np.ndarray | None) -> PackedDocuments:

@@ -177,9 +177,13 @@ class ForwardContext:
 
     Attributes:
         number: the forward's number (``plan_stats()["step"]``).
-        key: shapes, dtype, device and identity of the inputs that describe the documents; a later
-            call with the same key (and the same tensors, ``inputs``) belongs to this forward.
+        key: shapes, dtype, device and identity of the ``position_ids`` / ``cu_seq_lens`` that describe
+            the documents; a later call with the same key (the same tensors, ``inputs``, and one of
+            ``masks``) belongs to this forward.
         inputs: those tensors, kept so the identity check is sound.
+        masks: ``(attention_mask, version)`` of each mask this forward's calls were given (the
+            tensors kept alive like ``inputs``); a later call must bring one of them
+            (``runtime.forward._same_documents``).
         longest_document: tokens of the longest document over every rank of the server group.
         stats: the plan's ``PlanStats``.
         local: the fused batch of this rank's own documents, when it computes them itself.
@@ -196,6 +200,7 @@ class ForwardContext:
     local: FusedBatch | None = None
     dispatch: Dispatch | None = None
     counters: DispatchCounters | None = field(default=None)
+    masks: list = field(default_factory=list)
 
 
 def current_forward() -> ForwardContext | None:

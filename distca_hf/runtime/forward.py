@@ -5,8 +5,12 @@ A new forward starts at an attention call outside a backward pass whose layer in
 the previous call's (layers run in increasing order, so the index falls back when the next forward
 begins; this also holds for hybrid models and pipeline stages whose first attention layer is not
 0). Other calls reuse the current context when they see the same ``position_ids`` /
-``cu_seq_lens`` tensors (HF passes one set to every layer; masks differ per layer type, so they
-only count when there are no positions).
+``cu_seq_lens`` tensors and one of its attention masks (HF passes one set of positions to every
+layer). The mask counts even beside positions: two forwards may share one ``position_ids`` tensor
+and differ only in padding, and a checkpointed layer recomputed in the backward must find its own
+forward's documents, not the last forward's. HF makes one mask per layer type (a new tensor each),
+so during a forward a mask of equal content joins the context (``_same_documents``); in a backward
+only a mask the context already holds does, so every rank decides alike without looking at data.
 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
 collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
@@ -32,6 +36,7 @@ from ..config import DistCAConfig, block_for_device, current_config
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
                         TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers, plan_tasks,
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
+from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
 from .agree import PATH_PLAIN, agree
 from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
@@ -84,8 +89,10 @@ def is_decoding() -> bool:
 
 
 def _identity(tensors: tuple) -> tuple:
-    # Inference tensors keep no version counter; they cannot change outside inference mode.
-    return tuple(None if t is None else (id(t), 0 if t.is_inference() else t._version) for t in tensors)
+    # Inference tensors keep no version counter; they cannot change outside inference mode. A
+    # non-tensor (a list) is refused when the forward opens (planning.find_documents).
+    return tuple(None if t is None else (id(t), 0 if not torch.is_tensor(t) or t.is_inference() else t._version)
+                 for t in tensors)
 
 
 def _starts_forward(module) -> bool:
@@ -112,21 +119,48 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     pinned = pinned_context()
     if pinned is not None:
         return _check_pinned(pinned, module, batch_size * query_len, batch_size * kv_len)
-    # The mask identifies the documents only when nothing else does (it is a new view per layer type).
     identifying = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    if all(t is None for t in identifying):
-        identifying = (attention_mask,)
     call_key = ((batch_size, query_len, kv_len, num_heads, num_kv_heads, head_dim, query.dtype, query.device),
                 _identity(identifying))
     new_forward = _starts_forward(module)
     current = current_forward()
-    if (not new_forward and current is not None and current.key == call_key
-            and all(a is b for a, b in zip(current.inputs, identifying))):
+    if not new_forward and _same_documents(current, call_key, identifying, attention_mask):
         return current
 
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    return begin_forward(_open_forward(module, query, key, call, call_key, identifying, kv_window,
-                                       value_head_dim or head_dim))
+    context = _open_forward(module, query, key, call, call_key, identifying, kv_window, value_head_dim or head_dim)
+    context.masks.append(_mask_entry(attention_mask))
+    return begin_forward(context)
+
+
+def _mask_entry(mask) -> tuple:
+    """A mask as a context keeps it: the tensor (kept alive, so its ``id`` is not reused) and its version."""
+    return mask, _identity((mask,))[0]
+
+
+def _same_documents(current: ForwardContext | None, call_key, identifying: tuple, mask) -> bool:
+    """Whether a call that does not start a forward belongs to ``current``: same shapes, the same
+    ``position_ids`` / ``cu_seq_lens`` tensors, unchanged, and a mask the context holds. During a
+    forward a mask of equal content is adopted (HF's mask per layer type; it describes the same
+    documents). In a backward it is not: the recomputation of an earlier forward that shares the
+    positions would otherwise run on this forward's documents when the masks happen to agree on this
+    rank only, and ranks would disagree on whether to open a (collective) forward."""
+    if current is None or current.key != call_key or not all(a is b for a, b in zip(current.inputs, identifying)):
+        return False
+    entry = _mask_entry(mask)
+    if any(m is mask and version == entry[1] for m, version in current.masks):
+        return True
+    if in_backward() or not current.masks or not _equal_masks(current.masks[0][0], mask):
+        return False
+    current.masks.append(entry)
+    return True
+
+
+def _equal_masks(known, mask) -> bool:
+    if known is None or mask is None:
+        return known is mask
+    return (torch.is_tensor(known) and torch.is_tensor(mask) and known.shape == mask.shape
+            and known.dtype == mask.dtype and known.device == mask.device and torch.equal(known, mask))
 
 
 def _check_pinned(context: ForwardContext, module, query_rows: int, key_rows: int) -> ForwardContext:
@@ -244,12 +278,7 @@ class CallInputs:
         if self.position_ids is None or docs.num_docs == 0:
             return 0
         if any(c is not None for c in self.cu_seq_lens):
-            by_position = find_documents(*self.shape, attention_mask=self.attention_mask,
-                                         position_ids=self.position_ids)
-            if not np.array_equal(by_position.lengths, docs.lengths):
-                raise DocumentBoundaryError(
-                    f"cu_seq_lens_q describe documents of {docs.lengths.tolist()[:8]} tokens but position_ids describe "
-                    f"{by_position.lengths.tolist()[:8]}; with span_ranks=True they must agree")
+            check_positions_agree(docs, self.position_ids, batch_size, query_len, exact=True)
         positions = self.position_ids.reshape(-1)
         return int(positions[int(docs.q_starts[0])])
 
