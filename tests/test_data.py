@@ -256,10 +256,13 @@ def test_documents_must_be_one_dimensional_integer_token_ids_refused_at_construc
     with pytest.raises(ValueError, match="'input_ids' column must hold lists of integer token ids"):
         PackedDataset(datasets.Dataset.from_dict({"input_ids": [[1.5, 2.0]]}), config)
     assert PackedDataset(datasets.Dataset.from_dict({"input_ids": [[], []]}), config).report.empty_documents == 2
-    good = [[1, 2, 3], np.array([4, 5]), torch.tensor([6, 7]), [np.int64(8), np.int64(9)], {"input_ids": [10]}]
+    from transformers import BatchEncoding  # a tokenizer's output: a UserDict, not a dict
+
+    good = [[1, 2, 3], np.array([4, 5]), torch.tensor([6, 7]), [np.int64(8), np.int64(9)], {"input_ids": [10]},
+            BatchEncoding({"input_ids": [11, 12], "attention_mask": [1, 1]})]
     dataset = PackedDataset(good, config)
     tokens = [t for i in range(len(dataset)) for t in PackedCollator()([dataset[i]])["input_ids"][0].tolist()]
-    assert sorted(tokens) == list(range(1, 11))
+    assert sorted(tokens) == list(range(1, 13))
 
 
 def test_report_names_the_cut_documents():

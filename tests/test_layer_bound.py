@@ -145,8 +145,9 @@ def test_least_bytes_is_the_least_over_a_grid_of_its_two_choices(own, foreign_sh
     """``least_bytes`` minimises the module docstring's bytes over how many own pairs go away and how
     many served pairs have their key here: a fine grid over both (the same formula written out) never
     finds fewer bytes (the vertex where the incoming queries' two counts cross was once placed at
-    ``here = received / (h M)`` instead of ``received h / M``: up to 1.3x too many). The grid may miss
-    the least point between its nodes, so it bounds ``least_bytes`` from above only."""
+    ``here = received / (h M)`` instead of ``received h / M``: up to 1.3x too many), and a node lies
+    within one grid step of the least point, so the grid's least is above it by at most the bytes'
+    slope times those steps."""
     per_query, foreign_queries, held_keys, held_away, most = divisors
     foreign = own * foreign_share
     terms = SimpleNamespace(pairs=np.array([own]), foreign=np.array([foreign]), held=np.array([held]),
@@ -158,6 +159,14 @@ def test_least_bytes_is_the_least_over_a_grid_of_its_two_choices(own, foreign_sh
     grid = (query_bytes * away / per_query + kv_bytes * np.maximum(foreign - away, 0.0) / foreign_queries
             + query_bytes * np.maximum(received / most, here / held_keys) + kv_bytes * (held - here) / held_away)
     assert got <= grid.min() * (1 + 1e-9) + 1e-9
+    # the bytes' slopes: per own pair sent away (queries out, foreign keys in, queries received) and per
+    # served pair whose key is here; `here` moves by at most one of its own steps plus one of `away`'s
+    # (its top follows `received`)
+    step_away, step_here = (own - max(own - served, 0.0)) / 400, held / 400
+    slope_away = query_bytes / per_query + kv_bytes / foreign_queries + query_bytes / most
+    slope_here = query_bytes / held_keys + kv_bytes / held_away
+    slack = slope_away * step_away + slope_here * (step_here + step_away)
+    assert got >= grid.min() - slack - 1e-9
 
 
 def _every_plan(pieces: DocumentPieces, cut: int):

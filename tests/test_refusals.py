@@ -92,6 +92,11 @@ def test_cu_seq_lens_that_are_not_a_1d_integer_tensor(cu, match):
         tiny_model("llama")(input_ids=torch.arange(10).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     with pytest.raises(DocumentBoundaryError, match=match):
         find_documents(1, 10, 10, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    # the model's pre-hook, which runs before the forward's opening collective, must not raise (one rank
+    # alone would leave the others waiting): it counts them as packed and leaves the refusal to the forward
+    from distca_hf.hf.model_inputs import DOCUMENT_ARGUMENTS, _packed
+
+    assert _packed(dict(zip(DOCUMENT_ARGUMENTS, (None, cu, cu))), 1)
 
 
 def test_cu_seq_lens_and_position_ids_that_disagree():

@@ -39,7 +39,6 @@ import inspect
 import torch
 
 from ..errors import UnsupportedAttentionError
-from ..planning.documents import check_cu_seq_lens
 from ..state import STATE
 
 __all__ = ["CU_SEQ_LENS_STATEFUL_MODEL_TYPES", "DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "STATEFUL_LAYER_TYPES",
@@ -70,9 +69,13 @@ def _packed(found: dict, rows: int | None) -> bool:
     """Whether a model call's document arguments put more than one document in some row (``rows``:
     the batch size, when known)."""
     positions, cu_q, cu_k = (found[name] for name in DOCUMENT_ARGUMENTS)
-    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+    for cu in (cu_q, cu_k):
         if cu is not None:
-            return rows is None or check_cu_seq_lens(cu, name).numel() - 1 > rows
+            # Malformed cu_seq_lens count as packed, never raise here: this hook runs before the forward's
+            # opening collective, where find_documents refuses them on every rank together (one rank
+            # raising alone would leave the others waiting for it).
+            return (rows is None or not torch.is_tensor(cu) or cu.dim() != 1 or cu.is_floating_point()
+                    or cu.is_complex() or cu.numel() - 1 > rows)
     return _restarts(positions)
 
 

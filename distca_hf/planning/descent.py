@@ -67,7 +67,7 @@ import math
 
 import numpy as np
 
-from .carving import Plan, PlannerConfig, colocated_plan
+from .carving import Plan, PlannerConfig, colocated_plan, server_pool
 from .cost import causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
@@ -109,9 +109,7 @@ class DescentStart:
     def __init__(self, pieces: DocumentPieces, config: PlannerConfig):
         n = pieces.num_ranks
         self.pieces, self.config = pieces, config
-        self.servers = config.servers if config.servers is not None else tuple(range(n))
-        if self.servers[-1] >= n:
-            raise ValueError(f"server rank {self.servers[-1]} does not exist in a world of {n} ranks")
+        self.servers = server_pool(config, n)
         tm, tb, window = config.time_model, config.token_bytes, config.window
         self.colocated = colocated_plan(pieces, self.servers, window=window)
         transfers = kv_transfers(self.colocated, pieces)

@@ -10,7 +10,11 @@ layer). The mask counts even beside positions: two forwards may share one ``posi
 and differ only in padding, and a checkpointed layer recomputed in the backward must find its own
 forward's documents, not the last forward's. HF makes one mask per layer type (a new tensor each),
 so during a forward a mask of equal content joins the context (``_same_documents``); in a backward
-only a mask the context already holds does, so every rank decides alike without looking at data.
+only a mask the context already holds does. HF passes no mask (``None``) for rows without padding,
+and ``None`` matches ``None``: two forwards that share one ``position_ids`` tensor, then one
+backward recomputing checkpointed layers, with padding on some ranks only, still make the ranks
+without padding reuse the later forward while the others open one, and every rank stops with
+``DistCATimeoutError`` (not a wrong answer). Give each forward its own ``position_ids`` tensor.
 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
 collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
@@ -144,7 +148,7 @@ def _same_documents(current: ForwardContext | None, call_key, identifying: tuple
     forward a mask of equal content is adopted (HF's mask per layer type; it describes the same
     documents). In a backward it is not: the recomputation of an earlier forward that shares the
     positions would otherwise run on this forward's documents when the masks happen to agree on this
-    rank only, and ranks would disagree on whether to open a (collective) forward."""
+    rank only (``None`` masks aside: module docstring)."""
     if current is None or current.key != call_key or not all(a is b for a, b in zip(current.inputs, identifying)):
         return False
     entry = _mask_entry(mask)

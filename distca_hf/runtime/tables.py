@@ -160,11 +160,17 @@ def kv_store_tables(transfers: list[KVTransfers], rank: int, num_local_kv: int) 
     return tables
 
 
-def _received_rows(kv: KVTransfers, rank: int):
-    """``(source, doc, position)`` of every K/V row ``rank`` receives, in its receive buffer's order
-    (by source in rank order, then transfer order: ``_server_tables``)."""
+def _received_transfers(kv: KVTransfers, rank: int) -> np.ndarray:
+    """Indices of the transfers ``rank`` receives, in its receive buffer's order: grouped by source in
+    rank order, within a source in transfer order (the one home of that order: the buffer's tables and
+    ``kv_store_tables`` both read it)."""
     kv_in = np.flatnonzero(kv.server == rank)
-    kv_in = kv_in[np.argsort(kv.source[kv_in], kind="stable")]
+    return kv_in[np.argsort(kv.source[kv_in], kind="stable")]
+
+
+def _received_rows(kv: KVTransfers, rank: int):
+    """``(source, doc, position)`` of every K/V row ``rank`` receives, in its receive buffer's order."""
+    kv_in = _received_transfers(kv, rank)
     lengths = kv.end[kv_in] - kv.start[kv_in]
     return (np.repeat(kv.source[kv_in], lengths), np.repeat(kv.doc[kv_in], lengths),
             concat_ranges(kv.start[kv_in], lengths))
@@ -203,9 +209,7 @@ def _server_tables(plan: Plan, sends: QuerySends, kv: KVTransfers, local: LocalD
     recv_q_counts = np.bincount(sends.source[q_in], weights=q_in_len, minlength=world).astype(np.int64)
     send_row = np.zeros(sends.source.size, dtype=np.int64)  # first pool row of each send received here
     send_row[q_in] = docs.num_query_tokens + np.cumsum(q_in_len) - q_in_len
-    kv_in = np.flatnonzero(kv.server == rank)
-    # the received buffer is grouped by source in rank order; within a source, in transfer order
-    kv_in = kv_in[np.argsort(kv.source[kv_in], kind="stable")]
+    kv_in = _received_transfers(kv, rank)
     kv_len = kv.end[kv_in] - kv.start[kv_in]
     recv_kv_counts = np.bincount(kv.source[kv_in], weights=kv_len, minlength=world).astype(np.int64)
 

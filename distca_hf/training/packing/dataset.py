@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -47,7 +49,7 @@ def _require_token_ids_column(feature) -> None:
 
 
 def _read_tokens(document) -> list:
-    if isinstance(document, dict):
+    if isinstance(document, Mapping):  # as tokens_of: a dict or a BatchEncoding
         document = document["input_ids"]
     if isinstance(document, (torch.Tensor, np.ndarray)):
         return document.tolist()
@@ -57,7 +59,7 @@ def _read_tokens(document) -> list:
 def tokens_of(document, what: str = "a document") -> list[int]:
     """The token ids of one document: a list, a 1-D tensor or array, or ``{"input_ids": ...}``; anything
     else (text, floats, negative ids, nested lists, 2-D tensors) is refused naming ``what``."""
-    if isinstance(document, dict):
+    if isinstance(document, Mapping):  # a dict, or a tokenizer's BatchEncoding (a UserDict)
         _require_input_ids(document.keys())
         document = document["input_ids"]
 
