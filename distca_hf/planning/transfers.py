@@ -120,19 +120,27 @@ def query_sends(plan: Plan) -> QuerySends:
     if not plan.splits_keys or not moved.size:
         of_task[moved] = np.arange(moved.size)
         return QuerySends(source, server, doc, start, end, of_task)
-    order = np.lexsort((start, doc, source, server))
+    order, new = _range_runs(server, source, doc, start, end)  # a run of overlapping ranges is one send
     source, server, doc, start, end, moved = (x[order] for x in (source, server, doc, start, end, moved))
-    group_starts = np.ones(moved.size, dtype=bool)
-    group_starts[1:] = (server[1:] != server[:-1]) | (source[1:] != source[:-1]) | (doc[1:] != doc[:-1])
-    group = np.cumsum(group_starts) - 1
-    span = int(end.max()) + 1  # running max of the ends within a group (offset so groups never mix)
-    reach = np.maximum.accumulate(end + group * span) - group * span
-    new = group_starts.copy()
-    new[1:] |= start[1:] >= reach[:-1]  # a range that overlaps none before it in its group starts a send
     first = np.flatnonzero(new)
     of_task[moved] = np.cumsum(new) - 1
     return QuerySends(source[first], server[first], doc[first], start[first], np.maximum.reduceat(end, first),
                       of_task)
+
+
+def _range_runs(server, source, doc, start, end) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, new)``: the ranges ``[start, end)`` sorted by (server, source, document, start), and
+    for each in that order whether it opens a run (it overlaps no range before it in its (server,
+    source, document) group); a run ends at the largest end of its ranges."""
+    order = np.lexsort((start, doc, source, server))
+    server, source, doc, start, end = (x[order] for x in (server, source, doc, start, end))
+    new = np.ones(server.size, dtype=bool)
+    new[1:] = (server[1:] != server[:-1]) | (source[1:] != source[:-1]) | (doc[1:] != doc[:-1])
+    group = np.cumsum(new) - 1
+    span = int(end.max(initial=0)) + 1  # running max of the ends within a group (offset so groups never mix)
+    reach = np.maximum.accumulate(end + group * span) - group * span
+    new[1:] |= start[1:] >= reach[:-1]
+    return order, new
 
 
 def kv_kept(transfers: list[KVTransfers], num_ranks: int) -> np.ndarray:
@@ -147,17 +155,9 @@ def kv_kept(transfers: list[KVTransfers], num_ranks: int) -> np.ndarray:
         return np.zeros(num_ranks, dtype=np.int64)
     server, source, doc, start, end = (np.concatenate([getattr(t, f) for t in parts])
                                        for f in ("server", "source", "doc", "start", "end"))
-    # the union of the ranges of each (server, source, document): sort, then a range that starts past
-    # the running end of the ones before it in its group opens a new run
-    order = np.lexsort((start, doc, source, server))
-    server, source, doc, start, end = (x[order] for x in (server, source, doc, start, end))
-    new_group = np.ones(server.size, dtype=bool)
-    new_group[1:] = (server[1:] != server[:-1]) | (source[1:] != source[:-1]) | (doc[1:] != doc[:-1])
-    group = np.cumsum(new_group) - 1
-    span = int(end.max()) + 1  # running max of the ends within a group (offset so groups never mix)
-    reach = np.maximum.accumulate(end + group * span) - group * span
-    run = new_group.copy()
-    run[1:] |= start[1:] > reach[:-1]
+    # the union of the ranges of each (server, source, document): its runs of overlapping ranges
+    order, run = _range_runs(server, source, doc, start, end)
+    server, start, end = server[order], start[order], end[order]
     first = np.flatnonzero(run)
     run_end = np.maximum.reduceat(end, first)
     return np.bincount(server[first], weights=run_end - start[first], minlength=num_ranks).astype(np.int64)
