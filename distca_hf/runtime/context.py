@@ -114,6 +114,11 @@ class BatchPlan:
     kv_kept: np.ndarray | None = None
 
     @property
+    def kv_tokens_kept(self) -> np.ndarray | None:
+        """``[ranks]`` K/V tokens each server keeps for backward: ``kv_kept``, else ``kv_received``."""
+        return self.kv_kept if self.kv_kept is not None else self.kv_received
+
+    @property
     def pair_window(self) -> int | None:
         return self.plan.window if self.plan is not None else self.window
 
@@ -131,8 +136,7 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)
     ranks = batches[0].pieces.num_ranks
     received = sum((b.kv_received for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
-    kept_kv = sum((b.kv_kept if b.kv_kept is not None else b.kv_received for b in planned if b.kv_received is not None),
-                  np.zeros(ranks, dtype=np.int64))
+    kept_kv = sum((b.kv_tokens_kept for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
     sent = 0
     if planned:
         # queries out and outputs back, K/V, as the waves really send them; in resend mode and with
@@ -148,8 +152,7 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     if planned:
         token_bytes = token_bytes if token_bytes.lse else dataclasses.replace(token_bytes, lse=4 * num_heads)
         for b in planned:
-            kept = b.kv_kept if b.kv_kept is not None else b.kv_received
-            added += backward_memory(b.plan, b.pieces, token_bytes, received=kept).added
+            added += backward_memory(b.plan, b.pieces, token_bytes, received=b.kv_tokens_kept).added
         held = tokens * token_bytes.held + added
     else:  # each rank keeps its own tokens' activations: the imbalance is the tokens'
         held = tokens

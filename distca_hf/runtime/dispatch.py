@@ -56,14 +56,17 @@ class Dispatch:
     kv_received: np.ndarray | None = None  # [ranks] K/V tokens each server receives per layer, all waves
     queries_sent: int = 0  # query tokens crossing ranks per layer, all ranks and waves (planning.query_sends)
     kv_kept: np.ndarray | None = None  # [ranks] distinct K/V tokens each server keeps for backward (planning.kv_kept)
-    keeps_kv_once: bool = False
-    """Several waves in ``saved`` mode: backward keeps the local K/V once and each received K/V row
-    once (``tables.kv_store_tables``), not every wave's pool, and rebuilds the pools from them."""
     backward: "Dispatch | None" = None
     """The dispatch the backward runs, when it is planned apart from the forward's (``None``: the same).
     ``pipeline_schedule="cad_1f1b"`` pools a backward tick's CA-tasks over the micro-batches that run
     their backward together, which are not the ones that ran their forward together; both are built
     over the same local documents and in ``resend`` mode, so the backward needs nothing a server kept."""
+
+    @property
+    def keeps_kv_once(self) -> bool:
+        """Several waves in ``saved`` mode: backward keeps the local K/V once and each received K/V row
+        once (``tables.kv_store_tables``), not every wave's pool, and rebuilds the pools from them."""
+        return len(self.waves) > 1 and self.waves[0].backward_mode == "saved"
 
     @property
     def kv_tokens_moved(self) -> int:
@@ -95,9 +98,9 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
         waves.append(wave)
     # Each wave brings the K/V its tasks need: a server's tasks of one document in several waves get
     # its prefix in each. Backward keeps every K/V row once, what the plan's memory budget counts.
-    once = len(waves) > 1 and plan.backward == "saved"
-    if once:
+    dispatch = Dispatch(waves, counters, overlap, received, queries_sent, kv_kept(every_transfer, plan.num_ranks))
+    if dispatch.keeps_kv_once:
         as_tensor = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
         for wave, (keep, store) in zip(waves, kv_store_tables(every_transfer, rank, local.docs.num_key_tokens)):
             wave.keep_kv_rows, wave.kv_store_rows = as_tensor(keep), as_tensor(store)
-    return Dispatch(waves, counters, overlap, received, queries_sent, kv_kept(every_transfer, plan.num_ranks), once)
+    return dispatch

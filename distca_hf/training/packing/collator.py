@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .dataset import tokens_of
-from .rows import IGNORE_INDEX
+from .rows import IGNORE_INDEX, is_integer
 
 
 @dataclass
@@ -93,6 +92,6 @@ def _integer_key(item: dict, index: int, key: str, default: int) -> int:
     value = item.get(key, default)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise ValueError(f"PackedCollator: item {index} has {key}={value!r}; expected an integer")
     return int(value)

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from .layout import RankLayout
-from .rows import IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_flag, check_positive, pack_rows
+from .rows import (IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_flag, check_positive, is_integer,
+                   pack_rows)
 
 
 def _document_lengths(documents) -> list[int]:
@@ -83,7 +84,7 @@ def tokens_of(document, what: str = "a document") -> list[int]:
             raise refuse(f"{type(document).__name__} {document!r:.60}") from None
         if not all(type(t) is int for t in tokens):
             for position, t in enumerate(tokens):
-                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                if not is_integer(t):
                     raise refuse(f"{type(t).__name__} {t!r:.40} at position {position}")
             tokens = [int(t) for t in tokens]
     if tokens and min(tokens) < 0:

@@ -371,10 +371,15 @@ def _check_lengths(lengths) -> list[int]:
     its document)."""
     checked = []
     for index, length in enumerate(lengths):
-        if isinstance(length, (bool, np.bool_)) or not isinstance(length, (int, np.integer)) or length < 0:
+        if not is_integer(length) or length < 0:
             raise ValueError(f"lengths[{index}] must be a document length, an integer >= 0 (tokens), got {length!r}")
         checked.append(int(length))
     return checked
+
+
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer (Python or numpy), bools excluded: the one test the packing checks share."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_positive(name: str, value) -> int:
@@ -384,7 +389,7 @@ def check_positive(name: str, value) -> int:
 
 def check_integer(name: str, value, minimum: int) -> int:
     """``value`` as an int (numpy integers too), refused (naming ``name``) unless an integer >= ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
@@ -392,7 +397,7 @@ def check_integer(name: str, value, minimum: int) -> int:
 def check_seed(value) -> int:
     """``value`` as an int, refused (naming ``seed``) unless an integer: every process must draw the same
     order from it (None would seed each one from the OS)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise ValueError(f"seed must be an integer (every process must draw the same order from it; None would seed "
                          f"each process from the OS), got {value!r}")
     return int(value)
