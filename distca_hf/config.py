@@ -82,6 +82,18 @@ def _parse_kv_cap(text: str):
     return None if lowered == "none" else "cp" if lowered == "cp" else float(text)
 
 
+def _kv_relays_problem(value):
+    if value not in ("auto", "off") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        return (f"must be 'auto' (relay trees placed by time where they make the step faster), 'off' (every holder "
+                f"sends to every server) or an integer fanout >= 1 (every K/V range several servers need goes along "
+                f"trees of that fanout), got {value!r}")
+
+
+def _parse_kv_relays(text: str):
+    lowered = text.strip().lower()
+    return lowered if lowered in ("auto", "off") else int(text)
+
+
 def _block_problem(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
@@ -244,6 +256,15 @@ class DistCAConfig:
              "the server pool still gives all its work away. Off by default: on the bench-sim rows "
              "(docs/planner.md) 'cp' makes the predicted layer 1.03-3.2x slower (median 1.3x) and distca slower "
              "than the best baseline on 5 of 18, as long documents' prefixes may no longer travel")
+    kv_relays: str | int = setting(
+        "auto", env="DISTCA_KV_RELAYS", parse=_parse_kv_relays, check=_kv_relays_problem,
+        help="K/V relays: servers that received a K/V prefix forward it to the next servers that need it, along "
+             "trees, so the rank holding a long document sends each range a few times instead of once per server "
+             "(one more K/V exchange per tree level in the forward, and the K/V gradients summed back up the trees "
+             "in the backward). 'auto': trees placed on the plan by time, only where the time model predicts a "
+             "faster step; 'off': every holder sends to every server directly; an integer fanout >= 1: every K/V "
+             "range that two or more servers need goes along trees of that fanout (1: a chain; for tests and "
+             "measurements)")
     overlap: str = setting(
         "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
         help="how the dispatch's communication overlaps compute: 'none', 'wave' (any model) or 'pingpong' "

@@ -20,11 +20,11 @@ from distca_hf.planning import TimeModel
 TIME_MODEL_JSON = str(Path(__file__).parent / "time_model_example.json")  # a `distca-hf profile` file
 VALID = {"tolerance": 0.3, "block": 64, "backward": "resend", "overlap": "wave", "timeout_s": 7.5,
          "mode": "colocated", "servers": (0, 2), "span_ranks": True, "kernel": "math", "time_model": TIME_MODEL_JSON,
-         "pipeline_schedule": "cad_1f1b", "pipeline_micro_batches": 4, "memory_budget": 0.5, "kv_cap": "cp"}
+         "pipeline_schedule": "cad_1f1b", "pipeline_micro_batches": 4, "memory_budget": 0.5, "kv_cap": "cp", "kv_relays": 2}
 INVALID = {"tolerance": -1.0, "block": 0, "backward": "later", "overlap": "sideways", "timeout_s": 0,
            "mode": "remote", "servers": (1, 1), "span_ranks": "yes", "kernel": "triton",
            "time_model": "/no/such/time_model.json", "pipeline_schedule": "zero_bubble", "pipeline_micro_batches": 0,
-           "memory_budget": -1.0, "kv_cap": -1.0}
+           "memory_budget": -1.0, "kv_cap": -1.0, "kv_relays": 0}
 
 
 def test_every_setting_is_declared_once_and_everything_else_follows():

@@ -313,10 +313,12 @@ def _hand_tiles(pieces, window, world, seed):
 
 
 def key_split_worker(rank, world, cases):
-    """Every case ``(doc_lengths, window, plan_kind)`` (``hand`` or ``auto``) in every overlap
-    (``none``, ``wave``, the ping-pong nodes) and backward mode: this rank's attention output and q/k/v
-    gradients against the global stream's documents each computed alone (explicit fp64 softmax,
-    autograd). Returns the worst errors per run and the plan's key-split facts."""
+    """Every case ``(doc_lengths, window, plan_kind[, relay_fanout])`` (``hand``, ``auto`` or
+    ``carved``: the carving at tolerance 0, whole prefixes) in every overlap (``none``, ``wave``, the
+    ping-pong nodes) and backward mode: this rank's attention output and q/k/v gradients against the
+    global stream's documents each computed alone (explicit fp64 softmax, autograd). With a
+    ``relay_fanout``, the plan's K/V goes along relay trees of it (``relay.apply_relays``). Returns the
+    worst errors per run and the plan's key-split facts."""
     import torch.distributed as dist
 
     from distca_hf.kernels import AttentionVariant
@@ -326,19 +328,24 @@ def key_split_worker(rank, world, cases):
     from distca_hf.runtime.tables import LocalDocuments
     from distca_hf.runtime.wave_schedule import dispatched_attention
     from distca_hf.planning.documents import PackedDocuments
+    from distca_hf.planning.relay import apply_relays
 
     report = []
-    for case, (doc_lengths, window, kind) in enumerate(cases):
+    for case, (doc_lengths, window, kind, *relay) in enumerate(cases):
         bounds, per_rank, first = _slices(doc_lengths, world)
         ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first, span_ranks=True)
         pieces = ranks.pieces
         if kind == "hand":
             cols = _hand_tiles(pieces, window, world, seed=case)
             plan = Plan(*cols[:5], world, tuple(range(world)), window, "saved", cols[5], cols[6])
+        elif kind == "carved":
+            plan = plan_tasks(pieces, PlannerConfig(tolerance=0.0, window=window))
         else:  # the auto planner's own tiles (planning.tiles), links dear enough that they pay
             plan = plan_tasks(pieces, PlannerConfig(
                 tolerance="auto", window=window, key_split=True, token_bytes=TOKEN_BYTES,
                 time_model=TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-9, task_s=1e-6, bytes_per_s=1e6)))
+        if relay:
+            plan = apply_relays(plan, pieces, PlannerConfig(kv_relays=relay[0]))
         check_tiles(plan, pieces)
         docs = PackedDocuments.from_lengths(per_rank[rank])
         local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
@@ -374,6 +381,7 @@ def key_split_worker(rank, world, cases):
                 forward_bytes = sum(n for kind, n in dispatch.counters.bytes_sent.items() if kind.startswith("forward"))
                 report.append({
                     "case": case, "overlap": overlap, "backward": backward, "waves": len(dispatch.waves),
+                    "kv_rounds": dispatch.kv_rounds,
                     "forward_bytes": forward_bytes, "queries_sent": dispatch.queries_sent,
                     "kv_sent": int(dispatch.kv_received.sum()),
                     "out_err": float((out.detach().double() - ref[lo:hi].detach()).abs().max()),
@@ -382,9 +390,10 @@ def key_split_worker(rank, world, cases):
                 })
         dist.barrier()
         moved_rows = plan.source != plan.server
-        report.append({"case": case, "splits": plan.splits_keys, "full_tiles": int((plan.k_end < plan.q_end).sum()),
+        report.append({"case": case, "splits": plan.splits_keys, "full_tiles": int((plan.key_ranges()[1] < plan.q_end).sum()),
                        "moved_tiles": int(moved_rows.sum()), "moved_tile_rows": plan.moved_queries(),
-                       "planned_bytes": comm_bytes(plan, pieces, TOKEN_BYTES).total})
+                       "planned_bytes": comm_bytes(plan, pieces, TOKEN_BYTES).total,
+                       "relayed_groups": plan.relays.num_groups if plan.relays is not None else 0})
     return report
 
 

@@ -12,13 +12,15 @@ that no import, at module level or inside a function, closes a circle):
     pieces     every rank's documents as pieces, the planner's input
     carving    CA-tasks -> attention servers at a fixed tolerance, few bytes moved (``Plan``, ``PlannerConfig``)
     transfers  the K/V ranges and bytes a plan moves, and the memory it makes ranks hold for backward
+    relay_trees  K/V relay trees (servers forwarding a holder's K/V to the next servers that need it):
+               a plan's ``RelayTrees`` and the sends they make (``plan_kv_sends``)
     baselines  what each rank does under the methods distca is compared with (packing, WLB-LLM,
                per-document CP, Ulysses): tokens, pairs, tasks, bytes; ``distca-hf simulate`` times them
     rank_time  a plan's predicted seconds per rank: the one home of the time formula the judges, the
                descent, the tiles and the simulator use (``base_pairs``' other work included)
     layer_bound  a lower bound on the predicted layer time of any plan of a batch (what a planner could still win)
-    relay      a what-if: a plan's K/V bytes and time if servers forwarded K/V along trees (a holder sends
-               each range O(1) times) instead of every holder sending to every server directly
+    relay      relay trees placed on a plan by time (``kv_relays="auto"``), and a plan's bytes and time
+               with any relayed sends (the what-ifs of ``examples/relay_whatif.py``)
     key_split  key-split CA-tasks (2D tiles: queries against part of their keys), their checks and the
                tiles of one task given where its earlier prefix pieces are computed (``task_tiles``)
     tiles      key-split tiles chosen by time: a (server, document, holder piece) transfer becomes full

@@ -85,6 +85,7 @@ class PlannerConfig:
             serves more attention, and the tolerance bounds max/mean of pairs + base. Set by
             ``pipeline_cost.plan_lockstep_tick``; plain plans balance pairs alone.
         key_split: ``"auto"`` also weighs its best plan with key-split tiles (``tiles.apply_time_tiles``).
+        kv_cap, kv_relays: those settings (``baselines.kv_cap_tokens``; ``relay.apply_relays``).
     """
 
     tolerance: float | str = 0.02
@@ -98,15 +99,17 @@ class PlannerConfig:
     memory_budget: float | None = None
     base_pairs: tuple[float, ...] | None = None
     key_split: bool = False
-    kv_cap: float | str | None = None  # the kv_cap setting ("auto" plans within it: baselines.kv_cap_tokens)
+    kv_cap: float | str | None = None
+    kv_relays: str | int = "off"  # np.integer accepted, as block
 
     def __post_init__(self):
         # numpy integers (and arrays of them) are welcome; the settings table's checks decide
-        if isinstance(self.block, np.integer):
-            object.__setattr__(self, "block", int(self.block))
+        for name in ("block", "kv_relays"):
+            if isinstance(getattr(self, name), np.integer):
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.servers is not None and hasattr(self.servers, "__iter__"):
             object.__setattr__(self, "servers", tuple(int(s) if isinstance(s, np.integer) else s for s in self.servers))
-        for name in ("tolerance", "block", "servers", "backward", "memory_budget", "kv_cap"):
+        for name in ("tolerance", "block", "servers", "backward", "memory_budget", "kv_cap", "kv_relays"):
             problem = setting_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"{name} {problem}")
@@ -141,6 +144,7 @@ class Plan:
 
     ``k_start`` / ``k_end`` (both or neither): key-split tasks (``planning.key_split``), task ``i`` with
     only its keys ``[k_start[i], k_end[i])``; ``None`` (every carving's plan): whole prefixes.
+    ``relays``: K/V forwarded by servers along trees (``relay_trees``; ``None``: sent direct).
     """
 
     source: np.ndarray
@@ -154,6 +158,7 @@ class Plan:
     backward: str = "saved"
     k_start: np.ndarray | None = None
     k_end: np.ndarray | None = None
+    relays: "RelayTrees | None" = None  # noqa: F821
 
     def __post_init__(self):
         if (self.k_start is None) != (self.k_end is None):
@@ -192,7 +197,7 @@ class Plan:
         """The tasks selected by the boolean ``mask`` ``[num_tasks]``, in plan order."""
         keys = (None, None) if self.k_start is None else (self.k_start[mask], self.k_end[mask])
         return Plan(self.source[mask], self.server[mask], self.doc[mask], self.q_start[mask], self.q_end[mask],
-                    self.num_ranks, self.servers, self.window, self.backward, *keys)
+                    self.num_ranks, self.servers, self.window, self.backward, *keys, relays=self.relays)
 
 
 class CarvingProgress:

@@ -21,6 +21,7 @@ from ..config import kv_cap_pairing_problem
 from .by_time import plan_by_time
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .pieces import DocumentPieces
+from .relay import apply_relays
 from .transfers import fit_memory_budget
 
 __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_plans", "CarvingProgress",
@@ -30,10 +31,13 @@ __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_p
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
     """Assign every query of ``pieces`` to a server (see the module docstring): by time under
     ``tolerance="auto"``, else the carving at ``config.tolerance``; either way within
-    ``config.memory_budget``. ``config.kv_cap`` (K/V one server receives per layer) needs ``"auto"``."""
+    ``config.memory_budget``. ``config.kv_cap`` (K/V one server receives per layer) needs ``"auto"``.
+    The plan's K/V then goes along the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``:
+    they change how K/V travels, not where tasks run nor what servers receive)."""
     if config.tolerance == "auto":
-        return plan_by_time(pieces, config)
+        return apply_relays(plan_by_time(pieces, config), pieces, config)
     problem = kv_cap_pairing_problem(config.kv_cap, config.tolerance)  # the carving ignores K/V it moves
     if problem:
         raise ValueError(problem)
-    return fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)
+    plan = fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)
+    return apply_relays(plan, pieces, config)

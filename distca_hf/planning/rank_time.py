@@ -7,6 +7,7 @@ A rank's time in one layer (forward + backward) is
     + the kernel's pairs, keys and tasks it serves          (``TimeModel.rank_seconds``)
     + exposed * passes * (bytes sent + received) / bytes_per_s + collective_s, when anything moves
                                                             (``TimeModel.comm_seconds``)
+    + collective_s per K/V exchange round beyond the first (relay trees, ``relay_trees``)
 
 Other work is the rank's tokens through the linear layers, ``linear_s_per_token * tokens``, or,
 with ``PlannerConfig.base_pairs``, ``attn_s_per_pair * base_pairs``: the base is that work itself, in
@@ -23,7 +24,8 @@ from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
 from .cost import TimeModel, TokenBytes
 from .pieces import DocumentPieces
-from .transfers import KVTransfers, rank_bytes
+from .relay_trees import plan_kv_sends, sends_rounds
+from .transfers import RangeSends, rank_bytes
 
 __all__ = ["other_seconds", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
@@ -43,10 +45,12 @@ def other_seconds(tokens, config: PlannerConfig) -> np.ndarray:
 
 
 def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
-               transfers: KVTransfers | None = None) -> RankLoads:
+               transfers: RangeSends | None = None) -> RankLoads:
     """Per-rank work of ``plan`` on ``pieces``: every rank's own query tokens through the linear
-    layers, the pairs, keys and tasks it serves, the bytes it sends and receives in a layer's forward."""
-    sent, received = rank_bytes(plan, pieces, token_bytes, transfers)
+    layers, the pairs, keys and tasks it serves, the bytes it sends and receives in a layer's forward
+    (K/V per ``transfers``, default ``relay_trees.plan_kv_sends``: along the plan's relay trees, if any)."""
+    sent, received = rank_bytes(plan, pieces, token_bytes, transfers if transfers is not None
+                                else plan_kv_sends(plan, pieces))
     n = pieces.num_ranks
     return RankLoads(pieces.tokens(), plan.server_pairs().astype(np.float64),
                      np.bincount(plan.server, weights=plan.keys(), minlength=n),
@@ -54,33 +58,39 @@ def plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes,
 
 
 def loads_seconds(loads: RankLoads, time_model: TimeModel, exposed_comm: float, backward: str = "saved", *,
-                  other_s=None, moves: bool | None = None):
+                  other_s=None, moves: bool | None = None, rounds: int = 1):
     """``(compute, exposed communication)``, each ``[ranks]`` seconds of one layer, forward +
     backward, of any method's ``loads`` (the planner's and the simulator's one time formula):
     compute = other work (``other_s``, ``[ranks]`` seconds; default the linear layers of
     ``loads.tokens``) + the kernel's pairs, keys and tasks; communication = the fraction
     ``exposed_comm`` of ``COMM_PASSES[backward] x (sent + received) / bytes_per_s`` plus
     ``collective_s`` when anything crosses ranks (``moves``; default: whether ``loads`` move any
-    byte, pass it for a subset of a plan's ranks). The step is the slowest rank's ``compute + exposed``."""
+    byte, pass it for a subset of a plan's ranks), and ``collective_s`` per K/V exchange round beyond
+    the first (``rounds``: a relayed plan's, ``relay_trees.sends_rounds``; every rank enters each
+    round). The step is the slowest rank's ``compute + exposed``."""
     compute = time_model.rank_seconds(loads.tokens, loads.pairs, loads.tasks, loads.keys, other_s=other_s)
     if moves is None:
         moves = bool(loads.sent.sum() + loads.received.sum() > 0)
-    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves, backward)
+    extra_rounds = max(int(rounds) - 1, 0) * time_model.collective_s
+    return compute, time_model.comm_seconds(loads.sent, loads.received, exposed_comm, moves, backward) + extra_rounds
 
 
 def rank_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
-                 transfers: KVTransfers | None = None) -> np.ndarray:
+                 transfers: RangeSends | None = None) -> np.ndarray:
     """``[num_ranks]`` predicted seconds of one layer, forward + backward, on every rank under
     ``plan`` in its backward mode (module docstring, ``config.base_pairs`` included); ``config``
-    gives the time model, token bytes and ``exposed_comm``; ``transfers``: the K/V sends, by default
-    ``kv_transfers(plan, pieces)`` (``relay``: the same plan with relayed sends)."""
-    loads = plan_loads(plan, pieces, config.token_bytes, transfers)
+    gives the time model, token bytes and ``exposed_comm``; ``transfers``: the K/V sends, direct
+    (``kv_transfers``) or relayed (``relay_trees.RelaySends``, their rounds counted), by default
+    ``relay_trees.plan_kv_sends(plan, pieces)``."""
+    sends = transfers if transfers is not None else plan_kv_sends(plan, pieces)
+    loads = plan_loads(plan, pieces, config.token_bytes, sends)
     other = None if config.base_pairs is None else other_seconds(loads.tokens, config)
-    compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward, other_s=other)
+    compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward, other_s=other,
+                                     rounds=int(sends_rounds(sends).max(initial=1)))
     return compute + exposed
 
 
 def step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig,
-                 transfers: KVTransfers | None = None) -> float:
+                 transfers: RangeSends | None = None) -> float:
     """The predicted layer time of the slowest rank under ``plan``."""
     return float(rank_seconds(plan, pieces, config, transfers).max(initial=0.0))

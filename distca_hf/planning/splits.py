@@ -81,7 +81,7 @@ def cut_local_work_in_halves(plan: Plan, block: int = 1) -> Plan:
     q_start[ends - 1] = cut_at[cut]
     q_end[ends - 2] = cut_at[cut]
     return Plan(plan.source[index], plan.server[index], plan.doc[index], q_start, q_end, plan.num_ranks,
-                plan.servers, plan.window, plan.backward)
+                plan.servers, plan.window, plan.backward, relays=plan.relays)
 
 
 # ---- ping-pong's nano-batches ----

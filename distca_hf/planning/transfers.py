@@ -143,10 +143,11 @@ def _range_runs(server, source, doc, start, end) -> tuple[np.ndarray, np.ndarray
     return order, new
 
 
-def kv_kept(transfers: list[KVTransfers], num_ranks: int) -> np.ndarray:
+def kv_kept(transfers: list[RangeSends], num_ranks: int) -> np.ndarray:
     """``[num_ranks]`` distinct K/V tokens each server keeps for backward when it receives
-    ``transfers`` (one ``KVTransfers`` per wave of a dispatch): a token that several waves bring from
-    the same source counts once (the runtime keeps one copy, ``runtime.tables.kv_store_tables``).
+    ``transfers`` (the K/V sends of each wave of a dispatch, direct or relayed): a token that several
+    waves bring counts once, whoever sent it (the runtime keeps one copy,
+    ``runtime.tables.kv_store_tables``).
     One wave: ``kv_received``. Waves of one plan (``splits.wave_plans``) keep at most the plan's
     ``kv_received``, exactly it without a sliding window (each wave's keys of a document on a server
     lie in the plan's, and without a window they all start at 0)."""
@@ -155,8 +156,9 @@ def kv_kept(transfers: list[KVTransfers], num_ranks: int) -> np.ndarray:
         return np.zeros(num_ranks, dtype=np.int64)
     server, source, doc, start, end = (np.concatenate([getattr(t, f) for t in parts])
                                        for f in ("server", "source", "doc", "start", "end"))
-    # the union of the ranges of each (server, source, document): its runs of overlapping ranges
-    order, run = _range_runs(server, source, doc, start, end)
+    # the union of the ranges of each (server, document): its runs of overlapping ranges (a (document,
+    # position) is one token, whichever rank sent it: a holder, or a server relaying it)
+    order, run = _range_runs(server, np.zeros_like(source), doc, start, end)
     server, start, end = server[order], start[order], end[order]
     first = np.flatnonzero(run)
     run_end = np.maximum.reduceat(end, first)

@@ -59,6 +59,9 @@ class PlanStats:
             layer colocated (q, k, v, out and the fp32 log-sum-exp, ``TokenBytes.held``).
         memory_imbalance: max / mean over ranks of own activations + ``memory_bytes_per_layer``
             (1.0 when ranks hold equal tokens and the plan adds nothing).
+        kv_exchange_rounds: K/V exchanges per layer's forward, over the waves and nano-batches: 1
+            when holders send K/V to servers directly, more when the plan relays K/V along trees
+            (``Plan.relays``, the ``kv_relays`` setting: one more round per tree level).
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
     """
 
@@ -78,6 +81,7 @@ class PlanStats:
     kv_tokens_kept_per_layer: list = field(default_factory=list)
     memory_bytes_per_layer: list = field(default_factory=list)
     memory_imbalance: float = 1.0
+    kv_exchange_rounds: int = 1
     nano_batches: tuple = ()
 
     def as_dict(self) -> dict:
@@ -103,6 +107,7 @@ class BatchPlan:
             the plan.
         kv_kept: ``[ranks]`` distinct K/V tokens each server keeps for backward (``Dispatch.kv_kept``:
             a prefix several waves bring is kept once); ``None``: ``kv_received`` (one wave).
+        kv_rounds: K/V exchange rounds of a layer's forward (``Dispatch.kv_rounds``; 1: no relays).
     """
 
     pieces: DocumentPieces
@@ -112,6 +117,7 @@ class BatchPlan:
     window: int | None = None
     queries_sent: int | None = None
     kv_kept: np.ndarray | None = None
+    kv_rounds: int = 1
 
     @property
     def kv_tokens_kept(self) -> np.ndarray | None:
@@ -171,7 +177,8 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         kv_tokens_received_max=int(received[servers].max(initial=0)),
         kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0,
         kv_tokens_kept_per_layer=np.asarray(kept_kv, dtype=np.int64).tolist(),
-        memory_bytes_per_layer=added.tolist(), memory_imbalance=imbalance(held), nano_batches=per_batch)
+        memory_bytes_per_layer=added.tolist(), memory_imbalance=imbalance(held),
+        kv_exchange_rounds=max((b.kv_rounds for b in planned), default=1), nano_batches=per_batch)
 
 
 @dataclass(eq=False)

@@ -21,6 +21,12 @@ partial outputs, which return with their log-sum-exp and merge at the source; ba
 tile with the row's merged output and log-sum-exp (sent with dO in ``saved`` mode, resent in
 ``resend`` mode) and sums the row's dQ partials.
 
+A plan may relay K/V (``Plan.relays``, ``planning.relay_trees``): a server that received a prefix
+forwards it to the next servers of its tree in one more exchange per tree level, right after the
+first (``phases.relay_kv``), and in the backward each level's K/V gradients go back to the server
+that forwarded them, summed into its own rows, before the first round's go back to the holders
+(``phases.relay_kv_grads``); ``resend`` mode relays the K/V again before its backward kernel.
+
 The index tables are in ``tables``, the exchange plumbing in ``exchange``, the phases in ``phases``,
 and the schedules that run them in ``wave_schedule`` (overlap ``none`` / ``wave``) and
 ``pingpong``.
@@ -33,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..planning import DocumentPieces, Plan, kv_kept, kv_received, kv_transfers, query_sends, wave_plans
+from ..planning import DocumentPieces, Plan, kv_kept, kv_received, query_sends, wave_plans
+from ..planning.relay_trees import plan_kv_sends
 from .tables import DispatchCounters, LocalDocuments, Wave, build_wave, kv_store_tables
 
 __all__ = ["Dispatch", "build_dispatch"]
@@ -69,6 +76,11 @@ class Dispatch:
         return len(self.waves) > 1 and self.waves[0].backward_mode == "saved"
 
     @property
+    def kv_rounds(self) -> int:
+        """K/V exchange rounds of a layer's forward, over the waves (1 + a wave's relay rounds)."""
+        return max(1 + len(w.relays) for w in self.waves)
+
+    @property
     def kv_tokens_moved(self) -> int:
         """K/V tokens crossing ranks per layer, all ranks (the waves may each send a prefix)."""
         return int(self.kv_received.sum())
@@ -86,7 +98,7 @@ def build_dispatch(plan: Plan, pieces: DocumentPieces, local: LocalDocuments, ra
     named = wave_plans(plan, block) if overlap == "wave" else [("all", plan)]
     waves, received, queries_sent, every_transfer = [], np.zeros(plan.num_ranks, dtype=np.int64), 0, []
     for name, sub in named:
-        transfers, sends = kv_transfers(sub, pieces), query_sends(sub)
+        transfers, sends = plan_kv_sends(sub, pieces), query_sends(sub)  # K/V along the plan's relay trees, if any
         received += kv_received(transfers, plan.num_ranks)
         every_transfer.append(transfers)
         queries_sent += sends.tokens()  # a row whose tiles fall in two waves is sent in each

@@ -351,7 +351,8 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
         plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
                                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
                                                 backward=config.backward, memory_budget=config.memory_budget,
-                                                key_split=key_split, kv_cap=config.kv_cap))
+                                                key_split=key_split, kv_cap=config.kv_cap,
+                                                kv_relays=config.kv_relays))
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)
@@ -360,4 +361,5 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
                               block=block, group=group, timeout_s=config.timeout_s,
                               backward_mode=plan.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves),
-                               queries_sent=dispatch.queries_sent, kv_kept=dispatch.kv_kept)
+                               queries_sent=dispatch.queries_sent, kv_kept=dispatch.kv_kept,
+                               kv_rounds=dispatch.kv_rounds)

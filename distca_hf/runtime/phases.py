@@ -6,6 +6,12 @@ kernel call) -> ``launch_outputs`` (server: outputs back) -> ``place_outputs`` (
 ``launch_grad_inputs`` (source: dO, or in ``resend`` mode q, k, v, out, dO and log-sum-exp) ->
 ``serve_backward`` -> ``launch_grad_outputs`` (server: dQ/dK/dV back) -> ``place_grads`` (source).
 
+Relayed K/V (``Wave.relays``, ``planning.relay_trees``): the pools grow by each relay round's rows
+inside ``serve_forward`` (``relay_kv``, after the first round arrived) and, in ``resend`` mode, inside
+``serve_backward`` again; ``serve_backward`` sends each round's K/V gradients back up its trees
+(``relay_kv_grads``) before returning the pools' gradients, so the first round's return as without
+relays. Every rank enters every round (the plan's deepest tree), sending nothing if it has nothing.
+
 Key-split plans (``Wave.merges``): a server returns each row's partial output and log-sum-exp (its
 tasks of a row merged first), the source merges every partial of a row (``merge_outputs``), and
 backward sends dO with the merged output and log-sum-exp (``saved``: the server kept q/k/v only;
@@ -29,7 +35,7 @@ from .exchange import Pending, split_rows, start_exchange
 from .tables import Wave
 
 __all__ = ["Served", "launch_inputs", "serve_forward", "launch_outputs", "place_outputs", "merge_outputs",
-           "launch_grad_inputs",
+           "launch_grad_inputs", "relay_kv", "relay_kv_grads",
            "receive_all", "serve_backward", "launch_grad_outputs", "place_grads", "kept_bytes"]
 
 
@@ -82,6 +88,41 @@ def _fused_rows(pool: torch.Tensor, index: torch.Tensor, identity: bool) -> torc
     return pool if identity else pool.index_select(0, index)
 
 
+def relay_kv(w: Wave, k_pool: torch.Tensor, v_pool: torch.Tensor, what: str = "forward"):
+    """The relay rounds of a wave (``Wave.relays``): each round sends rows of this rank's K/V pools to
+    the next servers of their trees and appends what arrives (``[pool rows + the rounds' rows,
+    kv_heads, head_dim]``). ``what``: ``"forward"``, or ``"backward"`` (``resend`` mode relays again)."""
+    shapes = [tuple(k_pool.shape[1:]), tuple(v_pool.shape[1:])]
+    for number, relay in enumerate(w.relays, start=2):
+        parts = [list(p) for p in zip(split_rows(k_pool.index_select(0, relay.send_rows), relay.send_counts),
+                                      split_rows(v_pool.index_select(0, relay.send_rows), relay.send_counts))]
+        got_k, got_v = start_exchange(w, parts, [relay.recv_counts, relay.recv_counts], shapes,
+                                      f"distca {what}: relaying K/V, round {number}", f"{what}_relay_kv").wait()
+        k_pool, v_pool = torch.cat([k_pool, got_k]), torch.cat([v_pool, got_v])
+    return k_pool, v_pool
+
+
+def relay_kv_grads(w: Wave, dk_pool: torch.Tensor, dv_pool: torch.Tensor):
+    """Backward of ``relay_kv``: the last round first, each round's rows' K/V gradients go back to the
+    rank that forwarded them, which adds them to the rows it forwarded (so a row's gradient sums every
+    server of its subtree before it goes up). Returns the pools' gradients without the relayed rows:
+    ``[local rows + the first round's rows, ...]``."""
+    end = dk_pool.shape[0]
+    shapes = [tuple(dk_pool.shape[1:]), tuple(dv_pool.shape[1:])]
+    for number, relay in reversed(list(enumerate(w.relays, start=2))):
+        begin = end - sum(relay.recv_counts)
+        parts = [list(p) for p in zip(split_rows(dk_pool[begin:end], relay.recv_counts),
+                                      split_rows(dv_pool[begin:end], relay.recv_counts))]
+        got_dk, got_dv = start_exchange(w, parts, [relay.send_counts, relay.send_counts], shapes,
+                                        f"distca backward: returning relayed K/V gradients, round {number}",
+                                        "backward_relay_grads").wait()
+        dk_pool, dv_pool = dk_pool[:begin], dv_pool[:begin]
+        dk_pool.index_add_(0, relay.send_rows, got_dk)
+        dv_pool.index_add_(0, relay.send_rows, got_dv)
+        end = begin
+    return dk_pool, dv_pool
+
+
 def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
                   variant: AttentionVariant = AttentionVariant()) -> Served:
     """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
@@ -92,6 +133,7 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
         q_pool, k_pool, v_pool = q, k, v
     else:
         q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
+        k_pool, v_pool = relay_kv(w, k_pool, v_pool)
     fq = _fused_rows(q_pool, served.q_index, w.q_identity)
     fk, fv = (_fused_rows(pool, served.k_index, w.k_identity) for pool in (k_pool, v_pool))
     heads, value_dim = q.shape[1], v.shape[-1]
@@ -213,7 +255,7 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
             rq, rk, rv, ro, rdo, rlse = received
             q, k, v, out, dout, lse = (torch.cat(p) for p in ((q, rq), (k, rk), (v, rv), (out, ro), (dout, rdo),
                                                              (lse, rlse)))
-        k_pool, v_pool = k, v
+        k_pool, v_pool = relay_kv(w, k, v, "backward") if received else (k, v)
         fq, f_out, f_do, f_lse = (_fused_rows(t, served.q_index, w.q_identity) for t in (q, out, dout, lse))
         f_lse = f_lse.t().contiguous()
         pool_rows = q.shape[0]
@@ -239,6 +281,8 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
     else:
         dk_pool = fk.new_zeros(k_pool.shape).index_add_(0, served.k_index, fdk)
         dv_pool = fv.new_zeros(v_pool.shape).index_add_(0, served.k_index, fdv)
+    if w.relays and not w.local_only:
+        dk_pool, dv_pool = relay_kv_grads(w, dk_pool, dv_pool)
     return dq_pool, dk_pool, dv_pool
 
 

@@ -47,7 +47,7 @@ class _WaveSchedule(torch.autograd.Function):
             if not w.local_only:
                 returning.append((w, launch_outputs(w, served)))
             if not resend:
-                pools = _kept_kv(w, k, v, received) if dispatch.keeps_kv_once else (served.k_pool, served.v_pool)
+                pools = _kept_kv(w, served, received) if dispatch.keeps_kv_once else (served.k_pool, served.v_pool)
                 kept.append((served.fq, *pools) if merges else (served.fq, *pools, served.f_out, served.f_lse))
         if merges:
             out, lse = merge_outputs(partials + [returned_partials(w, pending) for w, pending in returning], q.shape[0])
@@ -99,15 +99,22 @@ class _WaveSchedule(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _kept_kv(w, k, v, received):
+def _kept_kv(w, served, received):
     """``(k rows, v rows)`` a wave keeps for backward when its dispatch keeps K/V once
-    (``Dispatch.keeps_kv_once``): the received rows no earlier wave brought (``Wave.keep_kv_rows``);
-    none when it receives no K/V (its pool is the local rows, kept once for every wave)."""
-    if received is None or w.kv_store_rows is None:
-        return k[:0], v[:0]
+    (``Dispatch.keeps_kv_once``): the received rows (every relay round's too) no earlier wave brought
+    (``Wave.keep_kv_rows``); none when it receives no K/V (its pool is the local rows, kept once for
+    every wave). Never a view of the pool, which holds a copy of the local rows."""
+    if w.kv_store_rows is None:
+        return served.k_pool[:0], served.v_pool[:0]
+    if not w.relays:  # the first round's rows: the received tensors themselves
+        k_received, v_received = received[1], received[2]
+    else:  # the relay rounds' rows are only in the pool
+        k_received, v_received = served.k_pool[w.num_local_kv:], served.v_pool[w.num_local_kv:]
+        if w.keep_kv_rows is None:
+            return k_received.clone(), v_received.clone()
     if w.keep_kv_rows is None:
-        return received[1], received[2]
-    return received[1].index_select(0, w.keep_kv_rows), received[2].index_select(0, w.keep_kv_rows)
+        return k_received, v_received
+    return k_received.index_select(0, w.keep_kv_rows), v_received.index_select(0, w.keep_kv_rows)
 
 
 def _pools_rebuilt(waves, saved, width: int, tail: int):

@@ -1,0 +1,220 @@
+"""K/V relay trees: servers forwarding a holder's K/V to the next servers that need it (pure numpy).
+
+Without relays (``transfers.kv_transfers``) every rank holding a piece of a document sends the K/V a
+server needs directly to each server of a later shard, so a long document's holders send their K/V
+once per server, and their links can bound the layer. With relays, the ``S`` servers that need one
+K/V range of one holder form a tree: the holder sends the range to at most ``holder_fanout`` of them,
+and every server that has it forwards it to at most ``fanout`` more. Each server still receives each
+K/V token it needs exactly once; the holder sends each range at most ``holder_fanout`` times instead
+of ``S``.
+
+Trees: the servers of one (holder, document) are ordered by a priority (the planner's: the least
+loaded first, nearest the root, since they forward the most), then by how far into the document
+they need keys (furthest first), then by rank, and every elementary K/V range takes them in that
+order, so a server that needs a prefix sits near the root of every tree of that prefix and a parent
+forwards one contiguous range per child (sends merged per (sender, receiver, document, round)). The
+root holder has children ``0 .. holder_fanout - 1``; server ``j`` (0-based in that order) has
+children ``holder_fanout + j * fanout ..``, a complete tree whose depth grows as ``log_fanout S``.
+A send at depth ``d`` goes out in exchange round ``d`` (round 1: the holders' own sends).
+
+``RelayTrees`` is what a plan carries (``Plan.relays``, chosen by ``relay.relay_trees_where_they_help``
+or forced by the ``kv_relays`` setting): which (holder, document) groups go along trees, their fanout
+and their servers' order. It applies to any subset of the plan's K/V sends (a wave's, a ping-pong
+nano-batch's), so every rank derives the same sends from the agreed plan (``plan_kv_sends``). The
+runtime runs one more K/V exchange per round beyond the first in the forward, and sends the K/V
+gradients back up the same trees in the backward (each server summing its children's into its own
+rows before they go up), ``runtime/tables.py`` and ``runtime/phases.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .carving import Plan
+from .pieces import DocumentPieces
+from .transfers import KVTransfers, RangeSends, kv_transfers
+
+__all__ = ["RelaySends", "RelayTrees", "relay_kv_sends", "plan_kv_sends", "check_fanout", "holder_groups",
+           "relay_group", "as_sends", "sends_rounds"]
+
+
+@dataclass(frozen=True, eq=False)
+class RelaySends(RangeSends):
+    """K/V ranges sent along relay trees (``RangeSends``: ``source`` is the sender, a holder or a
+    server forwarding, ``server`` the receiver); ``round`` (``[num_sends]``, int64, from 1) is the
+    exchange round of each send: 1 for a holder's own sends, ``d`` at depth ``d`` of its tree."""
+
+    round: np.ndarray
+
+    @property
+    def rounds(self) -> int:
+        """K/V exchange rounds of a layer's forward (the deepest tree; 1 = direct, 0 = nothing moves)."""
+        return int(self.round.max(initial=0))
+
+
+def sends_rounds(sends: RangeSends) -> np.ndarray:
+    """``[num_sends]`` exchange round of every send: ``RelaySends.round``, or 1 for direct sends."""
+    rounds = getattr(sends, "round", None)
+    return rounds if rounds is not None else np.ones(sends.source.size, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class RelayTrees:
+    """Which K/V groups of a plan go along relay trees (``Plan.relays``; module docstring). Arrays
+    ``[num_groups]`` (int64): the K/V of document ``doc`` that rank ``holder`` sends goes along trees
+    of ``fanout`` (>= 1, the holder's own sends included), their servers in the order of ``members``
+    (``[sum of member_counts]``: group after group, ``member_counts[g]`` server ranks each). Groups
+    not listed, and servers a group does not list, go direct (after the listed ones)."""
+
+    holder: np.ndarray
+    doc: np.ndarray
+    fanout: np.ndarray
+    members: np.ndarray
+    member_counts: np.ndarray
+
+    def __post_init__(self):
+        sizes = {self.holder.size, self.doc.size, self.fanout.size, self.member_counts.size}
+        if len(sizes) != 1 or int(self.member_counts.sum()) != self.members.size:
+            raise ValueError("RelayTrees: holder, doc, fanout and member_counts need one entry per group, and members "
+                             "sum(member_counts) ranks")
+        if self.fanout.size and int(self.fanout.min()) < 1:
+            raise ValueError(f"RelayTrees: every fanout must be >= 1, got {self.fanout.tolist()}")
+
+    @classmethod
+    def of(cls, groups) -> "RelayTrees":
+        """From ``(holder, doc, fanout, members)`` tuples (``members``: server ranks in tree order)."""
+        groups = list(groups)
+        ints = lambda values: np.asarray(values, dtype=np.int64)
+        return cls(ints([g[0] for g in groups]), ints([g[1] for g in groups]), ints([g[2] for g in groups]),
+                   ints([s for g in groups for s in g[3]]), ints([len(g[3]) for g in groups]))
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.holder.size)
+
+    def sends(self, transfers: KVTransfers) -> RelaySends:
+        """The sends that deliver ``transfers`` (direct K/V sends of a plan or of a subset of it)
+        along these trees; groups not listed go direct."""
+        ends = np.cumsum(self.member_counts)
+        table = {(h, d): (f, self.members[e - n: e].tolist()) for h, d, f, n, e in
+                 zip(self.holder.tolist(), self.doc.tolist(), self.fanout.tolist(), self.member_counts.tolist(),
+                     ends.tolist())}
+        rows = []
+        for group in holder_groups(transfers):
+            fanout, order = table.get((group[0], group[1]), (math.inf, []))
+            rows.extend(relay_group(*group, fanout, fanout, order=order))
+        return as_sends(rows)
+
+
+def check_fanout(name: str, value) -> float:
+    """``value`` as a fanout: an integer >= 1, or ``math.inf`` (direct sends); else ``ValueError``
+    naming ``name``."""
+    if value == math.inf:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or math.inf (direct sends), got {value!r}")
+    return int(value)
+
+
+def _tree_depths(count: int, holder_fanout: float, fanout: float) -> tuple[list[int], list[int]]:
+    """``(parent, depth)`` of ``count`` servers in tree order: ``parent[j]`` is ``-1`` (the holder)
+    or the position of the server that forwards to ``j``; ``depth[j]`` >= 1 its round."""
+    parent, depth = [], []
+    for j in range(count):
+        p = -1 if j < holder_fanout else int((j - holder_fanout) // fanout)
+        parent.append(p)
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return parent, depth
+
+
+def relay_kv_sends(transfers: KVTransfers, *, fanout=2, holder_fanout=None) -> RelaySends:
+    """The sends of ``transfers`` (``kv_transfers`` of a plan) relayed along trees (module docstring):
+    every elementary K/V range a holder must deliver to ``S`` servers goes to at most ``holder_fanout``
+    (default ``fanout``) of them, and each server forwards it to at most ``fanout`` more.
+
+    Args:
+        transfers: the direct K/V sends, ``[num_sends]`` arrays of holder, server, document, tokens.
+        fanout: an integer >= 1 (1: a chain) or ``math.inf`` (direct: the holder sends to all).
+        holder_fanout: the holder's own sends per range (``None``: ``fanout``).
+
+    Returns:
+        ``RelaySends``, in order of sender, document, round; every server receives each token it
+        receives in ``transfers`` exactly once."""
+    fanout = check_fanout("fanout", fanout)
+    holder_fanout = fanout if holder_fanout is None else check_fanout("holder_fanout", holder_fanout)
+    rows = []
+    for group in holder_groups(transfers):
+        rows.extend(relay_group(*group, holder_fanout, fanout))
+    return as_sends(rows)
+
+
+def holder_groups(transfers: KVTransfers) -> list[tuple[int, int, list, list, list]]:
+    """``(holder, doc, servers, starts, ends)`` of every (holder, document) of ``transfers`` (lists,
+    one entry per direct send), in order of holder, then document."""
+    if not transfers.source.size:
+        return []
+    order = np.lexsort((transfers.server, transfers.doc, transfers.source))
+    source, server, doc, start, end = (x[order].tolist() for x in (transfers.source, transfers.server, transfers.doc,
+                                                                 transfers.start, transfers.end))
+    groups, first = [], 0
+    for i in range(1, len(source) + 1):
+        if i == len(source) or (source[i], doc[i]) != (source[first], doc[first]):
+            groups.append((source[first], doc[first], server[first:i], start[first:i], end[first:i]))
+            first = i
+    return groups
+
+
+def as_sends(rows) -> RelaySends:
+    """``(sender, receiver, doc, start, end, round)`` rows as ``RelaySends``, contiguous ranges of one
+    (sender, receiver, document, round) merged into one send."""
+    merged: list[list[int]] = []
+    for sender, receiver, d, s, e, r in sorted(rows):
+        last = merged[-1] if merged else None
+        if last is not None and (last[0], last[1], last[2], last[5]) == (sender, receiver, d, r) and last[4] == s:
+            last[4] = e
+        else:
+            merged.append([sender, receiver, d, s, e, r])
+    sender, receiver, d, s, e, r = np.array(merged, dtype=np.int64).reshape(-1, 6).T
+    order = np.lexsort((s, receiver, r, d, sender))
+    return RelaySends(sender[order], receiver[order], d[order], s[order], e[order], r[order])
+
+
+def tree_order(servers: list, ends: list, priority=None, order=None) -> list:
+    """The servers of one (holder, document) in tree order (module docstring): ``order``'s first
+    (the ranks it lists, in its order), then by ``priority[server]`` (lowest first, when given), then
+    furthest need first (``ends``: one per entry of ``servers``), then by rank."""
+    reach: dict[int, int] = {}
+    for server, end in zip(servers, ends):
+        reach[server] = max(reach.get(server, 0), end)
+    place = {s: i for i, s in enumerate(order or [])}
+    first = (lambda s: priority[s]) if priority is not None else (lambda s: 0)
+    return sorted(reach, key=lambda s: (place.get(s, len(place)), first(s), -reach[s], s))
+
+
+def relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
+                fanout: float, priority=None, order=None) -> list[tuple[int, int, int, int, int, int]]:
+    """The relayed sends ``(sender, receiver, doc, start, end, round)`` of one holder's K/V of one
+    document to the servers that need it (lists, one entry per direct send): one tree per elementary
+    range between consecutive start/end points, its members in ``tree_order``."""
+    members_order = tree_order(servers, ends, priority, order)
+    points = sorted(set(starts) | set(ends))
+    out = []
+    for a, b in zip(points[:-1], points[1:]):
+        covered = {s for s, lo, hi in zip(servers, starts, ends) if lo <= a and b <= hi}
+        if not covered:
+            continue
+        members = [s for s in members_order if s in covered]
+        parent, depth = _tree_depths(len(members), holder_fanout, fanout)
+        for j, receiver in enumerate(members):
+            out.append((holder if parent[j] < 0 else members[parent[j]], receiver, doc, a, b, depth[j]))
+    return out
+
+
+def plan_kv_sends(plan: Plan, pieces: DocumentPieces, transfers: KVTransfers | None = None) -> RangeSends:
+    """The K/V sends ``plan`` makes on ``pieces``: ``kv_transfers`` (given as ``transfers``, or made
+    here), along ``plan.relays``' trees when it has some (``RelaySends``), else direct."""
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    return plan.relays.sends(transfers) if plan.relays is not None and plan.relays.num_groups else transfers
