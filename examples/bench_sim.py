@@ -3,8 +3,9 @@ ranks and 32k, 128k and 512k tokens per rank; every method timed with the same t
 communication, with none of it hidden and with half hidden (what the planner assumes ``wave`` and
 ``pingpong`` hide, ``runtime.forward.EXPOSED_COMM``), against the baselines at the smallest degree that
 holds the longest document and tuned for speed (every such degree), and distca with the fixed tolerance 0.02 beside the
-default ``auto``; every distca cell twice, new / old: ``auto`` as it plans now (the descent) and as
-it planned before it (``auto_planner="tolerances"``: colocated and the carvings of 0.02, 0.1, 0.3),
+default ``auto``; every distca cell twice, new / old: ``auto`` as it plans now (the descent, K/V relays
+placed by time) and as it planned before it (``auto_planner="tolerances"``: colocated and the carvings
+of 0.02, 0.1, 0.3), the new one also with ``kv_relays="off"``,
 on the same batches, with the worst attention imbalance, the memory imbalance, the batches planned
 in ``resend`` mode and the servers per long document (one longer than a rank's tokens); the K/V each
 server receives (distca against CP of the documents that span ranks); and the planner's speed
@@ -21,6 +22,7 @@ bytes and heads, the planner's built-in H100 time model, 50 GB/s per rank).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -83,6 +85,7 @@ def run(data: Path | None, batches: int, untuned: bool = False):
                                                  for name in ("prolong", "wlbllm")}
     config = default_planner_config()
     fixed = PlannerConfig(tolerance=0.02, block=128, memory_budget=config.memory_budget)
+    no_relays = dataclasses.replace(config, kv_relays="off")
     grid_rows, memory_rows, target_rows = [], [], []
     model = None
     grid = GRID
@@ -97,6 +100,9 @@ def run(data: Path | None, batches: int, untuned: bool = False):
             old_hidden = simulate(lengths, ranks, tokens, batches, seed=0, config=config, hidden_comm_fraction=HIDDEN,
                                   auto_planner="tolerances")
             tight = simulate(lengths, ranks, tokens, batches, seed=0, config=fixed)
+            direct = simulate(lengths, ranks, tokens, batches, seed=0, config=no_relays)
+            direct_hidden = simulate(lengths, ranks, tokens, batches, seed=0, config=no_relays,
+                                     hidden_comm_fraction=HIDDEN)
             model = r["time_model"]
             d, o = r["distca"], old["distca"]
             sp = r["ulysses"]["degree"]
@@ -105,7 +111,10 @@ def run(data: Path | None, batches: int, untuned: bool = False):
                 f"| {name} | {ranks} x {_k(tokens)} | **{r['speedup_vs_best_baseline']:.2f}x** / "
                 f"{old['speedup_vs_best_baseline']:.2f}x vs {_best(r)} | "
                 f"{hidden['speedup_vs_best_baseline']:.2f}x / {old_hidden['speedup_vs_best_baseline']:.2f}x vs "
-                f"{_best(hidden)} | {_tuned(r, hidden)} | {tight['speedup_vs_best_baseline']:.2f}x | "
+                f"{_best(hidden)} | {direct['speedup_vs_best_baseline']:.2f}x / "
+                f"{direct_hidden['speedup_vs_best_baseline']:.2f}x | "
+                f"{100 * d['relayed_batch_fraction']:.0f}% ({d['kv_exchange_rounds']['max']}) | "
+                f"{_tuned(r, hidden)} | {tight['speedup_vs_best_baseline']:.2f}x | "
                 f"{_ms(r, 'distca')} / {_ms(old, 'distca')} | {_ms(r, r['best_baseline'])} | "
                 f"{r['per_doc_cp']['degree']} / {sp if sp else '-'} | {r['colocated']['attn_imbalance']:.2f} | "
                 f"{d['worst_attn_imbalance']:.2f} / {o['worst_attn_imbalance']:.2f} | "
@@ -139,16 +148,20 @@ def run(data: Path | None, batches: int, untuned: bool = False):
         f"{', '.join(LABELS[m] for m in SHORT)} "
         "(degree in brackets).",
         "",
-        "Each distca cell: **new** (tolerance auto, the descent) / old (auto before the descent: colocated "
-        "and the carvings of 0.02, 0.1, 0.3), same batches.",
+        "Each distca cell: **new** (tolerance auto, the descent, K/V relays by time) / old (auto before the "
+        "descent: colocated and the carvings of 0.02, 0.1, 0.3, no relays), same batches; the third and fourth "
+        "columns: the new planner with kv_relays off, and how many batches the new one relays.",
         "",
         "| sample | ranks x tokens/rank | distca vs best baseline, no comm hidden (new / old) | same, "
-        f"{100 * HIDDEN:.0f}% hidden | vs the baselines tuned for speed, no comm / {100 * HIDDEN:.0f}% hidden | "
+        f"{100 * HIDDEN:.0f}% hidden | new without K/V relays (kv_relays off), no comm / {100 * HIDDEN:.0f}% hidden | "
+        "batches relayed (most K/V rounds) | "
+        f"vs the baselines tuned for speed, no comm / {100 * HIDDEN:.0f}% hidden | "
         "tolerance 0.02, no comm hidden | distca layer ms (exposed comm) | "
         "best baseline layer ms (comm) | CP / Ulysses degree | imbalance colocated | distca worst attention "
         "imbalance | distca memory imbalance | batches in resend | servers per long document, mean (max) | "
         "distca GB/layer | plan ms |",
-        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
         *grid_rows,
     ])
     memory = "\n".join([

@@ -10,7 +10,8 @@ fanout F, ``/h1``: the holder sends each range once) and with relays placed by t
 least-loaded members forward, where the predicted layer does not get slower). ``replanned``: the
 best of today's plan and plans made as if bytes were ``CHEAPER`` times cheaper (so they fan long
 documents out further), each with relays placed by time and timed with the true model: a crude
-stand-in for a planner that prices a new server at the relay's cost. The
+stand-in for a planner that prices a new server at the relay's cost (what ``kv_relays="auto"`` now
+plans: ``planner.RELAY_BYTE_DISCOUNTS``; the plans here are made with ``kv_relays="off"``). The
 speedups divide the simulator's best baseline (``speedup_vs_best_baseline``'s, same batches) by the
 mean layer. Plans are chosen under direct bytes: a planner that priced relays would fan a long
 document out further, so the relay column is what relays give today's plans, not a bound.
@@ -61,7 +62,7 @@ def bench_rows(data: Path, batches: int) -> None:
     print("| --- " * (3 + 2 * len(heads)) + "|")
     for sample, ranks, tokens, hidden in ROWS:
         lengths = load_lengths(data / f"doc_lengths_{sample}.json")
-        config = default_planner_config()
+        config = dataclasses.replace(default_planner_config(), kv_relays="off")  # direct plans, re-timed here
         result = simulate(lengths, ranks, tokens, batches, seed=0, config=config, hidden_comm_fraction=hidden)
         best = result[result["best_baseline"]]["step_time_s"]
         planning = dataclasses.replace(config, time_model=H100_MEASURED, exposed_comm=1.0 - hidden)

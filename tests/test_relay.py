@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks,
                                 rank_seconds)
 from distca_hf.planning.baselines import pack_pieces
-from distca_hf.planning.rank_time import loads_seconds
-from distca_hf.planning.relay import (relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds,
+from distca_hf.planning.rank_time import loads_seconds, relay_wait_seconds
+from distca_hf.planning.relay import (RelaySends, relay_kv_sends, relay_plan_loads, relay_rank_bytes, relay_rank_seconds,
                                       relay_step_seconds, relay_where_it_helps)
 from distca_hf.planning.transfers import KVTransfers, rank_bytes
 
@@ -126,9 +126,10 @@ def test_relay_tree_by_hand():
         relay_kv_sends(direct, fanout=2, holder_fanout=1.5)
 
 
-def test_relay_seconds_add_collective_per_extra_round():
+def test_relay_seconds_add_collective_per_extra_round_and_the_wait_along_the_trees():
     """A 2000-token document over 4 ranks of 500, planned at tolerance 0: its relayed layer is
-    ``rank_seconds`` of the relayed loads plus ``collective_s`` for every round beyond the first."""
+    ``rank_seconds`` of the relayed loads plus ``collective_s`` for every round beyond the first and
+    the time a rank waits for relayed K/V (``relay_wait_seconds``)."""
     pieces = pack_pieces(np.array([2000]), 4, 500)
     config = PlannerConfig(0.0, block=50, token_bytes=TOKEN_BYTES, time_model=MODEL)
     plan = plan_tasks(pieces, config)
@@ -137,7 +138,22 @@ def test_relay_seconds_add_collective_per_extra_round():
     seconds, same_rounds = relay_rank_seconds(plan, pieces, config, fanout=1)
     assert same_rounds == rounds
     compute, exposed = loads_seconds(loads, MODEL, config.exposed_comm, plan.backward)
-    assert seconds.tolist() == pytest.approx((compute + exposed + (rounds - 1) * MODEL.collective_s).tolist())
+    sends = relay_kv_sends(kv_transfers(plan, pieces), fanout=1)
+    wait = relay_wait_seconds(sends, TOKEN_BYTES.kv, MODEL.byte_seconds(1.0, plan.backward), 4)
+    assert wait.max() > 0
+    assert seconds.tolist() == pytest.approx((compute + exposed + (rounds - 1) * MODEL.collective_s + wait).tolist())
+
+
+def test_a_chain_makes_its_last_server_wait_for_every_hop():
+    """Holder 0 sends 10 K/V tokens to rank 1, which forwards them to rank 2 in round 2: rank 2's range
+    arrives a hop later than its own link time, by one hop; the others never wait."""
+    sends = RelaySends(np.array([0, 1]), np.array([1, 2]), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
+                       np.array([10, 10]), np.array([1, 2]))
+    hop = 10 * 4 * 0.5  # tokens x kv bytes x seconds per byte
+    assert relay_wait_seconds(sends, 4, 0.5, 3).tolist() == [0.0, 0.0, hop]
+    direct = RelaySends(np.array([0, 0]), np.array([1, 2]), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
+                        np.array([10, 10]), np.array([1, 1]))
+    assert relay_wait_seconds(direct, 4, 0.5, 3).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_relays_placed_by_time_unload_a_holder_that_bounds_the_layer():

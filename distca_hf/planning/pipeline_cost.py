@@ -161,8 +161,9 @@ def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarr
 def attention_only(config: PlannerConfig, num_ranks: int) -> PlannerConfig:
     """``config`` with no rank's work besides attention counted (``base_pairs`` all 0): how a lockstep
     tick is balanced and judged, since its exchanges synchronise the ranks around every layer's
-    attention (module docstring)."""
-    return dataclasses.replace(config, base_pairs=(0.0,) * num_ranks)
+    attention (module docstring); and without K/V relays (``kv_relays="off"``): a tick's plan is
+    rebuilt over the pooled ranks (``plan_lockstep_tick``) without them."""
+    return dataclasses.replace(config, base_pairs=(0.0,) * num_ranks, kv_relays="off")
 
 
 def tick_layer_seconds(plan: Plan, pooled: DocumentPieces, config: PlannerConfig) -> float:

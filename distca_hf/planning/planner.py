@@ -7,25 +7,46 @@ Pure numpy; no torch, no torch.distributed.
 - a numeric tolerance: that carving (``carving.tolerance_plans``, a hard bound on max/mean - 1 of
   server attention load), in the backward mode in force when it fits ``memory_budget``, else in
   ``resend`` mode (servers keep nothing; ``transfers.fit_memory_budget``).
+- then K/V relays (the ``kv_relays`` setting, ``relay.apply_relays``): servers forward a holder's
+  K/V along trees where that is predicted faster; under ``"auto"`` the descent is also planned as if
+  bytes were cheaper (``RELAY_BYTE_DISCOUNTS``), spreading long documents over more servers whose
+  K/V the trees then carry, and the fastest predicted is kept.
 
 The plan says which backward mode it runs in (``Plan.backward``); every rank computes the same plan,
 mode included, from the same lengths and settings. This module sits at the top of the planning
-room: it imports the carving, the transfers (bytes and memory) and planning by time, and none of
-them imports it. ``Plan``, ``PlannerConfig``, ``colocated_plan`` and the carving's names are
+room: it imports the carving, the transfers (bytes and memory), the descent, the relays and planning
+by time, and none of them imports it. ``Plan``, ``PlannerConfig``, ``colocated_plan`` and the carving's names are
 re-exported here, where they lived before the carving had its own module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from ..config import kv_cap_pairing_problem
-from .by_time import plan_by_time
+from .by_time import judged, plan_by_time
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
+from .descent import descend
 from .pieces import DocumentPieces
+from .rank_time import rank_seconds
 from .relay import apply_relays
 from .transfers import fit_memory_budget
 
 __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_plans", "CarvingProgress",
-           "PLANNING_MARGIN", "DocumentPieces"]
+           "PLANNING_MARGIN", "DocumentPieces", "RELAY_BYTE_DISCOUNTS"]
+
+RELAY_BYTE_DISCOUNTS = (4.0, 8.0)
+"""Under ``tolerance="auto"`` and ``kv_relays="auto"``, the descent is also run as if bytes cost these
+times less (``bytes_per_s`` multiplied), which spreads long documents over more servers; each such plan,
+fitted to the memory budget and given relay trees by time, competes with the planned one under the
+true time model (``_with_relays``). A descent that prices direct sends fans a document out only as
+far as its holders' links allow; with relays a new server costs its parent's link instead, which
+these discounts stand in for. Measured (H100 model, nothing hidden; ``docs/planner.md``): prolong
+64 x 512k 2375 -> 1774 ms a layer, 512 x 128k 991 -> 732 ms, at 3-4x the plan time (two more
+descents: 18 -> 81 ms and 97 -> 258 ms, under 1% of a 32-layer step there); 4 alone keeps most
+of it at 64 x 512k and less at 512 x 128k (824 ms)."""
 
 
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
@@ -35,9 +56,32 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     The plan's K/V then goes along the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``:
     they change how K/V travels, not where tasks run nor what servers receive)."""
     if config.tolerance == "auto":
-        return apply_relays(plan_by_time(pieces, config), pieces, config)
+        return _with_relays(plan_by_time(pieces, config), pieces, config)
     problem = kv_cap_pairing_problem(config.kv_cap, config.tolerance)  # the carving ignores K/V it moves
     if problem:
         raise ValueError(problem)
     plan = fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)
     return apply_relays(plan, pieces, config)
+
+
+def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+    """``"auto"``'s plan with the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``), and
+    under ``kv_relays="auto"`` the fastest predicted of it and the descents planned with cheaper bytes
+    (``RELAY_BYTE_DISCOUNTS``), each judged as ``"auto"`` judges a candidate (``by_time.judged``: the
+    memory budget, ``kv_cap``) and given relays by time; ties keep the planned one."""
+    best = apply_relays(plan, pieces, config)
+    if config.kv_relays != "auto" or pieces.num_ranks < 3:  # a tree needs two servers besides the holder
+        return best
+    best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
+    model = config.time_model
+    for discount in RELAY_BYTE_DISCOUNTS:
+        cheaper = dataclasses.replace(config, kv_relays="off",
+                                      time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
+        seconds, wider = judged(descend(pieces, cheaper, backward=config.backward), pieces, config)
+        if not np.isfinite(seconds):  # past the kv_cap setting
+            continue
+        wider = apply_relays(wider, pieces, config)
+        seconds = float(rank_seconds(wider, pieces, config).max(initial=0.0))
+        if seconds < best_seconds:
+            best, best_seconds = wider, seconds
+    return best

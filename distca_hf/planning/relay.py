@@ -45,8 +45,9 @@ from .baselines import RankLoads
 from .carving import Plan, PlannerConfig
 from .cost import TokenBytes
 from .pieces import DocumentPieces
-from .rank_time import plan_loads, rank_seconds
-from .relay_trees import RelaySends, RelayTrees, check_fanout, holder_groups, relay_group, relay_kv_sends, tree_order
+from .rank_time import plan_loads, rank_seconds, relay_wait_seconds
+from .relay_trees import (RelaySends, RelayTrees, check_fanout, holder_groups, relay_group, relay_kv_sends,
+                          tree_order)
 from .transfers import KVTransfers, kv_transfers
 
 __all__ = ["RelaySends", "relay_kv_sends", "relay_rank_bytes", "relay_plan_loads", "relay_rank_seconds",
@@ -99,55 +100,88 @@ def relay_step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
     return float(seconds.max(initial=0.0)), rounds
 
 
-def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(1, 2, 4),
+def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
                                 transfers: KVTransfers | None = None, passes: int = 2) -> RelayTrees:
     """Relays placed by time on ``plan`` as it is (``Plan.relays``; ``relay_trees``): each (holder,
     document)'s K/V goes direct or along a tree of one of ``fanouts``, whose members are ordered by
     their predicted seconds (the least loaded nearest the root, so they forward the most). Greedy,
     holders in order of their predicted seconds (slowest first), ``passes`` times: a group's tree
     replaces its current sends where the holder gets faster and no rank gets slower than the slowest
-    before (``rank_seconds`` plus ``collective_s`` per extra round, counted on every rank when a tree
-    deepens the layer). A plan whose slowest rank is not a holder of a K/V range several servers need
-    keeps its direct sends (no group listed).
+    before, under ``rank_time.rank_seconds``' model of relays (every rank's own bytes, the wait for
+    relayed K/V along the trees' rounds, ``collective_s`` per extra round on every rank). A plan whose
+    slowest rank is not a holder of a K/V range several servers need keeps its direct sends (no group
+    listed).
 
     What it can guarantee: the relayed plan is never predicted slower than direct, under the time
     model (each accepted tree keeps every rank at or below the slowest before). What it cannot: it
-    places trees on the plan as it is, so it never spreads a document over more servers to use them
-    (the descent prices direct sends), and a greedy over groups may miss a better set of trees."""
+    places trees on the plan as it is (``planner.RELAY_BYTE_DISCOUNTS`` plans wider ones), and a
+    greedy over groups may miss a better set of trees."""
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
     fanouts = [check_fanout("fanouts", f) for f in fanouts]
-    now = rank_seconds(plan, pieces, config, transfers).astype(np.float64)
-    byte_s = config.time_model.byte_seconds(config.exposed_comm, plan.backward)
-    kv, n = config.token_bytes.kv, plan.num_ranks
+    n, kv, tm = plan.num_ranks, config.token_bytes.kv, config.time_model
+    byte_s = tm.byte_seconds(config.exposed_comm, plan.backward)
     groups = holder_groups(transfers)
     chosen = [relay_group(*g, math.inf, math.inf) for g in groups]
     trees = [None] * len(groups)  # (fanout, members in tree order) of each relayed group
-    rounds = 1 if groups else 0
 
-    def seconds_of(rows) -> np.ndarray:
+    def link_seconds(rows, first_only=False) -> np.ndarray:
         moved = np.zeros(n)
-        for sender, receiver, _, a, b, _ in rows:
-            moved[sender] += (b - a) * kv
-            moved[receiver] += (b - a) * kv
+        for sender, receiver, _, a, b, r in rows:
+            if not first_only or r == 1:
+                moved[sender] += (b - a) * kv
+                moved[receiver] += (b - a) * kv
         return moved * byte_s
 
+    link = [link_seconds(rows) for rows in chosen]
+    first = [link_seconds(rows, True) for rows in chosen]
+    base = rank_seconds(plan, pieces, config, transfers).astype(np.float64) - sum(link, np.zeros(n))
+    link_sum, first_sum = sum(link, np.zeros(n)), sum(first, np.zeros(n))
+
+    def seconds(link_total, first_total, later: list) -> np.ndarray:
+        """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
+        (``[sender, receiver, doc, start, end, round]`` arrays, one per relayed group)."""
+        if not later:
+            return base + link_total
+        rows = np.concatenate(later)
+        sends = RelaySends(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5])
+        wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
+        return base + link_total + wait + (sends.rounds - 1) * tm.collective_s
+
+    def later_rows(rows) -> np.ndarray:
+        return np.asarray([r for r in rows if r[5] > 1], dtype=np.int64).reshape(-1, 6)
+
+    later = [later_rows(rows) for rows in chosen]  # empty for direct groups
+    now = seconds(link_sum, first_sum, [])
     for _ in range(passes):
         for i in sorted(range(len(groups)), key=lambda g: -now[groups[g][0]]):
-            holder, current = groups[i][0], seconds_of(chosen[i])
-            if len(set(groups[i][2])) < 2:  # one server: nothing to relay
+            holder = groups[i][0]
+            # one server: nothing to relay; a holder well below the slowest rank: relaying it cannot
+            # make the step faster (its servers only get more bytes)
+            if len(set(groups[i][2])) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
                 continue
+            others = [rows for j, rows in enumerate(later) if j != i and rows.size]
             best = None
             for fanout in [math.inf, *fanouts]:
                 order = tree_order(groups[i][2], groups[i][4], priority=now)
                 rows = relay_group(*groups[i], fanout, fanout, order=order)
-                depth = max(r[5] for r in rows)
-                new = now - current + seconds_of(rows) + max(depth - rounds, 0) * config.time_model.collective_s
+                new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), later_rows(rows)
+                new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
+                              others + ([new_later] if new_later.size else []))
                 if new.max() <= now.max() * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
                     if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
-                        best = (new, rows, depth, None if fanout == math.inf else (fanout, order))
+                        best = (new, rows, new_link, new_first, new_later,
+                                None if fanout == math.inf else (fanout, order))
             if best is not None:
-                now, chosen[i], rounds, trees[i] = best[0], best[1], max(rounds, best[2]), best[3]
+                now, chosen[i], later[i], trees[i] = best[0], best[1], best[4], best[5]
+                link_sum, first_sum = link_sum - link[i] + best[2], first_sum - first[i] + best[3]
+                link[i], first[i] = best[2], best[3]
     return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None)
+
+
+HOLDER_NEAR_SLOWEST = 0.95
+"""``relay_trees_where_they_help`` weighs trees only for holders predicted within this fraction of the
+slowest rank: relaying a holder's K/V takes bytes off its link and puts them on its servers', which
+makes the step faster only where that holder is (nearly) what the step waits for (plan time)."""
 
 
 def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
@@ -172,7 +206,7 @@ def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
     return dataclasses.replace(plan, relays=trees)
 
 
-def relay_where_it_helps(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(1, 2, 4),
+def relay_where_it_helps(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
                          transfers: KVTransfers | None = None, passes: int = 2) -> RelaySends:
     """The sends of ``relay_trees_where_they_help``: ``RelaySends`` delivering what ``transfers`` do
     (``relay_rank_seconds(..., sends=)`` times it; never slower than direct under the model)."""

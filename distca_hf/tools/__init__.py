@@ -10,6 +10,7 @@
     context_parallel  per-document context parallelism, head-tail balanced: the bench's CP baseline
     ulysses           DeepSpeed Ulysses (ALST) over distca's kernel: the bench's Ulysses baseline
     simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
+    simulate_tables   ``distca-hf simulate``'s text tables
     simulate_plot     ``distca-hf simulate --plot``: its figure
     profiling         ``distca-hf profile``: the time model's constants on this device
     kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side

@@ -69,22 +69,17 @@ from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenByt
 from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pieces, per_doc_cp_kv_received,
                                   smallest_degree, ulysses_degree_ok, ulysses_loads, wlb_steps)
 from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
+from ..planning.rank_time import sends_timing
+from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
 from ..planning.cost import H100_MEASURED, default_time_model
-from ..planning.pipeline_bound import bubble_gain, pipeline_floors
+from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
+from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
            "distca_plan", "default_planner_config", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table", "build_parser",
            "main"]
-
-METHODS = ("colocated", "wlb", "per_doc_cp", "ulysses", "distca")
-LABELS = {"colocated": "colocated packing", "wlb": "WLB-LLM packing", "per_doc_cp": "per-document CP",
-          "ulysses": "Ulysses SP", "distca": "distca"}
-PIPELINE_LABELS = {"colocated_1f1b": "stock 1F1B, colocated packing",
-                   "balanced_micro_batches": "stock 1F1B, micro-batches balanced for attention",
-                   "cad_per_stage": "stock 1F1B, CAD inside each stage",
-                   "cad_across_stages": "CAD across stages (lockstep 1F1B, bubbles serve)"}
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -128,8 +123,9 @@ def _planning_config(config: PlannerConfig, time_model: TimeModel, hidden_comm_f
     return dataclasses.replace(config, time_model=time_model, exposed_comm=1.0 - hidden_comm_fraction)
 
 
-def _timed(loads: RankLoads, time_model: TimeModel, hidden: float, backward: str = "saved") -> dict:
-    compute, exposed = loads_seconds(loads, time_model, 1.0 - hidden, backward)
+def _timed(loads: RankLoads, time_model: TimeModel, hidden: float, backward: str = "saved", rounds: int = 1,
+           wait_s=None) -> dict:
+    compute, exposed = loads_seconds(loads, time_model, 1.0 - hidden, backward, rounds=rounds, wait_s=wait_s)
     return {"t": float((compute + exposed).max()), "comm": float(exposed.max()), "imb": imbalance(loads.pairs),
             "bytes": float(loads.received.sum())}
 
@@ -157,10 +153,11 @@ def _colocated_memory(pieces: DocumentPieces, token_bytes: TokenBytes, prefix: s
 
 def default_planner_config() -> PlannerConfig:
     """The planner the simulator runs unless given one: the settings' defaults (``tolerance``,
-    ``memory_budget``), block 128, key-split tiles (the one home of it for ``simulate``,
+    ``memory_budget``, ``kv_relays``), block 128, key-split tiles (the one home of it for ``simulate``,
     ``simulate_pipeline`` and the examples that measure what it plans)."""
     return PlannerConfig(tolerance=SETTINGS["tolerance"].default, block=128,
-                         memory_budget=SETTINGS["memory_budget"].default, key_split=True)
+                         memory_budget=SETTINGS["memory_budget"].default, key_split=True,
+                         kv_relays=SETTINGS["kv_relays"].default)
 
 
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
@@ -221,7 +218,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         "hidden_comm_fraction": hidden_comm_fraction,
         "planner": {"tolerance": config.tolerance, "block": config.block, "backward": config.backward,
                     "memory_budget": config.memory_budget, "auto_planner": auto_planner,
-                    "kv_cap": config.kv_cap},
+                    "kv_cap": config.kv_cap, "kv_relays": config.kv_relays},
         "colocated": {"attn_imbalance": mean("colo_imb"), "step_time_s": step["colocated"],
                       "exposed_comm_s": mean("colo_comm"), **_memory_keys(mean, "colo")},
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
@@ -242,6 +239,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             **_memory_keys(mean, "dca"),
             "worst_memory_imbalance": float(max(acc["dca_mem_imb"])),
             "resend_batch_fraction": mean("dca_resend"),
+            "relayed_batch_fraction": mean("dca_relayed"),
+            "kv_exchange_rounds": {"mean": mean("dca_rounds"), "max": int(max(acc["dca_rounds"]))},
             "servers_per_long_document": {"mean": mean("dca_fan_mean"), "max": float(max(acc["dca_fan_max"]))},
         },
         "per_doc_cp": {
@@ -283,8 +282,10 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     packed in order), timed for every method of ``planning.pipeline_cost.PIPELINE_METHODS``;
     ``step_time_s`` is the mean over steps of one whole step (all ``layers`` layers, forward +
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
-    dtype_bytes`` bytes per token."""
-    config = config or default_planner_config()
+    dtype_bytes`` bytes per token. Every method plans without K/V relays (``kv_relays="off"``): a lockstep
+    tick's plan does not carry them (``pipeline_cost.attention_only``), and CAD inside each stage is
+    timed alike so the two compare as planned."""
+    config = dataclasses.replace(config or default_planner_config(), kv_relays="off")
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
@@ -358,8 +359,10 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     received = kv_received(transfers, ranks)[list(plan.servers)]  # only servers receive K/V
     cp_received = per_doc_cp_kv_received(pieces)
     colo = _timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden)
-    dca_loads = plan_loads(plan, pieces, config.token_bytes, transfers)
-    dca = _timed(dca_loads, time_model, hidden, plan.backward)
+    sends = plan_kv_sends(plan, pieces, transfers)  # along the plan's relay trees, if any
+    rounds, wait = sends_timing(sends, config.token_bytes, time_model, 1.0 - hidden, plan.backward, ranks)
+    dca_loads = plan_loads(plan, pieces, config.token_bytes, sends)
+    dca = _timed(dca_loads, time_model, hidden, plan.backward, rounds, wait)
     tb = config.token_bytes
     cp_rank_loads = cp_loads(docs, ranks, tokens_per_rank, cp_degree, tb)
     cp = _timed(cp_rank_loads, time_model, hidden)
@@ -394,7 +397,8 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         "tasks_max": float(tasks.max()), "tasks_mean": float(tasks.mean()),
         "shard_min": int((plan.q_end - plan.q_start)[shard].min()) if shard.any() else None,
         **dict(zip(("dca_fan_mean", "dca_fan_max"), long_document_servers(plan, pieces, tokens_per_rank))),
-        **memory, "dca_resend": float(plan.backward == "resend"),
+        **memory, "dca_resend": float(plan.backward == "resend"), "dca_rounds": rounds,
+        "dca_relayed": float(rounds > 1),
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
     }
 
@@ -414,102 +418,6 @@ def load_lengths(path) -> np.ndarray:
     if bad is not None:
         raise ValueError(f"--lengths: {path} holds {bad!r}; every document length must be a positive integer")
     return np.asarray(data, dtype=np.int64)
-
-
-def _label(method: str, result: dict) -> str:
-    degree = result.get(method, {}).get("degree") if method in ("per_doc_cp", "ulysses") else None
-    if degree == 1:  # no group: data parallel, whole documents per rank
-        return LABELS[method] + " (degree 1: data parallel)"
-    return LABELS[method] + (f" (degree {degree})" if degree else "")
-
-
-def _max_mean(stat: dict) -> str:
-    return f"{stat['max']:,.0f} / {stat['mean']:,.0f}"
-
-
-def format_table(result: dict) -> str:
-    d = result["distca"]
-    tm = result["time_model"]
-    best, tuned = result["best_baseline"], result["tuned_baseline"]
-    rows = [
-        ("ranks x tokens per rank", f"{result['ranks']} x {result['tokens_per_rank']} ({result['batches']} batches)"),
-        (f"estimated speedup vs best baseline ({_label(best, result)})", f"{result['speedup_vs_best_baseline']:.2f}x"),
-        ("estimated speedup vs colocated", f"{result['speedup_vs_colocated']:.2f}x"),
-        (f"vs the baselines tuned for speed ({_label(tuned['method'], {tuned['method']: tuned})})",
-         f"{result['speedup_vs_tuned_baseline']:.2f}x"),
-    ]
-    for m in METHODS:
-        r = result[m]
-        if r["step_time_s"] is None:
-            rows.append((f"layer time, {_label(m, result)}", f"n/a: {r['unavailable']}"))
-            continue
-        comm = r["exposed_comm_s"]
-        rows.append((f"layer time, {_label(m, result)} (of it: exposed comm)",
-                     f"{1e3 * r['step_time_s']:.2f} ms ({1e3 * comm:.2f} ms)"))
-    rows += [
-        ("time model", f"{tm['source']}; {tm['bytes_per_s'] / 1e9:g} GB/s per rank, "
-                       f"{100 * result['hidden_comm_fraction']:.0f}% of communication hidden"),
-        ("distca planner", f"tolerance {result['planner']['tolerance']}, block {result['planner']['block']}"),
-        ("attention imbalance, colocated", f"{result['colocated']['attn_imbalance']:.3f}"),
-        (f"attention imbalance, WLB-LLM packing (queue above {result['wlb']['threshold_tokens']} tokens)",
-         f"{result['wlb']['attn_imbalance']:.3f}"),
-        ("attention imbalance, distca (mean / worst)", f"{d['attn_imbalance']:.4f} / {d['worst_attn_imbalance']:.4f}"),
-        ("queries moved", f"{100 * d['moved_query_fraction']:.1f}%"),
-        ("distca tasks per server (max / mean), smallest moved shard",
-         f"{d['tasks_per_server']['max']:.1f} / {d['tasks_per_server']['mean']:.1f}, "
-         f"{'-' if d['smallest_shard_tokens'] is None else d['smallest_shard_tokens']} tokens"),
-        ("bytes per layer, distca", f"{d['comm_bytes_per_layer'] / 1e9:.3f} GB"),
-        (f"bytes per layer, {_label('per_doc_cp', result)}",
-         f"{result['per_doc_cp']['comm_bytes_per_layer'] / 1e9:.3f} GB"),
-    ]
-    if result["ulysses"]["step_time_s"] is not None:
-        rows.append((f"bytes per layer, {_label('ulysses', result)}",
-                     f"{result['ulysses']['comm_bytes_per_layer'] / 1e9:.3f} GB"))
-    rows += [
-        ("K/V tokens received per layer, distca (max / mean server)", _max_mean(d["kv_received_tokens_per_layer"])),
-        ("K/V tokens received per layer, CP of spanning documents (max / mean rank)",
-         _max_mean(result["per_doc_cp"]["kv_received_tokens_per_layer"])),
-        ("servers per long document, distca (mean / max)", "{mean:.1f} / {max:.0f}".format(**d["servers_per_long_document"])),
-        ("plan time (median)", f"{d['plan_ms_median']:.2f} ms"),
-    ]
-    for m in METHODS:
-        if "memory_imbalance" in result[m]:
-            added = result[m]["memory_bytes_per_layer"]
-            rows.append((f"memory for backward per layer, {_label(m, result)}: imbalance (added max / mean MB)",
-                         f"{result[m]['memory_imbalance']:.2f} ({added['max'] / 1e6:,.1f} / {added['mean'] / 1e6:,.1f})"))
-    rows.append(("distca batches planned in resend mode (memory budget)", f"{100 * d['resend_batch_fraction']:.0f}%"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def format_pipeline_table(pipeline: dict) -> str:
-    """The ``--pipeline-parallel`` section of the table."""
-    p, m, d = pipeline["stages"], pipeline["micro_batches"], pipeline["data_parallel"]
-    floors = pipeline["floor_step_time_s"]
-    rows = [("pipeline: stages x data-parallel pipelines, micro-batches per step",
-             f"{p} x {d}, {m} micro-batches of {pipeline['tokens_per_micro_batch_row']} tokens per row "
-             f"({pipeline['steps']} steps, {pipeline['layers']} layers, {pipeline['layers_per_stage']} per stage)")]
-    for method in PIPELINE_METHODS:
-        rows.append((f"step time, {PIPELINE_LABELS[method]} (bubble, attention imbalance)",
-                     f"{pipeline['step_time_s'][method]:.3f} s ({100 * pipeline['bubble_fraction'][method]:.0f}%, "
-                     f"{pipeline['attn_imbalance'][method]:.2f})"))
-    rows += [
-        ("speedup of CAD across stages vs stock 1F1B colocated", f"{pipeline['speedup_vs_colocated_1f1b']:.2f}x"),
-        ("speedup of CAD across stages vs balanced micro-batches",
-         f"{pipeline['speedup_vs_balanced_micro_batches']:.2f}x"),
-        ("speedup of CAD across stages vs CAD inside each stage", f"{pipeline['speedup_vs_cad_per_stage']:.2f}x"),
-        ("  bound on it (attention spread evenly, bytes only on documents' holders)",
-         f"{pipeline['speedup_bound_vs_cad_per_stage']:.2f}x (floors {floors['cad_per_stage']:.3f} / "
-         f"{floors['cad_across_stages']:.3f} s; attention {100 * pipeline['attention_share']:.0f}% of compute, equal micro-batches would gain "
-         f"{bubble_gain(stages=p, micro_batches=m, attention_share=pipeline['attention_share']):.2f}x)"),
-        ("micro-batches held per stage, 1F1B / CAD across stages",
-         f"{pipeline['held_micro_batches']['1f1b']} / {pipeline['held_micro_batches']['cad_across_stages']}"),
-        ("activations between stages per micro-batch", f"{1e3 * pipeline['p2p_s_per_micro_batch']:.2f} ms"),
-    ]
-    if "note" in pipeline:
-        rows.append(("note", pipeline["note"]))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -543,6 +451,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cap", type=cap.metadata["parse"], default=cap.default,
                         help="distca's cap on the K/V one server receives per layer: 'cp' (per-document CP's worst "
                              "rank of each batch), bytes, or 'none' (the kv_cap setting; needs --tolerance auto; "
+                             "default: %(default)s)")
+    relays = SETTINGS["kv_relays"]
+    parser.add_argument("--kv-relays", type=relays.metadata["parse"], default=relays.default,
+                        help="distca's K/V relays: 'auto' (trees placed by time where they make the step faster), "
+                             "'off' (every holder sends to every server) or a fanout (the kv_relays setting; "
                              "default: %(default)s)")
     parser.add_argument("--backward", choices=["saved", "resend"], default=SETTINGS["backward"].default,
                         help="distca's backward mode (the backward setting); under 'saved' a step whose plan would "
@@ -619,7 +532,7 @@ def run_cli(args, parser) -> int:
         token_bytes = TokenBytes.for_model(args.hidden, args.heads, args.kv_heads)
         config = PlannerConfig(tolerance=args.tolerance, block=args.block, token_bytes=token_bytes,
                                backward=args.backward, memory_budget=args.memory_budget, key_split=True,
-                               kv_cap=args.kv_cap)
+                               kv_cap=args.kv_cap, kv_relays=args.kv_relays)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
         time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
