@@ -185,3 +185,23 @@ def test_a_model_trains_exactly_through_relays(tmp_path):
         for rank, runs in exact_runs(per_overlap, 8):
             assert max(run["stats"]["kv_exchange_rounds"] for run in runs) >= 2, (overlap, rank)
         check_forward_bytes(per_overlap)
+
+
+def test_the_simulator_times_relays_and_never_predicts_them_slower():
+    """``distca-hf simulate`` with relays (the default) against ``kv_relays="off"`` on batches where
+    one long document spans ranks beside short ones: never a slower predicted layer, and the JSON says
+    which batches relayed and how many K/V rounds they ran."""
+    import dataclasses
+
+    from distca_hf.tools.simulate import default_planner_config, simulate
+
+    lengths = np.array([60000] * 3 + [500] * 400)
+    auto = simulate(lengths, 16, 16384, 3, seed=0)
+    off = simulate(lengths, 16, 16384, 3, seed=0, config=dataclasses.replace(default_planner_config(),
+                                                                             kv_relays="off"))
+    assert auto["planner"]["kv_relays"] == "auto" and off["planner"]["kv_relays"] == "off"
+    assert auto["distca"]["step_time_s"] <= off["distca"]["step_time_s"] * (1 + 1e-12)
+    assert off["distca"]["relayed_batch_fraction"] == 0 and off["distca"]["kv_exchange_rounds"]["max"] == 1
+    rounds = auto["distca"]["kv_exchange_rounds"]
+    assert auto["distca"]["relayed_batch_fraction"] > 0 and rounds["max"] > 1  # this batch's holders gain from trees
+    assert auto["distca"]["step_time_s"] < off["distca"]["step_time_s"]

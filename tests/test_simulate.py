@@ -28,7 +28,7 @@ MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer"}  # contract "memory
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
                "plan_ms_median", "kv_received_tokens_per_layer", "step_time_s", "exposed_comm_s", "tasks_per_server",
                "smallest_shard_tokens", "worst_memory_imbalance", "resend_batch_fraction",
-               "servers_per_long_document"} | MEMORY_KEYS
+               "servers_per_long_document", "relayed_batch_fraction", "kv_exchange_rounds"} | MEMORY_KEYS
 
 
 def _console_script(*args):
@@ -85,7 +85,7 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert 0.0 <= d["moved_query_fraction"] <= 1.0
     assert out["time_model"]["source"].startswith("built-in CUDA default") and out["hidden_comm_fraction"] == 0.0
     assert out["planner"] == {"tolerance": "auto", "block": 128, "backward": "saved", "memory_budget": 0.1,
-                              "auto_planner": "descent", "kv_cap": None}
+                              "auto_planner": "descent", "kv_cap": None, "kv_relays": "auto"}
     steps = {m: out[m]["step_time_s"] for m in ("colocated", "wlb", "per_doc_cp", "ulysses")}
     assert out["best_baseline"] == min(steps, key=steps.get)
     assert out["speedup_vs_best_baseline"] == pytest.approx(min(steps.values()) / d["step_time_s"])
