@@ -100,6 +100,12 @@ def relay_step_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig
     return float(seconds.max(initial=0.0)), rounds
 
 
+HOLDER_NEAR_SLOWEST = 0.95
+"""``relay_trees_where_they_help`` weighs trees only for holders predicted within this fraction of the
+slowest rank: relaying a holder's K/V takes bytes off its link and puts them on its servers', which
+makes the step faster only where that holder is (nearly) what the step waits for (plan time)."""
+
+
 def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
                                 transfers: KVTransfers | None = None, passes: int = 2) -> RelayTrees:
     """Relays placed by time on ``plan`` as it is (``Plan.relays``; ``relay_trees``): each (holder,
@@ -160,9 +166,8 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
             if len(set(groups[i][2])) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
                 continue
             others = [rows for j, rows in enumerate(later) if j != i and rows.size]
-            best = None
+            best, order = None, tree_order(groups[i][2], groups[i][4], priority=now)
             for fanout in [math.inf, *fanouts]:
-                order = tree_order(groups[i][2], groups[i][4], priority=now)
                 rows = relay_group(*groups[i], fanout, fanout, order=order)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), later_rows(rows)
                 new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
@@ -176,12 +181,6 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
                 link_sum, first_sum = link_sum - link[i] + best[2], first_sum - first[i] + best[3]
                 link[i], first[i] = best[2], best[3]
     return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None)
-
-
-HOLDER_NEAR_SLOWEST = 0.95
-"""``relay_trees_where_they_help`` weighs trees only for holders predicted within this fraction of the
-slowest rank: relaying a holder's K/V takes bytes off its link and puts them on its servers', which
-makes the step faster only where that holder is (nearly) what the step waits for (plan time)."""
 
 
 def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
