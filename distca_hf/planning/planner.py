@@ -31,7 +31,7 @@ from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colo
 from .descent import descend
 from .pieces import DocumentPieces
 from .rank_time import rank_seconds
-from .relay import apply_relays
+from .relay import timed_relays
 from .transfers import fit_memory_budget
 
 __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_plans", "CarvingProgress",
@@ -61,27 +61,30 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     if problem:
         raise ValueError(problem)
     plan = fit_memory_budget(next(tolerance_plans(pieces, config, (config.tolerance,))), pieces, config)
-    return apply_relays(plan, pieces, config)
+    return timed_relays(plan, pieces, config)[0]
 
 
 def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """``"auto"``'s plan with the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``), and
     under ``kv_relays="auto"`` the fastest predicted of it and the descents planned with cheaper bytes
-    (``RELAY_BYTE_DISCOUNTS``), each judged as ``"auto"`` judges a candidate (``by_time.judged``: the
-    memory budget, ``kv_cap``) and given relays by time; ties keep the planned one."""
-    best = apply_relays(plan, pieces, config)
+    (``RELAY_BYTE_DISCOUNTS``, in order, each tried only while the one before won), each judged as
+    ``"auto"`` judges a candidate (``by_time.judged``: the memory budget, ``kv_cap``) and given relays by
+    time; ties keep the planned one."""
+    best, best_seconds = timed_relays(plan, pieces, config)
     if config.kv_relays != "auto" or pieces.num_ranks < 3:  # a tree needs two servers besides the holder
         return best
-    best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
+    if best_seconds is None:
+        best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
     model = config.time_model
     for discount in RELAY_BYTE_DISCOUNTS:
         cheaper = dataclasses.replace(config, kv_relays="off",
                                       time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
         seconds, wider = judged(descend(pieces, cheaper, backward=config.backward), pieces, config)
         if not np.isfinite(seconds):  # past the kv_cap setting
-            continue
-        wider = apply_relays(wider, pieces, config)
-        seconds = float(rank_seconds(wider, pieces, config).max(initial=0.0))
-        if seconds < best_seconds:
-            best, best_seconds = wider, seconds
+            break
+        wider, relayed = timed_relays(wider, pieces, config)
+        seconds = relayed if relayed is not None else seconds
+        if seconds >= best_seconds:  # a wider one would spread further still: stop
+            break
+        best, best_seconds = wider, seconds
     return best

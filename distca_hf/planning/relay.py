@@ -51,7 +51,8 @@ from .relay_trees import (RelaySends, RelayTrees, check_fanout, holder_groups, r
 from .transfers import KVTransfers, kv_transfers
 
 __all__ = ["RelaySends", "relay_kv_sends", "relay_rank_bytes", "relay_plan_loads", "relay_rank_seconds",
-           "relay_step_seconds", "relay_where_it_helps", "relay_trees_where_they_help", "apply_relays"]
+           "relay_step_seconds", "relay_where_it_helps", "relay_trees_where_they_help", "apply_relays",
+           "timed_relays"]
 
 
 def relay_plan_loads(plan: Plan, pieces: DocumentPieces, token_bytes: TokenBytes, *, fanout=2, holder_fanout=None,
@@ -122,13 +123,19 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
     model (each accepted tree keeps every rank at or below the slowest before). What it cannot: it
     places trees on the plan as it is (``planner.RELAY_BYTE_DISCOUNTS`` plans wider ones), and a
     greedy over groups may miss a better set of trees."""
+    return _placed_trees(plan, pieces, config, fanouts=fanouts, transfers=transfers, passes=passes)[0]
+
+
+def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
+                  transfers: KVTransfers | None = None, passes: int = 2):
+    """``(trees, direct, relayed)``: ``relay_trees_where_they_help``'s trees and every rank's predicted
+    seconds (``[num_ranks]``) with direct sends and with the trees."""
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
     fanouts = [check_fanout("fanouts", f) for f in fanouts]
     n, kv, tm = plan.num_ranks, config.token_bytes.kv, config.time_model
     byte_s = tm.byte_seconds(config.exposed_comm, plan.backward)
     groups = holder_groups(transfers)
-    chosen = [relay_group(*g, math.inf, math.inf) for g in groups]
-    trees = [None] * len(groups)  # (fanout, members in tree order) of each relayed group
+    chosen, trees = {}, [None] * len(groups)  # the rows of each group weighed so far; (fanout, members) relayed
 
     def link_seconds(rows, first_only=False) -> np.ndarray:
         moved = np.zeros(n)
@@ -138,10 +145,12 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
                 moved[receiver] += (b - a) * kv
         return moved * byte_s
 
-    link = [link_seconds(rows) for rows in chosen]
-    first = [link_seconds(rows, True) for rows in chosen]
-    base = rank_seconds(plan, pieces, config, transfers).astype(np.float64) - sum(link, np.zeros(n))
-    link_sum, first_sum = sum(link, np.zeros(n)), sum(first, np.zeros(n))
+    moved = ((transfers.end - transfers.start) * kv).astype(np.float64)
+    link_sum = (np.bincount(transfers.source, moved, n) + np.bincount(transfers.server, moved, n)) * byte_s
+    first_sum = link_sum.copy()  # direct: every send in round 1
+    direct = rank_seconds(plan, pieces, config, transfers).astype(np.float64)
+    base = direct - link_sum
+    link, first = {}, {}
 
     def seconds(link_total, first_total, later: list) -> np.ndarray:
         """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
@@ -156,17 +165,20 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
     def later_rows(rows) -> np.ndarray:
         return np.asarray([r for r in rows if r[5] > 1], dtype=np.int64).reshape(-1, 6)
 
-    later = [later_rows(rows) for rows in chosen]  # empty for direct groups
-    now = seconds(link_sum, first_sum, [])
+    later = {}  # relayed groups' rows of rounds 2 and later
+    now = direct.copy()
     for _ in range(passes):
         for i in sorted(range(len(groups)), key=lambda g: -now[groups[g][0]]):
-            holder = groups[i][0]
+            holder, doc, servers, starts, ends = groups[i]
             # one server: nothing to relay; a holder well below the slowest rank: relaying it cannot
             # make the step faster (its servers only get more bytes)
-            if len(set(groups[i][2])) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
+            if len(set(servers)) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
                 continue
-            others = [rows for j, rows in enumerate(later) if j != i and rows.size]
-            best, order = None, tree_order(groups[i][2], groups[i][4], priority=now)
+            if i not in chosen:  # its direct sends, as transfers holds them
+                chosen[i] = [(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)]
+                link[i] = first[i] = link_seconds(chosen[i])
+            others = [rows for j, rows in later.items() if j != i]
+            best, order = None, tree_order(servers, ends, priority=now)
             for fanout in [math.inf, *fanouts]:
                 rows = relay_group(*groups[i], fanout, fanout, order=order)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), later_rows(rows)
@@ -177,10 +189,14 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
                         best = (new, rows, new_link, new_first, new_later,
                                 None if fanout == math.inf else (fanout, order))
             if best is not None:
-                now, chosen[i], later[i], trees[i] = best[0], best[1], best[4], best[5]
+                now, chosen[i], trees[i] = best[0], best[1], best[5]
+                if best[4].size:
+                    later[i] = best[4]
+                else:
+                    later.pop(i, None)
                 link_sum, first_sum = link_sum - link[i] + best[2], first_sum - first[i] + best[3]
                 link[i], first[i] = best[2], best[3]
-    return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None)
+    return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None), direct, now
 
 
 def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
@@ -188,21 +204,27 @@ def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
     a fanout: every (holder, document) group whose K/V two or more servers need, along trees of it;
     ``"auto"``: ``relay_trees_where_they_help``, kept only when the step it predicts is faster than
     direct's (a tree that only speeds up a rank that is not the slowest would add rounds for nothing)."""
+    return timed_relays(plan, pieces, config)[0]
+
+
+def timed_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[Plan, float | None]:
+    """``(apply_relays(plan, ...), its predicted step seconds)``; the seconds are ``None`` where no
+    relay was weighed (``kv_relays`` off, or no K/V range two servers need of one holder) or a fanout
+    was forced: then ``rank_time.step_seconds`` of the plan, not computed here."""
     if config.kv_relays == "off" or plan.relays is not None:
-        return plan
+        return plan, None
     transfers = kv_transfers(plan, pieces)
     groups = [g for g in holder_groups(transfers) if len(set(g[2])) > 1]
     if not groups:
-        return plan
+        return plan, None
     if config.kv_relays == "auto":
-        trees = relay_trees_where_they_help(plan, pieces, config, transfers=transfers)
-        if not trees.num_groups or rank_seconds(plan, pieces, config, trees.sends(transfers)).max() >= \
-                rank_seconds(plan, pieces, config, transfers).max():
-            return plan
-    else:
-        fanout = check_fanout("kv_relays", config.kv_relays)
-        trees = RelayTrees.of((g[0], g[1], fanout, tree_order(g[2], g[4])) for g in groups)
-    return dataclasses.replace(plan, relays=trees)
+        trees, direct, relayed = _placed_trees(plan, pieces, config, transfers=transfers)
+        if not trees.num_groups or relayed.max() >= direct.max():
+            return plan, float(direct.max(initial=0.0))
+        return dataclasses.replace(plan, relays=trees), float(relayed.max(initial=0.0))
+    fanout = check_fanout("kv_relays", config.kv_relays)
+    trees = RelayTrees.of((g[0], g[1], fanout, tree_order(g[2], g[4])) for g in groups)
+    return dataclasses.replace(plan, relays=trees), None
 
 
 def relay_where_it_helps(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),

@@ -97,16 +97,23 @@ class RelayTrees:
 
     def sends(self, transfers: KVTransfers) -> RelaySends:
         """The sends that deliver ``transfers`` (direct K/V sends of a plan or of a subset of it)
-        along these trees; groups not listed go direct."""
+        along these trees; groups not listed go direct (their sends as they are, round 1)."""
         ends = np.cumsum(self.member_counts)
         table = {(h, d): (f, self.members[e - n: e].tolist()) for h, d, f, n, e in
                  zip(self.holder.tolist(), self.doc.tolist(), self.fanout.tolist(), self.member_counts.tolist(),
                      ends.tolist())}
+        listed = np.zeros(transfers.source.size, dtype=bool)
+        if table:
+            width = int(max(transfers.doc.max(initial=0), self.doc.max(initial=0))) + 1
+            listed = np.isin(transfers.source * width + transfers.doc, self.holder * width + self.doc)
         rows = []
-        for group in holder_groups(transfers):
-            fanout, order = table.get((group[0], group[1]), (math.inf, []))
+        for group in holder_groups(transfers.subset(listed)) if listed.any() else ():
+            fanout, order = table[group[0], group[1]]
             rows.extend(relay_group(*group, fanout, fanout, order=order))
-        return as_sends(rows)
+        relayed, direct = as_sends(rows), transfers.subset(~listed)
+        return RelaySends(*(np.concatenate((getattr(direct, f), getattr(relayed, f)))
+                            for f in ("source", "server", "doc", "start", "end")),
+                          np.concatenate((np.ones(direct.source.size, dtype=np.int64), relayed.round)))
 
 
 def check_fanout(name: str, value) -> float:

@@ -43,6 +43,10 @@ class RangeSends:
     def tokens(self) -> int:
         return int((self.end - self.start).sum())
 
+    def subset(self, mask: np.ndarray):
+        """The sends selected by the boolean ``mask`` ``[num_sends]``, in order (the same class)."""
+        return type(self)(*(getattr(self, f.name)[mask] for f in dataclasses.fields(self)))
+
 
 @dataclass(frozen=True, eq=False)
 class KVTransfers(RangeSends):
