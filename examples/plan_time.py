@@ -1,5 +1,5 @@
-"""Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02 and ``auto`` without a memory
-budget, side by side in one process.
+"""Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02, ``auto`` without a memory
+budget and ``auto`` without K/V relays (``kv_relays="off"``), side by side in one process.
 
 Batches are drawn and packed the way ``distca-hf simulate`` does (``draw_batch``, ``pack_pieces``)
 from the shared length samples; every batch is planned with both configs, alternating, ``--repeats``
@@ -46,12 +46,13 @@ def _chosen(plan, pieces, config: PlannerConfig) -> str:
 
 
 def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats: int, seed: int = 1):
-    """``(auto ms, fixed ms, auto without a memory budget ms, chosen)``: medians over every batch and
-    repeat, and a count of the candidates ``auto`` chose."""
+    """``(auto ms, fixed ms, auto without a memory budget ms, auto without relays ms, chosen)``: medians
+    over every batch and repeat, and a count of the candidates ``auto`` chose."""
     rng = np.random.default_rng(seed)
     auto = dataclasses.replace(default_planner_config(), tolerance="auto")
     configs = {"auto": auto, "fixed": dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0]),
-               "unbounded": dataclasses.replace(auto, memory_budget=None)}
+               "unbounded": dataclasses.replace(auto, memory_budget=None),
+               "no relays": dataclasses.replace(auto, kv_relays="off")}
     times = {name: [] for name in configs}
     chosen = Counter()
     for _ in range(batches):
@@ -59,7 +60,7 @@ def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats:
         for i in range(repeats):
             # rotate which goes first, so none always meets a warm (or a cold) cache
             order = list(configs.items())
-            for name, config in order[i % 3:] + order[: i % 3]:
+            for name, config in order[i % len(order):] + order[: i % len(order)]:
                 start = time.perf_counter()
                 plan = plan_tasks(pieces, config)
                 times[name].append((time.perf_counter() - start) * 1e3)
@@ -81,15 +82,16 @@ def main(argv=None) -> int:
     gc.collect()
     gc.freeze()
     print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | auto without "
-          "a memory budget ms | budget ms | auto chose |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+          "a memory budget ms | auto without K/V relays ms | budget ms | auto chose |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in ("prolong", "wlbllm"):
         lengths = load_lengths(args.data / f"doc_lengths_{name}.json")
         for ranks, tokens, budget in SHAPES:
-            auto_ms, fixed_ms, unbounded_ms, chosen = measure(lengths, ranks, tokens, args.batches, args.repeats)
+            auto_ms, fixed_ms, unbounded_ms, direct_ms, chosen = measure(lengths, ranks, tokens, args.batches,
+                                                                         args.repeats)
             picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
             print(f"| {name} | {ranks} x {tokens // 1024}k | {auto_ms:.1f} | {fixed_ms:.1f} | {auto_ms / fixed_ms:.2f} "
-                  f"| {unbounded_ms:.1f} | {budget:g} | {picks} |", flush=True)
+                  f"| {unbounded_ms:.1f} | {direct_ms:.1f} | {budget:g} | {picks} |", flush=True)
     return 0
 
 
