@@ -28,7 +28,7 @@ import numpy as np
 from ..config import kv_cap_pairing_problem
 from .by_time import judged, plan_by_time
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
-from .descent import descend
+from .descent import DescentStart, descend
 from .pieces import DocumentPieces
 from .rank_time import rank_seconds
 from .relay import timed_relays
@@ -75,11 +75,12 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
         return best
     if best_seconds is None:
         best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
-    model = config.time_model
+    model, start = config.time_model, None
     for discount in RELAY_BYTE_DISCOUNTS:
         cheaper = dataclasses.replace(config, kv_relays="off",
                                       time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
-        seconds, wider = judged(descend(pieces, cheaper, backward=config.backward), pieces, config)
+        start = DescentStart(pieces, cheaper) if start is None else start.rebased(cheaper)
+        seconds, wider = judged(descend(pieces, cheaper, backward=config.backward, start=start), pieces, config)
         if not np.isfinite(seconds):  # past the kv_cap setting
             break
         wider, relayed = timed_relays(wider, pieces, config)

@@ -137,13 +137,13 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     groups = holder_groups(transfers)
     chosen, trees = {}, [None] * len(groups)  # the rows of each group weighed so far; (fanout, members) relayed
 
-    def link_seconds(rows, first_only=False) -> np.ndarray:
-        moved = np.zeros(n)
-        for sender, receiver, _, a, b, r in rows:
-            if not first_only or r == 1:
-                moved[sender] += (b - a) * kv
-                moved[receiver] += (b - a) * kv
-        return moved * byte_s
+    def link_seconds(rows: np.ndarray, first_only=False) -> np.ndarray:
+        """``[ranks]`` seconds of the K/V ``rows`` (``[sender, receiver, doc, start, end, round]``) on
+        their senders' and receivers' links (``first_only``: round 1's)."""
+        if first_only:
+            rows = rows[rows[:, 5] == 1]
+        moved = ((rows[:, 4] - rows[:, 3]) * kv).astype(np.float64)
+        return (np.bincount(rows[:, 0], moved, n) + np.bincount(rows[:, 1], moved, n)) * byte_s
 
     moved = ((transfers.end - transfers.start) * kv).astype(np.float64)
     link_sum = (np.bincount(transfers.source, moved, n) + np.bincount(transfers.server, moved, n)) * byte_s
@@ -162,8 +162,6 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
         wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
         return base + link_total + wait + (sends.rounds - 1) * tm.collective_s
 
-    def later_rows(rows) -> np.ndarray:
-        return np.asarray([r for r in rows if r[5] > 1], dtype=np.int64).reshape(-1, 6)
 
     later = {}  # relayed groups' rows of rounds 2 and later
     now = direct.copy()
@@ -175,13 +173,15 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
             if len(set(servers)) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
                 continue
             if i not in chosen:  # its direct sends, as transfers holds them
-                chosen[i] = [(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)]
+                chosen[i] = np.asarray([(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)],
+                                       dtype=np.int64)
                 link[i] = first[i] = link_seconds(chosen[i])
             others = [rows for j, rows in later.items() if j != i]
             best, order = None, tree_order(servers, ends, priority=now)
-            for fanout in [math.inf, *fanouts]:
-                rows = relay_group(*groups[i], fanout, fanout, order=order)
-                new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), later_rows(rows)
+            # direct is a candidate only for a group relayed in an earlier pass (else it is what it has)
+            for fanout in ([math.inf] if trees[i] is not None else []) + fanouts:
+                rows = np.asarray(relay_group(*groups[i], fanout, fanout, order=order), dtype=np.int64)
+                new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
                 new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
                               others + ([new_later] if new_later.size else []))
                 if new.max() <= now.max() * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
