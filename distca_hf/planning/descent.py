@@ -62,8 +62,6 @@ carvings and keeps the fastest.
 from __future__ import annotations
 
 import bisect
-import copy
-import dataclasses
 import heapq
 import math
 
@@ -140,18 +138,6 @@ class DescentStart:
         order = _sort_order((pieces.doc, longest - pieces.end, pieces.rank))
         self.by_rank = order[pieces.end[order] > pieces.start[order]]
         self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(n + 1)).tolist()
-
-    def rebased(self, config: PlannerConfig) -> "DescentStart":
-        """This start for ``config``, which may differ from its own only in the time model's
-        ``bytes_per_s`` and in ``kv_relays`` (nothing a start reads): the relay planner's descents with
-        cheaper bytes share one (``planner.RELAY_BYTE_DISCOUNTS``)."""
-        mine = self.config
-        if dataclasses.replace(config, kv_relays=mine.kv_relays, time_model=dataclasses.replace(
-                config.time_model, bytes_per_s=mine.time_model.bytes_per_s)) != mine:
-            raise ValueError("DescentStart.rebased: the config differs in more than bytes_per_s and kv_relays")
-        start = copy.copy(self)
-        start.config = config
-        return start
 
     def colocated_memory(self) -> BackwardMemory:
         """``transfers.backward_memory`` of the colocated plan in ``saved`` mode (computed once)."""

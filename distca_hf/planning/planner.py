@@ -21,6 +21,7 @@ re-exported here, where they lived before the carving had its own module.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -79,7 +80,7 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
     for discount in RELAY_BYTE_DISCOUNTS:
         cheaper = dataclasses.replace(config, kv_relays="off",
                                       time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
-        start = DescentStart(pieces, cheaper) if start is None else start.rebased(cheaper)
+        start = DescentStart(pieces, cheaper) if start is None else _rebased(start, cheaper)
         seconds, wider = judged(descend(pieces, cheaper, backward=config.backward, start=start), pieces, config)
         if not np.isfinite(seconds):  # past the kv_cap setting
             break
@@ -89,3 +90,17 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
             break
         best, best_seconds = wider, seconds
     return best
+
+
+def _rebased(start: DescentStart, config: PlannerConfig) -> DescentStart:
+    """``start`` for ``config``, which differs from ``start.config`` only in the time model's
+    ``bytes_per_s`` (nothing a ``DescentStart`` reads: its loads, linear and own attention times): the
+    descents with cheaper bytes share one (a start is read only)."""
+    mine = start.config
+    same = dataclasses.replace(config, time_model=dataclasses.replace(config.time_model,
+                                                                      bytes_per_s=mine.time_model.bytes_per_s))
+    if same != mine:
+        raise ValueError("a DescentStart is shared only by configs that differ in bytes_per_s")
+    shared = copy.copy(start)
+    shared.config = config
+    return shared
