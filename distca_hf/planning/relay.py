@@ -145,8 +145,9 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
         moved = ((rows[:, 4] - rows[:, 3]) * kv).astype(np.float64)
         return (np.bincount(rows[:, 0], moved, n) + np.bincount(rows[:, 1], moved, n)) * byte_s
 
-    moved = ((transfers.end - transfers.start) * kv).astype(np.float64)
-    link_sum = (np.bincount(transfers.source, moved, n) + np.bincount(transfers.server, moved, n)) * byte_s
+    every_send = np.stack([transfers.source, transfers.server, transfers.doc, transfers.start, transfers.end,
+                           np.ones_like(transfers.source)], axis=1)
+    link_sum = link_seconds(every_send)
     first_sum = link_sum.copy()  # direct: every send in round 1
     direct = rank_seconds(plan, pieces, config, transfers).astype(np.float64)
     base = direct - link_sum

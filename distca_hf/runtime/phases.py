@@ -281,8 +281,7 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
     else:
         dk_pool = fk.new_zeros(k_pool.shape).index_add_(0, served.k_index, fdk)
         dv_pool = fv.new_zeros(v_pool.shape).index_add_(0, served.k_index, fdv)
-    if w.relays and not w.local_only:
-        dk_pool, dv_pool = relay_kv_grads(w, dk_pool, dv_pool)
+    dk_pool, dv_pool = relay_kv_grads(w, dk_pool, dv_pool)  # (no relay rounds: the pools as they are)
     return dq_pool, dk_pool, dv_pool
 
 

@@ -285,12 +285,11 @@ def _relay_tables(kv: RangeSends, segments, rank: int, world: int) -> list[tuple
     forwards in the round, found among its K/V ``segments`` (``_server_tables``': its own pieces and
     everything it received, which a relay forwards in a later round than it arrived), and the rows it
     sends to / receives from each rank."""
-    rounds = sends_rounds(kv)
+    rounds, lengths = sends_rounds(kv), kv.end - kv.start
     tables = []
     for exchange_round in range(2, int(rounds.max(initial=1)) + 1):
         out = _sent_in_round(kv, rank, exchange_round)
         send_rows = _prefix_rows(kv.doc[out], kv.start[out], kv.end[out], *segments)
-        lengths = kv.end - kv.start
         send_counts = np.bincount(kv.server[out], weights=lengths[out], minlength=world).astype(np.int64)
         got = (kv.server == rank) & (rounds == exchange_round)
         recv_counts = np.bincount(kv.source[got], weights=lengths[got], minlength=world).astype(np.int64)

@@ -239,7 +239,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             **_memory_keys(mean, "dca"),
             "worst_memory_imbalance": float(max(acc["dca_mem_imb"])),
             "resend_batch_fraction": mean("dca_resend"),
-            "relayed_batch_fraction": mean("dca_relayed"),
+            "relayed_batch_fraction": float(np.mean(np.asarray(acc["dca_rounds"]) > 1)),
             "kv_exchange_rounds": {"mean": mean("dca_rounds"), "max": int(max(acc["dca_rounds"]))},
             "servers_per_long_document": {"mean": mean("dca_fan_mean"), "max": float(max(acc["dca_fan_max"]))},
         },
@@ -398,7 +398,6 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         "shard_min": int((plan.q_end - plan.q_start)[shard].min()) if shard.any() else None,
         **dict(zip(("dca_fan_mean", "dca_fan_max"), long_document_servers(plan, pieces, tokens_per_rank))),
         **memory, "dca_resend": float(plan.backward == "resend"), "dca_rounds": rounds,
-        "dca_relayed": float(rounds > 1),
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
     }
 
