@@ -181,7 +181,7 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
             best, order = None, tree_order(servers, ends, priority=now)
             # direct is a candidate only for a group relayed in an earlier pass (else it is what it has)
             for fanout in ([math.inf] if trees[i] is not None else []) + fanouts:
-                rows = np.asarray(relay_group(*groups[i], fanout, fanout, order=order), dtype=np.int64)
+                rows = relay_group(*groups[i], fanout, fanout, order=order)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
                 new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
                               others + ([new_later] if new_later.size else []))

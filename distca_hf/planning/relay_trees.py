@@ -28,6 +28,7 @@ rows before they go up), ``runtime/tables.py`` and ``runtime/phases.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -109,7 +110,7 @@ class RelayTrees:
         rows = []
         for group in holder_groups(transfers.subset(listed)) if listed.any() else ():
             fanout, order = table[group[0], group[1]]
-            rows.extend(relay_group(*group, fanout, fanout, order=order))
+            rows.append(relay_group(*group, fanout, fanout, order=order))
         relayed, direct = as_sends(rows), transfers.subset(~listed)
         return RelaySends(*(np.concatenate((getattr(direct, f), getattr(relayed, f)))
                             for f in ("source", "server", "doc", "start", "end")),
@@ -126,15 +127,20 @@ def check_fanout(name: str, value) -> float:
     return int(value)
 
 
-def _tree_depths(count: int, holder_fanout: float, fanout: float) -> tuple[list[int], list[int]]:
-    """``(parent, depth)`` of ``count`` servers in tree order: ``parent[j]`` is ``-1`` (the holder)
-    or the position of the server that forwards to ``j``; ``depth[j]`` >= 1 its round."""
+@functools.lru_cache(maxsize=1024)
+def _tree_shape(count: int, holder_fanout: float, fanout: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(parent, depth)`` (``[count]`` int64) of ``count`` servers in tree order: ``parent[j]`` is
+    ``-1`` (the holder) or the position of the server that forwards to ``j``; ``depth[j]`` >= 1 its
+    round. Cached (read-only arrays): the planner weighs the same few shapes thousands of times."""
     parent, depth = [], []
     for j in range(count):
         p = -1 if j < holder_fanout else int((j - holder_fanout) // fanout)
         parent.append(p)
         depth.append(1 if p < 0 else depth[p] + 1)
-    return parent, depth
+    shape = np.asarray(parent, dtype=np.int64), np.asarray(depth, dtype=np.int64)
+    for a in shape:
+        a.flags.writeable = False
+    return shape
 
 
 def relay_kv_sends(transfers: KVTransfers, *, fanout=2, holder_fanout=None) -> RelaySends:
@@ -152,10 +158,7 @@ def relay_kv_sends(transfers: KVTransfers, *, fanout=2, holder_fanout=None) -> R
         receives in ``transfers`` exactly once."""
     fanout = check_fanout("fanout", fanout)
     holder_fanout = fanout if holder_fanout is None else check_fanout("holder_fanout", holder_fanout)
-    rows = []
-    for group in holder_groups(transfers):
-        rows.extend(relay_group(*group, holder_fanout, fanout))
-    return as_sends(rows)
+    return as_sends([relay_group(*group, holder_fanout, fanout) for group in holder_groups(transfers)])
 
 
 def holder_groups(transfers: KVTransfers) -> list[tuple[int, int, list, list, list]]:
@@ -175,16 +178,22 @@ def holder_groups(transfers: KVTransfers) -> list[tuple[int, int, list, list, li
 
 
 def as_sends(rows) -> RelaySends:
-    """``(sender, receiver, doc, start, end, round)`` rows as ``RelaySends``, contiguous ranges of one
-    (sender, receiver, document, round) merged into one send."""
-    merged: list[list[int]] = []
-    for sender, receiver, d, s, e, r in sorted(rows):
-        last = merged[-1] if merged else None
-        if last is not None and (last[0], last[1], last[2], last[5]) == (sender, receiver, d, r) and last[4] == s:
-            last[4] = e
-        else:
-            merged.append([sender, receiver, d, s, e, r])
-    sender, receiver, d, s, e, r = np.array(merged, dtype=np.int64).reshape(-1, 6).T
+    """``[sender, receiver, doc, start, end, round]`` rows (an int64 ``[k, 6]`` array, or a list of
+    them) as ``RelaySends``, contiguous ranges of one (sender, receiver, document, round) merged into
+    one send."""
+    rows = np.concatenate(rows) if isinstance(rows, list) and rows else np.asarray(rows, dtype=np.int64)
+    rows = rows.reshape(-1, 6)
+    if rows.shape[0]:
+        rows = rows[np.lexsort((rows[:, 3], rows[:, 5], rows[:, 2], rows[:, 1], rows[:, 0]))]
+        # a row continues the one before when it has the same (sender, receiver, doc, round) and starts
+        # where that one ends (each token reaches a receiver once, so nothing lies between them)
+        joins = np.all(rows[1:, [0, 1, 2, 5]] == rows[:-1, [0, 1, 2, 5]], axis=1) & (rows[1:, 3] == rows[:-1, 4])
+        first = np.concatenate(([True], ~joins))
+        last = np.concatenate((~joins, [True]))
+        merged = rows[first]
+        merged[:, 4] = rows[last, 4]
+        rows = merged
+    sender, receiver, d, s, e, r = rows.T
     order = np.lexsort((s, receiver, r, d, sender))
     return RelaySends(sender[order], receiver[order], d[order], s[order], e[order], r[order])
 
@@ -202,22 +211,33 @@ def tree_order(servers: list, ends: list, priority=None, order=None) -> list:
 
 
 def relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
-                fanout: float, priority=None, order=None) -> list[tuple[int, int, int, int, int, int]]:
-    """The relayed sends ``(sender, receiver, doc, start, end, round)`` of one holder's K/V of one
-    document to the servers that need it (lists, one entry per direct send): one tree per elementary
-    range between consecutive start/end points, its members in ``tree_order``."""
-    members_order = tree_order(servers, ends, priority, order)
-    points = sorted(set(starts) | set(ends))
-    out = []
-    for a, b in zip(points[:-1], points[1:]):
-        covered = {s for s, lo, hi in zip(servers, starts, ends) if lo <= a and b <= hi}
-        if not covered:
-            continue
-        members = [s for s in members_order if s in covered]
-        parent, depth = _tree_depths(len(members), holder_fanout, fanout)
-        for j, receiver in enumerate(members):
-            out.append((holder if parent[j] < 0 else members[parent[j]], receiver, doc, a, b, depth[j]))
-    return out
+                fanout: float, priority=None, order=None) -> np.ndarray:
+    """The relayed sends of one holder's K/V of one document to the servers that need it (lists, one
+    entry per direct send): one tree per elementary range between consecutive start/end points, its
+    members in ``tree_order``. Returns ``[k, 6]`` int64 rows ``[sender, receiver, doc, start, end,
+    round]``, range after range, each range's members in tree order."""
+    members = np.asarray(tree_order(servers, ends, priority, order), dtype=np.int64)
+    place = {s: i for i, s in enumerate(members.tolist())}
+    server_place = np.fromiter((place[s] for s in servers), np.int64, len(servers))
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    points = np.unique(np.concatenate((starts, ends)))
+    lo, hi = points[:-1], points[1:]
+    # [ranges, tree places]: does the member at that place need the range (any of its sends covers it)
+    needs = np.zeros((lo.size, members.size), dtype=bool)
+    covering, send = np.nonzero((starts <= lo[:, None]) & (hi[:, None] <= ends))
+    needs[covering, server_place[send]] = True
+    ranges, places = np.nonzero(needs)  # range-major; within a range, members in tree order
+    if not ranges.size:
+        return np.zeros((0, 6), dtype=np.int64)
+    counts = np.bincount(ranges, minlength=lo.size)
+    first = np.cumsum(counts) - counts  # each range's first entry in (ranges, places)
+    position = np.arange(ranges.size) - first[ranges]  # 0-based place in that range's tree
+    parent, depth = _tree_shape(int(counts.max()), holder_fanout, fanout)
+    parent = parent[position]
+    forwarder = members[places[first[ranges] + np.maximum(parent, 0)]]
+    sender = np.where(parent < 0, holder, forwarder)
+    return np.stack((sender, members[places], np.full(ranges.size, doc, dtype=np.int64), lo[ranges], hi[ranges],
+                     depth[position]), axis=1)
 
 
 def plan_kv_sends(plan: Plan, pieces: DocumentPieces, transfers: KVTransfers | None = None) -> RangeSends:
