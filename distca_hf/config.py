@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import math
+import numbers
 import os
 import zlib
 from dataclasses import dataclass, field, fields
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
-           "PIPELINE_SCHEDULES"]
+           "setting_problem", "read_setting_text", "is_integer", "plain_number", "FLAG_WORDS", "settings_fingerprint",
+           "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
+           "OVERLAP_MODES", "MODES", "KERNELS", "PIPELINE_SCHEDULES"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -36,10 +38,58 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
 """The ``pipeline_schedule`` names (contract "pipeline parallelism"); ``runtime.pipeline_schedules`` builds them."""
 
 
+# ---- numbers: Python's and numpy's alike ----
+
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer: a Python ``int`` or any other ``numbers.Integral`` (numpy's
+    ``np.int64``, as sizes computed with numpy come), bools excluded (``True`` is no count). The one
+    integer test of the settings, the plugin's sizes and the packing checks."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def plain_number(value):
+    """``value`` with a numpy number as the Python ``int`` / ``float`` it stands for (anything else
+    as is), so that settings compare, print and fingerprint alike on every rank however they were made."""
+    if is_integer(value) and type(value) is not int:
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
+            and type(value) is not float:
+        return float(value)
+    return value
+
+
+# ---- text: the one spelling rule of the DISTCA_* variables (and the examples' text flags) ----
+
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+"""The spellings of a true/false variable (``DISTCA_SPAN_RANKS``), matched in any case."""
+
+
+def _words(words: dict, otherwise=None, expected: str | None = None):
+    """A setting's ``parse`` (the text of its variable -> its value) under the one rule every variable
+    follows: surrounding whitespace is ignored and a word of ``words`` (``auto``, ``none``, ``off``, a
+    choice, a flag's ``true``) matches in any case (``AUTO``, `` Off ``). Other text goes to
+    ``otherwise`` (``float``, ``int``) or, without one, is refused as ``"must be <expected>, got ..."``."""
+    def parse(text: str):
+        text = text.strip()
+        if text.lower() in words:
+            return words[text.lower()]
+        if otherwise is None:
+            raise ValueError(f"must be {expected or f'one of {list(words)}'} (in any case), got {text!r}")
+        return otherwise(text)
+    parse.words = tuple(words)  # read by the tests of the rule
+    parse.__name__ = "/".join([*words, *([otherwise.__name__.strip("_")] if otherwise else [])])  # argparse's errors
+    return parse
+
+
+def _path(text: str) -> str:
+    """A path's text, surrounding whitespace removed (a path keeps its case)."""
+    return text.strip()
+
+
 # ---- checks: each returns what is wrong, as "must be ..., got ...", or None ----
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _tolerance_problem(value):
@@ -48,18 +98,10 @@ def _tolerance_problem(value):
                 f"got {value!r}")
 
 
-def _parse_tolerance(text: str):
-    return "auto" if text.lower() == "auto" else float(text)
-
-
 def _memory_budget_problem(value):
     if value is not None and not (_is_number(value) and value >= 0):
         return (f"must be a number >= 0 (the worst rank may hold (1 + memory_budget) x the mean over ranks of what "
                 f"they hold for attention's backward per layer) or None (unbounded), got {value!r}")
-
-
-def _parse_memory_budget(text: str):
-    return None if text.lower() == "none" else float(text)
 
 
 def _kv_cap_problem(value):
@@ -77,25 +119,15 @@ def kv_cap_pairing_problem(kv_cap, tolerance) -> str | None:
     return None
 
 
-def _parse_kv_cap(text: str):
-    lowered = text.strip().lower()
-    return None if lowered == "none" else "cp" if lowered == "cp" else float(text)
-
-
 def _kv_relays_problem(value):
-    if value not in ("auto", "off") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value not in ("auto", "off") and not (is_integer(value) and value >= 1):
         return (f"must be 'auto' (relay trees placed by time where they make the step faster), 'off' (every holder "
                 f"sends to every server) or an integer fanout >= 1 (every K/V range several servers need goes along "
                 f"trees of that fanout), got {value!r}")
 
 
-def _parse_kv_relays(text: str):
-    lowered = text.strip().lower()
-    return lowered if lowered in ("auto", "off") else int(text)
-
-
 def _block_problem(value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and not (is_integer(value) and value >= 1):
         return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
 
 
@@ -169,7 +201,7 @@ def _servers_problem(value):
     if value is None:
         return None
     ranks = list(value) if isinstance(value, (list, tuple)) else None
-    if (not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks)
+    if (not ranks or any(not is_integer(r) or r < 0 for r in ranks)
             or len(set(ranks)) != len(ranks)):
         return (f"must be a non-empty list of distinct ranks >= 0 (indices into the attention-server group), "
                 f"got {value!r}")
@@ -180,17 +212,8 @@ def _flag_problem(value):
         return f"must be True or False, got {value!r}"
 
 
-def _parse_flag(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true"):
-        return True
-    if lowered in ("0", "false"):
-        return False
-    raise ValueError(f"expected 0 or 1, got {text!r}")
-
-
 def _micro_batches_problem(value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and not (is_integer(value) and value >= 1):
         return (f"must be an integer >= 1 (micro-batches per optimizer step and pipeline) or None (DistCATrainer: "
                 f"its gradient_accumulation_steps, at least pipeline_parallel_size), got {value!r}")
 
@@ -203,9 +226,18 @@ def _one_of(choices):
     return problem
 
 
-def setting(default, *, check, help: str, env: str | None = None, parse=str, agree: bool = True, fingerprint=None):
+def _choice(choices):
+    """The ``parse`` of a choice setting: its choices in any case, other text left for the check to refuse."""
+    return _words({c: c for c in choices}, _path)
+
+
+_flag = _words(FLAG_WORDS, expected="1, true, yes or on (True), or 0, false, no or off (False)")
+
+
+def setting(default, *, check, help: str, env: str | None = None, parse=_path, agree: bool = True, fingerprint=None):
     """A field of the settings table. ``env``: its ``DISTCA_*`` variable (``None``: code and files
-    only); ``parse``: text of the variable -> value; ``agree``: every rank of a server group must
+    only); ``parse``: text of the variable -> value (``_words``: one spelling rule for all; a choice
+    setting's words are its choices); ``agree``: every rank of a server group must
     use the same value (it enters ``settings_fingerprint``, through ``fingerprint(value)`` when
     given: what must be equal, e.g. a file's contents)."""
     return field(default=default, metadata={"env": env, "parse": parse, "check": check, "help": help,
@@ -221,20 +253,20 @@ class DistCAConfig:
     """
 
     tolerance: float | str = setting(
-        "auto", env="DISTCA_TOLERANCE", parse=_parse_tolerance, check=_tolerance_problem,
+        "auto", env="DISTCA_TOLERANCE", parse=_words({"auto": "auto"}, float), check=_tolerance_problem,
         help="'auto': plan by time (the time model's fastest step; work moves only while the move pays); a number: "
              "a hard bound on max/mean - 1 of attention load (query-key pairs) over servers, smaller balances more "
              "tightly and moves more bytes")
     block: int | None = setting(
-        None, parse=int, check=_block_problem,
+        None, parse=_words({"none": None}, int), check=_block_problem,
         help="shard granularity in tokens: every CA-task cut is a multiple of it; None: by device (128 on CUDA, the "
              "flash kernels' tile; 1 on CPU)")
     backward: str = setting(
-        "saved", env="DISTCA_BACKWARD", check=_one_of(BACKWARD_MODES),
+        "saved", env="DISTCA_BACKWARD", parse=_choice(BACKWARD_MODES), check=_one_of(BACKWARD_MODES),
         help="'saved': servers keep what their backward needs (fewer bytes); 'resend': servers keep nothing and "
              "sources send q, k, v, out again in backward (flat server memory, more bytes)")
     memory_budget: float | None = setting(
-        0.1, env="DISTCA_MEMORY_BUDGET", parse=_parse_memory_budget, check=_memory_budget_problem,
+        0.1, env="DISTCA_MEMORY_BUDGET", parse=_words({"none": None}, float), check=_memory_budget_problem,
         help="bound on what a plan makes ranks hold for attention's backward in one layer, as a fraction over the "
              "mean: the worst rank holds at most (1 + memory_budget) x the mean over ranks of what they hold (their "
              "own tokens' q, k, v, out and log-sum-exp plus what the plan adds: memory_imbalance <= 1 + "
@@ -246,7 +278,7 @@ class DistCAConfig:
              "shared samples at 8-512 ranks, at about a tenth of the speedup on the rows with documents spanning "
              "many ranks (they need resend mode); None: unbounded")
     kv_cap: float | str | None = setting(
-        None, env="DISTCA_KV_CAP", parse=_parse_kv_cap, check=_kv_cap_problem,
+        None, env="DISTCA_KV_CAP", parse=_words({"none": None, "cp": "cp"}, float), check=_kv_cap_problem,
         help="a cap on the K/V one attention server receives per layer (forward; what 'saved' mode keeps for "
              "backward and 'resend' mode receives again; per plan: each ping-pong nano-batch, each wave's copy "
              "apart): 'cp' caps every server at per-document context parallelism's worst rank for the batch (every "
@@ -257,7 +289,7 @@ class DistCAConfig:
              "(docs/planner.md) 'cp' makes the predicted layer 1.03-3.2x slower (median 1.3x) and distca slower "
              "than the best baseline on 5 of 18, as long documents' prefixes may no longer travel")
     kv_relays: str | int = setting(
-        "auto", env="DISTCA_KV_RELAYS", parse=_parse_kv_relays, check=_kv_relays_problem,
+        "auto", env="DISTCA_KV_RELAYS", parse=_words({"auto": "auto", "off": "off"}, int), check=_kv_relays_problem,
         help="K/V relays: servers that received a K/V prefix forward it to the next servers that need it, along "
              "trees, so the rank holding a long document sends each range a few times instead of once per server "
              "(one more K/V exchange per tree level in the forward, and the K/V gradients summed back up the trees "
@@ -266,22 +298,22 @@ class DistCAConfig:
              "range that two or more servers need goes along trees of that fanout (1: a chain; for tests and "
              "measurements)")
     overlap: str = setting(
-        "none", env="DISTCA_OVERLAP", check=_one_of(OVERLAP_MODES),
+        "none", env="DISTCA_OVERLAP", parse=_choice(OVERLAP_MODES), check=_one_of(OVERLAP_MODES),
         help="how the dispatch's communication overlaps compute: 'none', 'wave' (any model) or 'pingpong' "
              "(Llama-family decoder stacks)")
     timeout_s: float = setting(
-        600.0, env="DISTCA_TIMEOUT_S", parse=float, check=_timeout_problem, agree=False,
+        600.0, env="DISTCA_TIMEOUT_S", parse=_words({}, float), check=_timeout_problem, agree=False,
         help="seconds a distca collective may wait for a peer before raising DistCATimeoutError (at most 1e9, about "
              "31 years: longer waits overflow datetime.timedelta)")
     mode: str = setting(
-        "distca", check=_one_of(MODES), agree=False,
+        "distca", parse=_choice(MODES), check=_one_of(MODES), agree=False,
         help="'distca' redistributes attention; 'colocated' runs each rank's own documents with the same kernel "
              "and no communication (the baseline of distca-hf bench)")
     servers: tuple[int, ...] | None = setting(
         None, check=_servers_problem,
         help="indices, within the attention-server group, of the ranks that serve attention (None: all of them)")
     span_ranks: bool = setting(
-        False, env="DISTCA_SPAN_RANKS", parse=_parse_flag, check=_flag_problem,
+        False, env="DISTCA_SPAN_RANKS", parse=_flag, check=_flag_problem,
         help="the server group's ranks hold consecutive pieces of one global token stream, one row per rank: a "
              "row whose first document starts at position p > 0 continues the last document of the previous rank")
     time_model: object = setting(
@@ -290,10 +322,11 @@ class DistCAConfig:
              "CPU: 2 gloo processes measured; scaled to the model's heads), a `distca-hf profile` JSON path, or a "
              "TimeModel")
     kernel: str = setting(
-        "auto", env="DISTCA_KERNEL", check=_one_of(KERNELS), agree=False,
+        "auto", env="DISTCA_KERNEL", parse=_choice(KERNELS), check=_one_of(KERNELS), agree=False,
         help="the varlen attention kernel backend: 'auto' picks the fastest usable one")
     pipeline_schedule: str = setting(
-        "1f1b", env="DISTCA_PIPELINE_SCHEDULE", check=_one_of(PIPELINE_SCHEDULES),
+        "1f1b", env="DISTCA_PIPELINE_SCHEDULE", parse=_choice(PIPELINE_SCHEDULES),
+        check=_one_of(PIPELINE_SCHEDULES),
         help="how the stages run the micro-batches of a step when pipeline_parallel_size > 1: 'gpipe' (torch's "
              "ScheduleGPipe: every forward, then every backward; holds all micro-batches' activations), '1f1b' "
              "(torch's Schedule1F1B: one forward, one backward in steady state; CAD inside each stage's data-parallel "
@@ -301,7 +334,7 @@ class DistCAConfig:
              "one plan per tick pooled over all data x pipeline ranks; needs equal layers per stage, holds up to "
              "2(P-s)-1 micro-batches on stage s)")
     pipeline_micro_batches: int | None = setting(
-        None, env="DISTCA_PIPELINE_MICRO_BATCHES", parse=int, check=_micro_batches_problem,
+        None, env="DISTCA_PIPELINE_MICRO_BATCHES", parse=_words({"none": None}, int), check=_micro_batches_problem,
         help="micro-batches (packed rows per data-parallel rank) each pipeline runs per optimizer step when "
              "pipeline_parallel_size > 1; DistCATrainer makes it its gradient_accumulation_steps (None: "
              "TrainingArguments.gradient_accumulation_steps, at least pipeline_parallel_size). More micro-batches "
@@ -312,6 +345,10 @@ class DistCAConfig:
     def __post_init__(self):
         if isinstance(self.servers, list):
             object.__setattr__(self, "servers", tuple(self.servers))
+        if isinstance(self.servers, tuple):
+            object.__setattr__(self, "servers", tuple(plain_number(r) for r in self.servers))
+        for name in SETTINGS:  # np.int64(4) is 4: accepted, and equal (and fingerprinted) as 4
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         for name in SETTINGS:
             problem = setting_problem(name, getattr(self, name))
             if problem:
@@ -338,6 +375,23 @@ def _check_names(settings: dict, source: str) -> None:
         raise TypeError(f"unknown distca settings {sorted(unknown)} ({source}); expected some of {sorted(SETTINGS)}")
 
 
+def read_setting_text(name: str, text: str):
+    """The value of setting ``name`` that ``text`` (its ``DISTCA_*`` variable, or a text flag of the
+    examples) stands for, checked; every variable is read here, under one spelling rule (``_words``).
+    Refused as ``ValueError("must be ..., got ...")``: what is accepted, in the words of the setting's
+    parse or check."""
+    f = SETTINGS[name]
+    try:
+        value = f.metadata["parse"](text)
+    except ValueError as e:  # float('x'): the check says what is accepted
+        problem = str(e) if str(e).startswith("must be ") else f.metadata["check"](text.strip()) or str(e)
+        raise ValueError(problem) from None
+    problem = setting_problem(name, value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 def _from_environment(skip=()) -> dict:
     values = {}
     for name, f in SETTINGS.items():
@@ -346,13 +400,9 @@ def _from_environment(skip=()) -> dict:
             continue
         raw = os.environ[var]
         try:
-            value = f.metadata["parse"](raw.strip())
+            values[name] = read_setting_text(name, raw)
         except ValueError as e:
-            raise ValueError(f"invalid {var}={raw!r}: {e}") from None
-        problem = setting_problem(name, value)
-        if problem:
-            raise ValueError(f"invalid {var}={raw!r}: distca {name} {problem}")
-        values[name] = value
+            raise ValueError(f"invalid {var}={raw!r}: distca {name} {e}") from None
     return values
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,9 +24,16 @@ VALID = {"tolerance": 0.3, "block": 64, "backward": "resend", "overlap": "wave",
          "mode": "colocated", "servers": (0, 2), "span_ranks": True, "kernel": "math", "time_model": TIME_MODEL_JSON,
          "pipeline_schedule": "cad_1f1b", "pipeline_micro_batches": 4, "memory_budget": 0.5, "kv_cap": "cp", "kv_relays": 2}
 INVALID = {"tolerance": -1.0, "block": 0, "backward": "later", "overlap": "sideways", "timeout_s": 0,
-           "mode": "remote", "servers": (1, 1), "span_ranks": "yes", "kernel": "triton",
+           "mode": "remote", "servers": (1, 1), "span_ranks": "maybe", "kernel": "triton",
            "time_model": "/no/such/time_model.json", "pipeline_schedule": "zero_bubble", "pipeline_micro_batches": 0,
            "memory_budget": -1.0, "kv_cap": -1.0, "kv_relays": 0}
+NUMPY_VALID = {"tolerance": np.float32(0.5), "block": np.int64(64), "memory_budget": np.float64(0.5),
+               "kv_cap": np.int64(1 << 20), "kv_relays": np.int64(2), "timeout_s": np.int32(7),
+               "servers": (np.int64(0), np.int16(2)), "pipeline_micro_batches": np.int64(4)}
+"""Every numeric setting given as numpy numbers (a size computed with numpy): accepted as Python's."""
+BOOL_INVALID = {"block": True, "kv_relays": True, "servers": (True,), "pipeline_micro_batches": True,
+                "timeout_s": True, "tolerance": False, "memory_budget": True, "kv_cap": True}
+"""The same settings given a bool: no count, refused as before."""
 
 
 def test_every_setting_is_declared_once_and_everything_else_follows():
@@ -54,6 +63,98 @@ def test_each_variable_is_read_and_checked(monkeypatch, name):
     monkeypatch.setenv(variable, str(INVALID[name]))
     with pytest.raises(ValueError, match=f"invalid {variable}="):
         distca_hf.current_config()
+
+
+@pytest.mark.parametrize("name", sorted(NUMPY_VALID))
+def test_numpy_numbers_are_accepted_as_the_python_numbers_they_stand_for(name):
+    """``np.int64(64)`` was refused wherever an int is accepted ("must be an integer ..."). It is an
+    integer: accepted, and kept as the plain Python number, so configs compare and fingerprint alike on
+    every rank; a bool is still refused."""
+    value = NUMPY_VALID[name]
+    plain = tuple(int(r) for r in value) if isinstance(value, tuple) else value.item()
+    config = DistCAConfig(**{name: value})
+    assert getattr(config, name) == plain and type(getattr(config, name)) is type(plain)
+    assert config == DistCAConfig(**{name: plain})
+    assert settings_fingerprint(config) == settings_fingerprint(DistCAConfig(**{name: plain}))
+    assert getattr(DistCAPlugin(**{name: value}).resolved(), name) == plain
+    assert setting_problem(name, value) is None
+    with pytest.raises(ValueError, match=f"distca {name} must be"):
+        distca_hf.configure(**{name: BOOL_INVALID[name]})
+    with pytest.raises(ValueError, match=f"DistCAPlugin.{name} must be"):
+        DistCAPlugin(**{name: BOOL_INVALID[name]})
+
+
+def test_plugin_sizes_take_numpy_integers_and_refuse_bools():
+    plugin = DistCAPlugin(data_parallel_size=np.int64(2), pipeline_parallel_size=np.int32(1),
+                          tensor_parallel_size=np.int64(1))
+    sizes = (plugin.data_parallel_size, plugin.pipeline_parallel_size, plugin.tensor_parallel_size)
+    assert sizes == (2, 1, 1) and all(type(size) is int for size in sizes)
+    accelerate_like = SimpleNamespace(dp_replicate_size=np.int64(1), dp_shard_size=np.int64(2), tp_size=np.int64(2),
+                                      cp_size=np.int64(1), sp_size=1)
+    said = DistCAPlugin(parallelism_config=accelerate_like).parallel_sizes()
+    assert (said.data_parallel, said.tensor_parallel) == (2, 2) and type(said.data_parallel) is int
+    for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
+        with pytest.raises(ValueError, match=f"DistCAPlugin.{name} must be an integer >= 1, got True"):
+            DistCAPlugin(**{name: True})
+
+
+FLAG_SPELLINGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                  "off": False}
+KEYWORDS = {"tolerance": {"auto": "auto"}, "memory_budget": {"none": None}, "kv_cap": {"cp": "cp", "none": None},
+            "kv_relays": {"auto": "auto", "off": "off"}, "pipeline_micro_batches": {"none": None}}
+"""The words of the variables that take a number or a word."""
+
+
+def _variable_words(name: str) -> dict:
+    """The words ``DISTCA_<name>`` accepts -> the value each stands for: a choice setting's choices, a
+    true/false setting's spellings, another setting's keywords."""
+    f = SETTINGS[name]
+    choices = getattr(f.metadata["check"], "choices", None)
+    if choices:
+        return {choice: choice for choice in choices}
+    return FLAG_SPELLINGS if f.type == "bool" else KEYWORDS.get(name, {})
+
+
+WORDED = [name for name, f in SETTINGS.items() if f.metadata["env"] and _variable_words(name)]
+
+
+def test_every_choice_or_true_false_variable_is_covered():
+    choice_or_flag = {name for name, f in SETTINGS.items() if f.metadata["env"] and (
+        getattr(f.metadata["check"], "choices", None) or f.type == "bool")}
+    assert choice_or_flag == {"backward", "overlap", "span_ranks", "kernel", "pipeline_schedule"}
+    assert choice_or_flag < set(WORDED)
+
+
+@pytest.mark.parametrize("name, word", [(name, word) for name in WORDED for word in _variable_words(name)])
+def test_a_variable_word_matches_in_any_case_and_surrounded_by_spaces(monkeypatch, name, word):
+    """One spelling rule for every ``DISTCA_*`` variable: ``DISTCA_TOLERANCE=AUTO`` and ``DISTCA_KV_RELAYS=Off``
+    were read, but ``DISTCA_BACKWARD=Saved`` or ``DISTCA_KERNEL=MATH`` refused, and ``DISTCA_SPAN_RANKS`` took
+    ``TRUE`` but not ``yes`` / ``on``."""
+    variable, expected = SETTINGS[name].metadata["env"], _variable_words(name)[word]
+    for spelling in (word, word.upper(), word.title(), f"  {word}\t", f" {word.upper()} "):
+        monkeypatch.setenv(variable, spelling)
+        value = getattr(distca_hf.current_config(), name)
+        assert value == expected and type(value) is type(expected), spelling
+
+
+@pytest.mark.parametrize("name", WORDED)
+def test_a_bad_variable_names_itself_its_value_and_what_is_accepted(monkeypatch, name):
+    variable = SETTINGS[name].metadata["env"]
+    for bad in ("Sideways", " maybe ", ""):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValueError) as error:
+            distca_hf.current_config()
+        message = str(error.value)
+        assert message.startswith(f"invalid {variable}={bad!r}: distca {name} must be "), message
+        assert all(word in message.lower() for word in _variable_words(name)), message
+
+
+def test_text_flags_of_the_examples_follow_the_variables_rule():
+    from distca_hf.training import DistCAArguments
+
+    assert DistCAArguments(tolerance=" AUTO ", kv_relays="Off", kv_cap="CP").plugin().resolved().kv_relays == "off"
+    with pytest.raises(ValueError, match=r"invalid --tolerance 'sometimes': distca tolerance must be .*'auto'"):
+        DistCAArguments(tolerance="sometimes").plugin()
 
 
 def test_timeout_is_bounded_where_datetime_timedelta_still_holds_it(monkeypatch):

@@ -206,6 +206,21 @@ def test_packing_config_refuses_a_seed_that_is_not_an_integer_and_flags_that_are
     assert pack_rows(lengths, config)[0] == pack_rows(lengths, PackingConfig(tokens_per_rank=8, seed=3))[0]
 
 
+def test_packing_config_takes_numpy_integers_as_ints_and_still_refuses_bools():
+    """``PackingConfig(tokens_per_rank=np.int64(4096))`` (a size computed with numpy) was refused as "must
+    be an integer": numpy integers are integers wherever an int is (kept as Python ints); bools stay refused."""
+    config = PackingConfig(tokens_per_rank=np.int64(8), window=np.int32(4), pad_token_id=np.uint16(3), seed=np.int8(2))
+    assert all(type(getattr(config, name)) is int for name in ("tokens_per_rank", "window", "pad_token_id", "seed"))
+    assert config == PackingConfig(tokens_per_rank=8, window=4, pad_token_id=3, seed=2)
+    assert PackingConfig(tokens_per_rank=np.int64(4096)).tokens_per_rank == 4096
+    lengths = [3, 5, 7, 2, 6, 4, 8, 1, 5, 3]
+    assert pack_rows(lengths, config)[0] == pack_rows(lengths, PackingConfig(8, window=4, seed=2))[0]
+    for name, bad in (("tokens_per_rank", True), ("tokens_per_rank", np.bool_(True)), ("window", True),
+                      ("pad_token_id", False), ("tokens_per_rank", np.int64(1)), ("tokens_per_rank", 8.0)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= "):
+            PackingConfig(**{"tokens_per_rank": 8, name: bad})
+
+
 def test_pack_rows_refuses_negative_and_fractional_lengths_naming_the_document():
     # a negative document was dropped silently, 4.9 tokens packed as 4
     config = PackingConfig(tokens_per_rank=8, shuffle=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 from distca_hf.patches import TESTED_MODEL_TYPES
 from helpers import FAMILIES, VOCAB, assert_grads_close, objective_weights, param_grads, per_document_reference, tiny_model
@@ -275,6 +275,37 @@ def test_no_warning_from_a_forward_after_import(family, attn):
         model.eval()
         model(input_ids=ids, use_cache=True)
         model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_output_attentions_warns_as_sdpa_does_instead_of_returning_nothing_silently():
+    """distca cannot return attention weights (each CA-task's scores live on the rank serving it).
+    ``output_attentions=True`` gave ``outputs.attentions == ()`` without a word; transformers' ``sdpa``
+    and flash attention, which cannot return them either, warn once naming ``output_attentions`` and
+    ``eager`` and return no weights: distca does the same (and ``eager`` still returns them)."""
+    import warnings
+
+    from transformers import LlamaConfig
+
+    def llama(attn):  # a config each: from_config writes the attention implementation into it
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+    model, sdpa = llama("distca"), llama("sdpa")
+    assert model.config._attn_implementation == "distca"
+    docs = _documents([5, 7])
+    packed = dict(input_ids=torch.cat(docs)[None], position_ids=torch.cat([torch.arange(len(d)) for d in docs])[None])
+    with pytest.warns(UserWarning, match=r"output_attentions=True.*attn_implementation='eager'") as caught:
+        ours = model(**packed, output_attentions=True)
+    assert len(caught) == 1  # once, not per layer
+    assert ours.attentions == sdpa(**packed, output_attentions=True).attentions == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**packed, output_attentions=True)  # said once per process
+        model(**packed)  # not asked: nothing to say
+    model.set_attn_implementation("eager")
+    weights = model(input_ids=docs[0][None], output_attentions=True).attentions
+    assert len(weights) == 2 and weights[0].shape == (1, 4, 5, 5)
 
 
 # ---- more families: each model type's tiny config, packed documents against each alone ----

@@ -24,6 +24,7 @@ import torch
 from ..errors import UnsupportedAttentionError
 from ..kernels import AttentionVariant, varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
+from ..state import warn_once
 from .model_inputs import document_arguments
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward",
@@ -72,6 +73,24 @@ def refuse_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) ->
             f"distca does not support attention sinks ({name} has learned sink logits, e.g. gpt-oss); "
             "use attn_implementation='eager' or 'flash_attention_2'"
         )
+
+
+NO_ATTENTION_WEIGHTS = (
+    "distca: output_attentions=True, but attn_implementation='distca' never materialises attention weights (each "
+    "CA-task's scores are computed on the rank that serves it and dropped there): outputs.attentions has no "
+    "weights, as with 'sdpa' and 'flash_attention_2'. Use attn_implementation='eager' (from_pretrained, or "
+    "model.set_attn_implementation('eager')) to get attention weights")
+
+
+def warn_no_attention_weights(kwargs: dict) -> None:
+    """A one-time warning when a forward asks for attention weights (``output_attentions=True``). distca,
+    like transformers' ``sdpa`` and flash-attention functions, computes attention without the weights; it
+    answers as they do (the layers return ``None`` weights, so ``outputs.attentions`` is an empty tuple,
+    after a warning naming ``output_attentions`` and ``eager``), so a job that asks for them everywhere
+    runs on as under ``sdpa``, but never gets an empty tuple without a word. ``config.output_attentions
+    = True`` is refused by transformers itself for any implementation but ``eager``."""
+    if kwargs.get("output_attentions"):
+        warn_once("output_attentions", NO_ATTENTION_WEIGHTS, stacklevel=4)
 
 
 # Where model families keep their attention dropout probability (GPT-2 and friends: attn_pdrop).
@@ -188,6 +207,7 @@ def distca_attention_forward(
     """HF attention function. query ``[B, H, S, D]``, key ``[B, H_kv, S_kv, D]``, value ``[B, H_kv,
     S_kv, D_v]`` -> ``([B, S, H, D_v], None)``; attention weights are never materialised."""
     refuse_unsupported(module, dropout, kwargs)
+    warn_no_attention_weights(kwargs)
     query, key, value = to_compute_dtype(query, key, value)
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads, value_dim = key.shape[2], key.shape[1], value.shape[-1]

@@ -114,7 +114,10 @@ FEATURES = (
             "kernels cannot, so capped layers run on `math` (slower; a one-time warning says so)"),
     Feature("`cu_seq_lens` with batch > 1", "allowed when every row starts a document; a document crossing rows is "
             "refused (below)"),
-    Feature("`output_attentions`", "attention weights are never materialised; returns `None` like `sdpa`"),
+    Feature("`output_attentions`", "attention weights are never materialised: as with `sdpa`, `outputs.attentions` "
+            "holds no weights (an empty tuple) and a one-time warning names `output_attentions` and "
+            "`attn_implementation=\"eager\"`, which returns them; `config.output_attentions=True` is refused by "
+            "transformers"),
     Feature("documents longer than a rank", "with `span_ranks=True` (see Documents longer than a rank): pieces on several ranks, "
             "exact"),
 )

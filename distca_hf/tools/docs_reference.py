@@ -53,7 +53,7 @@ def settings_markdown() -> str:
     """The settings reference: every setting of ``distca_hf.config.SETTINGS`` (name, ``DISTCA_*``
     variable, flag of the examples, values, default, whether ranks must agree, help), then the fields
     of ``DistCAPlugin`` that are not settings (process topology)."""
-    from ..config import SETTINGS
+    from ..config import FLAG_WORDS, SETTINGS
     from ..training.plugin import DistCAPlugin
 
     lines = [
@@ -66,7 +66,11 @@ def settings_markdown() -> str:
         "variable > a `distca:` section of a YAML file (`DistCAPlugin.from_accelerate_config(path)`, "
         "`--distca_config FILE` in the examples, or the file `distca-hf launch` points every process at with "
         "`DISTCA_CONFIG_FILE`) > the default. Variables are read when a plan is made; an invalid value is an "
-        "error naming the variable (or the field, flag or file key it came from).",
+        "error naming the variable (or the field, flag or file key it came from), its value and what is accepted. "
+        "Every variable is spelt the same way: surrounding spaces are ignored and its words (`auto`, `none`, `off`, "
+        "`cp`, a setting's choices) match in any case (`AUTO`, `Off`); a true/false variable takes "
+        + " and ".join(" / ".join(f"`{w}`" for w, v in FLAG_WORDS.items() if v is truth) + f" for {truth}"
+                       for truth in (True, False)) + ".",
         "",
         "The examples' flags (`distca_hf.training.DistCAArguments`) are the settings' names: `--tolerance 0.05`, "
         "`--servers 0 1`, `--span_ranks false` (dashes work as well as underscores). A flag left out leaves the "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import field, make_dataclass
 from typing import Literal, Optional
 
-from ..config import SETTINGS
+from ..config import SETTINGS, read_setting_text
 
 __all__ = ["DistCAArguments"]
 
@@ -70,9 +70,9 @@ def _plugin(self, **overrides):
     given = {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
     for name in _TEXT_SETTINGS & given.keys():
         try:
-            given[name] = SETTINGS[name].metadata["parse"](str(given[name]).strip())
+            given[name] = read_setting_text(name, str(given[name]))
         except ValueError as error:
-            raise ValueError(f"invalid --{name} {given[name]!r}: {error}") from None
+            raise ValueError(f"invalid --{name} {given[name]!r}: distca {name} {error}") from None
     given.update(overrides)
     if self.distca_config:
         return DistCAPlugin.from_accelerate_config(self.distca_config, **given)
@@ -81,7 +81,7 @@ def _plugin(self, **overrides):
 
 _TEXT_SETTINGS = frozenset(name for name, setting in SETTINGS.items()
                            if _flag_type(name, setting) is str and str(setting.type) != "str")
-"""Settings whose flag takes text that the table's ``parse`` reads (as it reads their variable)."""
+"""Settings whose flag takes text, read as their variable is (``config.read_setting_text``)."""
 
 DistCAArguments = make_dataclass(
     "DistCAArguments",

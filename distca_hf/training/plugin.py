@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import SETTINGS, DistCAConfig, apply_file_settings, configure, reset_config, resolve
+from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number, reset_config,
+                      resolve)
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
@@ -64,7 +65,7 @@ def _positive_int_problem(optional: bool):
     def problem(value):
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not (is_integer(value) and value >= 1):
             return f"must be an integer >= 1, got {value!r}"
     return problem
 
@@ -128,7 +129,9 @@ class DistCAPlugin(_SettingFields):
         if self.servers is not None:
             if isinstance(self.servers, (str, bytes)) or not hasattr(self.servers, "__iter__"):
                 raise ValueError(f"DistCAPlugin.servers must be a list of ranks, got {self.servers!r}")
-            self.servers = tuple(self.servers)
+            self.servers = tuple(plain_number(r) for r in self.servers)
+        for f in _checked_fields():  # numpy numbers (np.int64(2) from a computed size) as Python's
+            setattr(self, f.name, plain_number(getattr(self, f.name)))
         _validate({f.name: getattr(self, f.name) for f in _checked_fields()}, source="DistCAPlugin")
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="the distca: section")
@@ -307,10 +310,10 @@ def _sizes_of_parallelism_config(config, name: str) -> _Said:
     for attribute in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
         value = getattr(config, attribute, 1)
         value = 1 if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not (is_integer(value) and value >= 1):
             raise ValueError(f"{name}.{attribute} must be an integer >= 1 (an accelerate ParallelismConfig), got "
                              f"{value!r} from {type(config).__name__}")
-        sizes[attribute] = value
+        sizes[attribute] = int(value)
     for attribute, what in (("cp_size", "context parallelism (ring attention over a sequence cut into pieces)"),
                             ("sp_size", "sequence parallelism (DeepSpeed ALST/Ulysses)")):
         if sizes[attribute] > 1:

@@ -16,6 +16,8 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from ...config import is_integer
+
 
 IGNORE_INDEX = -100
 """The label of a token that is not trained (``transformers``' ``ignore_index``)."""
@@ -108,13 +110,10 @@ class PackingConfig:
     balance_micro_batches: bool = False
 
     def __post_init__(self):
-        if isinstance(self.tokens_per_rank, bool) or not isinstance(self.tokens_per_rank, int) \
-                or self.tokens_per_rank < 2:
-            raise ValueError(f"tokens_per_rank must be an integer >= 2, got {self.tokens_per_rank!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1 (documents), got {self.window!r}")
-        if isinstance(self.pad_token_id, bool) or not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
-            raise ValueError(f"pad_token_id must be a token id >= 0, got {self.pad_token_id!r}")
+        # numpy integers (np.int64(4096), a size computed with numpy) are integers: checked and kept as int
+        for name, minimum, what in (("tokens_per_rank", 2, " (tokens)"), ("window", 1, " (documents)"),
+                                    ("pad_token_id", 0, " (a token id)")):
+            object.__setattr__(self, name, check_integer(name, getattr(self, name), minimum, what))
         object.__setattr__(self, "seed", check_seed(self.seed))
         for name in ("length_aware", "shuffle", "balance_micro_batches"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
@@ -377,20 +376,16 @@ def _check_lengths(lengths) -> list[int]:
     return checked
 
 
-def is_integer(value) -> bool:
-    """Whether ``value`` is an integer (Python or numpy), bools excluded: the one test the packing checks share."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def check_positive(name: str, value) -> int:
     """``value`` as an int, refused (naming ``name``) unless an integer >= 1."""
     return check_integer(name, value, 1)
 
 
-def check_integer(name: str, value, minimum: int) -> int:
-    """``value`` as an int (numpy integers too), refused (naming ``name``) unless an integer >= ``minimum``."""
+def check_integer(name: str, value, minimum: int, what: str = "") -> int:
+    """``value`` as an int (numpy integers too), refused (naming ``name``, and ``what`` it counts) unless
+    an integer >= ``minimum``."""
     if not is_integer(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}{what}, got {value!r}")
     return int(value)
 
 
