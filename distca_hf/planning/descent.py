@@ -136,8 +136,11 @@ class DescentStart:
         # each rank's own query intervals (pieces), latest end first (tails move first)
         longest = int(pieces.end.max(initial=0))
         order = _sort_order((pieces.doc, longest - pieces.end, pieces.rank))
-        self.by_rank = order[pieces.end[order] > pieces.start[order]]
-        self.rank_start = np.searchsorted(pieces.rank[self.by_rank], np.arange(n + 1)).tolist()
+        by_rank = order[pieces.end[order] > pieces.start[order]]
+        self.rank_start = np.searchsorted(pieces.rank[by_rank], np.arange(n + 1)).tolist()
+        # ... as (doc, piece start, end, piece) tuples, made once for all the batch's descents
+        self.intervals = list(zip(pieces.doc[by_rank].tolist(), pieces.start[by_rank].tolist(),
+                                  pieces.end[by_rank].tolist(), by_rank.tolist()))
 
     def colocated_memory(self) -> BackwardMemory:
         """``transfers.backward_memory`` of the colocated plan in ``saved`` mode (computed once)."""
@@ -159,6 +162,7 @@ class _Descent:
         self.pieces, self.n, self.window, self.block = pieces, n, config.window, config.block
         self.servers = start.servers
         self.is_server = np.isin(np.arange(n), self.servers).tolist()  # (Python bools: read in hot loops)
+        self.every_rank_serves = all(self.is_server)
         tm, tb = config.time_model, config.token_bytes
         self.attn, self.key_s, self.task_s = tm.attn_s_per_pair, tm.task_key_s, tm.task_s
         self.q, self.o, self.kv = tb.q, tb.o, tb.kv
@@ -183,10 +187,10 @@ class _Descent:
         # (server, doc) -> keys [start, end) it needs (lists replaced, never changed in place)
         self.needs: dict[tuple[int, int], list[int]] = dict(start.needs)
         self.doc_servers: dict[int, set[int]] = {doc: set(ranks) for doc, ranks in start.doc_servers.items()}
-        # each rank's own query intervals [doc, piece start, end, piece], latest end first (tails move
-        # first), made into Python lists only for the ranks the descent looks at
-        self.by_rank, self.rank_start = start.by_rank, start.rank_start
-        self.listed: dict[int, list[list[int]]] = {}
+        # each rank's own query intervals (doc, piece start, end, piece), latest end first (tails move
+        # first), copied from the start's only for the ranks the descent looks at
+        self.all_intervals, self.rank_start = start.intervals, start.rank_start
+        self.listed: dict[int, list[tuple[int, int, int, int]]] = {}
         self.cut: dict[int, int] = {}  # piece -> the end of what stays at home (its start: nothing)
         self.rows: list[list[int]] = []  # moved tasks [source, server, doc, q_start, q_end]
         self.merge_at: dict[tuple[int, int, int, int], int] = {}  # (server, source, doc, start) -> row
@@ -209,13 +213,11 @@ class _Descent:
         self.kv_cap = start.kv_cap
         self.received = start._received.tolist() if self.kv_cap is not None and self.kv > 0 else None
 
-    def intervals(self, rank: int) -> list[list[int]]:
-        """The rank's own intervals still at home, ``[doc, piece start, end, piece]``, latest end first."""
+    def intervals(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """The rank's own intervals still at home, ``(doc, piece start, end, piece)``, latest end first."""
         listed = self.listed.get(rank)
         if listed is None:
-            p, mine = self.pieces, self.by_rank[self.rank_start[rank]:self.rank_start[rank + 1]]
-            listed = self.listed[rank] = [list(iv) for iv in zip(p.doc[mine].tolist(), p.start[mine].tolist(),
-                                                                   p.end[mine].tolist(), mine.tolist())]
+            listed = self.listed[rank] = self.all_intervals[self.rank_start[rank]:self.rank_start[rank + 1]]
         return listed
 
     def has_work(self, rank: int) -> bool:
@@ -445,7 +447,7 @@ class _Descent:
         self.cut[piece] = a
         intervals.pop(index)
         if a > piece_start:
-            bisect.insort(intervals, [doc, piece_start, a, piece], key=lambda iv: -iv[2])
+            bisect.insort(intervals, (doc, piece_start, a, piece), key=lambda iv: -iv[2])
 
     # -- the descent --------------------------------------------------------------------------------
 
@@ -490,9 +492,10 @@ class _Descent:
                     known = set(servers) if servers else set()
                     if holders and room:
                         known.update(holders)
-                    known = [r for r in sorted(known) if is_server[r] and r != donor]
+                    known.discard(donor)
+                    pool = sorted(known) if self.every_rank_serves else [r for r in sorted(known) if is_server[r]]
                     # (the LEAST_LOADED fastest, ties to the lowest rank: a stable sort of ranks in order)
-                    candidates = sorted(known, key=time.__getitem__)[:LEAST_LOADED]
+                    candidates = sorted(pool, key=time.__getitem__)[:LEAST_LOADED]
                 else:
                     known, candidates = (), []
                 # ...then, within the fan-out bound, the servers predicted fastest

@@ -36,18 +36,23 @@ from .relay import timed_relays
 from .transfers import fit_memory_budget
 
 __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_plans", "CarvingProgress",
-           "PLANNING_MARGIN", "DocumentPieces", "RELAY_BYTE_DISCOUNTS"]
+           "PLANNING_MARGIN", "DocumentPieces", "RELAY_BYTE_DISCOUNTS", "RELAY_DISCOUNT_PATIENCE"]
 
-RELAY_BYTE_DISCOUNTS = (4.0, 8.0)
+RELAY_BYTE_DISCOUNTS = (4.0, 8.0, 16.0)
 """Under ``tolerance="auto"`` and ``kv_relays="auto"``, the descent is also run as if bytes cost these
 times less (``bytes_per_s`` multiplied), which spreads long documents over more servers; each such plan,
 fitted to the memory budget and given relay trees by time, competes with the planned one under the
 true time model (``_with_relays``). A descent that prices direct sends fans a document out only as
 far as its holders' links allow; with relays a new server costs its parent's link instead, which
 these discounts stand in for. Measured (H100 model, nothing hidden; ``docs/planner.md``): prolong
-64 x 512k 2375 -> 1774 ms a layer, 512 x 128k 991 -> 732 ms, at 3-4x the plan time (two more
-descents: 18 -> 81 ms and 97 -> 258 ms, under 1% of a 32-layer step there); 4 alone keeps most
-of it at 64 x 512k and less at 512 x 128k (824 ms)."""
+64 x 512k 2375 -> 1774 ms a layer, 512 x 128k 991 -> 732 ms with 4 and 8. Which discount wins is not
+monotone (the descent is greedy: on prolong 512 x 32k one batch's plan is 0.89x the planned one's
+speed at 4, 1.10x at 8 and 1.22x at 16), so the search goes on past a discount that loses and stops
+after ``RELAY_DISCOUNT_PATIENCE`` in a row."""
+
+RELAY_DISCOUNT_PATIENCE = 2
+"""``_with_relays`` stops after this many discounts in a row whose plan is not faster than the best so
+far (each costs a descent: about a third of the plan time at 512 ranks)."""
 
 
 def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) -> Plan:
@@ -68,7 +73,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
 def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """``"auto"``'s plan with the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``), and
     under ``kv_relays="auto"`` the fastest predicted of it and the descents planned with cheaper bytes
-    (``RELAY_BYTE_DISCOUNTS``, in order, each tried only while the one before won), each judged as
+    (``RELAY_BYTE_DISCOUNTS``, in order, until ``RELAY_DISCOUNT_PATIENCE`` in a row do not win), each judged as
     ``"auto"`` judges a candidate (``by_time.judged``: the memory budget, ``kv_cap``) and given relays by
     time; ties keep the planned one."""
     best, best_seconds = timed_relays(plan, pieces, config)
@@ -76,7 +81,7 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
         return best
     if best_seconds is None:
         best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
-    model, start = config.time_model, None
+    model, start, misses = config.time_model, None, 0
     for discount in RELAY_BYTE_DISCOUNTS:
         cheaper = dataclasses.replace(config, kv_relays="off",
                                       time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
@@ -86,9 +91,12 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
             break
         wider, relayed = timed_relays(wider, pieces, config)
         seconds = relayed if relayed is not None else seconds
-        if seconds >= best_seconds:  # a wider one would spread further still: stop
-            break
-        best, best_seconds = wider, seconds
+        if seconds >= best_seconds:
+            misses += 1
+            if misses >= RELAY_DISCOUNT_PATIENCE:
+                break
+            continue
+        best, best_seconds, misses = wider, seconds, 0
     return best
 
 

@@ -75,10 +75,11 @@ def relay_wait_seconds(sends: RangeSends, kv_bytes: int, byte_seconds: float, nu
     if deepest <= 1:
         return np.zeros(num_ranks)
     moved = ((sends.end - sends.start) * kv_bytes).astype(np.float64)
-    per_round = np.zeros((deepest + 1, num_ranks))
-    np.add.at(per_round, (rounds, sends.source), moved)
-    np.add.at(per_round, (rounds, sends.server), moved)
-    per_round *= byte_seconds
+    # every send's bytes on its sender's and its receiver's link in its round (one bincount: the same
+    # sums in the same order as adding senders' then receivers')
+    slots = np.concatenate((rounds * num_ranks + sends.source, rounds * num_ranks + sends.server))
+    per_round = np.bincount(slots, np.concatenate((moved, moved)), (deepest + 1) * num_ranks)
+    per_round = per_round.reshape(deepest + 1, num_ranks) * byte_seconds
     if first_round is not None:
         per_round[1] = first_round
     ready = per_round[1].copy()

@@ -46,8 +46,8 @@ from .carving import Plan, PlannerConfig
 from .cost import TokenBytes
 from .pieces import DocumentPieces
 from .rank_time import plan_loads, rank_seconds, relay_wait_seconds
-from .relay_trees import (RelaySends, RelayTrees, check_fanout, holder_groups, relay_group, relay_kv_sends,
-                          tree_order)
+from .relay_trees import (RelaySends, RelayTrees, check_fanout, group_layout, holder_groups, layout_rows,
+                          relay_kv_sends, tree_order)
 from .transfers import KVTransfers, kv_transfers
 
 __all__ = ["RelaySends", "relay_kv_sends", "relay_rank_bytes", "relay_plan_loads", "relay_rank_seconds",
@@ -179,9 +179,10 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
                 link[i] = first[i] = link_seconds(chosen[i])
             others = [rows for j, rows in later.items() if j != i]
             best, order = None, tree_order(servers, ends, priority=now)
+            layout = group_layout(servers, starts, ends, order=order)
             # direct is a candidate only for a group relayed in an earlier pass (else it is what it has)
             for fanout in ([math.inf] if trees[i] is not None else []) + fanouts:
-                rows = relay_group(*groups[i], fanout, fanout, order=order)
+                rows = layout_rows(layout, holder, doc, fanout, fanout)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
                 new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
                               others + ([new_later] if new_later.size else []))

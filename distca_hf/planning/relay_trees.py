@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from .pieces import DocumentPieces
 from .transfers import KVTransfers, RangeSends, kv_transfers
 
 __all__ = ["RelaySends", "RelayTrees", "relay_kv_sends", "plan_kv_sends", "check_fanout", "holder_groups",
-           "relay_group", "as_sends", "sends_rounds"]
+           "relay_group", "group_layout", "layout_rows", "GroupLayout", "as_sends", "sends_rounds"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -210,12 +211,26 @@ def tree_order(servers: list, ends: list, priority=None, order=None) -> list:
     return sorted(reach, key=lambda s: (place.get(s, len(place)), first(s), -reach[s], s))
 
 
-def relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
-                fanout: float, priority=None, order=None) -> np.ndarray:
-    """The relayed sends of one holder's K/V of one document to the servers that need it (lists, one
-    entry per direct send): one tree per elementary range between consecutive start/end points, its
-    members in ``tree_order``. Returns ``[k, 6]`` int64 rows ``[sender, receiver, doc, start, end,
-    round]``, range after range, each range's members in tree order."""
+class GroupLayout(NamedTuple):
+    """Where the trees of one (holder, document) go, whatever their fanout (``group_layout``): its
+    servers in tree order (``members``), its elementary ranges ``[lo, hi)`` (``[num_ranges]``) and, for
+    every (range, server needing it) in range-major order, the range (``ranges``), the server's place in
+    ``members`` (``places``) and its 0-based place in that range's tree (``position``); ``widest`` is the
+    most servers one range has."""
+
+    members: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    ranges: np.ndarray
+    places: np.ndarray
+    position: np.ndarray
+    first: np.ndarray
+    widest: int
+
+
+def group_layout(servers: list, starts: list, ends: list, priority=None, order=None) -> GroupLayout:
+    """The ``GroupLayout`` of one holder's K/V of one document sent to ``servers`` (lists, one entry
+    per direct send), its members in ``tree_order``."""
     members = np.asarray(tree_order(servers, ends, priority, order), dtype=np.int64)
     place = {s: i for i, s in enumerate(members.tolist())}
     server_place = np.fromiter((place[s] for s in servers), np.int64, len(servers))
@@ -227,17 +242,31 @@ def relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, 
     covering, send = np.nonzero((starts <= lo[:, None]) & (hi[:, None] <= ends))
     needs[covering, server_place[send]] = True
     ranges, places = np.nonzero(needs)  # range-major; within a range, members in tree order
-    if not ranges.size:
-        return np.zeros((0, 6), dtype=np.int64)
     counts = np.bincount(ranges, minlength=lo.size)
     first = np.cumsum(counts) - counts  # each range's first entry in (ranges, places)
-    position = np.arange(ranges.size) - first[ranges]  # 0-based place in that range's tree
-    parent, depth = _tree_shape(int(counts.max()), holder_fanout, fanout)
-    parent = parent[position]
-    forwarder = members[places[first[ranges] + np.maximum(parent, 0)]]
+    position = np.arange(ranges.size) - first[ranges]
+    return GroupLayout(members, lo, hi, ranges, places, position, first, int(counts.max(initial=0)))
+
+
+def layout_rows(layout: GroupLayout, holder: int, doc: int, holder_fanout: float, fanout: float) -> np.ndarray:
+    """The relayed sends of ``layout``'s trees at these fanouts: ``[k, 6]`` int64 rows ``[sender,
+    receiver, doc, start, end, round]``, range after range, each range's members in tree order."""
+    if not layout.ranges.size:
+        return np.zeros((0, 6), dtype=np.int64)
+    parent, depth = _tree_shape(layout.widest, holder_fanout, fanout)
+    parent = parent[layout.position]
+    forwarder = layout.members[layout.places[layout.first[layout.ranges] + np.maximum(parent, 0)]]
     sender = np.where(parent < 0, holder, forwarder)
-    return np.stack((sender, members[places], np.full(ranges.size, doc, dtype=np.int64), lo[ranges], hi[ranges],
-                     depth[position]), axis=1)
+    return np.stack((sender, layout.members[layout.places], np.full(layout.ranges.size, doc, dtype=np.int64),
+                     layout.lo[layout.ranges], layout.hi[layout.ranges], depth[layout.position]), axis=1)
+
+
+def relay_group(holder: int, doc: int, servers: list, starts: list, ends: list, holder_fanout: float,
+                fanout: float, priority=None, order=None) -> np.ndarray:
+    """The relayed sends of one holder's K/V of one document to the servers that need it (lists, one
+    entry per direct send): one tree per elementary range between consecutive start/end points, its
+    members in ``tree_order`` (``layout_rows`` of ``group_layout``)."""
+    return layout_rows(group_layout(servers, starts, ends, priority, order), holder, doc, holder_fanout, fanout)
 
 
 def plan_kv_sends(plan: Plan, pieces: DocumentPieces, transfers: KVTransfers | None = None) -> RangeSends:
