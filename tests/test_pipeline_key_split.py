@@ -1,7 +1,8 @@
 """``pipeline_schedule="cad_1f1b"`` running tick plans with key-split tiles (``planning.tiles``, the
-tile grid, both weighing a tick's ``base_pairs``): the runtime passes ``key_split`` to ``planning.plan_lockstep_tick`` as ``distca-hf simulate``
-plans its ticks, and the tiled ticks (forward in ``resend`` mode, the backward tick's own plan) train
-exactly like one process.
+tile grid, both weighing a tick's ``base_pairs``) or with K/V relay trees (``Plan.relays``): the runtime
+passes ``key_split`` and ``kv_relays`` to ``planning.plan_lockstep_tick`` as ``distca-hf simulate`` plans
+its ticks, and the tiled or relayed ticks (forward in ``resend`` mode, the backward tick's own plan)
+train exactly like one process.
 
 Tiles need a document whose pieces lie on several ranks of a tick, so the stages have two data-parallel
 copies with documents spanning them (2 stages x 2: four gloo ranks; with one copy per stage every
@@ -63,24 +64,26 @@ def test_resend_plans_stay_resend_with_key_split(pieces, model, budget):
 
 def _tick_counting_worker(rank, world, cases):
     """``test_pipeline_train``'s cases, the ticks planned by the runtime's own ``plan_lockstep_tick``,
-    counting per case the tick plans, those planned with ``key_split`` and those holding tiles."""
+    counting per case the tick plans, those planned with ``key_split``, those holding tiles and those
+    relaying K/V along trees."""
     from distca_hf.planning import plan_lockstep_tick
     from distca_hf.runtime import pipeline_schedules
     from test_pipeline_train import _cases_worker
 
-    made = []  # per case: [tick plans, planned with key_split, holding tiles]
+    made = []  # per case: [tick plans, planned with key_split, holding tiles, relaying K/V]
 
     def counting(pieces, config, **kwargs):
         plan = plan_lockstep_tick(pieces, config, **kwargs)
         made[-1][0] += 1
         made[-1][1] += int(config.key_split)
         made[-1][2] += int(plan.splits_keys)
+        made[-1][3] += int(plan.relays is not None and plan.relays.num_groups > 0)
         return plan
 
     pipeline_schedules.plan_lockstep_tick = counting
     results = []
     for case in cases:
-        made.append([0, 0, 0])
+        made.append([0, 0, 0, 0])
         results.extend(_cases_worker(rank, world, [case]))
     return {"results": results, "made": made}
 
@@ -102,6 +105,25 @@ def test_cad_1f1b_tick_plans_with_tiles_train_like_one_process(tmp_path):
         assert result["ok"], f"rank {rank}: {result.get('traceback', result.get('error'))}"
     _check([{"ok": True, "value": r["value"]["results"]} for r in results], cases)
     for rank, result in enumerate(results):
-        for case, (plans, with_key_split, tiled) in zip(cases, result["value"]["made"]):
+        for case, (plans, with_key_split, tiled, _) in zip(cases, result["value"]["made"]):
             assert plans and with_key_split == plans, (rank, case, result["value"]["made"])
             assert tiled >= 2, (rank, case, result["value"]["made"])  # tiles ran (forward and backward ticks)
+
+
+@pytest.mark.distributed
+def test_cad_1f1b_ticks_relay_kv_and_train_like_one_process(tmp_path):
+    """Ticks whose K/V goes along chains (``kv_relays=1``, a tight carving so documents spanning the
+    copies have several servers): overlap none and wave; some ticks relay, and after two optimizer
+    steps every loss, gradient norm and parameter equals one process running each document alone with
+    eager attention (fp32, 1e-5)."""
+    from test_pipeline_train import _check
+
+    cases = [dict(pp=2, schedule="cad_1f1b", span=True, overlap=overlap) for overlap in ("none", "wave")]
+    results = run_ranks(_tick_counting_worker, 4, tmp_path, cases, deadline_s=300,
+                        env={"DISTCA_TOLERANCE": "0", "DISTCA_KV_RELAYS": "1"})
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result.get('error'))}"
+    _check([{"ok": True, "value": r["value"]["results"]} for r in results], cases)
+    for rank, result in enumerate(results):
+        for case, (plans, _, _, relayed) in zip(cases, result["value"]["made"]):
+            assert plans and relayed >= 2, (rank, case, result["value"]["made"])

@@ -58,7 +58,8 @@ from .pieces import DocumentPieces
 from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
                        simulate_lockstep)
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
-from .rank_time import loads_seconds, other_seconds, plan_loads, step_seconds
+from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
+from .relay_trees import RelayTrees
 
 __all__ = ["BACKWARD_TO_FORWARD", "PIPELINE_METHODS", "forward_backward_models", "check_layers", "check_step",
            "PipelineMethodStep", "pipeline_step", "plan_lockstep_tick", "pool_pieces", "rank_subset", "attention_only",
@@ -161,20 +162,18 @@ def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarr
 def attention_only(config: PlannerConfig, num_ranks: int) -> PlannerConfig:
     """``config`` with no rank's work besides attention counted (``base_pairs`` all 0): how a lockstep
     tick is balanced and judged, since its exchanges synchronise the ranks around every layer's
-    attention (module docstring); and without K/V relays (``kv_relays="off"``): a tick's plan is
-    rebuilt over the pooled ranks (``plan_lockstep_tick``) without them."""
-    return dataclasses.replace(config, base_pairs=(0.0,) * num_ranks, kv_relays="off")
+    attention (module docstring)."""
+    return dataclasses.replace(config, base_pairs=(0.0,) * num_ranks)
 
 
 def tick_layer_seconds(plan: Plan, pooled: DocumentPieces, config: PlannerConfig) -> float:
     """Seconds of one layer of a lockstep tick under ``plan`` (module docstring): the slowest rank's
     linear layers (its tokens of ``pooled``; none on a bubble) plus the slowest rank's attention and
-    exposed communication, each measured between the layer's synchronising exchanges."""
-    loads = plan_loads(plan, pooled, config.token_bytes)
-    linear = other_seconds(loads.tokens, dataclasses.replace(config, base_pairs=None))
-    attention, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward,
-                                       other_s=np.zeros(pooled.num_ranks))
-    return float(linear.max(initial=0.0) + (attention + exposed).max(initial=0.0))
+    exposed communication (K/V relays' rounds and waits included), each measured between the layer's
+    synchronising exchanges."""
+    linear = other_seconds(pooled.tokens(), dataclasses.replace(config, base_pairs=None))
+    attention = rank_seconds(plan, pooled, attention_only(config, pooled.num_ranks))
+    return float(linear.max(initial=0.0) + attention.max(initial=0.0))
 
 
 def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_groups) -> Plan:
@@ -211,7 +210,7 @@ def plan_lockstep_tick(pooled: DocumentPieces, config: PlannerConfig, *, rank_gr
 
 def _union_of_stage_plans(pooled: DocumentPieces, groups, config_of, config: PlannerConfig) -> Plan:
     """Each stage's own plan over its ranks (``config_of(ranks)`` plans it), as one plan over ``pooled``."""
-    local, modes, splits = [], set(), False
+    local, modes, splits, trees = [], set(), False, []
     for group in groups:
         pieces, doc_ids = rank_subset(pooled, group)
         own = plan_tasks(pieces, config_of(group))
@@ -220,11 +219,14 @@ def _union_of_stage_plans(pooled: DocumentPieces, groups, config_of, config: Pla
                       *(np.asarray(k, dtype=np.int64) for k in own.key_ranges())))
         modes.add(own.backward)
         splits = splits or own.splits_keys
+        if own.relays is not None and own.relays.num_groups:  # its relay trees, in pooled ranks and documents
+            trees.append(own.relays.renamed(group, doc_ids))
     source, server, doc, q_start, q_end, k_start, k_end = (np.concatenate(column) for column in zip(*local))
     # one mode for the union: resend (servers keep nothing) if any stage's plan needs it
     return Plan(source, server, doc, q_start, q_end, pooled.num_ranks, tuple(range(pooled.num_ranks)), config.window,
                 "resend" if "resend" in modes else config.backward,
-                k_start=k_start if splits else None, k_end=k_end if splits else None)
+                k_start=k_start if splits else None, k_end=k_end if splits else None,
+                relays=RelayTrees.joined(trees) if trees else None)
 
 
 def _seconds(loads: RankLoads, model: TimeModel, exposed_comm: float, backward: str) -> np.ndarray:
@@ -325,8 +327,7 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     op_f, op_b, imbalances = np.zeros(m), np.zeros(m), []
     for i, pieces in enumerate(packed):
         plan = plan_tasks(pieces, config)  # in the mode it chose within the memory budget
-        loads = plan_loads(plan, pieces, token_bytes)
-        op_f[i], op_b[i] = (_seconds(loads, part, exposed, plan.backward).max()
+        op_f[i], op_b[i] = (step_seconds(plan, pieces, dataclasses.replace(config, time_model=part, base_pairs=None))
                             for part in forward_backward_models(model, plan.backward))
         imbalances.append(imbalance(plan.server_pairs()))
     run = simulate_1f1b(np.tile(per_stage * op_f, (stages, 1)), np.tile(per_stage * op_b, (stages, 1)), p2p_s=p2p_s)

@@ -97,6 +97,21 @@ class RelayTrees:
     def num_groups(self) -> int:
         return int(self.holder.size)
 
+    def renamed(self, ranks, docs) -> "RelayTrees":
+        """These trees with rank ``r`` as ``ranks[r]`` and document ``d`` as ``docs[d]`` (``[n]`` int
+        arrays: a plan of a subset of ranks carried into the plan of the whole, as
+        ``pipeline_cost`` joins each stage's plan into a tick's)."""
+        ranks, docs = np.asarray(ranks, dtype=np.int64), np.asarray(docs, dtype=np.int64)
+        return RelayTrees(ranks[self.holder], docs[self.doc], self.fanout.copy(), ranks[self.members],
+                          self.member_counts.copy())
+
+    @classmethod
+    def joined(cls, parts) -> "RelayTrees":
+        """The trees of ``parts`` (``RelayTrees`` of disjoint (holder, document) groups) as one."""
+        parts = list(parts)
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+                     for f in ("holder", "doc", "fanout", "members", "member_counts")))
+
     def sends(self, transfers: KVTransfers) -> RelaySends:
         """The sends that deliver ``transfers`` (direct K/V sends of a plan or of a subset of it)
         along these trees; groups not listed go direct (their sends as they are, round 1)."""

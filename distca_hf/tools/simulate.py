@@ -282,10 +282,9 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     packed in order), timed for every method of ``planning.pipeline_cost.PIPELINE_METHODS``;
     ``step_time_s`` is the mean over steps of one whole step (all ``layers`` layers, forward +
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
-    dtype_bytes`` bytes per token. Every method plans without K/V relays (``kv_relays="off"``): a lockstep
-    tick's plan does not carry them (``pipeline_cost.attention_only``), and CAD inside each stage is
-    timed alike so the two compare as planned."""
-    config = dataclasses.replace(config or default_planner_config(), kv_relays="off")
+    dtype_bytes`` bytes per token. Both CAD methods plan with ``config.kv_relays`` (a lockstep tick's
+    plan and each stage's carry relay trees where they help; their rounds and waits are timed)."""
+    config = config or default_planner_config()
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
