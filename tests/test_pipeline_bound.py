@@ -38,6 +38,11 @@ def test_holder_link_floor_hand_computed():
     tau = got[0]
     assert 100 * 2 / np.sqrt(tau) == pytest.approx(2 * tau)
     assert holder_link_floor_seconds([100], [2], attn_s_per_pair=1.0, byte_s=0.0, token_bytes=tb).tolist() == [0.0]
+    # K/V may be relayed: only queries out and outputs back surely cross the holders' links, a query
+    # carrying at most `reach` pairs: min(100 / 2, 16 / 8 * 100 / (10 * 2)) = 10; min(4, 2 * 4 / 4) = 2
+    relayed = holder_link_floor_seconds([100, 4], [2, 1], attn_s_per_pair=1.0, byte_s=1 / 8, token_bytes=tb,
+                                        relayed_reach=[10, 4])
+    assert relayed == pytest.approx([10.0, 2.0])
     with pytest.raises(ValueError, match="holders must be >= 1"):
         holder_link_floor_seconds([1], [0], attn_s_per_pair=1.0, byte_s=1.0, token_bytes=tb)
     for name, bad in (("attn_s_per_pair", -1.0), ("byte_s", float("nan"))):
@@ -103,20 +108,22 @@ def test_floors_refuse_bad_input_naming_it():
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 1000), stages=st.integers(1, 4), micro_batches=st.integers(1, 5),
-       data_parallel=st.integers(1, 3), bytes_per_s=st.sampled_from([1e6, 1e18]), window=st.sampled_from([None, 50]))
-def test_no_plan_beats_the_floors(seed, stages, micro_batches, data_parallel, bytes_per_s, window):
+       data_parallel=st.integers(1, 3), bytes_per_s=st.sampled_from([1e6, 1e18]), window=st.sampled_from([None, 50]),
+       kv_relays=st.sampled_from(["off", "auto", 1]))
+def test_no_plan_beats_the_floors(seed, stages, micro_batches, data_parallel, bytes_per_s, window, kv_relays):
     """Whatever ``pipeline_step`` plans (by time, on a slow or a free network, with activations between
-    stages), its CAD methods are never predicted faster than their floors."""
+    stages, with K/V relayed or not), its CAD methods are never predicted faster than their floors."""
     model = TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-8, task_s=1e-6, bytes_per_s=bytes_per_s,
                       task_key_s=1e-9, collective_s=1e-5)
-    config = PlannerConfig(tolerance="auto", block=4, token_bytes=TOKEN_BYTES, time_model=model, window=window)
+    config = PlannerConfig(tolerance="auto", block=4, token_bytes=TOKEN_BYTES, time_model=model, window=window,
+                           kv_relays=kv_relays)
     tokens, rng = 128, np.random.default_rng(seed)
     docs = [draw_batch(np.array([3, 30, 100, 400, 900]), data_parallel * tokens, rng) for _ in range(micro_batches)]
     args = dict(stages=stages, data_parallel=data_parallel, tokens=tokens, layers=2 * stages,
                 activation_bytes_per_token=64)
     steps = pipeline_step(docs, config=config, **args)
     floors = pipeline_floors(docs, time_model=model, window=window, exposed_comm=config.exposed_comm,
-                             token_bytes=TOKEN_BYTES, **args)
+                             token_bytes=TOKEN_BYTES, relays=kv_relays != "off", **args)
     for method in ("cad_per_stage", "cad_across_stages"):
         assert getattr(floors, method).step_s <= steps[method].step_s * (1 + 1e-9), method
     # with one stage both methods are the same plan of one micro-batch at a time, and so are the floors

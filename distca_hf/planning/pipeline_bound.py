@@ -60,11 +60,17 @@ def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None =
 
 
 def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s: float,
-                              token_bytes: TokenBytes) -> np.ndarray:
+                              token_bytes: TokenBytes, relayed_reach=None) -> np.ndarray:
     """``[documents]`` the least seconds of one layer's attention part (compute + exposed bytes) on
     the busiest holder of each document (module docstring): ``pairs`` (``[documents]``) its pairs,
     ``holders`` (``[documents]``, >= 1) the ranks holding its pieces, ``attn_s_per_pair`` seconds a pair,
-    ``byte_s`` exposed seconds a byte (``TimeModel.byte_seconds``)."""
+    ``byte_s`` exposed seconds a byte (``TimeModel.byte_seconds``).
+
+    ``relayed_reach``: for plans that may relay K/V (``kv_relays``), ``[documents]`` the most keys one
+    query of each attends (its length, or the window). Servers may then get K/V from each other, so
+    only the queries out and outputs back are sure to cross a holder's link: a query carries at most
+    ``reach`` pairs, so moving ``X`` pairs costs the holders at least ``X (q + o) / reach`` bytes, and
+    ``tau >= min(a P / H, c P (q + o) / (reach H))`` (linear in ``X`` again)."""
     pairs, holders = np.asarray(pairs, dtype=np.float64), np.asarray(holders, dtype=np.float64)
     if (holders < 1).any():
         raise ValueError(f"holders must be >= 1 per document, got {holders.min()}")
@@ -74,6 +80,9 @@ def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s:
     if not (np.isfinite(pairs).all() and (pairs >= 0).all()):
         raise ValueError("pairs must be finite counts >= 0 per document")
     compute_all = attn_s_per_pair * pairs / holders
+    if relayed_reach is not None:
+        reach = np.maximum(np.asarray(relayed_reach, dtype=np.float64), 1.0)
+        return np.minimum(compute_all, byte_s * (token_bytes.q + token_bytes.o) * pairs / (reach * holders))
     per_pair = 2.0 * byte_s * np.sqrt((token_bytes.q + token_bytes.o) * token_bytes.kv * attn_s_per_pair)
     return np.minimum(compute_all, (per_pair * pairs / holders) ** (2.0 / 3.0))
 
@@ -99,7 +108,8 @@ class PipelineFloors:
 
 def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int, layers: int,
                     time_model: TimeModel, activation_bytes_per_token: int, window: int | None = None,
-                    exposed_comm: float = 0.0, token_bytes: TokenBytes | None = None) -> PipelineFloors:
+                    exposed_comm: float = 0.0, token_bytes: TokenBytes | None = None,
+                    relays: bool = False) -> PipelineFloors:
     """The floors of one step of ``pipeline_cost.pipeline_step`` with the same arguments
     (``micro_batch_docs``: ``M`` arrays of document lengths, each packed in order into ``data_parallel``
     rows of ``tokens``; ``layers`` a multiple of ``stages``; ``time_model`` the layer's forward +
@@ -107,7 +117,9 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     lockstep ticks (``cad_across_stages``) or of the stages (``cad_per_stage``) is predicted faster
     by ``pipeline_step`` at ``exposed_comm`` (the share of communication not hidden, as
     ``PlannerConfig.exposed_comm``; above 0 it needs ``token_bytes``, the wire size of a token) or
-    any larger share."""
+    any larger share. ``relays``: whether the plans may relay K/V (``kv_relays`` not ``"off"``); the
+    holders' links then carry only queries and outputs for sure (``holder_link_floor_seconds``'
+    ``relayed_reach``), a lower floor."""
     layers_per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
                                                     tokens=tokens, layers=layers,
                                                     activation_bytes_per_token=activation_bytes_per_token)
@@ -135,9 +147,11 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
         for kind, part in enumerate(forward_backward_models(time_model, mode)):
             for i, (docs, pieces) in enumerate(zip(micro_batch_docs, packed)):
                 holders = np.bincount(pieces.doc, minlength=docs.size)  # (check_step dropped empty documents)
+                reach = (docs if window is None else np.minimum(docs, window)) if relays else None
                 out[kind, i] = holder_link_floor_seconds(
                     document_pairs(docs, window), holders, attn_s_per_pair=part.attn_s_per_pair,
-                    byte_s=part.byte_seconds(exposed_comm, mode), token_bytes=token_bytes).max(initial=0.0)
+                    byte_s=part.byte_seconds(exposed_comm, mode), token_bytes=token_bytes,
+                    relayed_reach=reach).max(initial=0.0)
         return out
 
     # CAD inside each stage may run its backward in saved mode (fewer bytes): the floor takes it

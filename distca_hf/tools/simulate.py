@@ -47,8 +47,8 @@ non-interleaved 1F1B pipeline of ``P`` stages x ``N / P`` data-parallel pipeline
 micro-batches balanced for attention, with CAD inside each stage and with CAD across stages (the
 lockstep schedule whose bubbles serve CA-tasks); ``--tokens-per-rank`` is then one micro-batch row.
 It adds the floors of the two CAD methods (``planning.pipeline_bound``: attention spread evenly, bytes
-counted only on the links of a document's holders) and the bound they put on CAD across stages over CAD
-inside each stage.
+counted only on the links of a document's holders: their queries and outputs alone when K/V may be
+relayed) and the bound they put on CAD across stages over CAD inside each stage.
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
         floors.append(pipeline_floors(drawn, stages=stages, data_parallel=data_parallel, tokens=tokens_per_rank,
                                       layers=layers, time_model=time_model, window=config.window,
                                       activation_bytes_per_token=hidden * dtype_bytes,
-                                      exposed_comm=planning.exposed_comm, token_bytes=config.token_bytes))
+                                      exposed_comm=planning.exposed_comm, token_bytes=config.token_bytes,
+                                      relays=config.kv_relays != "off"))
     mean = lambda method, key: float(np.mean([getattr(step[method], key) for step in steps]))
     step_time = {m: mean(m, "step_s") for m in PIPELINE_METHODS}
     floor_time = {m: float(np.mean([getattr(floor, m).step_s for floor in floors]))
