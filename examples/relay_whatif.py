@@ -16,14 +16,10 @@ speedups divide the simulator's best baseline (``speedup_vs_best_baseline``'s, s
 mean layer. Plans are chosen under direct bytes: a planner that priced relays would fan a long
 document out further, so the relay column is what relays give today's plans, not a bound.
 
-With ``--pipeline`` it also re-times ``simulate --pipeline-parallel`` (64 x 64k, P = 4, M = 8) with
-every plan's loads relayed: ``planning.pipeline_cost`` looks ``plan_loads`` and ``loads_seconds`` up
-in its own namespace, and this script (only) substitutes relayed ones there, adding ``collective_s``
-(each part's share) per extra round to the loads of the last plan timed; ``replanned`` also
-substitutes its ``plan_tasks`` (per plan, the fastest under relays placed by time of the planner's
-plan and plans made with bytes ``CHEAPER`` times cheaper).
+Pipelines: ``simulate --pipeline-parallel`` plans ticks with relays itself (``--kv-relays off`` beside
+``auto`` compares them; the what-if that re-timed them here is gone).
 
-    python examples/relay_whatif.py [--data ../shared/data] [--batches 3] [--pipeline]
+    python examples/relay_whatif.py [--data ../shared/data] [--batches 3]
 """
 
 from __future__ import annotations
@@ -36,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from distca_hf.planning import kv_transfers, step_seconds
-from distca_hf.planning import pipeline_cost
 from distca_hf.planning.cost import H100_MEASURED
-from distca_hf.planning.relay import relay_plan_loads, relay_step_seconds, relay_where_it_helps
-from distca_hf.tools.simulate import default_planner_config, distca_plan, draw_batch, load_lengths, pack_pieces, simulate, simulate_pipeline
+from distca_hf.planning.relay import relay_step_seconds, relay_where_it_helps
+from distca_hf.tools.simulate import (default_planner_config, distca_plan, draw_batch, load_lengths, pack_pieces,
+                                      simulate)
 
 HERE = Path(__file__).resolve().parent
 # (sample, ranks, tokens per rank, hidden communication fraction)
@@ -109,79 +105,16 @@ def bench_rows(data: Path, batches: int) -> None:
               + " | ".join(f"{best / mean[h]:.2f}x" for h in heads) + " |", flush=True)
 
 
-def pipeline_rows(data: Path, batches: int) -> None:
-    original = (pipeline_cost.plan_loads, pipeline_cost.loads_seconds, pipeline_cost.plan_tasks)
-    last_rounds = [1]
-    stages, ranks = 4, 64
-    judge = dataclasses.replace(default_planner_config(), time_model=H100_MEASURED, exposed_comm=1.0)
-
-    def relayed_plan_loads(plan, pieces, token_bytes, transfers=None, *, fanout):
-        transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
-        sends = None
-        if fanout == "placed":  # relays placed by the whole layer's model; a tick (all ranks) by attention only
-            config = judge if pieces.num_ranks != ranks else pipeline_cost.attention_only(judge, ranks)
-            sends = relay_where_it_helps(plan, pieces, dataclasses.replace(config, token_bytes=token_bytes),
-                                         transfers=transfers)
-        loads, rounds = relay_plan_loads(plan, pieces, token_bytes, fanout=fanout, transfers=transfers, sends=sends)
-        last_rounds[0] = max(rounds, 1)
-        return loads
-
-    def replanned_plan_tasks(pieces, config):
-        """The plan of ``config`` or of it with bytes ``CHEAPER`` times cheaper, whichever relays placed by
-        time make fastest under ``config`` (a planner that prices a new server at the relay's cost, crudely)."""
-        best = None
-        for factor in (1.0, *CHEAPER):
-            model = dataclasses.replace(config.time_model, bytes_per_s=config.time_model.bytes_per_s * factor)
-            plan = original[2](pieces, dataclasses.replace(config, time_model=model))
-            sends = relay_where_it_helps(plan, pieces, config)
-            seconds = relay_step_seconds(plan, pieces, config, sends=sends)[0]
-            if best is None or seconds < best[0]:
-                best = (seconds, plan)
-        return best[1]
-
-    def relayed_loads_seconds(loads, time_model, exposed_comm, backward="saved", **kw):
-        compute, exposed = original[1](loads, time_model, exposed_comm, backward, **kw)
-        return compute, exposed + (last_rounds[0] - 1) * time_model.collective_s
-
-    print("| sample | K/V sends | colocated_1f1b s | cad_per_stage s | cad_across_stages s | per stage / across | "
-          "floor's bound |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for sample in ("prolong", "wlbllm"):
-        lengths = load_lengths(data / f"doc_lengths_{sample}.json")
-        for fanout in (math.inf, 2, "placed", "replanned"):
-            if fanout != math.inf:
-                relay = "placed" if fanout == "replanned" else fanout
-                pipeline_cost.plan_loads = lambda *a, **k: relayed_plan_loads(*a, fanout=relay, **k)
-                pipeline_cost.loads_seconds = relayed_loads_seconds
-            if fanout == "replanned":
-                pipeline_cost.plan_tasks = replanned_plan_tasks
-            try:
-                result = simulate_pipeline(lengths, ranks, 65536, stages=stages, micro_batches=8, batches=batches,
-                                           seed=0, config=default_planner_config())
-            finally:
-                pipeline_cost.plan_loads, pipeline_cost.loads_seconds, pipeline_cost.plan_tasks = original
-            step = result["step_time_s"]
-            label = fanout if isinstance(fanout, str) else _label(fanout, None)
-            # the floor counts bytes on the holders' own links (no relays): a bound for direct sends only
-            bound = f"{result['speedup_bound_vs_cad_per_stage']:.2f}x" if fanout == math.inf else "-"
-            print(f"| {sample} | {label} | {step['colocated_1f1b']:.3f} | {step['cad_per_stage']:.3f} | "
-                  f"{step['cad_across_stages']:.3f} | {result['speedup_vs_cad_per_stage']:.2f}x | "
-                  f"{bound} |", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--pipeline", action="store_true", help="also the pipeline at 64 x 64k, P = 4, M = 8")
     parser.add_argument("--rows", default=None, help="comma-separated row indexes of ROWS (default: all)")
     args = parser.parse_args()
     global ROWS
     if args.rows:
         ROWS = [ROWS[int(i)] for i in args.rows.split(",")]
     bench_rows(args.data, args.batches)
-    if args.pipeline:
-        pipeline_rows(args.data, args.batches)
 
 
 if __name__ == "__main__":
