@@ -44,11 +44,13 @@ times less (``bytes_per_s`` multiplied), which spreads long documents over more 
 fitted to the memory budget and given relay trees by time, competes with the planned one under the
 true time model (``_with_relays``). A descent that prices direct sends fans a document out only as
 far as its holders' links allow; with relays a new server costs its parent's link instead, which
-these discounts stand in for. Measured (H100 model, nothing hidden; ``docs/planner.md``): prolong
-64 x 512k 2375 -> 1774 ms a layer, 512 x 128k 991 -> 732 ms with 4 and 8. Which discount wins is not
-monotone (the descent is greedy: on prolong 512 x 32k one batch's plan is 0.89x the planned one's
-speed at 4, 1.10x at 8 and 1.22x at 16), so the search goes on past a discount that loses and stops
-after ``RELAY_DISCOUNT_PATIENCE`` in a row."""
+these discounts stand in for. Which discount wins is not monotone (the descent is greedy: on prolong
+512 x 32k one batch's plan is 0.89x the planned one's speed at 4, 1.10x at 8 and 1.22x at 16), so the
+search goes on past a discount that loses and stops after ``RELAY_DISCOUNT_PATIENCE`` in a row.
+Measured (``make bench-sim``, H100 model, nothing hidden; ``docs/planner.md``), the layer with relays /
+with ``kv_relays="off"``: prolong 512 x 128k 713 / 960 ms, 512 x 32k 257 / 317 ms, 64 x 512k 1813 /
+2252 ms, at 3-4.5x the plan time (stopping at the first loss gave 736, 301 and 1814 ms; starting at 8
+and stopping at the first loss 713, 259 and 1841 ms, but prolong 512 x 512k 2202 ms against 2050)."""
 
 RELAY_DISCOUNT_PATIENCE = 2
 """``_with_relays`` stops after this many discounts in a row whose plan is not faster than the best so
