@@ -76,13 +76,12 @@ def _words(words: dict, otherwise=None, expected: str | None = None):
         if otherwise is None:
             raise ValueError(f"must be {expected or f'one of {list(words)}'} (in any case), got {text!r}")
         return otherwise(text)
-    parse.words = tuple(words)  # read by the tests of the rule
     parse.__name__ = "/".join([*words, *([otherwise.__name__.strip("_")] if otherwise else [])])  # argparse's errors
     return parse
 
 
-def _path(text: str) -> str:
-    """A path's text, surrounding whitespace removed (a path keeps its case)."""
+def _stripped(text: str) -> str:
+    """A variable's text, surrounding whitespace removed, its case kept (a path, a choice for its check)."""
     return text.strip()
 
 
@@ -228,13 +227,13 @@ def _one_of(choices):
 
 def _choice(choices):
     """The ``parse`` of a choice setting: its choices in any case, other text left for the check to refuse."""
-    return _words({c: c for c in choices}, _path)
+    return _words({c: c for c in choices}, _stripped)
 
 
 _flag = _words(FLAG_WORDS, expected="1, true, yes or on (True), or 0, false, no or off (False)")
 
 
-def setting(default, *, check, help: str, env: str | None = None, parse=_path, agree: bool = True, fingerprint=None):
+def setting(default, *, check, help: str, env: str | None = None, parse=_stripped, agree: bool = True, fingerprint=None):
     """A field of the settings table. ``env``: its ``DISTCA_*`` variable (``None``: code and files
     only); ``parse``: text of the variable -> value (``_words``: one spelling rule for all; a choice
     setting's words are its choices); ``agree``: every rank of a server group must
@@ -343,9 +342,7 @@ class DistCAConfig:
         "help": "the attention-server process group (None: the default group); set by DistCAPlugin.attach"})
 
     def __post_init__(self):
-        if isinstance(self.servers, list):
-            object.__setattr__(self, "servers", tuple(self.servers))
-        if isinstance(self.servers, tuple):
+        if isinstance(self.servers, (list, tuple)):  # a tuple of Python ints, however given
             object.__setattr__(self, "servers", tuple(plain_number(r) for r in self.servers))
         for name in SETTINGS:  # np.int64(4) is 4: accepted, and equal (and fingerprinted) as 4
             object.__setattr__(self, name, plain_number(getattr(self, name)))

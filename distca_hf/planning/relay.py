@@ -135,7 +135,7 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     n, kv, tm = plan.num_ranks, config.token_bytes.kv, config.time_model
     byte_s = tm.byte_seconds(config.exposed_comm, plan.backward)
     groups = holder_groups(transfers)
-    chosen, trees = {}, [None] * len(groups)  # the rows of each group weighed so far; (fanout, members) relayed
+    trees = [None] * len(groups)  # (fanout, members in tree order) of each relayed group
 
     def link_seconds(rows: np.ndarray, first_only=False) -> np.ndarray:
         """``[ranks]`` seconds of the K/V ``rows`` (``[sender, receiver, doc, start, end, round]``) on
@@ -151,7 +151,7 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     first_sum = link_sum.copy()  # direct: every send in round 1
     direct = rank_seconds(plan, pieces, config, transfers).astype(np.float64)
     base = direct - link_sum
-    link, first = {}, {}
+    link, first = {}, {}  # [ranks] K/V link seconds of each group weighed so far, all rounds and round 1's
 
     def seconds(link_total, first_total, later: list) -> np.ndarray:
         """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
@@ -163,7 +163,6 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
         wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
         return base + link_total + wait + (sends.rounds - 1) * tm.collective_s
 
-
     later = {}  # relayed groups' rows of rounds 2 and later
     now = direct.copy()
     for _ in range(passes):
@@ -173,10 +172,9 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
             # make the step faster (its servers only get more bytes)
             if len(set(servers)) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
                 continue
-            if i not in chosen:  # its direct sends, as transfers holds them
-                chosen[i] = np.asarray([(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)],
-                                       dtype=np.int64)
-                link[i] = first[i] = link_seconds(chosen[i])
+            if i not in link:  # its direct sends, as transfers holds them (all in round 1)
+                link[i] = first[i] = link_seconds(np.asarray(
+                    [(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)], dtype=np.int64))
             others = [rows for j, rows in later.items() if j != i]
             best, order = None, tree_order(servers, ends, priority=now)
             layout = group_layout(servers, starts, ends, order=order)
@@ -188,16 +186,15 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
                               others + ([new_later] if new_later.size else []))
                 if new.max() <= now.max() * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
                     if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
-                        best = (new, rows, new_link, new_first, new_later,
-                                None if fanout == math.inf else (fanout, order))
+                        best = (new, new_link, new_first, new_later, None if fanout == math.inf else (fanout, order))
             if best is not None:
-                now, chosen[i], trees[i] = best[0], best[1], best[5]
-                if best[4].size:
-                    later[i] = best[4]
+                now, new_link, new_first, new_later, trees[i] = best
+                if new_later.size:
+                    later[i] = new_later
                 else:
                     later.pop(i, None)
-                link_sum, first_sum = link_sum - link[i] + best[2], first_sum - first[i] + best[3]
-                link[i], first[i] = best[2], best[3]
+                link_sum, first_sum = link_sum - link[i] + new_link, first_sum - first[i] + new_first
+                link[i], first[i] = new_link, new_first
     return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None), direct, now
 
 

@@ -230,8 +230,8 @@ class GroupLayout(NamedTuple):
     """Where the trees of one (holder, document) go, whatever their fanout (``group_layout``): its
     servers in tree order (``members``), its elementary ranges ``[lo, hi)`` (``[num_ranges]``) and, for
     every (range, server needing it) in range-major order, the range (``ranges``), the server's place in
-    ``members`` (``places``) and its 0-based place in that range's tree (``position``); ``widest`` is the
-    most servers one range has."""
+    ``members`` (``places``) and its 0-based place in that range's tree (``position``); ``first``
+    (``[num_ranges]``) is each range's first entry in those, ``widest`` the most servers one range has."""
 
     members: np.ndarray
     lo: np.ndarray
