@@ -114,6 +114,12 @@ def test_cu_seq_lens_and_position_ids_that_disagree():
     check_positions_agree(docs, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), 1, 8, exact=True)
     with pytest.raises(DocumentBoundaryError, match="span_ranks=True"):
         check_positions_agree(docs, torch.arange(8)[None], 1, 8, exact=True)
+    # span_ranks: a piece's keys sit at its first position onwards, so positions must step by 1 inside a
+    # document (a row continuing an earlier rank's document starts above 0)
+    check_positions_agree(docs, torch.tensor([[7, 8, 9, 0, 1, 2, 3, 4]]), 1, 8, exact=True)
+    with pytest.raises(DocumentBoundaryError, match="at flat token 6 .*: 5 follows 2; with span_ranks=True"):
+        check_positions_agree(docs, torch.tensor([[0, 1, 2, 0, 1, 2, 5, 6]]), 1, 8, exact=True)
+    check_positions_agree(docs, torch.tensor([[0, 1, 2, 0, 1, 2, 5, 6]]), 1, 8)  # without span_ranks: RoPE's own
 
 
 @pytest.mark.parametrize(

@@ -197,11 +197,24 @@ def check_positions_agree(docs: PackedDocuments, position_ids: torch.Tensor, bat
     inside a cu_seq_lens document would have RoPE start a new document where attention does not.
     Positions that run on across documents are fine (HF makes ``arange`` positions when given only
     cu_seq_lens; RoPE is relative). ``exact`` (span_ranks, where positions also say where a piece
-    continues): every document must also restart at 0 (or start its row)."""
+    continues): every document must also restart at 0 (or start its row), and step by 1 inside
+    (the plan places a piece's keys at its first position onwards, so a jump would give RoPE and the
+    continuing document's prefix different positions)."""
     positions = _check_position_ids(position_ids, batch_size, query_len).reshape(-1)
     by_position = np.union1d(np.flatnonzero(positions == 0), np.arange(0, positions.size, query_len))
     inside = np.setdiff1d(by_position, docs.q_starts)
     running_on = np.setdiff1d(docs.q_starts, by_position) if exact else inside[:0]
+    if exact and not (inside.size or running_on.size):
+        continuing = np.ones(positions.size, dtype=bool)
+        continuing[docs.q_starts] = False
+        continuing[0] = False
+        jumps = np.flatnonzero(continuing[1:] & (positions[1:] != positions[:-1] + 1)) + 1
+        if jumps.size:
+            token = int(jumps[0])
+            raise DocumentBoundaryError(
+                f"position_ids jump inside a cu_seq_lens document at flat token {token} (row {token // query_len}): "
+                f"{int(positions[token])} follows {int(positions[token - 1])}; with span_ranks=True positions must "
+                "increase by 1 within a document. Pass the position_ids DataCollatorWithFlattening emits with them")
     if inside.size or running_on.size:
         token = int(inside[0]) if inside.size else int(running_on[0])
         rule = (" with span_ranks=True they must describe the same documents" if exact else
