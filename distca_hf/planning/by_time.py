@@ -113,7 +113,7 @@ from .rehome import rehome_within_memory
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .transfers import RunningBytes, backward_memory, fit_memory_budget, kv_received, kv_transfers, memory_limit
 
-__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_by_tolerances", "judged", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
+__all__ = ["AUTO_TOLERANCES", "CARVING_ORDER", "plan_by_time", "plan_and_start", "plan_by_tolerances", "judged", "plan_loads", "loads_seconds", "rank_seconds", "step_seconds"]
 
 AUTO_TOLERANCES = (0.02, 0.1, 0.3)
 """Fixed tolerances ``"auto"`` weighs, tightest first (the order ties are broken in); the first is
@@ -159,10 +159,11 @@ def _judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     return seconds, fitting
 
 
-def judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[float, Plan]:
+def judged(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, transfers=None) -> tuple[float, Plan]:
     """How ``tolerance="auto"`` weighs a candidate ``plan``: ``(predicted step seconds, plan)`` in the
-    backward mode that fits ``config.memory_budget`` (``inf`` past the ``kv_cap`` setting)."""
-    return _judged(plan, pieces, config, cap=kv_cap_tokens(pieces, config))
+    backward mode that fits ``config.memory_budget`` (``inf`` past the ``kv_cap`` setting).
+    ``transfers``: the plan's ``kv_transfers``, when in hand (the judged plan's too: same tasks)."""
+    return _judged(plan, pieces, config, transfers=transfers, cap=kv_cap_tokens(pieces, config))
 
 
 def _may_tile(plan: Plan, fitting: Plan, config: PlannerConfig) -> bool:
@@ -197,6 +198,12 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose), the CP-shaped plan and the
     tile grid. Ties go to the earlier of colocated, the descent, ``AUTO_TOLERANCES`` in order, the
     CP-shaped plan, then the tile grid. See the module docstring."""
+    return _plan_by_candidates(pieces, config, descent=True)[0]
+
+
+def plan_and_start(pieces: DocumentPieces, config: PlannerConfig) -> tuple[Plan, DescentStart | None]:
+    """``(plan_by_time(pieces, config), the DescentStart its descents shared)``; the start is ``None``
+    where no descent ran (``planner`` reuses it for the descents it plans with cheaper bytes)."""
     return _plan_by_candidates(pieces, config, descent=True)
 
 
@@ -204,10 +211,11 @@ def plan_by_tolerances(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """The ``"auto"`` plan before the descent (kept to measure the change, ``distca-hf simulate
     --auto-planner tolerances``): the fastest predicted of colocated and the carvings of
     ``AUTO_TOLERANCES``, ties to the earlier."""
-    return _plan_by_candidates(pieces, config, descent=False)
+    return _plan_by_candidates(pieces, config, descent=False)[0]
 
 
-def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descent: bool) -> Plan:
+def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *,
+                        descent: bool) -> tuple[Plan, DescentStart | None]:
     servers = server_pool(config, pieces.num_ranks)
     tm = config.time_model
     tokens = pieces.tokens()
@@ -219,6 +227,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
     # colocated with memory tiles (place 0 as well), weighed only once some decision could depend on it:
     # while the best so far is below tiles.memory_tiles_lower_bound of colocated, it cannot be the best
     colocated, tiles_bound = None, np.inf
+    start = None  # the descents' DescentStart, once they run
 
     def weigh_colocated_tiles():
         nonlocal best, best_key, tiles_bound
@@ -242,7 +251,7 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if bound >= min(best_key[0], tiles_bound):
             weigh_colocated_tiles()
         if bound >= best_key[0]:
-            return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
+            return (_with_tiles(best, best_key[0], pieces, config, cap) if descent else best), None
     if descent:
         start = DescentStart(pieces, config)  # what the descents below share
         free = descend(pieces, config, backward=config.backward, start=start)
@@ -324,8 +333,8 @@ def _plan_by_candidates(pieces: DocumentPieces, config: PlannerConfig, *, descen
         if key < best_key:
             best, best_key = plan, key
     if best is None:  # nothing within kv_cap: ranks outside the server pool give their work away, whatever it moves
-        return _plan_by_candidates(pieces, dataclasses.replace(config, kv_cap=None), descent=descent)
-    return _with_tiles(best, best_key[0], pieces, config, cap) if descent else best
+        return _plan_by_candidates(pieces, dataclasses.replace(config, kv_cap=None), descent=descent)[0], None
+    return (_with_tiles(best, best_key[0], pieces, config, cap) if descent else best), start
 
 
 def _saved_may_fit(pieces: DocumentPieces, config: PlannerConfig, held_mean: float, start: DescentStart) -> bool:

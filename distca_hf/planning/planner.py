@@ -27,13 +27,13 @@ import dataclasses
 import numpy as np
 
 from ..config import kv_cap_pairing_problem
-from .by_time import judged, plan_by_time
+from .by_time import judged, plan_and_start
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .descent import DescentStart, descend
 from .pieces import DocumentPieces
 from .rank_time import rank_seconds
 from .relay import timed_relays
-from .transfers import fit_memory_budget
+from .transfers import fit_memory_budget, kv_transfers
 
 __all__ = ["plan_tasks", "PlannerConfig", "Plan", "colocated_plan", "tolerance_plans", "CarvingProgress",
            "PLANNING_MARGIN", "DocumentPieces", "RELAY_BYTE_DISCOUNTS", "RELAY_DISCOUNT_PATIENCE"]
@@ -64,7 +64,7 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     The plan's K/V then goes along the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``:
     they change how K/V travels, not where tasks run nor what servers receive)."""
     if config.tolerance == "auto":
-        return _with_relays(plan_by_time(pieces, config), pieces, config)
+        return _with_relays(*plan_and_start(pieces, config), pieces, config)
     problem = kv_cap_pairing_problem(config.kv_cap, config.tolerance)  # the carving ignores K/V it moves
     if problem:
         raise ValueError(problem)
@@ -72,26 +72,29 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     return timed_relays(plan, pieces, config)[0]
 
 
-def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
+def _with_relays(plan: Plan, start: DescentStart | None, pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     """``"auto"``'s plan with the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``), and
     under ``kv_relays="auto"`` the fastest predicted of it and the descents planned with cheaper bytes
     (``RELAY_BYTE_DISCOUNTS``, in order, until ``RELAY_DISCOUNT_PATIENCE`` in a row do not win), each judged as
     ``"auto"`` judges a candidate (``by_time.judged``: the memory budget, ``kv_cap``) and given relays by
-    time; ties keep the planned one."""
+    time; ties keep the planned one. ``start``: the ``DescentStart`` of ``plan``'s descents, when they ran
+    (shared by these: a start does not read ``bytes_per_s``)."""
     best, best_seconds = timed_relays(plan, pieces, config)
     if config.kv_relays != "auto" or pieces.num_ranks < 3:  # a tree needs two servers besides the holder
         return best
     if best_seconds is None:
         best_seconds = float(rank_seconds(best, pieces, config).max(initial=0.0))
-    model, start, misses = config.time_model, None, 0
+    model, misses = config.time_model, 0
     for discount in RELAY_BYTE_DISCOUNTS:
         cheaper = dataclasses.replace(config, kv_relays="off",
                                       time_model=dataclasses.replace(model, bytes_per_s=model.bytes_per_s * discount))
         start = DescentStart(pieces, cheaper) if start is None else _rebased(start, cheaper)
-        seconds, wider = judged(descend(pieces, cheaper, backward=config.backward, start=start), pieces, config)
+        wider = descend(pieces, cheaper, backward=config.backward, start=start)
+        transfers = kv_transfers(wider, pieces)  # (judging keeps the tasks: the judged plan's too)
+        seconds, wider = judged(wider, pieces, config, transfers=transfers)
         if not np.isfinite(seconds):  # past the kv_cap setting
             break
-        wider, relayed = timed_relays(wider, pieces, config)
+        wider, relayed = timed_relays(wider, pieces, config, transfers=transfers)
         seconds = relayed if relayed is not None else seconds
         if seconds >= best_seconds:
             misses += 1
@@ -104,13 +107,13 @@ def _with_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
 
 def _rebased(start: DescentStart, config: PlannerConfig) -> DescentStart:
     """``start`` for ``config``, which differs from ``start.config`` only in the time model's
-    ``bytes_per_s`` (nothing a ``DescentStart`` reads: its loads, linear and own attention times): the
-    descents with cheaper bytes share one (a start is read only)."""
+    ``bytes_per_s`` and in ``kv_relays`` (nothing a ``DescentStart`` reads: its loads, linear and own
+    attention times): the descents of one batch share one (a start is read only)."""
     mine = start.config
-    same = dataclasses.replace(config, time_model=dataclasses.replace(config.time_model,
-                                                                      bytes_per_s=mine.time_model.bytes_per_s))
+    same = dataclasses.replace(config, kv_relays=mine.kv_relays, time_model=dataclasses.replace(
+        config.time_model, bytes_per_s=mine.time_model.bytes_per_s))
     if same != mine:
-        raise ValueError("a DescentStart is shared only by configs that differ in bytes_per_s")
+        raise ValueError("a DescentStart is shared only by configs that differ in bytes_per_s and kv_relays")
     shared = copy.copy(start)
     shared.config = config
     return shared

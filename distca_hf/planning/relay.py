@@ -127,14 +127,15 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
 
 
 def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
-                  transfers: KVTransfers | None = None, passes: int = 2):
+                  transfers: KVTransfers | None = None, passes: int = 2, groups=None):
     """``(trees, direct, relayed)``: ``relay_trees_where_they_help``'s trees and every rank's predicted
-    seconds (``[num_ranks]``) with direct sends and with the trees."""
+    seconds (``[num_ranks]``) with direct sends and with the trees. ``groups``: ``holder_groups(transfers)``,
+    when in hand."""
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
     fanouts = [check_fanout("fanouts", f) for f in fanouts]
     n, kv, tm = plan.num_ranks, config.token_bytes.kv, config.time_model
     byte_s = tm.byte_seconds(config.exposed_comm, plan.backward)
-    groups = holder_groups(transfers)
+    groups = holder_groups(transfers) if groups is None else groups
     trees = [None] * len(groups)  # (fanout, members in tree order) of each relayed group
 
     def link_seconds(rows: np.ndarray, first_only=False) -> np.ndarray:
@@ -153,42 +154,47 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     base = direct - link_sum
     link, first = {}, {}  # [ranks] K/V link seconds of each group weighed so far, all rounds and round 1's
 
-    def seconds(link_total, first_total, later: list) -> np.ndarray:
+    def seconds(link_total, first_total, others, mine) -> np.ndarray:
         """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
-        (``[sender, receiver, doc, start, end, round]`` arrays, one per relayed group)."""
-        if not later:
+        (``[sender, receiver, doc, start, end, round]`` arrays: ``others``, the other relayed groups'
+        concatenated or None, and ``mine``, the group weighed)."""
+        rows = mine if others is None else others if not mine.size else np.concatenate((others, mine))
+        if not rows.size:
             return base + link_total
-        rows = np.concatenate(later)
         sends = RelaySends(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5])
         wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
         return base + link_total + wait + (sends.rounds - 1) * tm.collective_s
 
     later = {}  # relayed groups' rows of rounds 2 and later
     now = direct.copy()
+    slowest = now.max()
+    holders = np.fromiter((g[0] for g in groups), np.int64, len(groups))
+    several = [len(set(g[2])) > 1 for g in groups]  # one server: nothing to relay
     for _ in range(passes):
-        for i in sorted(range(len(groups)), key=lambda g: -now[groups[g][0]]):
+        for i in np.argsort(-now[holders], kind="stable").tolist():  # holders slowest first, ties in group order
             holder, doc, servers, starts, ends = groups[i]
-            # one server: nothing to relay; a holder well below the slowest rank: relaying it cannot
-            # make the step faster (its servers only get more bytes)
-            if len(set(servers)) < 2 or now[holder] < HOLDER_NEAR_SLOWEST * now.max():
+            # a holder well below the slowest rank: relaying it cannot make the step faster (its
+            # servers only get more bytes)
+            if not several[i] or now[holder] < HOLDER_NEAR_SLOWEST * slowest:
                 continue
             if i not in link:  # its direct sends, as transfers holds them (all in round 1)
                 link[i] = first[i] = link_seconds(np.asarray(
                     [(holder, s, doc, a, b, 1) for s, a, b in zip(servers, starts, ends)], dtype=np.int64))
             others = [rows for j, rows in later.items() if j != i]
+            others = np.concatenate(others) if others else None
             best, order = None, tree_order(servers, ends, priority=now)
             layout = group_layout(servers, starts, ends, order=order)
             # direct is a candidate only for a group relayed in an earlier pass (else it is what it has)
             for fanout in ([math.inf] if trees[i] is not None else []) + fanouts:
                 rows = layout_rows(layout, holder, doc, fanout, fanout)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
-                new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first,
-                              others + ([new_later] if new_later.size else []))
-                if new.max() <= now.max() * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
+                new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first, others, new_later)
+                if new.max() <= slowest * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
                     if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
                         best = (new, new_link, new_first, new_later, None if fanout == math.inf else (fanout, order))
             if best is not None:
                 now, new_link, new_first, new_later, trees[i] = best
+                slowest = now.max()
                 if new_later.size:
                     later[i] = new_later
                 else:
@@ -206,18 +212,21 @@ def apply_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> P
     return timed_relays(plan, pieces, config)[0]
 
 
-def timed_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig) -> tuple[Plan, float | None]:
+def timed_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
+                 transfers: KVTransfers | None = None) -> tuple[Plan, float | None]:
     """``(apply_relays(plan, ...), its predicted step seconds)``; the seconds are ``None`` where no
     relay was weighed (``kv_relays`` off, or no K/V range two servers need of one holder) or a fanout
-    was forced: then ``rank_time.step_seconds`` of the plan, not computed here."""
+    was forced: then ``rank_time.step_seconds`` of the plan, not computed here. ``transfers``: the
+    plan's ``kv_transfers``, when in hand."""
     if config.kv_relays == "off" or plan.relays is not None:
         return plan, None
-    transfers = kv_transfers(plan, pieces)
-    groups = [g for g in holder_groups(transfers) if len(set(g[2])) > 1]
+    transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
+    every_group = holder_groups(transfers)
+    groups = [g for g in every_group if len(set(g[2])) > 1]
     if not groups:
         return plan, None
     if config.kv_relays == "auto":
-        trees, direct, relayed = _placed_trees(plan, pieces, config, transfers=transfers)
+        trees, direct, relayed = _placed_trees(plan, pieces, config, transfers=transfers, groups=every_group)
         if not trees.num_groups or relayed.max() >= direct.max():
             return plan, float(direct.max(initial=0.0))
         return dataclasses.replace(plan, relays=trees), float(relayed.max(initial=0.0))
