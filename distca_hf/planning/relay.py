@@ -154,16 +154,23 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     base = direct - link_sum
     link, first = {}, {}  # [ranks] K/V link seconds of each group weighed so far, all rounds and round 1's
 
-    def seconds(link_total, first_total, others, mine) -> np.ndarray:
+    def seconds(link_total, first_total, others, mine, holder) -> np.ndarray | None:
         """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
         (``[sender, receiver, doc, start, end, round]`` arrays: ``others``, the other relayed groups'
-        concatenated or None, and ``mine``, the group weighed)."""
+        concatenated or None, and ``mine``, the group weighed); None when the greedy would refuse
+        them whatever the wait for relayed K/V (the step slower than the slowest rank's, or
+        ``holder`` no faster: the same sums without the wait, a lower bound as rounding is monotone)."""
         rows = mine if others is None else others if not mine.size else np.concatenate((others, mine))
         if not rows.size:
             return base + link_total
+        rounds = int(rows[:, 5].max())
+        sure = base + link_total
+        low = sure + (rounds - 1) * tm.collective_s
+        if low.max() > slowest * (1 + 1e-12) or low[holder] >= now[holder] * (1 - 1e-9):
+            return None
         sends = RelaySends(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5])
         wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
-        return base + link_total + wait + (sends.rounds - 1) * tm.collective_s
+        return sure + wait + (rounds - 1) * tm.collective_s
 
     later = {}  # relayed groups' rows of rounds 2 and later
     now = direct.copy()
@@ -171,6 +178,7 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     holders = np.fromiter((g[0] for g in groups), np.int64, len(groups))
     several = [len(set(g[2])) > 1 for g in groups]  # one server: nothing to relay
     for _ in range(passes):
+        accepted = False
         for i in np.argsort(-now[holders], kind="stable").tolist():  # holders slowest first, ties in group order
             holder, doc, servers, starts, ends = groups[i]
             # a holder well below the slowest rank: relaying it cannot make the step faster (its
@@ -188,19 +196,22 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
             for fanout in ([math.inf] if trees[i] is not None else []) + fanouts:
                 rows = layout_rows(layout, holder, doc, fanout, fanout)
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
-                new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first, others, new_later)
-                if new.max() <= slowest * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
+                new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first, others, new_later,
+                              holder)
+                if new is not None and new.max() <= slowest * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
                     if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
                         best = (new, new_link, new_first, new_later, None if fanout == math.inf else (fanout, order))
             if best is not None:
                 now, new_link, new_first, new_later, trees[i] = best
-                slowest = now.max()
+                slowest, accepted = now.max(), True
                 if new_later.size:
                     later[i] = new_later
                 else:
                     later.pop(i, None)
                 link_sum, first_sum = link_sum - link[i] + new_link, first_sum - first[i] + new_first
                 link[i], first[i] = new_link, new_first
+        if not accepted:  # the next pass would weigh the same groups in the same state
+            break
     return RelayTrees.of((g[0], g[1], *tree) for g, tree in zip(groups, trees) if tree is not None), direct, now
 
 
