@@ -198,6 +198,22 @@ def test_config_validation(bad, match):
         PlannerConfig(**bad)
 
 
+def test_planner_config_takes_numpy_numbers_as_python_ones_and_refuses_bools():
+    """``exposed_comm=np.float32(0.5)`` was refused as "not a fraction in [0, 1]" and ``exposed_comm=True``
+    taken as 1; numpy numbers now stand for the Python numbers (equal configs plan alike), bools are no number."""
+    given = dict(tolerance=np.float32(0.5), block=np.int64(64), memory_budget=np.float64(0.25), kv_cap=np.int64(4096),
+                 exposed_comm=np.float32(0.5), kv_relays=np.int64(2), servers=np.arange(3), key_split=np.bool_(True),
+                 window=np.int32(256))
+    config = PlannerConfig(**given)
+    plain = dict(tolerance=0.5, block=64, memory_budget=0.25, kv_cap=4096, exposed_comm=0.5, kv_relays=2,
+                 servers=(0, 1, 2), key_split=True, window=256)
+    for name, value in plain.items():
+        assert getattr(config, name) == value and type(getattr(config, name)) is type(value), name
+    for name in ("exposed_comm", "block", "tolerance", "kv_relays"):
+        with pytest.raises(ValueError, match=name):
+            PlannerConfig(**{name: True})
+
+
 def test_pieces_validation():
     with pytest.raises(ValueError, match="tile"):
         DocumentPieces.from_rank_lists([[(0, 2, 5)]])  # K/V prefix [0, 2) missing

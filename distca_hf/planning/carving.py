@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import setting_problem
+from ..config import plain_number, setting_problem
 from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, check_window, end_with_pairs,
                    key_start, start_with_pairs, tile_pairs)
 from .pieces import DocumentPieces
@@ -103,12 +103,11 @@ class PlannerConfig:
     kv_relays: str | int = "off"  # np.integer accepted, as block
 
     def __post_init__(self):
-        # numpy integers (and arrays of them) are welcome; the settings table's checks decide
-        for name in ("block", "kv_relays"):
-            if isinstance(getattr(self, name), np.integer):
-                object.__setattr__(self, name, int(getattr(self, name)))
+        # numpy numbers (and arrays of them) are welcome, as the Python ones they stand for; the checks decide
+        for name in ("tolerance", "block", "kv_relays", "memory_budget", "kv_cap", "exposed_comm"):
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         if self.servers is not None and hasattr(self.servers, "__iter__"):
-            object.__setattr__(self, "servers", tuple(int(s) if isinstance(s, np.integer) else s for s in self.servers))
+            object.__setattr__(self, "servers", tuple(plain_number(s) for s in self.servers))
         for name in ("tolerance", "block", "servers", "backward", "memory_budget", "kv_cap", "kv_relays"):
             problem = setting_problem(name, getattr(self, name))
             if problem:
@@ -118,7 +117,7 @@ class PlannerConfig:
                              "distca_hf.config.block_for_device")
         if not isinstance(self.time_model, TimeModel):
             raise ValueError(f"time_model must be a TimeModel, got {self.time_model!r}")
-        if not (isinstance(self.exposed_comm, (int, float)) and 0.0 <= self.exposed_comm <= 1.0):
+        if type(self.exposed_comm) not in (int, float) or not 0.0 <= self.exposed_comm <= 1.0:  # (no bool)
             raise ValueError(f"exposed_comm must be a fraction in [0, 1], got {self.exposed_comm!r}")
         if self.base_pairs is not None:
             base = tuple(float(b) for b in self.base_pairs)
@@ -129,6 +128,7 @@ class PlannerConfig:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
         if not isinstance(self.key_split, (bool, np.bool_)):
             raise ValueError(f"key_split must be True or False, got {self.key_split!r}")
+        object.__setattr__(self, "key_split", bool(self.key_split))
         object.__setattr__(self, "window", check_window(self.window))
 
 
