@@ -579,3 +579,56 @@ def test_a_waves_identity_flags_equal_its_fused_rows_covering_the_pool_in_order(
         q_flags.append(wave.q_identity)
     if kind == "colocated":  # every rank serves its own queries, in order: no gather of them
         assert all(q_flags)
+
+
+def float64_worker(rank, world):
+    """A float64 dispatch (rank 0: one document of 40 tokens, rank 1: one of 4) in ``saved`` / ``resend``
+    mode, whole prefixes and a key-split plan on which rank 1 serves no task: this rank's output and
+    q/k/v gradients against its document computed alone in float64. Returns the worst error per run."""
+    from distca_hf.planning import PlannerConfig, plan_tasks
+    from distca_hf.planning.documents import PackedDocuments
+    from distca_hf.runtime.dispatch import build_dispatch
+    from distca_hf.runtime.tables import LocalDocuments
+    from distca_hf.runtime.wave_schedule import dispatched_attention
+
+    lengths = [[40], [4]]
+    pieces = DocumentPieces.from_rank_lists(lengths)
+    i = lambda *x: np.array(x, dtype=np.int64)
+    n, errors = lengths[rank][0], {}
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    p = torch.arange(n)
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = torch.einsum("qhd,khd->hqk", ref_inputs[0], ref_inputs[1].repeat_interleave(2, 1)) * 8 ** -0.5
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(p[None, :] > p[:, None], float("-inf")), -1),
+                       ref_inputs[2].repeat_interleave(2, 1))
+    ref_grads = weighted_grads(ref, ref_inputs)
+    for backward in ("saved", "resend"):
+        for tiles in (False, True):
+            if tiles:  # document 0's late queries as two key tiles on rank 0; rank 1's document served there too
+                plan = Plan(i(0, 0, 0, 1), i(0, 0, 0, 0), i(0, 0, 0, 1), i(0, 20, 20, 0), i(20, 40, 40, 4), 2, (0, 1),
+                            None, backward, i(0, 0, 10, 0), i(20, 10, 40, 4))
+            else:
+                plan = dataclasses.replace(plan_tasks(pieces, PlannerConfig(tolerance=0.0)), backward=backward)
+            local = LocalDocuments(PackedDocuments.from_lengths(np.array(lengths[rank])), np.array([rank]),
+                                   np.array([0]))
+            dispatch = build_dispatch(plan, pieces, local, rank, "cpu", backward_mode=backward, timeout_s=60.0)
+            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = dispatched_attention(*inputs, dispatch, 8 ** -0.5)
+            grads = weighted_grads(out, inputs)
+            errors[f"{backward} {'tiles' if tiles else 'whole'}"] = max(
+                float((a - b).abs().max()) for a, b in zip((out, *grads), (ref, *ref_grads)))
+    return errors
+
+
+@pytest.mark.distributed
+def test_a_float64_dispatch_returns_its_log_sum_exp_in_float64(tmp_path):
+    """The log-sum-exp a ``resend`` backward or a key-split merge moves was made float32 where the
+    kernels return float64 (float64 inputs): a float64 ``resend`` dispatch failed in ``index_copy_``, and a
+    key-split one on which a rank serves no task sent 32-bit rows against others' 64-bit (gloo's size
+    check, then a timeout). Now every run equals the documents computed alone."""
+    from dist_harness import run_ranks
+
+    for result in run_ranks(float64_worker, 2, tmp_path, deadline_s=120):
+        assert "error" not in result, result.get("error")
+        assert max(result["value"].values()) < 1e-12, result["value"]

@@ -62,6 +62,7 @@ from ..config import current_config
 from ..state import warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
+from .math import accumulation_dtype
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from . import torch_cuda_efficient as _torch_cuda_efficient
@@ -79,6 +80,7 @@ __all__ = [
     "varlen_causal_attention",
     "merge_partials",
     "merge_rows",
+    "accumulation_dtype",
 ]
 
 BACKENDS: dict[str, ModuleType] = {

@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import torch
 
+from .math import accumulation_dtype
 from .merge import merge_partials
 
 NAME = "torch_cpu"
@@ -64,11 +65,6 @@ def _gather(t: torch.Tensor, starts, length: int) -> torch.Tensor:
         s = starts[0]
         return t[s : s + length].transpose(0, 1).unsqueeze(0)
     return torch.stack([t[s : s + length] for s in starts]).transpose(1, 2)
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The kernel accumulates in fp64 for fp64 inputs and in fp32 otherwise.
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _gather_lse(lse: torch.Tensor, starts, length: int) -> torch.Tensor:
@@ -114,7 +110,7 @@ def _windowed_backward(dout, q, k, v, out, lse, dq, dk, dv, lq, lk, q0, k0, wind
         dqb, dkb, dvb = _flash_cpu_backward(
             _gather(dout, rows, last - first), _gather(q, rows, last - first), _gather(k, keys, k_hi - k_lo),
             _gather(v, keys, k_hi - k_lo), _gather(out, rows, last - first),
-            _gather_lse(lse, rows, last - first).to(_lse_dtype(q.dtype)), 0.0, False, attn_mask=mask, scale=scale)
+            _gather_lse(lse, rows, last - first).to(accumulation_dtype(q.dtype)), 0.0, False, attn_mask=mask, scale=scale)
         _scatter(dq, dqb, rows, last - first)
         dk[k0 + k_lo : k0 + k_hi] += dkb[0].transpose(0, 1)
         dv[k0 + k_lo : k0 + k_hi] += dvb[0].transpose(0, 1)
@@ -137,7 +133,7 @@ def _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
         rows = [q0]
         dqb, dkb, dvb = _flash_cpu_backward(
             _gather(dout, rows, lq), _gather(q, rows, lq), _gather(k, [k0], lk), _gather(v, [k0], lk),
-            _gather(out, rows, lq), _gather_lse(lse, rows, lq).to(_lse_dtype(q.dtype)), 0.0, False, scale=scale)
+            _gather(out, rows, lq), _gather_lse(lse, rows, lq).to(accumulation_dtype(q.dtype)), 0.0, False, scale=scale)
         _scatter(dq, dqb, rows, lq)
         _scatter(dk, dkb, [k0], lk)
         _scatter(dv, dvb, [k0], lk)
@@ -147,7 +143,7 @@ def _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
             causal=True):
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=_lse_dtype(q.dtype), device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     if not causal:  # the front door passes no window with full tasks: their keys are inside every window
         return _full_forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
@@ -177,7 +173,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     dq = torch.empty_like(q)
     # windowed chunks overlap in keys: their dK/dV partials are summed in fp32 (fp64 for fp64)
-    acc = _lse_dtype(q.dtype) if window is not None else k.dtype
+    acc = accumulation_dtype(q.dtype) if window is not None else k.dtype
     dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
     for lq, lk, starts in _shape_groups(cu_seqlens_q, cu_seqlens_k, GROUP_SAME_SHAPE and window is None):
         if window is not None and window < lk:
@@ -187,7 +183,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         q_starts = [s for s, _ in starts]
         diag_starts = [s + lk - lq for _, s in starts]
         qb, ob, dob = (_gather(t, q_starts, lq) for t in (q, out, dout))
-        lb = _gather_lse(lse, q_starts, lq).to(_lse_dtype(q.dtype))
+        lb = _gather_lse(lse, q_starts, lq).to(accumulation_dtype(q.dtype))
         dqb, dkb, dvb = _flash_cpu_backward(
             dob, qb, _gather(k, diag_starts, lq), _gather(v, diag_starts, lq), ob, lb, 0.0, True, scale=softmax_scale
         )

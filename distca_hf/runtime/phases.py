@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedAttentionError
-from ..kernels import AttentionVariant, merge_rows, varlen_attention_backward, varlen_attention_forward
+from ..kernels import (AttentionVariant, accumulation_dtype, merge_rows, varlen_attention_backward,
+                       varlen_attention_forward)
 from . import timeline
 from .exchange import Pending, split_rows, start_exchange
 from .tables import Wave
@@ -145,7 +146,9 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
                                                     chunk=variant.chunk, full=served.full,
                                                     causal_rows=served.causal_rows)
     else:
-        f_out, f_lse = fq.new_empty(0, heads, value_dim), torch.empty(heads, 0, dtype=torch.float32, device=q.device)
+        # (a server of no task: its empty log-sum-exp in the kernels' dtype, as every rank's lse exchange expects)
+        f_out, f_lse = fq.new_empty(0, heads, value_dim), torch.empty(heads, 0, dtype=accumulation_dtype(q.dtype),
+                                                                      device=q.device)
     if w.merges:  # several tasks of a row: their partials merged here (a row of no task: 0 and -inf)
         out_pool, lse_pool = merge_rows(served.q_index, f_out, f_lse.t(), q_pool.shape[0])
         return Served(out_pool, lse_pool, fq, k_pool, v_pool, f_out, f_lse)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import AttentionVariant
+from ..kernels import AttentionVariant, accumulation_dtype
 
 from .dispatch import Dispatch
 from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs,
@@ -32,7 +32,7 @@ class _WaveSchedule(torch.autograd.Function):
             raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
         in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
-        lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device) if resend else None
+        lse = torch.zeros(q.shape[0], q.shape[1], dtype=accumulation_dtype(q.dtype), device=q.device) if resend else None
         returning, kept, partials = [], [], []
         for i, w in enumerate(waves):
             received = in_flight[i].wait() if i in in_flight else None
