@@ -69,7 +69,8 @@ class RelayTrees:
     ``[num_groups]`` (int64): the K/V of document ``doc`` that rank ``holder`` sends goes along trees
     of ``fanout`` (>= 1, the holder's own sends included), their servers in the order of ``members``
     (``[sum of member_counts]``: group after group, ``member_counts[g]`` server ranks each). Groups
-    not listed, and servers a group does not list, go direct (after the listed ones)."""
+    not listed go direct; servers a group does not list join its trees after the listed ones (in
+    ``tree_order``'s order), so they too receive through forwarders."""
 
     holder: np.ndarray
     doc: np.ndarray
