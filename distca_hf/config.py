@@ -15,11 +15,13 @@ invalid value is an error naming the variable.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import json
 import math
 import numbers
 import os
+import warnings
 import zlib
 from dataclasses import dataclass, field, fields
 
@@ -389,7 +391,29 @@ def read_setting_text(name: str, text: str):
     return value
 
 
+def _misspelt_variables() -> list[str]:
+    """Why the ``DISTCA_*`` variables set that no setting reads are ignored, for those that look meant
+    for one: a setting without a variable (``DISTCA_BLOCK``), or a near miss of a variable
+    (``DISTCA_TOLERENCE``). Others (a tool's own ``DISTCA_CONFIG_FILE``, a test's) pass silently."""
+    known = {f.metadata["env"]: name for name, f in SETTINGS.items() if f.metadata["env"]}
+    problems = []
+    for var in sorted(v for v in os.environ if v.upper().startswith("DISTCA_") and v not in known):
+        name = var[len("DISTCA_"):].strip().lower()
+        if name in SETTINGS and SETTINGS[name].metadata["env"]:  # another spelling of a variable
+            problems.append(f"{var!r} is ignored: variables are read by their exact name, {SETTINGS[name].metadata['env']}")
+        elif name in SETTINGS:
+            problems.append(f"{var} is ignored: the {name} setting has no environment variable (set it with "
+                            f"distca_hf.configure({name}=...) or in the distca: section of the accelerate config)")
+        else:
+            near = difflib.get_close_matches(var.strip().upper(), list(known), n=1, cutoff=0.8)
+            if near:
+                problems.append(f"{var} is ignored: no distca setting reads it; did you mean {near[0]}?")
+    return problems
+
+
 def _from_environment(skip=()) -> dict:
+    for problem in _misspelt_variables():
+        warnings.warn(problem, stacklevel=3)
     values = {}
     for name, f in SETTINGS.items():
         var = f.metadata["env"]

@@ -5,6 +5,8 @@ compare are derived; precedence code > ``DISTCA_*`` > file > default."""
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -147,6 +149,25 @@ def test_a_bad_variable_names_itself_its_value_and_what_is_accepted(monkeypatch,
         message = str(error.value)
         assert message.startswith(f"invalid {variable}={bad!r}: distca {name} must be "), message
         assert all(word in message.lower() for word in _variable_words(name)), message
+
+
+@pytest.mark.parametrize("variable, says", [
+    ("DISTCA_TOLERENCE", "did you mean DISTCA_TOLERANCE?"),
+    ("DISTCA_KVRELAYS", "did you mean DISTCA_KV_RELAYS?"),
+    ("DISTCA_BLOCK", "the block setting has no environment variable"),
+    ("distca_tolerance", "read by their exact name, DISTCA_TOLERANCE"),
+])
+def test_a_misspelt_variable_is_not_ignored_silently(monkeypatch, variable, says):
+    """A variable no setting reads left the job on defaults without a word; one that looks meant for a
+    setting now warns (a tool's or a test's own DISTCA_* variable passes)."""
+    monkeypatch.setenv(variable, "0.1")
+    with pytest.warns(UserWarning, match=re.escape(says)):
+        assert distca_hf.current_config().tolerance == "auto"
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv("DISTCA_TEST_STAND_IN", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distca_hf.current_config()
 
 
 def test_text_flags_of_the_examples_follow_the_variables_rule():

@@ -151,6 +151,23 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--overlap", "none,sometimes"])
     assert "--overlap takes distinct values" in capsys.readouterr().err
+    for flags, says in ((["--timeout", "nan"], "--timeout: must be a positive number of seconds"),
+                        (["--timeout", "-5"], "--timeout: must be a positive number of seconds"),
+                        (["--tolerance", "sometimes"], "--tolerance: must be a finite number >= 0")):
+        with pytest.raises(SystemExit):
+            main(["bench", *flags])
+        assert says in capsys.readouterr().err
+    from distca_hf.tools.bench.cli import build_parser  # the variables' spelling rule: AUTO as auto
+
+    assert build_parser().parse_args(["--tolerance", " AUTO "]).tolerance == "auto"
+    for command, flags, says in (("kernel-bench", ["--heads", "0"], "--heads must be >= 1, got 0"),
+                                 ("kernel-bench", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+                                 ("kernel-bench", ["--out", "/no/such/folder/x.json"], "--out: the folder of"),
+                                 ("profile", ["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
+                                 ("profile", ["--device", "tpu"], "--device must be")):
+        with pytest.raises(SystemExit):
+            main([command, *flags])
+        assert says in capsys.readouterr().err, (command, flags)
 
 
 def _agreement_worker(rank, world):

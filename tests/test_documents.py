@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distca_hf import CATask, DocumentBoundaryError, find_documents, split_document
-from distca_hf.planning import attention_flops, causal_pairs
+from distca_hf.planning import DocumentPieces, attention_flops, causal_pairs
 
 
 @settings(max_examples=80, deadline=None)
@@ -141,3 +141,33 @@ def test_from_lengths_validates():
 
         PackedDocuments.from_lengths([3, 0])
     assert np.array_equal(find_documents(1, 7, 7, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1]])).lengths, [3, 2, 2])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0, query_len=4, kv_len=4), "batch_size must be an integer >= 1"),
+    (dict(batch_size=2.0, query_len=4, kv_len=4), "batch_size must be an integer >= 1"),
+    (dict(batch_size=1, query_len=4, kv_len=4, position_ids=[0, 1, 0, 1]), "position_ids must be an integer tensor"),
+    (dict(batch_size=1, query_len=3, kv_len=3, position_ids=torch.tensor([[True, False, True]])),
+     "position_ids must be integers"),
+])
+def test_find_documents_refuses_bad_shapes_and_positions_as_document_errors(kwargs, match):
+    """These raised IndexError, AttributeError or numpy's errors (or read bools as 0 / 1): not
+    DocumentBoundaryError (a ValueError), which the opening collective hands to every rank."""
+    batch_size, query_len, kv_len = (kwargs.pop(k) for k in ("batch_size", "query_len", "kv_len"))
+    with pytest.raises(DocumentBoundaryError, match=match):
+        find_documents(batch_size, query_len, kv_len, **kwargs)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: DocumentPieces([0], [0], [0], [10.9], 1), "end must hold integers"),
+    (lambda: DocumentPieces(["0"], [0], [0], [5], 1), "rank must hold integers"),
+    (lambda: DocumentPieces([0], [0], [0], [3_100_000_000], 1), "at most 3037000499 tokens"),
+    (lambda: DocumentPieces.from_rank_lists([[10.7]]), r"per_rank\[0\]\[0\] must be an integer length"),
+    (lambda: DocumentPieces.from_rank_lists([[5, (0, 5)]]), r"per_rank\[0\]\[1\] must be .* triple"),
+    (lambda: DocumentPieces.from_rank_lists([[True]]), "must be an integer length"),
+])
+def test_pieces_refuse_non_integers_and_lengths_whose_pairs_overflow(build, match):
+    """Floats were cut (10.9 -> 10), strings and bools read as numbers, and a 3.1e9-token document's
+    pairs overflowed int64 into a negative step time."""
+    with pytest.raises(ValueError, match=match):
+        build()

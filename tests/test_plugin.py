@@ -115,6 +115,11 @@ def test_yaml_section_errors_name_file_and_key(tmp_path):
     path.write_text("distca:\n  servers: 1\n")
     with pytest.raises(ValueError, match="distca.servers must be a list"):
         DistCAPlugin.from_accelerate_config(path)
+    # words as their DISTCA_* variables spell them; YAML 1.1 reads an unquoted off as false
+    path.write_text("distca:\n  kv_relays: off\n  tolerance: AUTO\n  memory_budget: None\n  backward: Resend\n")
+    resolved = DistCAPlugin.from_accelerate_config(path).resolved()
+    assert (resolved.kv_relays, resolved.tolerance, resolved.memory_budget, resolved.backward) == \
+        ("off", "auto", None, "resend")
     path.write_text("num_processes: 2\n")
     assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == "auto"  # no section: defaults
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -17,7 +17,8 @@ from distca_hf.planning import (DocumentPieces, PlannerConfig, TimeModel, TokenB
                                 comm_bytes, kv_transfers, plan_tasks)
 from distca_hf.planning.baselines import RankLoads
 from distca_hf.planning.by_time import loads_seconds
-from distca_hf.tools.simulate import draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, simulate
+from distca_hf.tools.simulate import (draw_batch, format_table, pack_pieces, per_doc_cp_kv_received, simulate,
+                                      simulate_pipeline)
 
 CONTRACT_KEYS = {
     "ranks", "tokens_per_rank", "batches", "colocated", "wlb", "distca", "per_doc_cp", "ulysses", "time_model",
@@ -119,7 +120,30 @@ def test_simulate_bad_lengths(tmp_path, content, match):
     assert result.returncode == 2 and match in result.stderr
 
 
+@pytest.mark.parametrize("lengths, ranks, tokens, match", [
+    ([-5], 2, 64, "lengths holds -5"),  # drew forever: the batch never filled
+    ([0, 0], 2, 64, "lengths holds 0"),
+    ([], 2, 64, "non-empty list"),
+    ([10.7, 3.2], 2, 64, "lengths holds 10.7"),  # cut to integers without a word
+    ([3_100_000_000], 1, 64, "at most 3037000499"),  # its pairs overflowed int64: a negative step time
+    ([100], 0, 64, "ranks must be an integer >= 1"),
+    ([100], 2, 0, "tokens_per_rank must be an integer >= 1"),
+])
+def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(lengths, ranks, tokens, batches=1)
+    with pytest.raises(ValueError, match=match):
+        simulate_pipeline(lengths, max(ranks, 1) * 2 if ranks else 0, tokens, stages=2, micro_batches=2, batches=1)
+
+
 def test_simulate_bad_arguments(lengths_file, tmp_path):
+    for flags, match in ((["--seed", "-1"], "--seed must be >= 0"), (["--layers", "0"], "--layers must be >= 1"),
+                         (["--time-model", str(tmp_path / "none.json")], "--time-model: "),
+                         (["--time-model", str(lengths_file)], "a time model is a JSON object")):
+        result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", *flags)
+        assert result.returncode == 2 and match in result.stderr, result.stderr
+    result = _cli("simulate", "--lengths", str(tmp_path), "--ranks", "2", "--tokens-per-rank", "64")
+    assert result.returncode == 2 and "--lengths: cannot read" in result.stderr, result.stderr
     result = _cli("simulate", "--lengths", str(tmp_path / "missing.json"), "--ranks", "2", "--tokens-per-rank", "64")
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "0", "--tokens-per-rank", "64")

@@ -30,6 +30,11 @@ def check_window(window) -> int | None:
     return int(window)
 
 
+MAX_POSITION = 3_037_000_499
+"""The largest token position (document length) whose pair counts ``t (t + 1)`` fit in int64:
+``DocumentPieces`` refuses documents longer than this rather than overflow silently."""
+
+
 def causal_pairs(q_start, q_end, window=None):
     """Pairs of the queries ``[q_start, q_end)`` of a document, bottom-right causal: query ``t`` sees
     ``t + 1`` keys, or ``min(t + 1, window)`` under a sliding window (HF's ``sliding_window``: the
@@ -210,8 +215,9 @@ class TimeModel:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
-        if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
-            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
+        value = self.bytes_per_s
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {value!r}")
 
     def rank_seconds(self, tokens, pairs, tasks=0, keys=0, *, other_s=None):
         """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks
@@ -266,12 +272,22 @@ class TimeModel:
 
     @classmethod
     def load(cls, path) -> "TimeModel":
-        data = json.loads(Path(path).read_text())
+        """The model a JSON object in ``path`` holds (``save``'s); a missing or unreadable file, other
+        JSON or a bad value is a ``ValueError`` naming the file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read a time model ({getattr(e, 'strerror', None) or e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a time model is a JSON object of its fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known - {"shape"}
         if unknown:
             raise ValueError(f"{path}: unknown time-model keys {sorted(unknown)}; expected {sorted(known)}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def save(self, path, **extra) -> None:
         Path(path).write_text(json.dumps({**asdict(self), **extra}, indent=2) + "\n")

@@ -96,6 +96,9 @@ def find_documents(
     Raises:
         DocumentBoundaryError: naming the argument that does not describe documents.
     """
+    for name, value in (("batch_size", batch_size), ("query_len", query_len), ("kv_len", kv_len)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
+            raise DocumentBoundaryError(f"{name} must be an integer >= 1 (the attention call's shape), got {value!r}")
     mask = _check_mask(attention_mask, batch_size, kv_len)
     if kv_len != query_len:
         if kv_len < query_len:
@@ -160,6 +163,9 @@ def _check_mask(attention_mask, batch_size: int, kv_len: int) -> np.ndarray | No
 
 
 def _check_position_ids(position_ids: torch.Tensor, batch_size: int, query_len: int) -> np.ndarray:
+    if not torch.is_tensor(position_ids):
+        raise DocumentBoundaryError(f"position_ids must be an integer tensor [batch or 1, {query_len}], got "
+                                    f"{type(position_ids).__name__}")
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     if (
@@ -171,7 +177,7 @@ def _check_position_ids(position_ids: torch.Tensor, batch_size: int, query_len: 
             f"position_ids shape {tuple(position_ids.shape)} does not match the batch: expected "
             f"[{batch_size} or 1, {query_len}]"
         )
-    if position_ids.is_floating_point() or position_ids.is_complex():
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
         raise DocumentBoundaryError(f"position_ids must be integers, got {position_ids.dtype}")
     return np.broadcast_to(_to_numpy(position_ids).astype(np.int64), (batch_size, query_len))
 

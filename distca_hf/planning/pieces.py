@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DocumentBoundaryError
-from .cost import causal_pairs
+from .cost import MAX_POSITION, causal_pairs
 
 __all__ = ["DocumentPieces", "RankDocuments", "rank_documents", "stitch_rank_documents"]
 
@@ -40,6 +40,13 @@ class DocumentPieces:
         if self.kv_start is None:
             object.__setattr__(self, "kv_start", self.start)
         names = ("rank", "doc", "start", "end", "kv_start")
+        for name in names:  # integers (floats of whole values too): 10.9 would be cut, a bool read as 0 / 1
+            given = np.asarray(getattr(self, name))
+            whole = given.dtype.kind in "iu" or (given.dtype.kind == "f" and bool(np.isfinite(given).all())
+                                                 and bool((given == np.round(given)).all()))
+            if given.size and not whole:
+                bad = given.reshape(-1)[:4].tolist()
+                raise ValueError(f"{name} must hold integers (tokens, ranks, document ids), got {given.dtype} {bad}")
         arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
         if len({a.size for a in arrays}) != 1:
             raise ValueError("rank, doc, start, end and kv_start must have one entry per piece")
@@ -56,6 +63,9 @@ class DocumentPieces:
                 raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
             if (self.doc < 0).any():
                 raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
+            if int(self.end.max()) > MAX_POSITION:
+                raise ValueError(f"a document reaches position {int(self.end.max())}; at most {MAX_POSITION} tokens "
+                                 "(its pair counts would overflow int64)")
             bad = (self.kv_start < 0) | (self.end < self.start) | (self.end <= self.kv_start)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
@@ -83,14 +93,18 @@ class DocumentPieces:
         documents, numbered in order across ranks)."""
         rank, doc, start, end = [], [], [], []
         next_doc = 0
+        integer = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
         for r, pieces in enumerate(per_rank):
-            for p in pieces:
-                if isinstance(p, (int, np.integer)):
+            for i, p in enumerate(pieces):
+                if integer(p):
                     rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
                     next_doc += 1
-                else:
+                elif isinstance(p, (tuple, list)) and len(p) == 3 and all(integer(x) for x in p):
                     d, s, e = p
                     rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
+                else:
+                    raise ValueError(f"per_rank[{r}][{i}] must be an integer length or a (doc, start, end) triple "
+                                     f"of integers, got {p!r}")
         return cls(np.array(rank), np.array(doc), np.array(start), np.array(end), len(per_rank))
 
     def local_pairs(self, window: int | None = None) -> np.ndarray:

@@ -267,7 +267,7 @@ class CallInputs:
         try:
             docs = self.documents()
             return docs, (self.first_position(docs) if span_ranks else 0), None
-        except ValueError as e:
+        except Exception as e:  # (any: a TypeError raised here alone would leave the others waiting)
             return None, 0, e
 
     def first_position(self, docs: PackedDocuments) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -121,7 +122,11 @@ def run(heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, repeats=3, flex=F
         candidates=None):
     """Returns ``{workload: {candidate: median milliseconds (forward + backward)}}``."""
     candidates = set(candidates or CANDIDATES)
-    if threads:
+    for name, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim), ("repeats", repeats),
+                        ("threads", 1 if threads is None else threads)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if threads is not None:
         torch.set_num_threads(threads)
     results = {}
     for name in workloads or WORKLOADS:
@@ -292,9 +297,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
-    heads = args.heads or (32 if cuda else 8)
-    kv_heads = args.kv_heads or (8 if cuda else 2)
-    head_dim = args.head_dim or (128 if cuda else 64)
+    for flag in ("heads", "kv_heads", "head_dim", "repeats", "threads"):  # (None: the default)
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        parser.error(f"--out: the folder of {args.out} does not exist")
+    heads = args.heads if args.heads is not None else (32 if cuda else 8)
+    kv_heads = args.kv_heads if args.kv_heads is not None else (8 if cuda else 2)
+    head_dim = args.head_dim if args.head_dim is not None else (128 if cuda else 64)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     if heads % kv_heads:
         parser.error(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")

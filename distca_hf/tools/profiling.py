@@ -466,12 +466,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for flag in ("hidden", "intermediate", "heads", "kv_heads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if args.world is not None and args.world < 2:
         parser.error(f"--world must be >= 2 (processes that exchange the dispatch's data), got {args.world}; leave it "
                      "out to keep the built-in communication terms")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        parser.error(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
+    if not device.startswith(("cpu", "cuda")):
+        parser.error(f"--device must be cpu or cuda (cuda:N), got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch sees no CUDA device")
     args.max_tokens = args.max_tokens or (16384 if device.startswith("cuda") else 2048)

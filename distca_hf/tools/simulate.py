@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import SETTINGS, kv_cap_pairing_problem
+from ..config import SETTINGS, is_integer, kv_cap_pairing_problem
 from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, backward_memory, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pieces, per_doc_cp_kv_received,
@@ -72,7 +72,7 @@ from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
-from ..planning.cost import H100_MEASURED, default_time_model
+from ..planning.cost import H100_MEASURED, MAX_POSITION, default_time_model
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
@@ -175,7 +175,8 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
         raise ValueError(f"auto_planner must be one of {sorted(AUTO_PLANNERS)}, got {auto_planner!r}")
-    lengths = np.asarray(lengths, dtype=np.int64)
+    _check_shape(ranks, tokens_per_rank, batches)
+    lengths = check_lengths(lengths)
     threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
     longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
     cp_degree = smallest_degree(longest, tokens_per_rank, ranks)
@@ -287,15 +288,16 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     config = config or default_planner_config()
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
-    for name, value in (("stages", stages), ("micro_batches", micro_batches), ("batches", batches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    _check_shape(ranks, tokens_per_rank, batches)
+    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if ranks % stages:
         raise ValueError(f"ranks ({ranks}) must be divisible by the pipeline stages ({stages}): every stage has "
                          "the same number of data-parallel ranks")
     per_stage = check_layers(layers, stages)
     data_parallel = ranks // stages
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = check_lengths(lengths)
     planning = _planning_config(config, time_model, hidden_comm_fraction)
     rng = np.random.default_rng(seed)
     steps, floors = [], []
@@ -409,14 +411,35 @@ def load_lengths(path) -> np.ndarray:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"--lengths: {path} does not exist") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--lengths: {path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ValueError(f"--lengths: cannot read {path} ({e.strerror or e})") from None
     if not isinstance(data, list) or not data:
         raise ValueError(f"--lengths: {path} must hold a non-empty JSON list of document lengths (tokens)")
-    bad = next((x for x in data if not (isinstance(x, int) and not isinstance(x, bool) and x > 0)), None)
+    return check_lengths(data, f"--lengths: {path}")
+
+
+def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
+    """``lengths`` (a list or array of document lengths) as int64, else ``ValueError`` starting with
+    ``where``: a non-empty list of positive integers, none past ``cost.MAX_POSITION``."""
+    data = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
+    if not isinstance(data, (list, tuple)) or not data:
+        raise ValueError(f"{where} must hold a non-empty list of document lengths (tokens)")
+    bad = next((x for x in data if not (is_integer(x) and 0 < x <= MAX_POSITION)), None)
     if bad is not None:
-        raise ValueError(f"--lengths: {path} holds {bad!r}; every document length must be a positive integer")
+        raise ValueError(f"{where} holds {bad!r}; every document length must be a positive integer (at most "
+                         f"{MAX_POSITION})")
     return np.asarray(data, dtype=np.int64)
+
+
+def _check_shape(ranks, tokens_per_rank, batches) -> None:
+    """``simulate``'s and ``simulate_pipeline``'s sizes: integers >= 1, naming the argument."""
+    for name, value in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank), ("batches", batches)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if ranks * tokens_per_rank > MAX_POSITION:
+        raise ValueError(f"ranks x tokens_per_rank = {ranks * tokens_per_rank} tokens per batch; at most {MAX_POSITION}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -500,7 +523,19 @@ def main(argv=None) -> int:
     return run_cli(parser.parse_args(argv), parser)
 
 
+def _time_model_flag(path, parser) -> TimeModel:
+    """``--time-model``'s file as a ``TimeModel``, its problems reported naming the flag."""
+    try:
+        return TimeModel.load(path)
+    except ValueError as e:
+        parser.error(f"--time-model: {e}")
+
+
 def run_cli(args, parser) -> int:
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
     for name in ("ranks", "tokens_per_rank", "batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -533,7 +568,8 @@ def run_cli(args, parser) -> int:
                                backward=args.backward, memory_budget=args.memory_budget, key_split=True,
                                kv_cap=args.kv_cap, kv_relays=args.kv_relays)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
-        time_model = TimeModel.load(args.time_model) if args.time_model else default_time_model("cuda", token_bytes, 2)
+        time_model = _time_model_flag(args.time_model, parser) if args.time_model else \
+            default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number, reset_config,
-                      resolve)
+from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
+                      read_setting_text, reset_config, resolve)
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
@@ -427,6 +427,16 @@ def read_distca_section(path: str | os.PathLike) -> dict:
         if not isinstance(section["servers"], list):
             raise ValueError(f"{path}: distca.servers must be a list of ranks, got {section['servers']!r}")
         section["servers"] = tuple(section["servers"])
+    for name, value in section.items():
+        if name not in SETTINGS:
+            continue
+        if name == "kv_relays" and value is False:  # YAML 1.1 reads an unquoted off (or no) as false
+            section[name] = "off"
+        elif isinstance(value, str):  # words as their DISTCA_* variable spells them (AUTO, None, 1e-1)
+            try:
+                section[name] = read_setting_text(name, value)
+            except ValueError as e:
+                raise ValueError(f"{path}: distca.{name} {e}") from None
     _validate(section, source=f"{path}: distca")
     return section
 

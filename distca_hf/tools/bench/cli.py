@@ -28,15 +28,22 @@ QUICK = {"tokens": 2048, "steps": 3, "warmup": 1, "layers": 2}
 DEFAULTS = {"tokens": 8192, "steps": 5, "warmup": 1, "layers": 4}
 
 
-def _tolerance(text: str):
-    """``--tolerance``: ``auto`` or a number >= 0 (the ``tolerance`` setting's check)."""
-    from ...config import setting_problem
+def _setting_flag(name: str):
+    """An argparse type reading a flag's text as setting ``name``'s variable is read
+    (``config.read_setting_text``: one spelling rule, the setting's check)."""
+    from ...config import read_setting_text
 
-    value = "auto" if text == "auto" else float(text)
-    problem = setting_problem("tolerance", value)
-    if problem:
-        raise argparse.ArgumentTypeError(problem)
-    return value
+    def read(text: str):
+        try:
+            return read_setting_text(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = name  # (argparse names the type in its messages)
+    return read
+
+
+_tolerance = _setting_flag("tolerance")  # auto or a number >= 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds (default: "
+    parser.add_argument("--timeout", type=_setting_flag("timeout_s"), default=600.0, help="process-group timeout in seconds (default: "
                         "%(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.add_argument("--workload", default="skewed",
