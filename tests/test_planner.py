@@ -212,6 +212,12 @@ def test_planner_config_takes_numpy_numbers_as_python_ones_and_refuses_bools():
     for name in ("exposed_comm", "block", "tolerance", "kv_relays"):
         with pytest.raises(ValueError, match=name):
             PlannerConfig(**{name: True})
+    with pytest.raises(ValueError, match="token_bytes a TokenBytes"):
+        PlannerConfig(token_bytes=5)  # (failed at plan time: 'int' object has no attribute 'q')
+    with pytest.raises(ValueError, match="base_pairs must be finite numbers"):
+        PlannerConfig(base_pairs="12")  # (was read as (1.0, 2.0))
+    with pytest.raises(TypeError, match="plan_tasks takes DocumentPieces"):
+        plan_tasks([[100, 50], [30]], PlannerConfig())
 
 
 def test_pieces_validation():

@@ -58,6 +58,18 @@ def test_bad_settings_name_the_field(field, value, message):
         DistCAPlugin(**{field: value})
 
 
+def test_plugin_refuses_what_is_no_parallelism_config_nor_settings_and_takes_numpy_world_sizes():
+    """``parallelism_config=5`` was read as all sizes 1, ``file_settings=None`` failed in ``dict()``, and
+    ``topology(np.int64(4))`` said "world_size must be an integer >= 1, got np.int64(4)"."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="DistCAPlugin.parallelism_config must be an accelerate ParallelismConfig"):
+        DistCAPlugin(parallelism_config=5)
+    with pytest.raises(ValueError, match="DistCAPlugin.file_settings must be a dict"):
+        DistCAPlugin(file_settings=None)
+    assert DistCAPlugin().topology(np.int64(4)).data_parallel == 4
+
+
 @pytest.mark.parametrize("variable, value", [("DISTCA_OVERLAP", "bogus"), ("DISTCA_BACKWARD", "x"),
                                              ("DISTCA_TOLERANCE", "lots"), ("DISTCA_TIMEOUT_S", "-1")])
 def test_bad_environment_names_the_variable(monkeypatch, variable, value):

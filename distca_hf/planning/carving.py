@@ -8,22 +8,21 @@ source rank (where the queries live), document, query range ``[q_start, q_end)``
 ``[0, q_end)``) and server rank.
 
 How it works. The cost of a piece is its causal pair count. With ``S`` servers the mean load is
-``total / S``; the guarantee is ``max server load <= (1 + tolerance) * mean``, and the planner aims
-at the tighter ``cap = (1 + 0.85 tolerance) * mean`` to keep a margin for block rounding. Ranks
-above their target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers
-below ``cap`` are receivers. Donors, largest excess first, give to the receiver with the most room
-(a heap), so few (source, server) pairs need K/V. When another server ties with it (it can take
-everything the roomiest would take in that step) and already holds part of the shard's K/V prefix
-(a piece of a document that spans ranks), that server takes the shard instead: it is sent fewer
-K/V tokens. Each transfer carves shards out of the donor's
-pieces, latest document positions first (a query late in a long document carries the most pairs
-per byte), at the position that minimises bytes for the pairs moved: for a shard ``[a, b)`` moving
-``P`` pairs the bytes are ``(b - a) * (q + o) + b * kv`` (query out, output back, K/V prefix),
-minimised by a width near ``sqrt(P * kv / (q + o + kv / 2))``. Under a sliding window
-(``PlannerConfig.window``) pairs are counted under the window and the K/V a shard needs start at
-``key_start(a, window)``: ``(b - key_start(a, window)) * kv``. Shards never exceed the receiver's
-room, except when no room can take a single block: then the rank with the most room that still
-holds all its own work takes it, and a second pass trims every server above the cap with its own
+``total / S``; the guarantee is ``max server load <= (1 + tolerance) * mean``, and the planner aims at
+the tighter ``cap = (1 + 0.85 tolerance) * mean`` to keep a margin for block rounding. Ranks above
+their target (``cap`` for servers, 0 for ranks outside the server pool) are donors; servers below
+``cap`` are receivers. Donors, largest excess first, give to the receiver with the most room (a heap),
+so few (source, server) pairs need K/V. When another server ties with it (it can take everything the
+roomiest would take in that step) and already holds part of the shard's K/V prefix (a piece of a
+document that spans ranks), that server takes the shard instead: it is sent fewer K/V tokens. Each
+transfer carves shards out of the donor's pieces, latest document positions first (a query late in a
+long document carries the most pairs per byte), at the position that minimises bytes for the pairs
+moved: for a shard ``[a, b)`` moving ``P`` pairs the bytes are ``(b - a) * (q + o) + b * kv`` (query
+out, output back, K/V prefix), minimised by a width near ``sqrt(P * kv / (q + o + kv / 2))``. Under a
+sliding window (``PlannerConfig.window``) pairs are counted under the window and the K/V a shard needs
+start at ``key_start(a, window)``: ``(b - key_start(a, window)) * kv``. Shards never exceed the
+receiver's room, except when no room can take a single block: then the rank with the most room that
+still holds all its own work takes it, and a second pass trims every server above the cap with its own
 finest work (short documents). What cannot be trimmed is under one block (a granule): the bound is
 exact up to that granule, which only matters when a block of the longest document is a sizeable
 fraction of the mean. Everything a donor keeps stays local, in place.
@@ -103,8 +102,7 @@ class PlannerConfig:
     kv_relays: str | int = "off"  # np.integer accepted, as block
 
     def __post_init__(self):
-        # numpy numbers (and arrays of them) are welcome, as the Python ones they stand for; the checks decide
-        for name in ("tolerance", "block", "kv_relays", "memory_budget", "kv_cap", "exposed_comm"):
+        for name in ("tolerance", "block", "kv_relays", "memory_budget", "kv_cap", "exposed_comm"):  # np numbers ok
             object.__setattr__(self, name, plain_number(getattr(self, name)))
         if self.servers is not None and hasattr(self.servers, "__iter__"):
             object.__setattr__(self, "servers", tuple(plain_number(s) for s in self.servers))
@@ -115,12 +113,14 @@ class PlannerConfig:
         if self.block is None:
             raise ValueError("block must be an integer >= 1 here; resolve the setting's None with "
                              "distca_hf.config.block_for_device")
-        if not isinstance(self.time_model, TimeModel):
-            raise ValueError(f"time_model must be a TimeModel, got {self.time_model!r}")
+        if not isinstance(self.time_model, TimeModel) or not isinstance(self.token_bytes, TokenBytes):
+            raise ValueError(f"time_model must be a TimeModel and token_bytes a TokenBytes, got {self.time_model!r} "
+                             f"and {self.token_bytes!r}")
         if type(self.exposed_comm) not in (int, float) or not 0.0 <= self.exposed_comm <= 1.0:  # (no bool)
             raise ValueError(f"exposed_comm must be a fraction in [0, 1], got {self.exposed_comm!r}")
-        if self.base_pairs is not None:
-            base = tuple(float(b) for b in self.base_pairs)
+        if self.base_pairs is not None:  # (a string is no list of numbers: "12" is not (1.0, 2.0))
+            listed = hasattr(self.base_pairs, "__iter__") and not isinstance(self.base_pairs, (str, bytes))
+            base = tuple(float(b) for b in self.base_pairs) if listed else (-1.0,)
             if not all(np.isfinite(b) and b >= 0 for b in base):
                 raise ValueError(f"base_pairs must be finite numbers >= 0 (one per rank), got {self.base_pairs!r}")
             object.__setattr__(self, "base_pairs", base)
@@ -128,7 +128,7 @@ class PlannerConfig:
             object.__setattr__(self, "servers", tuple(sorted(self.servers)))
         if not isinstance(self.key_split, (bool, np.bool_)):
             raise ValueError(f"key_split must be True or False, got {self.key_split!r}")
-        object.__setattr__(self, "key_split", bool(self.key_split))
+        object.__setattr__(self, "key_split", bool(self.key_split))  # (np.True_ as True)
         object.__setattr__(self, "window", check_window(self.window))
 
 

@@ -63,6 +63,9 @@ def plan_tasks(pieces: DocumentPieces, config: PlannerConfig = PlannerConfig()) 
     ``config.memory_budget``. ``config.kv_cap`` (K/V one server receives per layer) needs ``"auto"``.
     The plan's K/V then goes along the relay trees ``config.kv_relays`` asks for (``relay.apply_relays``:
     they change how K/V travels, not where tasks run nor what servers receive)."""
+    if not isinstance(pieces, DocumentPieces) or not isinstance(config, PlannerConfig):
+        raise TypeError(f"plan_tasks takes DocumentPieces (e.g. DocumentPieces.from_rank_lists) and a PlannerConfig, "
+                        f"got {type(pieces).__name__} and {type(config).__name__}")
     if config.tolerance == "auto":
         return _with_relays(*plan_and_start(pieces, config), pieces, config)
     problem = kv_cap_pairing_problem(config.kv_cap, config.tolerance)  # the carving ignores K/V it moves

@@ -536,6 +536,8 @@ def run_cli(args, parser) -> int:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
+    if args.heads >= 1 and args.kv_heads >= 1 and not args.heads % args.kv_heads and args.hidden % args.heads:
+        parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}): head dim = hidden / heads")
     for name in ("ranks", "tokens_per_rank", "batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -133,6 +133,9 @@ class DistCAPlugin(_SettingFields):
         for f in _checked_fields():  # numpy numbers (np.int64(2) from a computed size) as Python's
             setattr(self, f.name, plain_number(getattr(self, f.name)))
         _validate({f.name: getattr(self, f.name) for f in _checked_fields()}, source="DistCAPlugin")
+        if not isinstance(self.file_settings, dict):
+            raise ValueError(f"DistCAPlugin.file_settings must be a dict of settings (the distca: section), got "
+                             f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="the distca: section")
         self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
@@ -242,7 +245,8 @@ class DistCAPlugin(_SettingFields):
         world = dist.get_world_size() if distributed else 1
         rank = dist.get_rank() if distributed else 0
         local = os.environ.get("LOCAL_WORLD_SIZE")
-        ranks_per_node = int(local) if local and local.isdigit() and world % int(local) == 0 else None
+        ranks_per_node = int(local) if local and local.isdigit() and int(local) > 0 and world % int(local) == 0 \
+            else None
         if self.server_group == "node" and ranks_per_node is None:
             ranks_per_node = world  # no launcher information: one node
         topology = self.topology(world, ranks_per_node, model=model)
@@ -306,8 +310,11 @@ def _check_agree(a: _Said, b: _Said) -> None:
 
 def _sizes_of_parallelism_config(config, name: str) -> _Said:
     """The sizes an accelerate ``ParallelismConfig`` states; context / sequence parallelism refused."""
-    sizes = {}
-    for attribute in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+    sizes, attributes = {}, ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+    if not any(hasattr(config, attribute) for attribute in attributes):  # (5 or object() read as all sizes 1)
+        raise ValueError(f"{name} must be an accelerate ParallelismConfig (with {', '.join(attributes[:3])}, ...), "
+                         f"got {config!r}")
+    for attribute in attributes:
         value = getattr(config, attribute, 1)
         value = 1 if value is None else value
         if not (is_integer(value) and value >= 1):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import is_integer, plain_number
+
 __all__ = ["SERVER_SCOPES", "ParallelTopology", "build_server_group", "group_ranks"]
 
 SERVER_SCOPES = ("data_parallel", "node")
@@ -45,9 +47,11 @@ class ParallelTopology:
     ranks_per_node: int | None = None
 
     def __post_init__(self):
+        for name in ("world_size", "data_parallel", "pipeline_parallel", "tensor_parallel", "ranks_per_node"):
+            object.__setattr__(self, name, plain_number(getattr(self, name)))  # np.int64(4) is 4
         for name in ("world_size", "pipeline_parallel", "tensor_parallel"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         model_parallel = self.pipeline_parallel * self.tensor_parallel
         if self.data_parallel is None:
@@ -59,7 +63,7 @@ class ParallelTopology:
                 )
             object.__setattr__(self, "data_parallel", self.world_size // model_parallel)
         dp = self.data_parallel
-        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        if not is_integer(dp) or dp < 1:
             raise ValueError(f"data_parallel must be an integer >= 1, got {dp!r}")
         if dp * model_parallel != self.world_size:
             raise ValueError(
@@ -68,7 +72,7 @@ class ParallelTopology:
                 "product must equal the number of processes"
             )
         if self.ranks_per_node is not None:
-            if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            if not is_integer(self.ranks_per_node) or self.ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
             if self.world_size % self.ranks_per_node:
                 raise ValueError(f"world size {self.world_size} is not a multiple of ranks_per_node "
