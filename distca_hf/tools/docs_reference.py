@@ -70,7 +70,11 @@ def settings_markdown() -> str:
         "Every variable is spelt the same way: surrounding spaces are ignored and its words (`auto`, `none`, `off`, "
         "`cp`, a setting's choices) match in any case (`AUTO`, `Off`); a true/false variable takes "
         + " and ".join(" / ".join(f"`{w}`" for w, v in FLAG_WORDS.items() if v is truth) + f" for {truth}"
-                       for truth in (True, False)) + ".",
+                       for truth in (True, False)) + ". The `distca:` section's text values are read the "
+        "same way (`tolerance: AUTO`; YAML's unquoted `off` is false, read as `off` for `kv_relays`). A `DISTCA_*` "
+        "variable no setting reads warns when it looks meant for one (`DISTCA_TOLERENCE`, `distca_tolerance`, or "
+        "`DISTCA_BLOCK` for a setting without a variable); others pass (a tool's own, such as "
+        "`DISTCA_CONFIG_FILE`).",
         "",
         "The examples' flags (`distca_hf.training.DistCAArguments`) are the settings' names: `--tolerance 0.05`, "
         "`--servers 0 1`, `--span_ranks false` (dashes work as well as underscores). A flag left out leaves the "
