@@ -755,6 +755,49 @@ def test_datasets_without_documents_are_refused_naming_the_argument(tmp_path):
                           packing=None if len(given) < len(datasets_given) else packing)
 
 
+def test_masked_labels_and_padding_are_refused_not_trained_on(tmp_path):
+    """Packing keeps input_ids alone: a 'labels' column masking a prompt (-100) or an 'attention_mask'
+    marking padding was trained on without a word (a helper's probe: 20 label tokens a step where the
+    labels allowed 10). Refused, naming the row and the way out; columns that mask nothing pass."""
+    import datasets
+
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    make = lambda data: DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=data,
+                                      packing=PackingConfig(tokens_per_rank=BUDGET))
+    ids = [[1, 2, 3, 4], [5, 6, 7]]
+    for data, match in (
+            (datasets.Dataset.from_dict({"input_ids": ids, "labels": [[-100, -100, 3, 4], [5, 6, 7]]}),
+             "train_dataset row 0 has 'labels' that differ from its 'input_ids'.*DistCASFTTrainer"),
+            ([{"input_ids": ids[0]}, {"input_ids": ids[1], "labels": [-100, 6, 7]}], "row 1 has 'labels'"),
+            (datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1, 1, 1, 1], [1, 1, 0]]}),
+             "train_dataset row 1 has an 'attention_mask' with padding")):
+        with pytest.raises(ValueError, match=match):
+            make(data)
+    make(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 4, [1] * 3]}))
+
+
+def test_an_evaluation_without_label_tokens_reports_no_loss(tmp_path):
+    """1-token documents only: no token is predicted. eval_loss was 0.0 (the Trainer's mean of zeros),
+    which reads as perfect and would win metric_for_best_model="eval_loss"; now NaN, with 0 label tokens."""
+    import math
+
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    trainer = DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path),
+                            train_dataset=[[1, 2, 3, 4]], eval_dataset=[[5], [6], [7, 8]],
+                            packing=PackingConfig(tokens_per_rank=BUDGET))
+    metrics = trainer.evaluate(eval_dataset=None)
+    assert metrics["eval_label_tokens"] == 1 and math.isfinite(metrics["eval_loss"])
+    trainer = DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path),
+                            train_dataset=[[1, 2, 3, 4]], eval_dataset=[[5], [6], [7]],
+                            packing=PackingConfig(tokens_per_rank=BUDGET))
+    metrics = trainer.evaluate()
+    assert metrics["eval_label_tokens"] == 0 and math.isnan(metrics["eval_loss"])
+
+
 def test_span_ranks_precedence(tmp_path, monkeypatch):
     """Plugin field > DISTCA_SPAN_RANKS > distca: section > the trainer's default (on when the server
     group has more than one rank: off here, on one process; the two-rank tests see it on)."""

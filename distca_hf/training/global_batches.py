@@ -133,7 +133,8 @@ class GlobalBatchTrainerMixin:
             totals = self.accelerator.reduce(self._eval_totals, reduction="sum").cpu() / self._ranks_per_batch
         finally:
             self._eval_totals = None
-        if totals[1] > 0:
-            output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1])
+        # no label token (1-token documents only): no loss to report; NaN, not the Trainer's mean of zeros,
+        # which would read as a perfect loss (and win metric_for_best_model="eval_loss")
+        output.metrics[f"{metric_key_prefix}_loss"] = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
         output.metrics[f"{metric_key_prefix}_label_tokens"] = int(totals[1])
         return output
