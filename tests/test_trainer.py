@@ -798,6 +798,23 @@ def test_an_evaluation_without_label_tokens_reports_no_loss(tmp_path):
     assert metrics["eval_label_tokens"] == 0 and math.isnan(metrics["eval_loss"])
 
 
+def test_datasets_given_to_evaluate_and_predict_are_packed_as_the_constructor_packs(tmp_path):
+    """evaluate(eval_dataset=<raw documents>) / predict(<raw documents>) failed in the collator ("expects
+    items from a PackedDataset"), and a PackedDataset given there was not laid out for the job's ranks
+    (on 2 ranks a spanning document was cut: another loss over 39 tokens instead of 40)."""
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    documents = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
+    trainer = DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=[[1, 2, 3, 4]],
+                            eval_dataset=documents, packing=PackingConfig(tokens_per_rank=BUDGET))
+    built_in = trainer.evaluate()
+    given = trainer.evaluate(eval_dataset=documents)
+    assert given["eval_loss"] == pytest.approx(built_in["eval_loss"], rel=1e-6)
+    assert given["eval_label_tokens"] == built_in["eval_label_tokens"] == 12
+    assert trainer.predict(documents).metrics["test_label_tokens"] == 12
+
+
 def test_span_ranks_precedence(tmp_path, monkeypatch):
     """Plugin field > DISTCA_SPAN_RANKS > distca: section > the trainer's default (on when the server
     group has more than one rank: off here, on one process; the two-rank tests see it on)."""

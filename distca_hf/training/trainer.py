@@ -170,6 +170,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
                   "server_groups": server_groups if self.span_ranks else None}
         if pipelined:
             layout.update(self._pipeline_packing_layout())
+        self._packing, self._layout = packing, layout  # (for datasets given to evaluate() / predict() later)
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
             self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
@@ -239,6 +240,23 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             _check_has_documents(packed, name)
         self._packed_datasets[name] = packed
         return packed
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
+
+    def get_test_dataloader(self, test_dataset):
+        return super().get_test_dataloader(self._packed_later(test_dataset, "test"))
+
+    def _packed_later(self, dataset, name: str):
+        """A dataset given to ``evaluate()`` / ``predict()`` after construction, packed as the constructor
+        packs: raw documents with the trainer's ``packing=``, a ``PackedDataset`` laid out for this job's
+        ranks (a 1-rank packing would cut documents that span ranks). Names of ``eval_dataset`` and the
+        constructor's own datasets pass as they are."""
+        if dataset is None or isinstance(dataset, str) or any(dataset is d for d in self._packed_datasets.values()):
+            return dataset
+        packed = isinstance(dataset, (PackedDataset, StreamingPackedDataset))  # (its own packing config holds)
+        _check_packable(dataset, None if packed else self._packing, name)
+        return self._packed(dataset, self._packing, self._layout, name)
 
     @property
     def packing_reports(self) -> dict:
