@@ -778,6 +778,23 @@ def test_masked_labels_and_padding_are_refused_not_trained_on(tmp_path):
     make(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 4, [1] * 3]}))
 
 
+def test_token_ids_beyond_the_vocabulary_are_named(tmp_path):
+    """A token id >= vocab_size failed inside the embedding (IndexError here, a device-side assert on
+    CUDA), and a pad_token_id beyond it was accepted (used by filler rows on several ranks)."""
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"pad_token_id={vocab} is not below the model's vocab_size {vocab}"):
+        DistCATrainer(model=model, args=_arguments(tmp_path), train_dataset=[[1, 2, 3]],
+                      packing=PackingConfig(tokens_per_rank=BUDGET, pad_token_id=vocab))
+    trainer = DistCATrainer(model=model, args=_arguments(tmp_path), train_dataset=[[1, 2, vocab + 3]],
+                            packing=PackingConfig(tokens_per_rank=BUDGET))
+    with pytest.raises(ValueError, match=f"token id {vocab + 3} is not below the model's vocab_size {vocab}"):
+        trainer.train()
+
+
 def test_an_evaluation_without_label_tokens_reports_no_loss(tmp_path):
     """1-token documents only: no token is predicted. eval_loss was 0.0 (the Trainer's mean of zeros),
     which reads as perfect and would win metric_for_best_model="eval_loss"; now NaN, with 0 label tokens."""

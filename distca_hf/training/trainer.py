@@ -135,7 +135,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             args.accelerator_config.dispatch_batches = False
         # The datasets are packed once the server groups exist (below): how many ranks share a
         # global batch decides the packing.
-        super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(),
+        super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(_vocab_size(model)),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
         _check_arguments(self.args, evaluating=eval_dataset is not None)
@@ -171,6 +171,10 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if pipelined:
             layout.update(self._pipeline_packing_layout())
         self._packing, self._layout = packing, layout  # (for datasets given to evaluate() / predict() later)
+        vocab = _vocab_size(model)
+        if packing is not None and vocab is not None and packing.pad_token_id >= vocab:
+            raise ValueError(f"PackingConfig.pad_token_id={packing.pad_token_id} is not below the model's vocab_size "
+                             f"{vocab}: filler rows would fail in the embedding; use the tokenizer's pad token id")
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
             self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
@@ -474,6 +478,12 @@ def _check_no_masks(dataset, name: str) -> None:
 
 def _as_list(values) -> list:
     return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _vocab_size(model) -> int | None:
+    """The model's ``config.vocab_size`` (None when it has none: a ``model_init`` trainer's model)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _prepare_model(model) -> None:

@@ -12,6 +12,7 @@ from .rows import IGNORE_INDEX, is_integer
 
 
 @dataclass
+@dataclass
 class PackedCollator:
     """Packed row items -> model inputs, one row.
 
@@ -36,6 +37,10 @@ class PackedCollator:
     (``PackedDataset(full_rows=True)``) counts its trailing padding tokens: their ``labels`` and
     ``shift_labels`` are -100.
     """
+
+    vocab_size: int | None = None
+    """The model's; a token id at or above it is refused here, naming the id, rather than failing
+    inside the embedding (an IndexError on CPU, a device-side assert on CUDA)."""
 
     def __call__(self, items: list[dict]) -> dict:
         pieces: list[list[int]] = []
@@ -72,6 +77,10 @@ class PackedCollator:
             raise ValueError("PackedCollator: a row needs at least one piece and no empty piece")
         lengths = [len(p) for p in pieces]
         input_ids = torch.tensor([t for p in pieces for t in p], dtype=torch.int64).unsqueeze(0)
+        if self.vocab_size is not None and int(input_ids.max()) >= self.vocab_size:
+            raise ValueError(f"PackedCollator: token id {int(input_ids.max())} is not below the model's vocab_size "
+                             f"{self.vocab_size}; the documents were tokenized for another vocabulary (or "
+                             "PackingConfig.pad_token_id is too large)")
         starts = [first_position] + [0] * (len(pieces) - 1)
         position_ids = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
                                   for s, n in zip(starts, lengths)]).unsqueeze(0)
