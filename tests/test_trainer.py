@@ -778,6 +778,17 @@ def test_masked_labels_and_padding_are_refused_not_trained_on(tmp_path):
     make(datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 4, [1] * 3]}))
 
 
+def test_documents_cut_by_packing_are_said(tmp_path):
+    """A document longer than a global batch is cut into chunks that train as their own documents
+    (documented, PackingReport.cut_documents); the trainer now says so once, with the count."""
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    with pytest.warns(UserWarning, match=r"1 of the 2 documents of train_dataset .* were cut into 3 chunks"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=[[1] * 40, [2, 3]],
+                      packing=PackingConfig(tokens_per_rank=16))
+
+
 def test_token_ids_beyond_the_vocabulary_are_named(tmp_path):
     """A token id >= vocab_size failed inside the embedding (IndexError here, a device-side assert on
     CUDA), and a pad_token_id beyond it was accepted (used by filler rows on several ranks)."""

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -242,6 +243,13 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             packed = PackedDataset(dataset, packing, **layout)
         if isinstance(packed, PackedDataset):
             _check_has_documents(packed, name)
+            report = packed.report
+            if report.cut_documents:  # (documented, but it changes what trains: said once, with the count)
+                warnings.warn(f"DistCATrainer: {report.cut_documents} of the {report.documents} documents of "
+                              f"{_argument_name(name)} are longer than a global batch ({report.group_size} x "
+                              f"{report.tokens_per_rank} tokens) and were cut into {report.chunks} chunks that train as "
+                              "their own documents; raise PackingConfig.tokens_per_rank (or span more ranks) to keep "
+                              "them whole", stacklevel=3)
         self._packed_datasets[name] = packed
         return packed
 
