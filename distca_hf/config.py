@@ -395,7 +395,7 @@ def _misspelt_variables() -> list[str]:
     """Why the ``DISTCA_*`` variables set that no setting reads are ignored, for those that look meant
     for one: a setting without a variable (``DISTCA_BLOCK``), or a near miss of a variable
     (``DISTCA_TOLERENCE``). Others (a tool's own ``DISTCA_CONFIG_FILE``, a test's) pass silently."""
-    known = {f.metadata["env"]: name for name, f in SETTINGS.items() if f.metadata["env"]}
+    known = {f.metadata["env"] for f in SETTINGS.values() if f.metadata["env"]}
     problems = []
     for var in sorted(v for v in os.environ if v.upper().startswith("DISTCA_") and v not in known):
         name = var[len("DISTCA_"):].strip().lower()
@@ -405,7 +405,7 @@ def _misspelt_variables() -> list[str]:
             problems.append(f"{var} is ignored: the {name} setting has no environment variable (set it with "
                             f"distca_hf.configure({name}=...) or in the distca: section of the accelerate config)")
         else:
-            near = difflib.get_close_matches(var.strip().upper(), list(known), n=1, cutoff=0.8)
+            near = difflib.get_close_matches(var.strip().upper(), sorted(known), n=1, cutoff=0.8)
             if near:
                 problems.append(f"{var} is ignored: no distca setting reads it; did you mean {near[0]}?")
     return problems

@@ -198,7 +198,7 @@ def plan_by_time(pieces: DocumentPieces, config: PlannerConfig) -> Plan:
     carvings of ``AUTO_TOLERANCES`` (given up as soon as they are sure to lose), the CP-shaped plan and the
     tile grid. Ties go to the earlier of colocated, the descent, ``AUTO_TOLERANCES`` in order, the
     CP-shaped plan, then the tile grid. See the module docstring."""
-    return _plan_by_candidates(pieces, config, descent=True)[0]
+    return plan_and_start(pieces, config)[0]
 
 
 def plan_and_start(pieces: DocumentPieces, config: PlannerConfig) -> tuple[Plan, DescentStart | None]:

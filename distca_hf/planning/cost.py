@@ -30,9 +30,9 @@ def check_window(window) -> int | None:
     return int(window)
 
 
-MAX_POSITION = 3_037_000_499
-"""The largest token position (document length) whose pair counts ``t (t + 1)`` fit in int64:
-``DocumentPieces`` refuses documents longer than this rather than overflow silently."""
+MAX_POSITION = math.isqrt(2**63 - 1)
+"""The largest token position (document length) whose pair counts ``t (t + 1)`` fit in int64
+(3,037,000,499): ``DocumentPieces`` refuses documents longer than this rather than overflow silently."""
 
 
 def causal_pairs(q_start, q_end, window=None):
@@ -211,13 +211,13 @@ class TimeModel:
     collective_s: float = 0.0
 
     def __post_init__(self):
+        real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         for name in ("linear_s_per_token", "attn_s_per_pair", "task_s", "task_key_s", "collective_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not (real(value) and value >= 0):
                 raise ValueError(f"TimeModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
-        value = self.bytes_per_s
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {value!r}")
+        if not (real(self.bytes_per_s) and self.bytes_per_s > 0):
+            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
 
     def rank_seconds(self, tokens, pairs, tasks=0, keys=0, *, other_s=None):
         """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks

@@ -126,16 +126,21 @@ def relay_trees_where_they_help(plan: Plan, pieces: DocumentPieces, config: Plan
     return _placed_trees(plan, pieces, config, fanouts=fanouts, transfers=transfers, passes=passes)[0]
 
 
+def _relayable(transfers: KVTransfers) -> list:
+    """``holder_groups(transfers)`` whose K/V two or more servers need (one server: nothing to relay)."""
+    return [g for g in holder_groups(transfers) if len(set(g[2])) > 1]
+
+
 def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, fanouts=(2, 4, 8),
                   transfers: KVTransfers | None = None, passes: int = 2, groups=None):
     """``(trees, direct, relayed)``: ``relay_trees_where_they_help``'s trees and every rank's predicted
-    seconds (``[num_ranks]``) with direct sends and with the trees. ``groups``: ``holder_groups(transfers)``,
+    seconds (``[num_ranks]``) with direct sends and with the trees. ``groups``: ``_relayable(transfers)``,
     when in hand."""
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
     fanouts = [check_fanout("fanouts", f) for f in fanouts]
     n, kv, tm = plan.num_ranks, config.token_bytes.kv, config.time_model
     byte_s = tm.byte_seconds(config.exposed_comm, plan.backward)
-    groups = holder_groups(transfers) if groups is None else groups
+    groups = _relayable(transfers) if groups is None else groups
     trees = [None] * len(groups)  # (fanout, members in tree order) of each relayed group
 
     def link_seconds(rows: np.ndarray, first_only=False) -> np.ndarray:
@@ -154,19 +159,22 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     base = direct - link_sum
     link, first = {}, {}  # [ranks] K/V link seconds of each group weighed so far, all rounds and round 1's
 
+    def refused(times: np.ndarray, holder: int) -> bool:
+        """The greedy's rule: a tree is taken only where no rank ends slower than the slowest rank now
+        and its holder gets faster."""
+        return times.max() > slowest * (1 + 1e-12) or times[holder] >= now[holder] * (1 - 1e-9)
+
     def seconds(link_total, first_total, others, mine, holder) -> np.ndarray | None:
         """Every rank's predicted seconds with these K/V link seconds and the later rounds' rows
         (``[sender, receiver, doc, start, end, round]`` arrays: ``others``, the other relayed groups'
-        concatenated or None, and ``mine``, the group weighed); None when the greedy would refuse
-        them whatever the wait for relayed K/V (the step slower than the slowest rank's, or
-        ``holder`` no faster: the same sums without the wait, a lower bound as rounding is monotone)."""
+        concatenated or None, and ``mine``, the group weighed); None when ``refused`` whatever the wait
+        for relayed K/V (the same sums without the wait: a lower bound, as rounding is monotone)."""
         rows = mine if others is None else others if not mine.size else np.concatenate((others, mine))
         if not rows.size:
             return base + link_total
         rounds = int(rows[:, 5].max())
         sure = base + link_total
-        low = sure + (rounds - 1) * tm.collective_s
-        if low.max() > slowest * (1 + 1e-12) or low[holder] >= now[holder] * (1 - 1e-9):
+        if refused(sure + (rounds - 1) * tm.collective_s, holder):
             return None
         sends = RelaySends(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4], rows[:, 5])
         wait = relay_wait_seconds(sends, kv, byte_s, n, first_round=first_total)
@@ -176,14 +184,13 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
     now = direct.copy()
     slowest = now.max()
     holders = np.fromiter((g[0] for g in groups), np.int64, len(groups))
-    several = [len(set(g[2])) > 1 for g in groups]  # one server: nothing to relay
     for _ in range(passes):
         accepted = False
         for i in np.argsort(-now[holders], kind="stable").tolist():  # holders slowest first, ties in group order
             holder, doc, servers, starts, ends = groups[i]
             # a holder well below the slowest rank: relaying it cannot make the step faster (its
             # servers only get more bytes)
-            if not several[i] or now[holder] < HOLDER_NEAR_SLOWEST * slowest:
+            if now[holder] < HOLDER_NEAR_SLOWEST * slowest:
                 continue
             if i not in link:  # its direct sends, as transfers holds them (all in round 1)
                 link[i] = first[i] = link_seconds(np.asarray(
@@ -198,7 +205,7 @@ def _placed_trees(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *, 
                 new_link, new_first, new_later = link_seconds(rows), link_seconds(rows, True), rows[rows[:, 5] > 1]
                 new = seconds(link_sum - link[i] + new_link, first_sum - first[i] + new_first, others, new_later,
                               holder)
-                if new is not None and new.max() <= slowest * (1 + 1e-12) and new[holder] < now[holder] * (1 - 1e-9):
+                if new is not None and not refused(new, holder):
                     if best is None or (new.max(), new[holder]) < (best[0].max(), best[0][holder]):
                         best = (new, new_link, new_first, new_later, None if fanout == math.inf else (fanout, order))
             if best is not None:
@@ -232,12 +239,11 @@ def timed_relays(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, *,
     if config.kv_relays == "off" or plan.relays is not None:
         return plan, None
     transfers = transfers if transfers is not None else kv_transfers(plan, pieces)
-    every_group = holder_groups(transfers)
-    groups = [g for g in every_group if len(set(g[2])) > 1]
+    groups = _relayable(transfers)
     if not groups:
         return plan, None
     if config.kv_relays == "auto":
-        trees, direct, relayed = _placed_trees(plan, pieces, config, transfers=transfers, groups=every_group)
+        trees, direct, relayed = _placed_trees(plan, pieces, config, transfers=transfers, groups=groups)
         if not trees.num_groups or relayed.max() >= direct.max():
             return plan, float(direct.max(initial=0.0))
         return dataclasses.replace(plan, relays=trees), float(relayed.max(initial=0.0))

@@ -122,9 +122,9 @@ def run(heads=8, kv_heads=2, head_dim=64, dtype=torch.float32, repeats=3, flex=F
         candidates=None):
     """Returns ``{workload: {candidate: median milliseconds (forward + backward)}}``."""
     candidates = set(candidates or CANDIDATES)
-    for name, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim), ("repeats", repeats),
-                        ("threads", 1 if threads is None else threads)):
-        if value < 1:
+    sizes = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "repeats": repeats, "threads": threads}
+    for name, value in sizes.items():
+        if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if threads is not None:
         torch.set_num_threads(threads)

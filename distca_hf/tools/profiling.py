@@ -476,11 +476,11 @@ def main(argv=None) -> int:
                      "out to keep the built-in communication terms")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except RuntimeError:
-        parser.error(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
-    if not device.startswith(("cpu", "cuda")):
-        parser.error(f"--device must be cpu or cuda (cuda:N), got {device!r}")
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch sees no CUDA device")
     args.max_tokens = args.max_tokens or (16384 if device.startswith("cuda") else 2048)

@@ -175,7 +175,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
         raise ValueError(f"auto_planner must be one of {sorted(AUTO_PLANNERS)}, got {auto_planner!r}")
-    _check_shape(ranks, tokens_per_rank, batches)
+    _check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches)
     lengths = check_lengths(lengths)
     threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
     longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
@@ -288,10 +288,8 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     config = config or default_planner_config()
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
-    _check_shape(ranks, tokens_per_rank, batches)
-    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if not is_integer(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    _check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches, stages=stages,
+                 micro_batches=micro_batches)
     if ranks % stages:
         raise ValueError(f"ranks ({ranks}) must be divisible by the pipeline stages ({stages}): every stage has "
                          "the same number of data-parallel ranks")
@@ -433,13 +431,15 @@ def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
     return np.asarray(data, dtype=np.int64)
 
 
-def _check_shape(ranks, tokens_per_rank, batches) -> None:
-    """``simulate``'s and ``simulate_pipeline``'s sizes: integers >= 1, naming the argument."""
-    for name, value in (("ranks", ranks), ("tokens_per_rank", tokens_per_rank), ("batches", batches)):
+def _check_sizes(**sizes) -> None:
+    """``simulate``'s and ``simulate_pipeline``'s sizes: integers >= 1, naming the argument; a batch
+    of ``ranks x tokens_per_rank`` tokens within ``cost.MAX_POSITION``."""
+    for name, value in sizes.items():
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if ranks * tokens_per_rank > MAX_POSITION:
-        raise ValueError(f"ranks x tokens_per_rank = {ranks * tokens_per_rank} tokens per batch; at most {MAX_POSITION}")
+    if sizes["ranks"] * sizes["tokens_per_rank"] > MAX_POSITION:
+        raise ValueError(f"ranks x tokens_per_rank = {sizes['ranks'] * sizes['tokens_per_rank']} tokens per batch; "
+                         f"at most {MAX_POSITION}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

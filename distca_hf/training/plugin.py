@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
-                      read_setting_text, reset_config, resolve)
+                      read_setting_text, reset_config, resolve, setting_problem)
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
@@ -133,7 +134,7 @@ class DistCAPlugin(_SettingFields):
         for f in _checked_fields():  # numpy numbers (np.int64(2) from a computed size) as Python's
             setattr(self, f.name, plain_number(getattr(self, f.name)))
         _validate({f.name: getattr(self, f.name) for f in _checked_fields()}, source="DistCAPlugin")
-        if not isinstance(self.file_settings, dict):
+        if not isinstance(self.file_settings, Mapping):
             raise ValueError(f"DistCAPlugin.file_settings must be a dict of settings (the distca: section), got "
                              f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
@@ -437,9 +438,9 @@ def read_distca_section(path: str | os.PathLike) -> dict:
     for name, value in section.items():
         if name not in SETTINGS:
             continue
-        if name == "kv_relays" and value is False:  # YAML 1.1 reads an unquoted off (or no) as false
-            section[name] = "off"
-        elif isinstance(value, str):  # words as their DISTCA_* variable spells them (AUTO, None, 1e-1)
+        if isinstance(value, bool) and setting_problem(name, value):  # YAML 1.1 reads unquoted off / on as bools
+            value = "on" if value else "off"
+        if isinstance(value, str):  # words as their DISTCA_* variable spells them (AUTO, None, off, 1e-1)
             try:
                 section[name] = read_setting_text(name, value)
             except ValueError as e:

@@ -136,7 +136,8 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             args.accelerator_config.dispatch_batches = False
         # The datasets are packed once the server groups exist (below): how many ranks share a
         # global batch decides the packing.
-        super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(_vocab_size(model)),
+        vocab = _vocab_size(model)
+        super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(vocab),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
         _check_arguments(self.args, evaluating=eval_dataset is not None)
@@ -172,7 +173,6 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if pipelined:
             layout.update(self._pipeline_packing_layout())
         self._packing, self._layout = packing, layout  # (for datasets given to evaluate() / predict() later)
-        vocab = _vocab_size(model)
         if packing is not None and vocab is not None and packing.pad_token_id >= vocab:
             raise ValueError(f"PackingConfig.pad_token_id={packing.pad_token_id} is not below the model's vocab_size "
                              f"{vocab}: filler rows would fail in the embedding; use the tokenizer's pad token id")

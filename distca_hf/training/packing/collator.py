@@ -12,7 +12,6 @@ from .rows import IGNORE_INDEX, is_integer
 
 
 @dataclass
-@dataclass
 class PackedCollator:
     """Packed row items -> model inputs, one row.
 
