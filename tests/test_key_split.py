@@ -6,6 +6,7 @@ document alone."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -370,17 +371,21 @@ def key_split_worker(rank, world, cases):
                                           overlap="wave" if overlap == "wave" else "none", backward_mode=backward,
                                           timeout_s=60.0, forward_number=case)
                 variant = AttentionVariant(window)
+                issued = None  # the all-to-alls' order, recorded for overlap none and wave
                 if overlap == "pingpong":
                     nano = NanoAttention(dispatch, 8 ** -0.5, "A", variant=variant)
                     nano.launch(q, k, v)
                     nano.serve()
                     out = nano.finish()
+                    (out * weight[lo:hi].float()).sum().backward()
                 else:
-                    out = dispatched_attention(q, k, v, dispatch, 8 ** -0.5, variant=variant)
-                (out * weight[lo:hi].float()).sum().backward()
+                    with _issued_exchanges() as issued:
+                        out = dispatched_attention(q, k, v, dispatch, 8 ** -0.5, variant=variant)
+                        (out * weight[lo:hi].float()).sum().backward()
                 forward_bytes = sum(n for kind, n in dispatch.counters.bytes_sent.items() if kind.startswith("forward"))
                 report.append({
                     "case": case, "overlap": overlap, "backward": backward, "waves": len(dispatch.waves),
+                    "issued": issued,
                     "kv_rounds": dispatch.kv_rounds,
                     "forward_bytes": forward_bytes, "queries_sent": dispatch.queries_sent,
                     "kv_sent": int(dispatch.kv_received.sum()),
@@ -395,6 +400,25 @@ def key_split_worker(rank, world, cases):
                        "planned_bytes": comm_bytes(plan, pieces, TOKEN_BYTES).total,
                        "relayed_groups": plan.relays.num_groups if plan.relays is not None else 0})
     return report
+
+
+@contextlib.contextmanager
+def _issued_exchanges():
+    """The descriptions of the all-to-alls issued inside, in issue order (``exchange.start_exchange``'s
+    ``what (wave name, forward n)``)."""
+    from distca_hf.runtime import exchange
+
+    issued, real = [], exchange.all_to_all
+
+    def recording(send, send_splits, recv_splits, group, timeout_s, what, **kwargs):
+        issued.append(what)
+        return real(send, send_splits, recv_splits, group, timeout_s, what, **kwargs)
+
+    exchange.all_to_all = recording
+    try:
+        yield issued
+    finally:
+        exchange.all_to_all = real
 
 
 TOKEN_BYTES = TokenBytes(q=128, kv=128, o=128, lse=16)  # the workers' fp32 q/k/v: 4 heads (2 K/V heads) of 8

@@ -159,6 +159,10 @@ def test_relayed_dispatch_is_exact(tmp_path, world):
         assert all(f["relayed_groups"] > 0 for f in facts), facts
         for case in range(len(RELAY_CASES[world])):
             assert max(r["kv_rounds"] for r in runs if r["case"] == case) >= 2, (case, runs)
+        for run in runs:
+            if run["issued"] is not None:
+                _check_relays_queue_behind_nothing(run["issued"])
+        assert any(run["waves"] > 2 and run["kv_rounds"] >= 2 for run in runs)  # several remote waves relaying
     per_token = TOKEN_BYTES.q + TOKEN_BYTES.o + TOKEN_BYTES.lse
     facts = {f["case"]: f for f in results[0]["value"] if "splits" in f}
     for per_rank in zip(*([r for r in result["value"] if "overlap" in r] for result in results)):
@@ -167,6 +171,22 @@ def test_relayed_dispatch_is_exact(tmp_path, world):
         queries_bytes = run["queries_sent"] * (per_token if facts[run["case"]]["splits"] or run["backward"] == "resend"
                                                else TOKEN_BYTES.q + TOKEN_BYTES.o)
         assert sent == queries_bytes + run["kv_sent"] * TOKEN_BYTES.kv, run
+
+
+def _check_relays_queue_behind_nothing(issued: list[str]):
+    """In the order a dispatch issued its all-to-alls (collectives of one group complete in that
+    order), each relay round (forward, and ``resend`` mode's backward) follows its own wave's
+    exchanges, never another wave's still in flight: it waits for its first round only, while the
+    other waves' inputs and returns travel during its kernel (``wave_schedule._IssueOrder``). Relay
+    rounds and their gradients' rounds are waited on as soon as issued, so they delay nothing after."""
+    wave = lambda what: what[what.rindex("("):]  # "(wave name, forward n)"
+    waited_at_once = ("relaying K/V", "returning relayed K/V gradients")
+    in_flight = None  # the last exchange issued that may still be travelling
+    for what in issued:
+        if "relaying K/V" in what:
+            assert wave(in_flight) == wave(what), (in_flight, what, issued)
+        if not any(kind in what for kind in waited_at_once):
+            in_flight = what
 
 
 def _model_worker(rank, world):

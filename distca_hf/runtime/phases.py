@@ -11,6 +11,8 @@ inside ``serve_forward`` (``relay_kv``, after the first round arrived) and, in `
 ``serve_backward`` again; ``serve_backward`` sends each round's K/V gradients back up its trees
 (``relay_kv_grads``) before returning the pools' gradients, so the first round's return as without
 relays. Every rank enters every round (the plan's deepest tree), sending nothing if it has nothing.
+Both serve functions call a schedule's ``pools_ready`` hook between the relay rounds and the kernel,
+where ``wave_schedule`` issues other waves' exchanges so the rounds do not queue behind them.
 
 Key-split plans (``Wave.merges``): a server returns each row's partial output and log-sum-exp (its
 tasks of a row merged first), the source merges every partial of a row (``merge_outputs``), and
@@ -125,9 +127,10 @@ def relay_kv_grads(w: Wave, dk_pool: torch.Tensor, dv_pool: torch.Tensor):
 
 
 def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
-                  variant: AttentionVariant = AttentionVariant()) -> Served:
+                  variant: AttentionVariant = AttentionVariant(), *, pools_ready=None) -> Served:
     """Forward, server side: run the wave's CA-tasks as one fused varlen batch (under the layer's
-    sliding window and softcap, ``variant``)."""
+    sliding window and softcap, ``variant``). ``pools_ready``: called once the pools are complete
+    (after the relay rounds of a wave that receives), before the kernel."""
     check_layer_window(w, variant.window, variant.chunk)
     served = w.served
     if received is None:
@@ -135,6 +138,8 @@ def serve_forward(w: Wave, q, k, v, received, scale: float, want_lse: bool,
     else:
         q_pool, k_pool, v_pool = (torch.cat([a, b]) for a, b in zip((q, k, v), received))
         k_pool, v_pool = relay_kv(w, k_pool, v_pool)
+    if pools_ready is not None:
+        pools_ready()
     fq = _fused_rows(q_pool, served.q_index, w.q_identity)
     fk, fv = (_fused_rows(pool, served.k_index, w.k_identity) for pool in (k_pool, v_pool))
     heads, value_dim = q.shape[1], v.shape[-1]
@@ -231,13 +236,14 @@ def receive_all(pending: list[Pending]) -> list[torch.Tensor]:
 
 
 def serve_backward(w: Wave, dout, received, saved, scale: float, variant: AttentionVariant = AttentionVariant(),
-                   merged: tuple | None = None):
+                   merged: tuple | None = None, *, pools_ready=None):
     """Backward, server side: the wave's fused backward. ``saved`` is ``(fq, k_pool, v_pool, f_out,
     f_lse)`` (``saved`` mode) or the source's ``(q, k, v, out, lse)`` (``resend`` mode, whose
     ``received`` then holds the other sources' q, k, v, out, dO, lse rows). ``received`` is empty for
     a local wave. Key-split plans in ``saved`` mode: ``merged`` is this rank's rows' merged ``(out,
     lse)`` and ``received`` the other sources' dO, out, lse rows (``saved``'s f_out / f_lse, partial,
-    are not used). Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
+    are not used). ``pools_ready``: called before the kernel (after the relay rounds of ``resend``
+    mode). Returns the gradient pools ``(dq_pool, dk_pool, dv_pool)``, local rows first."""
     served = w.served
     if w.backward_mode == "saved" and w.merges:
         fq, k_pool, v_pool = saved[:3]
@@ -262,6 +268,8 @@ def serve_backward(w: Wave, dout, received, saved, scale: float, variant: Attent
         fq, f_out, f_do, f_lse = (_fused_rows(t, served.q_index, w.q_identity) for t in (q, out, dout, lse))
         f_lse = f_lse.t().contiguous()
         pool_rows = q.shape[0]
+    if pools_ready is not None:
+        pools_ready()
     qshape = tuple(fq.shape[1:])
     fk, fv = (_fused_rows(pool, served.k_index, w.k_identity) for pool in (k_pool, v_pool))
     if w.num_tasks:

@@ -2,7 +2,9 @@
 
 Remote waves' inputs are launched first, then the waves run in order (their outputs launched back
 as soon as computed) and the returns are placed at the end; backward does the mirror image, waves in
-reverse order. With one wave (``none``) each exchange is waited on right after its launch.
+reverse order. With one wave (``none``) each exchange is waited on right after its launch. A dispatch
+whose K/V is relayed issues its exchanges in another order (``_IssueOrder``), so that its relay
+rounds do not queue behind other waves' transfers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["dispatched_attention"]
 class _WaveSchedule(torch.autograd.Function):
     """Every wave of a dispatch inside one autograd node: remote waves' inputs are launched first,
     then the waves run in order (their outputs launched back as soon as computed) and the returns
-    are placed at the end. Backward does the mirror image, waves in reverse order."""
+    are placed at the end. Backward does the mirror image, waves in reverse order. A relayed
+    dispatch launches each remote wave's inputs and return a wave later (``_IssueOrder``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, variant: AttentionVariant):
@@ -30,13 +33,15 @@ class _WaveSchedule(torch.autograd.Function):
         resend, merges = waves[0].backward_mode == "resend", waves[0].merges
         if dispatch.backward is not None and not resend:
             raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
-        in_flight = {i: launch_inputs(w, q, k, v) for i, w in enumerate(waves) if not w.local_only}
+        issue = _IssueOrder(waves, range(len(waves)), lambda i: launch_inputs(waves[i], q, k, v))
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=accumulation_dtype(q.dtype), device=q.device) if resend else None
         returning, kept, partials = [], [], []
         for i, w in enumerate(waves):
-            received = in_flight[i].wait() if i in in_flight else None
-            served = serve_forward(w, q, k, v, received, scale, want_lse=resend, variant=variant)
+            pending = issue.inputs(i)
+            received = pending.wait() if pending is not None else None
+            served = serve_forward(w, q, k, v, received, scale, want_lse=resend, variant=variant,
+                                   pools_ready=issue.pools_ready(i))
             if merges:  # a row's partials of every wave and server are merged at the end
                 partials.append((torch.arange(w.num_local, device=q.device), served.out_pool[: w.num_local],
                                  served.lse_pool[: w.num_local]))
@@ -45,7 +50,7 @@ class _WaveSchedule(torch.autograd.Function):
                 if resend:
                     lse += served.lse_pool[: w.num_local]
             if not w.local_only:
-                returning.append((w, launch_outputs(w, served)))
+                issue.then_return(i, lambda w=w, served=served: returning.append((w, launch_outputs(w, served))))
             if not resend:
                 pools = _kept_kv(w, served, received) if dispatch.keeps_kv_once else (served.k_pool, served.v_pool)
                 kept.append((served.fq, *pools) if merges else (served.fq, *pools, served.f_out, served.f_lse))
@@ -79,24 +84,73 @@ class _WaveSchedule(torch.autograd.Function):
         if ctx.dispatch.keeps_kv_once:
             per_wave = _pools_rebuilt(ctx.dispatch.waves, saved, width, tail=2 if merged is not None else 0)
         order = list(reversed(range(len(waves))))
-        in_flight = {i: launch_grad_inputs(waves[i], dout, saved if resend else None, merged)
-                     for i in order if not waves[i].local_only}
+        issue = _IssueOrder(waves, order, lambda i: launch_grad_inputs(waves[i], dout, saved if resend else None, merged))
         dq = dout.new_zeros(ctx.q_shape)
         dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
         dv = saved[2].new_zeros(waves[0].num_local_kv, *saved[2].shape[1:])  # saved[2]: v or a V pool
         returning = []
         for i in order:
             w = waves[i]
-            received = receive_all(in_flight[i]) if i in in_flight else []
-            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant, merged)
+            pending = issue.inputs(i)
+            received = receive_all(pending) if pending is not None else []
+            pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant, merged,
+                                   pools_ready=issue.pools_ready(i))
             dq += pools[0][: w.num_local]
             dk += pools[1][: w.num_local_kv]
             dv += pools[2][: w.num_local_kv]
             if not w.local_only:
-                returning.append((w, launch_grad_outputs(w, pools)))
+                issue.then_return(i, lambda w=w, pools=pools: returning.append((w, launch_grad_outputs(w, pools))))
         for w, pending in returning:
             place_grads(w, pending, dq, dk, dv)
         return dq, dk, dv, None, None, None
+
+
+class _IssueOrder:
+    """When a dispatch's exchanges are issued, forward or backward (``order``: the waves' indices in
+    the order they run; ``launch(i)``: issues wave ``i``'s inputs and returns what ``inputs(i)`` gives).
+
+    Collectives of one process group complete in the order they were issued (NCCL runs a
+    communicator's on one stream), the same order on every rank. Without relays, every remote wave's
+    inputs are issued first: they travel while the local waves compute. With relays, a wave's relay
+    rounds are issued only once its first round has arrived, so they would queue behind every later
+    wave's inputs and every earlier wave's returns. So the next remote wave's inputs and the previous
+    one's return are issued once a wave's pools are complete (``pools_ready``): both still travel
+    while that wave's kernel runs, and the relay rounds wait for nothing but their own first round.
+    Every rank issues in the same order: which waves are remote and relayed is the plan's, the same
+    on every rank."""
+
+    def __init__(self, waves, order, launch):
+        self.remote = [i for i in order if not waves[i].local_only]
+        self.relayed = any(waves[i].relays for i in self.remote)
+        self.launch = launch
+        self.in_flight = {i: launch(i) for i in (self.remote[:1] if self.relayed else self.remote)}
+        self.held = []  # issuers of returns waiting for the next remote wave's relay rounds
+
+    def inputs(self, i):
+        """Wave ``i``'s inputs in flight (None for a local wave)."""
+        return self.in_flight.pop(i, None)
+
+    def pools_ready(self, i):
+        """The hook ``serve_forward`` / ``serve_backward`` call once wave ``i``'s pools are complete."""
+        if not self.relayed or i not in self.remote:  # (a local wave has no relay rounds)
+            return None
+        return lambda: self._after_relays(i)
+
+    def _after_relays(self, i):
+        for issue in self.held:
+            issue()
+        self.held.clear()
+        later = self.remote[self.remote.index(i) + 1:]
+        if later:
+            self.in_flight[later[0]] = self.launch(later[0])
+
+    def then_return(self, i, issue):
+        """Wave ``i``'s kernel has run: ``issue()`` issues its return, now or, with relays, after
+        the next remote wave's relay rounds."""
+        if self.relayed and i != self.remote[-1]:
+            self.held.append(issue)
+        else:
+            issue()
 
 
 def _kept_kv(w, served, received):
