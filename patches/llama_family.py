@@ -183,8 +183,8 @@ def _run_layer(layer, plan, rope, h_a, h_b):
 
     scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
     variant = AttentionVariant(window=sliding_window(layer.self_attn))  # no Llama-family model softcaps
-    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", variant=variant)
-    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", variant=variant)
+    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", variant=variant, queue=plan.issue_queue)
+    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", variant=variant, queue=plan.issue_queue)
     with timeline.span(f"{a.name}: norm, q/k/v"):
         q_a, k_a, v_a = to_compute_dtype(*attention_inputs(layer, h_a, *rope["a"]))
     a.launch(q_a, k_a, v_a)

@@ -94,6 +94,37 @@ def test_nano_split_refuses_a_cache():
         split_nano_batches(docs)
 
 
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.sampled_from(["issue", "issue opening", "relays issued", "need"]), max_size=30))
+def test_issue_queue_holds_only_behind_pending_relays(events):
+    """``IssueQueue``: exchanges are issued in the order asked; once a relayed first round (an
+    "opening") is issued, nothing more is until its relay rounds are, unless a node needs an
+    exchange (then everything asked is); otherwise nothing waits."""
+    from distca_hf.runtime.pingpong import IssueQueue
+
+    queue, issued, asked, opening, pending = IssueQueue(), [], [], set(), False
+    for number, event in enumerate(events):
+        before = len(issued)
+        if event.startswith("issue"):
+            asked.append(number)
+            opening |= {number} if event == "issue opening" else set()
+            queue.issue(lambda n=number: issued.append(n), opens_relays=event == "issue opening")
+        elif event == "relays issued":
+            queue.relays_issued()
+            pending = False
+        else:
+            queue.need()
+        new = issued[before:]
+        assert issued == asked[: len(issued)]  # in order, each once
+        if pending and event != "need":
+            assert not new  # held behind the pending relay rounds
+        if event != "need":
+            assert not any(n in opening for n in new[:-1])  # an opening holds what follows it
+        pending = pending or any(n in opening for n in new)
+        if event == "need" or not pending:
+            assert issued == asked  # nothing waits without a reason
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=6), min_size=2, max_size=4),
        st.sampled_from([1, 16]))

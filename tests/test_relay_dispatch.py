@@ -191,8 +191,16 @@ def _check_relays_queue_behind_nothing(issued: list[str]):
 
 def _model_worker(rank, world):
     """``exactness_worker`` (a tiny Llama trained on skewed batches against each document alone, both
-    backward modes, checkpointing on and off) in every overlap mode, K/V forced along chains."""
-    return {overlap: exactness_worker(rank, world, "llama", overlap) for overlap in ("none", "wave", "pingpong")}
+    backward modes, checkpointing on and off) in every overlap mode, K/V forced along chains, and the
+    order the all-to-alls were issued in."""
+    from test_key_split import _issued_exchanges
+
+    report = {}
+    for overlap in ("none", "wave", "pingpong"):
+        with _issued_exchanges() as issued:
+            report[overlap] = exactness_worker(rank, world, "llama", overlap)
+        report[overlap + " issued"] = issued
+    return report
 
 
 @pytest.mark.distributed
@@ -205,6 +213,8 @@ def test_a_model_trains_exactly_through_relays(tmp_path):
         for rank, runs in exact_runs(per_overlap, 8):
             assert max(run["stats"]["kv_exchange_rounds"] for run in runs) >= 2, (overlap, rank)
         check_forward_bytes(per_overlap)
+        for result in results:  # ping-pong: a nano-batch's relay rounds wait for none of the other's exchanges
+            _check_relays_queue_behind_nothing(result["value"][overlap + " issued"])
 
 
 def test_the_simulator_times_relays_and_never_predicts_them_slower():

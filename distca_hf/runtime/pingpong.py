@@ -24,7 +24,7 @@ Llama-like decoder layers and installs the ping-pong decoder stack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch
                      place_grads, place_outputs, receive_all, returned_partials, serve_backward, serve_forward)
 from .tables import DispatchCounters
 
-__all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention"]
+__all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention", "IssueQueue"]
 
 
 @dataclass(eq=False)
@@ -55,6 +55,8 @@ class PingPongPlan:
         dispatch_a, dispatch_b: their dispatches (one wave each; they share byte counters).
         rows_a, rows_b, prefix_rows, pinned_rows: ``split``'s row indices as device tensors.
         longest_document: tokens of the longest document over every rank of the server group.
+        issue_queue: the order in which both nano-batches' exchanges are issued, every layer's
+            (``IssueQueue``; give it to each ``NanoAttention``).
     """
 
     split: NanoSplit
@@ -65,6 +67,7 @@ class PingPongPlan:
     prefix_rows: torch.Tensor
     pinned_rows: torch.Tensor
     longest_document: int
+    issue_queue: IssueQueue = field(default_factory=lambda: IssueQueue())  # (defined below)
 
     def keys_b(self, k_a: torch.Tensor, k_b: torch.Tensor) -> torch.Tensor:
         """Nano-batch B's key (or value) stream from both nano-batches' rows: ``[A's cut prefix] ++
@@ -142,11 +145,53 @@ def _nano_world(rows: RankDocuments, per_rank, assignments, which: int) -> RankD
 
 # ---- one nano-batch's attention as three autograd nodes ----
 
+class IssueQueue:
+    """When the two nano-batches' exchanges are issued. Collectives of one process group complete in
+    the order they were issued (NCCL runs a communicator's on one stream), the same on every rank.
+    A nano-batch whose K/V is relayed issues its relay rounds only once its first round has arrived
+    (in its serve node, forward; in ``resend`` mode's backward too), so they would queue behind
+    whatever the other nano-batch issued meanwhile: its inputs, its outputs, its gradients. So from
+    the launch of such a first round until its relay rounds are issued (``relays_issued``, the
+    serve functions' ``pools_ready`` hook), the other nano-batch's exchanges are held, then issued
+    in order: they travel during that nano-batch's kernel, and the relay rounds wait for nothing but
+    their own first round. A node that needs a held exchange issues everything held first
+    (``need``), so no order of the nodes can wait on an exchange never issued; every rank runs the
+    same nodes in the same order, so every rank issues alike."""
+
+    def __init__(self):
+        self.relays_pending = False  # a first round is in flight whose relay rounds are not issued yet
+        self.held = []  # (issue, opens_relays) in order
+
+    def issue(self, issue, *, opens_relays: bool) -> None:
+        """Run ``issue()`` (which launches an exchange and stores its pending handle) now, or, while
+        relay rounds are pending, once they are issued. ``opens_relays``: the exchange is the first
+        round of a relayed wave whose relay rounds follow before its kernel."""
+        self.held.append((issue, opens_relays))
+        self._release(flush=False)
+
+    def relays_issued(self) -> None:
+        """The pending relay rounds were issued: the held exchanges go now."""
+        self.relays_pending = False
+        self._release(flush=False)
+
+    def need(self) -> None:
+        """A node is about to wait on an exchange: whatever is held is issued now."""
+        self._release(flush=True)
+
+    def _release(self, *, flush: bool) -> None:
+        while self.held and (flush or not self.relays_pending):
+            issue, opens_relays = self.held.pop(0)
+            issue()
+            self.relays_pending = self.relays_pending or opens_relays
+
+
 class _Flight:
     """What the three nodes of one nano-batch's attention in one layer hand to each other."""
 
-    def __init__(self, dispatch: Dispatch, scale: float, variant: AttentionVariant):
+    def __init__(self, dispatch: Dispatch, scale: float, variant: AttentionVariant, queue: IssueQueue):
         self.wave = dispatch.waves[0]
+        self.queue = queue
+        self.relayed = bool(self.wave.relays)
         self.counters = dispatch.counters
         self.scale, self.variant = scale, variant
         self.resend = self.wave.backward_mode == "resend"
@@ -155,6 +200,23 @@ class _Flight:
         self.lse_local = self.merged = None
         self.shapes = self.dtype = self.device = None  # of q, k and v, set by the forward
 
+    def issue(self, name: str, launch, *, opens_relays: bool = False) -> None:
+        """Launch an exchange through the layer's ``IssueQueue``; its pending handle lands in
+        ``self.<name>`` when issued."""
+        self.queue.issue(lambda: setattr(self, name, launch()), opens_relays=opens_relays)
+
+    def take(self, name: str):
+        """The pending handle ``self.<name>`` (issued now if it was held); the attribute is cleared."""
+        if getattr(self, name) is None:
+            self.queue.need()
+        pending = getattr(self, name)
+        setattr(self, name, None)
+        return pending
+
+    def pools_ready(self):
+        """The serve functions' hook: this nano-batch's relay rounds are issued (None without relays)."""
+        return self.queue.relays_issued if self.relayed else None
+
 
 class _Launch(torch.autograd.Function):
     """Forward: send q/k/v rows to their servers. Backward: receive their dQ/dK/dV."""
@@ -162,7 +224,7 @@ class _Launch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, flight: _Flight):
         flight.shapes = (q.shape, k.shape, v.shape)
-        flight.inputs = launch_inputs(flight.wave, q, k, v)
+        flight.issue("inputs", lambda: launch_inputs(flight.wave, q, k, v), opens_relays=flight.relayed)
         ctx.flight = flight
         return q.new_empty(0)
 
@@ -173,8 +235,7 @@ class _Launch(torch.autograd.Function):
         dq = torch.zeros(q_shape, dtype=flight.dtype, device=flight.device)
         dk = torch.zeros(k_shape, dtype=flight.dtype, device=flight.device)
         dv = torch.zeros(v_shape, dtype=flight.dtype, device=flight.device)
-        place_grads(flight.wave, flight.grads, dq, dk, dv)
-        flight.grads = None
+        place_grads(flight.wave, flight.take("grads"), dq, dk, dv)
         return dq, dk, dv, None
 
 
@@ -186,10 +247,9 @@ class _Serve(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ticket, q, k, v, flight: _Flight):
         w = flight.wave
-        served = serve_forward(w, q, k, v, flight.inputs.wait(), flight.scale, want_lse=flight.resend,
-                               variant=flight.variant)
-        flight.inputs = None
-        flight.outputs = launch_outputs(w, served)
+        served = serve_forward(w, q, k, v, flight.take("inputs").wait(), flight.scale, want_lse=flight.resend,
+                               variant=flight.variant, pools_ready=flight.pools_ready())
+        flight.issue("outputs", lambda: launch_outputs(w, served))
         out_local = served.out_pool[: w.num_local]
         flight.dtype, flight.device = q.dtype, q.device
         if flight.resend or flight.merges:
@@ -217,10 +277,10 @@ class _Serve(torch.autograd.Function):
         saved, merged = ctx.saved_tensors, flight.merged
         if flight.resend:  # _Serve kept q, k, v: _Finish's out and lse complete them
             saved, merged = (*saved, *merged), None
-        pools = serve_backward(w, dout, receive_all(flight.grad_inputs), saved, flight.scale, flight.variant, merged)
+        pools = serve_backward(w, dout, receive_all(flight.take("grad_inputs")), saved, flight.scale, flight.variant,
+                               merged, pools_ready=flight.pools_ready() if flight.resend else None)
         flight.merged = None
-        flight.grad_inputs = None
-        flight.grads = launch_grad_outputs(w, pools)
+        flight.issue("grads", lambda: launch_grad_outputs(w, pools))
         n, nk = w.num_local, w.num_local_kv
         return dout.new_empty(0), pools[0][:n], pools[1][:nk], pools[2][:nk], None
 
@@ -232,15 +292,16 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ticket, out_local, q, k, v, flight: _Flight):
         w = flight.wave
+        returned = flight.take("outputs")
         if flight.merges:
             rows = torch.arange(w.num_local, device=out_local.device)
-            out, lse = merge_outputs([(rows, out_local, flight.lse_local), returned_partials(w, flight.outputs)],
+            out, lse = merge_outputs([(rows, out_local, flight.lse_local), returned_partials(w, returned)],
                                      w.num_local)
         else:
             out = out_local.clone()
             lse = flight.lse_local.clone() if flight.resend else None
-            place_outputs(w, flight.outputs, out, lse)
-        flight.outputs = flight.lse_local = None
+            place_outputs(w, returned, out, lse)
+        flight.lse_local = None
         if flight.merges and not flight.resend:
             ctx.save_for_backward(out, lse)
             if ctx.needs_input_grad[1]:  # what _Serve does not keep: the rows' merged out and lse
@@ -259,8 +320,9 @@ class _Finish(torch.autograd.Function):
         saved = ctx.saved_tensors
         if flight.merges or flight.resend:  # _Serve's backward runs every task with the rows' out and lse
             flight.merged = tuple(saved[-2:])
-        flight.grad_inputs = launch_grad_inputs(flight.wave, dout, saved if flight.resend else None,
-                                                flight.merged if not flight.resend else None)
+        resent, merged = (saved, None) if flight.resend else (None, flight.merged)  # (read now: the issue may wait)
+        flight.issue("grad_inputs", lambda: launch_grad_inputs(flight.wave, dout, resent, merged),
+                     opens_relays=flight.relayed and flight.resend)  # resend mode relays before its kernel
         # Only the rows of this server's own tasks matter to _Serve's backward: the moved queries'
         # rows of out_local are zeros that _Finish overwrote.
         return dout.new_empty(0), dout, None, None, None, None
@@ -269,11 +331,12 @@ class _Finish(torch.autograd.Function):
 class NanoAttention:
     """One nano-batch's dispatched attention in one layer, in three steps the schedule interleaves.
     q ``[tokens, heads, head_dim]``, k/v ``[key tokens, kv_heads, head_dim]``; ``variant``: the layer's
-    sliding window and softcap."""
+    sliding window and softcap; ``queue``: the ``IssueQueue`` both nano-batches share
+    (``PingPongPlan.issue_queue``; a nano-batch alone gets its own)."""
 
     def __init__(self, dispatch: Dispatch, scale: float, name: str, *,
-                 variant: AttentionVariant = AttentionVariant()):
-        self.flight = _Flight(dispatch, scale, variant)
+                 variant: AttentionVariant = AttentionVariant(), queue: IssueQueue | None = None):
+        self.flight = _Flight(dispatch, scale, variant, queue if queue is not None else IssueQueue())
         self.name = name
 
     def launch(self, q, k, v):
