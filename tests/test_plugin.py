@@ -70,6 +70,19 @@ def test_plugin_refuses_what_is_no_parallelism_config_nor_settings_and_takes_num
     assert DistCAPlugin().topology(np.int64(4)).data_parallel == 4
 
 
+def test_pipeline_stages_with_tensor_parallelism_are_refused_naming_the_source():
+    """A pipeline stage runs whole layers on one rank: the plugin refuses tensor parallelism beside it
+    wherever the size comes from (its own field, accelerate's ParallelismConfig), not only the trainer."""
+    from accelerate import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 with tensor_parallel_size=2 \(from "
+                                         r"DistCAPlugin.tensor_parallel_size\) is not supported"):
+        DistCAPlugin(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 \(from DistCAPlugin\.parallelism_config\.tp_size\)"):
+        DistCAPlugin(pipeline_parallel_size=2, parallelism_config=ParallelismConfig(tp_size=2))
+    assert DistCAPlugin(pipeline_parallel_size=2, tensor_parallel_size=1).topology(4).pipeline_parallel == 2
+
+
 @pytest.mark.parametrize("variable, value", [("DISTCA_OVERLAP", "bogus"), ("DISTCA_BACKWARD", "x"),
                                              ("DISTCA_TOLERANCE", "lots"), ("DISTCA_TIMEOUT_S", "-1")])
 def test_bad_environment_names_the_variable(monkeypatch, variable, value):

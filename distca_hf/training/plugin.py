@@ -214,6 +214,11 @@ class DistCAPlugin(_SettingFields):
             said[0] = _Said(_first(said[0].data, other.data), _first(said[0].tensor, other.tensor),
                             said[0].data_source if said[0].data is not None else other.data_source,
                             said[0].tensor_source if said[0].tensor is not None else other.tensor_source)
+        if self.pipeline_parallel_size > 1 and (said[0].tensor or 1) > 1:  # (the runner refuses it too)
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} with tensor_parallel_size={said[0].tensor} "
+                f"(from {said[0].tensor_source}) is not supported: a pipeline stage runs whole layers on one rank. "
+                "Use tensor_parallel_size=1 (give those ranks to data parallelism) or pipeline_parallel_size=1")
         return ParallelSizes(said[0].data, said[0].tensor)
 
     def _own_sizes(self) -> "_Said":
