@@ -13,7 +13,8 @@ Per decoder layer the schedule is
                                                                                           B: o_proj, MLP
 
 so A's dispatch overlaps B's projections, B's dispatch A's attention kernel, A's return B's kernel and
-B's return A's MLP. Each nano-batch's attention is three autograd nodes (launch, serve, finish); in
+B's return A's MLP. (With relayed K/V, B's send waits for A's relay rounds and A's return for B's:
+``IssueQueue``.) Each nano-batch's attention is three autograd nodes (launch, serve, finish); in
 backward autograd runs nodes in reverse creation order as soon as they are ready, so the mirror
 schedule follows: ``finish`` launches dO, ``serve`` waits for it, computes and launches dQ/dK/dV,
 ``launch`` waits for those, with the other nano-batch's backward compute in between.
@@ -152,11 +153,12 @@ class IssueQueue:
     (in its serve node, forward; in ``resend`` mode's backward too), so they would queue behind
     whatever the other nano-batch issued meanwhile: its inputs, its outputs, its gradients. So from
     the launch of such a first round until its relay rounds are issued (``relays_issued``, the
-    serve functions' ``pools_ready`` hook), the other nano-batch's exchanges are held, then issued
-    in order: they travel during that nano-batch's kernel, and the relay rounds wait for nothing but
-    their own first round. A node that needs a held exchange issues everything held first
-    (``need``), so no order of the nodes can wait on an exchange never issued; every rank runs the
-    same nodes in the same order, so every rank issues alike."""
+    serve functions' ``pools_ready`` hook), every exchange asked for is held, then issued in order:
+    they travel during that nano-batch's kernel, and the relay rounds wait for their own first round
+    only. A node that needs a held exchange issues everything held first (``need``), so no order of
+    the nodes can wait on an exchange never issued; every rank runs the same nodes in the same
+    order, so every rank issues alike. (A held exchange is packed when issued: a profile shows it
+    inside the span that released it.)"""
 
     def __init__(self):
         self.relays_pending = False  # a first round is in flight whose relay rounds are not issued yet

@@ -3,8 +3,8 @@
 Remote waves' inputs are launched first, then the waves run in order (their outputs launched back
 as soon as computed) and the returns are placed at the end; backward does the mirror image, waves in
 reverse order. With one wave (``none``) each exchange is waited on right after its launch. A dispatch
-whose K/V is relayed issues its exchanges in another order (``_IssueOrder``), so that its relay
-rounds do not queue behind other waves' transfers.
+whose K/V is relayed before its kernels (forward; ``resend`` mode's backward) issues its exchanges in
+another order (``_IssueOrder``), so that those relay rounds do not queue behind other waves' transfers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class _WaveSchedule(torch.autograd.Function):
         resend, merges = waves[0].backward_mode == "resend", waves[0].merges
         if dispatch.backward is not None and not resend:
             raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
-        issue = _IssueOrder(waves, range(len(waves)), lambda i: launch_inputs(waves[i], q, k, v))
+        issue = _IssueOrder(waves, range(len(waves)), lambda i: launch_inputs(waves[i], q, k, v), relays_first=True)
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=accumulation_dtype(q.dtype), device=q.device) if resend else None
         returning, kept, partials = [], [], []
@@ -84,7 +84,9 @@ class _WaveSchedule(torch.autograd.Function):
         if ctx.dispatch.keeps_kv_once:
             per_wave = _pools_rebuilt(ctx.dispatch.waves, saved, width, tail=2 if merged is not None else 0)
         order = list(reversed(range(len(waves))))
-        issue = _IssueOrder(waves, order, lambda i: launch_grad_inputs(waves[i], dout, saved if resend else None, merged))
+        resent = saved if resend else None
+        issue = _IssueOrder(waves, order, lambda i: launch_grad_inputs(waves[i], dout, resent, merged),
+                            relays_first=resend)  # (saved mode relays only the gradients, after the kernel)
         dq = dout.new_zeros(ctx.q_shape)
         dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
         dv = saved[2].new_zeros(waves[0].num_local_kv, *saved[2].shape[1:])  # saved[2]: v or a V pool
@@ -107,47 +109,53 @@ class _WaveSchedule(torch.autograd.Function):
 
 class _IssueOrder:
     """When a dispatch's exchanges are issued, forward or backward (``order``: the waves' indices in
-    the order they run; ``launch(i)``: issues wave ``i``'s inputs and returns what ``inputs(i)`` gives).
+    the order they run; ``launch(i)``: issues wave ``i``'s inputs and returns what ``inputs(i)``
+    gives; ``relays_first``: whether a wave's relay rounds run before its kernel in this direction:
+    forward, and ``resend`` mode's backward).
 
     Collectives of one process group complete in the order they were issued (NCCL runs a
-    communicator's on one stream), the same order on every rank. Without relays, every remote wave's
-    inputs are issued first: they travel while the local waves compute. With relays, a wave's relay
-    rounds are issued only once its first round has arrived, so they would queue behind every later
-    wave's inputs and every earlier wave's returns. So the next remote wave's inputs and the previous
-    one's return are issued once a wave's pools are complete (``pools_ready``): both still travel
-    while that wave's kernel runs, and the relay rounds wait for nothing but their own first round.
-    Every rank issues in the same order: which waves are remote and relayed is the plan's, the same
-    on every rank."""
+    communicator's on one stream), the same order on every rank. Without relay rounds before the
+    kernels, every remote wave's inputs are issued first: they travel while the local waves compute.
+    With them, a wave's relay rounds are issued only once its first round has arrived, so they would
+    queue behind every later wave's inputs and every earlier wave's returns. So once a wave's pools
+    are complete (``pools_ready``), the next remote wave's inputs are issued, then the previous one's
+    return (which is read only at the end): both travel while that wave's kernel runs, and the relay
+    rounds wait for their own first round only. (The rounds that send K/V gradients back up the
+    trees, after a backward kernel, queue behind what was issued before that kernel, which had the
+    kernel's time to travel.) Every rank issues in the same order: which waves are remote and
+    relayed is the plan's, the same on every rank."""
 
-    def __init__(self, waves, order, launch):
+    def __init__(self, waves, order, launch, *, relays_first: bool):
         self.remote = [i for i in order if not waves[i].local_only]
-        self.relayed = any(waves[i].relays for i in self.remote)
+        self.holds = relays_first and any(waves[i].relays for i in self.remote)
         self.launch = launch
-        self.in_flight = {i: launch(i) for i in (self.remote[:1] if self.relayed else self.remote)}
+        self.in_flight = {i: launch(i) for i in (self.remote[:1] if self.holds else self.remote)}
         self.held = []  # issuers of returns waiting for the next remote wave's relay rounds
 
     def inputs(self, i):
         """Wave ``i``'s inputs in flight (None for a local wave)."""
+        if i in self.remote and i not in self.in_flight:
+            raise RuntimeError(f"distca: the inputs of wave {i} were never issued")  # (a schedule bug: it would hang)
         return self.in_flight.pop(i, None)
 
     def pools_ready(self, i):
         """The hook ``serve_forward`` / ``serve_backward`` call once wave ``i``'s pools are complete."""
-        if not self.relayed or i not in self.remote:  # (a local wave has no relay rounds)
+        if not self.holds or i not in self.remote:  # (a local wave has no relay rounds)
             return None
         return lambda: self._after_relays(i)
 
     def _after_relays(self, i):
+        later = self.remote[self.remote.index(i) + 1:]
+        if later:  # first: the next wave's relay rounds wait for these inputs
+            self.in_flight[later[0]] = self.launch(later[0])
         for issue in self.held:
             issue()
         self.held.clear()
-        later = self.remote[self.remote.index(i) + 1:]
-        if later:
-            self.in_flight[later[0]] = self.launch(later[0])
 
     def then_return(self, i, issue):
-        """Wave ``i``'s kernel has run: ``issue()`` issues its return, now or, with relays, after
+        """Wave ``i``'s kernel has run: ``issue()`` issues its return, now or, while holding, after
         the next remote wave's relay rounds."""
-        if self.relayed and i != self.remote[-1]:
+        if self.holds and i != self.remote[-1]:
             self.held.append(issue)
         else:
             issue()
