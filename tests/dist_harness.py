@@ -14,7 +14,7 @@ from distca_hf.runtime.comm import free_port
 PEER_WAIT_S = 30.0  # how long rank 0 keeps the rendezvous store up for peers still running
 
 
-def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo"):
+def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo", peer_wait_s=PEER_WAIT_S):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import datetime
@@ -35,16 +35,20 @@ def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo"):
         # Rank 0 hosts the rendezvous store: leaving while a peer still creates a process group
         # (a server group of other ranks) resets that peer's connection. Wait for the others' results,
         # but not for a peer that died on purpose.
-        deadline = time.monotonic() + PEER_WAIT_S
+        deadline = time.monotonic() + peer_wait_s
         while time.monotonic() < deadline and not all(Path(out_dir, f"rank{r}.json").exists() for r in range(world)):
             time.sleep(0.05)
     os._exit(0)  # skip process-group teardown: a peer may be dead on purpose
 
 
-def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0, backend: str = "gloo") -> list[dict]:
+def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0, backend: str = "gloo",
+              peer_wait_s: float = PEER_WAIT_S) -> list[dict]:
+    """``fn(rank, world, *args)`` on every rank; ``peer_wait_s``: how long rank 0 waits for the others'
+    results before leaving (0 when a peer dies or hangs on purpose and only rank 0's result counts)."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args, backend)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args, backend, peer_wait_s))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
