@@ -119,8 +119,9 @@ class _IssueOrder:
     With them, a wave's relay rounds are issued only once its first round has arrived, so they would
     queue behind every later wave's inputs and every earlier wave's returns. So once a wave's pools
     are complete (``pools_ready``), the next remote wave's inputs are issued, then the previous one's
-    return (which is read only at the end): both travel while that wave's kernel runs, and the relay
-    rounds wait for their own first round only. (The rounds that send K/V gradients back up the
+    return (which is read only at the end): both travel while that wave's kernel runs, and a wave's
+    relay rounds wait for its own first round and at most an earlier wave's return, never another
+    wave's inputs. (The rounds that send K/V gradients back up the
     trees, after a backward kernel, queue behind what was issued before that kernel, which had the
     kernel's time to travel.) Every rank issues in the same order: which waves are remote and
     relayed is the plan's, the same on every rank."""
