@@ -94,35 +94,39 @@ def test_nano_split_refuses_a_cache():
         split_nano_batches(docs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(events=st.lists(st.sampled_from(["issue", "issue opening", "relays issued", "need"]), max_size=30))
 def test_issue_queue_holds_only_behind_pending_relays(events):
     """``IssueQueue``: exchanges are issued in the order asked; once a relayed first round (an
-    "opening") is issued, nothing more is until its relay rounds are, unless a node needs an
-    exchange (then everything asked is); otherwise nothing waits."""
+    "opening") is issued, nothing more is until its relay rounds are ("relays issued": the oldest
+    pending one's), unless a node needs an exchange (then everything asked is); otherwise nothing
+    waits."""
     from distca_hf.runtime.pingpong import IssueQueue
 
-    queue, issued, asked, opening, pending = IssueQueue(), [], [], set(), False
+    class Owner:  # a nano-batch
+        pass
+
+    queue, issued, asked, owners, pending = IssueQueue(), [], [], {}, []
     for number, event in enumerate(events):
         before = len(issued)
         if event.startswith("issue"):
             asked.append(number)
-            opening |= {number} if event == "issue opening" else set()
-            queue.issue(lambda n=number: issued.append(n), opens_relays=event == "issue opening")
+            owner = owners.setdefault(number, Owner()) if event == "issue opening" else None
+            queue.issue(lambda n=number: issued.append(n), opens_relays_of=owner)
         elif event == "relays issued":
-            queue.relays_issued()
-            pending = False
+            queue.relays_issued(owners[pending.pop(0)] if pending else Owner())
         else:
             queue.need()
         new = issued[before:]
         assert issued == asked[: len(issued)]  # in order, each once
         if pending and event != "need":
-            assert not new  # held behind the pending relay rounds
+            assert not new  # held behind the pending relay rounds (another's, after a "relays issued")
         if event != "need":
-            assert not any(n in opening for n in new[:-1])  # an opening holds what follows it
-        pending = pending or any(n in opening for n in new)
+            assert not any(n in owners for n in new[:-1])  # an opening holds what follows it
+        pending += [n for n in new if n in owners]
         if event == "need" or not pending:
             assert issued == asked  # nothing waits without a reason
+        assert queue.relays_pending == bool(pending)
 
 
 @settings(max_examples=40, deadline=None)

@@ -161,19 +161,23 @@ class IssueQueue:
     inside the span that released it.)"""
 
     def __init__(self):
-        self.relays_pending = False  # a first round is in flight whose relay rounds are not issued yet
-        self.held = []  # (issue, opens_relays) in order
+        self.pending = set()  # ids of the nano-batches whose first round is issued, their relay rounds not yet
+        self.held = []  # (issue, opener) in order
 
-    def issue(self, issue, *, opens_relays: bool) -> None:
+    @property
+    def relays_pending(self) -> bool:
+        return bool(self.pending)
+
+    def issue(self, issue, *, opens_relays_of=None) -> None:
         """Run ``issue()`` (which launches an exchange and stores its pending handle) now, or, while
-        relay rounds are pending, once they are issued. ``opens_relays``: the exchange is the first
-        round of a relayed wave whose relay rounds follow before its kernel."""
-        self.held.append((issue, opens_relays))
+        relay rounds are pending, once they are issued. ``opens_relays_of``: the nano-batch (any
+        object) whose relayed first round this is, its relay rounds to follow before its kernel."""
+        self.held.append((issue, opens_relays_of))
         self._release(flush=False)
 
-    def relays_issued(self) -> None:
-        """The pending relay rounds were issued: the held exchanges go now."""
-        self.relays_pending = False
+    def relays_issued(self, owner) -> None:
+        """``owner``'s pending relay rounds were issued: the held exchanges go now (unless another's are pending)."""
+        self.pending.discard(id(owner))
         self._release(flush=False)
 
     def need(self) -> None:
@@ -181,10 +185,11 @@ class IssueQueue:
         self._release(flush=True)
 
     def _release(self, *, flush: bool) -> None:
-        while self.held and (flush or not self.relays_pending):
-            issue, opens_relays = self.held.pop(0)
+        while self.held and (flush or not self.pending):
+            issue, opener = self.held.pop(0)
             issue()
-            self.relays_pending = self.relays_pending or opens_relays
+            if opener is not None:
+                self.pending.add(id(opener))
 
 
 class _Flight:
@@ -205,7 +210,7 @@ class _Flight:
     def issue(self, name: str, launch, *, opens_relays: bool = False) -> None:
         """Launch an exchange through the layer's ``IssueQueue``; its pending handle lands in
         ``self.<name>`` when issued."""
-        self.queue.issue(lambda: setattr(self, name, launch()), opens_relays=opens_relays)
+        self.queue.issue(lambda: setattr(self, name, launch()), opens_relays_of=self if opens_relays else None)
 
     def take(self, name: str):
         """The pending handle ``self.<name>`` (issued now if it was held); the attribute is cleared."""
@@ -217,7 +222,7 @@ class _Flight:
 
     def pools_ready(self):
         """The serve functions' hook: this nano-batch's relay rounds are issued (None without relays)."""
-        return self.queue.relays_issued if self.relayed else None
+        return (lambda: self.queue.relays_issued(self)) if self.relayed else None
 
 
 class _Launch(torch.autograd.Function):
