@@ -94,7 +94,8 @@ def test_floors_refuse_bad_input_naming_it():
         pipeline_floors([np.array([4])], **{**args, "layers": 3})
     with pytest.raises(ValueError, match="at least one micro-batch"):
         pipeline_floors([], **args)
-    with pytest.raises(ValueError, match=r"micro_batch_docs\[1\] holds a negative document length \(-2\)"):
+    with pytest.raises(ValueError, match=r"micro_batch_docs\[1\]\[1\] is -2; every document length must be an "
+                                         r"integer >= 0 tokens"):
         pipeline_floors([np.array([4]), np.array([8, -2])], **args)
     with pytest.raises(ValueError, match=r"micro_batch_docs\[0\] holds no tokens"):
         pipeline_floors([np.array([0, 0]), np.array([4])], **args)

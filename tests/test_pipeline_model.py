@@ -336,10 +336,53 @@ def test_simulate_pipeline_json_keys(lengths_file):
     (("--ranks", "4", "--pipeline-parallel", "2", "--micro-batches", "0"), "--micro-batches must be >= 1, got 0"),
     (("--ranks", "4", "--pipeline-parallel", "4", "--layers", "30"),
      "--layers (30) must be a positive multiple of --pipeline-parallel (4)"),
+    # drew micro-batches for ever (memory growing, no output)
+    (("--ranks", "4", "--pipeline-parallel", "2", "--micro-batches", str(10**21)),
+     f"--batches x --micro-batches = {8 * 10**21}: a simulation draws and plans at most 10000 batches"),
 ])
 def test_simulate_pipeline_refusals(lengths_file, flags, message):
     result = _cli("simulate", "--lengths", lengths_file, "--tokens-per-rank", "64", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():
+    """numpy integers are integers here as everywhere (they were refused deep inside, naming an
+    internal argument); lengths that are not integer tokens, a flat list, a stage out of range and a
+    bad window are refused naming the argument (they were truncated, reread, wrapped or ignored)."""
+    from distca_hf.planning.pipeline import in_flight_micro_batches
+    from distca_hf.planning.pipeline_bound import attention_floor_seconds, bubble_gain, pipeline_floors
+    from distca_hf.planning.pipeline_cost import check_step, held_micro_batches
+
+    step = dict(data_parallel=2, tokens=2048, layers=4, activation_bytes_per_token=64)
+    config = PlannerConfig(tolerance=0.1)
+    assert simulate_pipeline([1000, 2000, 500], 4, 2048, batches=1, stages=np.int64(2), micro_batches=np.int64(2))
+    docs = [[1000, 500], [2000]]
+    assert pipeline_step(docs, stages=np.int64(2), config=config, **step).keys() == \
+        pipeline_step(docs, stages=2, config=config, **step).keys()
+    assert held_micro_batches(np.int64(2), 4) == held_micro_batches(2, 4)
+    assert bubble_gain(stages=np.int64(4), micro_batches=8, attention_share=0.5) == \
+        bubble_gain(stages=4, micro_batches=8, attention_share=0.5)
+    assert simulate_1f1b(np.ones((2, 3)), np.ones((2, 3)), p2p_s=np.float32(0.5)).step_s == \
+        simulate_1f1b(np.ones((2, 3)), np.ones((2, 3)), p2p_s=0.5).step_s
+    for bad, where in (([[100.7, 200]], r"micro_batch_docs\[0\]\[0\] is 100.7"),
+                       ([["100", 200]], r"micro_batch_docs\[0\]\[0\] is '100'"),
+                       ([1000, 2000], r"micro_batch_docs\[0\] must be a list of document lengths"),
+                       (None, "micro_batch_docs must be a list of micro-batches")):
+        with pytest.raises(ValueError, match=where):
+            check_step(bad, stages=2, **step)
+    with pytest.raises(ValueError, match="activation_bytes_per_token must be an integer >= 0"):
+        check_step(docs, stages=2, **{**step, "activation_bytes_per_token": 1.5})
+    for stage in (-1, 2, True):
+        with pytest.raises(ValueError, match=r"stage must lie in \[0, 2\)"):
+            in_flight_micro_batches(stage, 2, 3)
+    with pytest.raises(ValueError, match="stages must be an integer >= 1, got 0"):
+        held_micro_batches(0, 4)
+    with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
+        attention_floor_seconds([100], config.time_model, window=0)
+    with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
+        pipeline_floors(docs, stages=2, time_model=config.time_model, window=-5, **step)
+    with pytest.raises(ValueError, match=r"docs\[0\] is -1000"):
+        attention_floor_seconds([-1000, 100], config.time_model)
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "doc_lengths_prolong.json").exists(), reason="needs ../shared/data")

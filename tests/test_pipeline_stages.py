@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,6 +114,7 @@ def test_uneven_split_is_refused_with_both_numbers():
     with pytest.raises(ValueError, match=r"stage_index must be an integer in \[0, 2\)"):
         ps.build_stage_module(model, stage_index=2, num_stages=2)
     assert ps.stage_layer_range(8, 4, 3) == range(6, 8)
+    assert ps.stage_layer_range(np.int64(8), np.int64(4), np.int64(3)) == range(6, 8)  # sizes computed with numpy
 
 
 def test_unsupported_model_type_is_refused_by_name():

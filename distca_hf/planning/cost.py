@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
-           "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model"]
+           "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model", "check_document_lengths"]
 
 
 def check_window(window) -> int | None:
@@ -33,6 +34,21 @@ def check_window(window) -> int | None:
 MAX_POSITION = math.isqrt(2**63 - 1)
 """The largest token position (document length) whose pair counts ``t (t + 1)`` fit in int64
 (3,037,000,499): ``DocumentPieces`` refuses documents longer than this rather than overflow silently."""
+
+
+def check_document_lengths(lengths, where: str = "lengths", *, minimum: int = 0) -> np.ndarray:
+    """``lengths`` (a list, tuple or 1-D array of document lengths, tokens) as ``[documents]`` int64;
+    else ``ValueError`` starting with ``where`` and naming the first bad entry: each must be an
+    integer (numpy's too; not a float, a string or a bool) from ``minimum`` to ``MAX_POSITION``."""
+    data = lengths.tolist() if isinstance(lengths, np.ndarray) and lengths.ndim == 1 else lengths
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"{where} must be a list of document lengths (integer tokens), got {lengths!r}")
+    for index, length in enumerate(data):
+        if not (isinstance(length, numbers.Integral) and not isinstance(length, bool)
+                and minimum <= length <= MAX_POSITION):
+            raise ValueError(f"{where}[{index}] is {length!r}; every document length must be an integer >= "
+                             f"{minimum} token{'' if minimum == 1 else 's'}, at most {MAX_POSITION}")
+    return np.asarray(data, dtype=np.int64).reshape(-1)
 
 
 def causal_pairs(q_start, q_end, window=None):

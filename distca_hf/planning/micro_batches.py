@@ -15,21 +15,10 @@ import math
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import causal_pairs, check_window, start_with_pairs
+from .cost import causal_pairs, check_document_lengths, check_window, start_with_pairs
 from .pieces import DocumentPieces
 
 __all__ = ["balance_micro_batches"]
-
-
-def _check_lengths(lengths) -> np.ndarray:
-    lengths = np.asarray(lengths)
-    integral = np.issubdtype(lengths.dtype, np.integer) or lengths.size == 0  # [] comes as float64
-    if lengths.ndim != 1 or not integral:
-        raise ValueError(f"lengths must be a 1-D list of document lengths (integer tokens), got {lengths!r}")
-    lengths = lengths.astype(np.int64)
-    if (lengths < 1).any():
-        raise ValueError(f"every document length must be >= 1 token, got {int(lengths.min())}")
-    return lengths
 
 
 def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: int | None = None) -> DocumentPieces:
@@ -63,7 +52,7 @@ def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: i
     for name, value in (("micro_batches", micro_batches), ("tokens", tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    lengths = _check_lengths(lengths)
+    lengths = check_document_lengths(lengths, "lengths", minimum=1)
     window = check_window(window)
     capacity = int(micro_batches) * int(tokens)
     if int(lengths.sum()) > capacity:

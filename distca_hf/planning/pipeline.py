@@ -25,12 +25,17 @@ after its forward there.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import is_integer
+
 __all__ = ["FORWARD", "BACKWARD", "Tick", "lockstep_1f1b_ticks", "forward_slot", "backward_slot",
-           "in_flight_micro_batches", "stock_1f1b_order", "PipelineRun", "simulate_1f1b", "simulate_lockstep"]
+           "in_flight_micro_batches", "stock_1f1b_order", "PipelineRun", "simulate_1f1b", "simulate_lockstep",
+           "check_schedule_sizes"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -51,13 +56,22 @@ class Tick:
     micro_batches: tuple
 
     def micro_batch_of(self, stage: int) -> int | None:
+        _check_stage(stage, len(self.micro_batches))
         return self.micro_batches[stage]
 
 
-def _check(num_stages: int, num_micro_batches: int) -> None:
-    for name, value in (("num_stages", num_stages), ("num_micro_batches", num_micro_batches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def check_schedule_sizes(num_stages: int, num_micro_batches: int, *,
+                         names: tuple[str, str] = ("num_stages", "num_micro_batches")) -> None:
+    """``ValueError`` naming the argument (``names``: the caller's names for them) unless both are
+    integers >= 1 (numpy's too)."""
+    for name, value in zip(names, (num_stages, num_micro_batches)):
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_stage(stage: int, num_stages: int) -> None:
+    if not is_integer(stage) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage must lie in [0, {num_stages}), got {stage!r}")
 
 
 def forward_slot(stage: int, micro_batch: int) -> int:
@@ -79,7 +93,7 @@ def _slot(kind: str, slot: int, num_stages: int, num_micro_batches: int) -> Tick
 
 def lockstep_1f1b_ticks(num_stages: int, num_micro_batches: int) -> list[Tick]:
     """The ``2 (M + P - 1)`` ticks of one step, in execution order (see the module docstring)."""
-    _check(num_stages, num_micro_batches)
+    check_schedule_sizes(num_stages, num_micro_batches)
     p, m = num_stages, num_micro_batches
     slots = m + p - 1
     ticks = [_slot(FORWARD, f, p, m) for f in range(min(p - 1, slots))]
@@ -92,7 +106,8 @@ def lockstep_1f1b_ticks(num_stages: int, num_micro_batches: int) -> list[Tick]:
 
 def in_flight_micro_batches(stage: int, num_stages: int, num_micro_batches: int) -> int:
     """The most micro-batches whose activations ``stage`` holds at once under the lockstep schedule."""
-    _check(num_stages, num_micro_batches)
+    check_schedule_sizes(num_stages, num_micro_batches)
+    _check_stage(stage, num_stages)
     held = most = 0
     for tick in lockstep_1f1b_ticks(num_stages, num_micro_batches):
         if tick.micro_batch_of(stage) is not None:
@@ -109,9 +124,8 @@ def stock_1f1b_order(stage: int, num_stages: int, num_micro_batches: int) -> lis
     remain, then the remaining backwards (cool-down). With ``M < P`` the first ``P - M + 1`` stages
     run every forward before their first backward (GPipe-like; torch's ``Schedule1F1B`` itself refuses
     ``M < P``)."""
-    _check(num_stages, num_micro_batches)
-    if not 0 <= stage < num_stages:
-        raise ValueError(f"stage must lie in [0, {num_stages}), got {stage!r}")
+    check_schedule_sizes(num_stages, num_micro_batches)
+    _check_stage(stage, num_stages)
     m = num_micro_batches
     warmup = min(m, num_stages - stage)
     order = [(FORWARD, f) for f in range(warmup)]
@@ -155,7 +169,7 @@ def _durations(forward_s, backward_s):
 
 
 def _check_p2p(p2p_s: float) -> None:
-    if not (isinstance(p2p_s, (int, float)) and p2p_s >= 0 and p2p_s != float("inf")):
+    if not (isinstance(p2p_s, numbers.Real) and not isinstance(p2p_s, bool) and math.isfinite(p2p_s) and p2p_s >= 0):
         raise ValueError(f"p2p_s must be finite seconds >= 0 (one micro-batch's activations between stages), "
                          f"got {p2p_s!r}")
 

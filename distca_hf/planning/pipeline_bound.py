@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import TimeModel, TokenBytes, document_pairs
-from .pipeline import FORWARD, PipelineRun, lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep
+from .cost import TimeModel, TokenBytes, check_document_lengths, check_window, document_pairs
+from .pipeline import (FORWARD, PipelineRun, check_schedule_sizes, lockstep_1f1b_ticks, simulate_1f1b,
+                       simulate_lockstep)
 from .pipeline_cost import check_step, forward_backward_models
 
 __all__ = ["PipelineFloors", "attention_floor_seconds", "holder_link_floor_seconds", "pipeline_floors",
@@ -53,7 +54,8 @@ def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None =
     """The least total attention seconds (summed over servers, one layer, in ``time_model``'s share)
     any plan pays for documents of lengths ``docs`` (``[documents]`` tokens): their pairs, one key
     read per token and one task per document."""
-    docs = np.asarray(docs, dtype=np.int64)
+    window = check_window(window)
+    docs = check_document_lengths(docs, "docs")
     docs = docs[docs > 0]
     pairs = float(np.sum(document_pairs(docs, window), dtype=np.float64))
     return float(time_model.rank_seconds(0.0, pairs, tasks=docs.size, keys=float(docs.sum())))
@@ -120,6 +122,7 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     any larger share. ``relays``: whether the plans may relay K/V (``kv_relays`` not ``"off"``); the
     holders' links then carry only queries and outputs for sure (``holder_link_floor_seconds``'
     ``relayed_reach``), a lower floor."""
+    window = check_window(window)
     layers_per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
                                                     tokens=tokens, layers=layers,
                                                     activation_bytes_per_token=activation_bytes_per_token)
@@ -182,8 +185,6 @@ def bubble_gain(*, stages: int, micro_batches: int, attention_share: float) -> f
     document's micro-batch holds up every stage it passes under 1F1B)."""
     if not 0.0 <= attention_share <= 1.0:
         raise ValueError(f"attention_share must be between 0 and 1, got {attention_share!r}")
-    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_schedule_sizes(stages, micro_batches, names=("stages", "micro_batches"))
     bubble = (stages - 1) / (micro_batches + stages - 1)
     return 1.0 / (1.0 - bubble * attention_share)

@@ -51,12 +51,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import is_integer
 from .baselines import RankLoads, pack_pieces
-from .cost import COMM_PASSES, TimeModel, imbalance
+from .cost import COMM_PASSES, TimeModel, check_document_lengths, imbalance
 from .micro_batches import balance_micro_batches
 from .pieces import DocumentPieces
-from .pipeline import (FORWARD, PipelineRun, in_flight_micro_batches, lockstep_1f1b_ticks, simulate_1f1b,
-                       simulate_lockstep)
+from .pipeline import (FORWARD, PipelineRun, check_schedule_sizes, in_flight_micro_batches, lockstep_1f1b_ticks,
+                       simulate_1f1b, simulate_lockstep)
 from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
 from .rank_time import loads_seconds, other_seconds, plan_loads, rank_seconds, step_seconds
 from .relay_trees import RelayTrees
@@ -101,7 +102,7 @@ def check_layers(layers: int, stages: int, *, setting: str = "layers") -> int:
     """``layers / stages``, the layers of one stage; a ``ValueError`` naming both numbers when they do
     not divide (stages must hold equal layers for the lockstep, and the stage split refuses it too)."""
     for name, value in ((setting, layers), ("stages", stages)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if layers % stages:
         raise ValueError(f"{setting} ({layers}) must be divisible by the pipeline stages ({stages}): every stage "
@@ -112,6 +113,7 @@ def check_layers(layers: int, stages: int, *, setting: str = "layers") -> int:
 def held_micro_batches(stages: int, micro_batches: int) -> dict[str, list[int]]:
     """Per stage, the most micro-batches whose activations it holds at once: torch's 1F1B
     (``min(M, P - s)``) and the lockstep (``in_flight_micro_batches``)."""
+    check_schedule_sizes(stages, micro_batches, names=("stages", "micro_batches"))
     return {"1f1b": [min(micro_batches, stages - s) for s in range(stages)],
             "cad_across_stages": [in_flight_micro_batches(s, stages, micro_batches) for s in range(stages)]}
 
@@ -257,17 +259,20 @@ def check_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: int
     length 0 hold nothing to time and are dropped; a micro-batch must keep at least one token."""
     per_stage = check_layers(layers, stages)
     for name, value in (("data_parallel", data_parallel), ("tokens", tokens)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if activation_bytes_per_token < 0:
-        raise ValueError(f"activation_bytes_per_token must be >= 0, got {activation_bytes_per_token!r}")
-    micro_batch_docs = [np.asarray(docs, dtype=np.int64).reshape(-1) for docs in micro_batch_docs]
+    if not is_integer(activation_bytes_per_token) or activation_bytes_per_token < 0:
+        raise ValueError(f"activation_bytes_per_token must be an integer >= 0 (hidden size x dtype bytes), got "
+                         f"{activation_bytes_per_token!r}")
+    if isinstance(micro_batch_docs, np.ndarray) and micro_batch_docs.ndim == 2:
+        micro_batch_docs = list(micro_batch_docs)
+    if not isinstance(micro_batch_docs, (list, tuple)):
+        raise ValueError(f"micro_batch_docs must be a list of micro-batches (lists of document lengths), got "
+                         f"{micro_batch_docs!r}")
+    micro_batch_docs = [check_document_lengths(docs, f"micro_batch_docs[{i}]") for i, docs in enumerate(micro_batch_docs)]
     if not micro_batch_docs:
         raise ValueError("micro_batch_docs must hold at least one micro-batch")
     for i, docs in enumerate(micro_batch_docs):
-        if (docs < 0).any():
-            raise ValueError(f"micro_batch_docs[{i}] holds a negative document length ({int(docs.min())}); "
-                             "lengths are tokens, >= 0")
         if not docs.sum():
             raise ValueError(f"micro_batch_docs[{i}] holds no tokens: every micro-batch needs at least one")
         if int(docs.sum()) > data_parallel * tokens:

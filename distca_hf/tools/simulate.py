@@ -72,7 +72,7 @@ from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
-from ..planning.cost import H100_MEASURED, MAX_POSITION, default_time_model
+from ..planning.cost import H100_MEASURED, MAX_POSITION, check_document_lengths, default_time_model
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
@@ -421,25 +421,31 @@ def load_lengths(path) -> np.ndarray:
 def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
     """``lengths`` (a list or array of document lengths) as int64, else ``ValueError`` starting with
     ``where``: a non-empty list of positive integers, none past ``cost.MAX_POSITION``."""
-    data = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
-    if not isinstance(data, (list, tuple)) or not data:
+    checked = check_document_lengths(lengths, where, minimum=1)
+    if not checked.size:
         raise ValueError(f"{where} must hold a non-empty list of document lengths (tokens)")
-    bad = next((x for x in data if not (is_integer(x) and 0 < x <= MAX_POSITION)), None)
-    if bad is not None:
-        raise ValueError(f"{where} holds {bad!r}; every document length must be a positive integer (at most "
-                         f"{MAX_POSITION})")
-    return np.asarray(data, dtype=np.int64)
+    return checked
+
+
+MAX_DRAWS = 10_000
+"""The most batches (``batches``, times ``micro_batches`` under a pipeline) one simulation draws and
+plans: each takes 0.01-1 s here, so more would run for hours (a huge count read as a hang)."""
 
 
 def _check_sizes(**sizes) -> None:
     """``simulate``'s and ``simulate_pipeline``'s sizes: integers >= 1, naming the argument; a batch
-    of ``ranks x tokens_per_rank`` tokens within ``cost.MAX_POSITION``."""
+    of ``ranks x tokens_per_rank`` tokens within ``cost.MAX_POSITION``; at most ``MAX_DRAWS`` draws."""
     for name, value in sizes.items():
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if sizes["ranks"] * sizes["tokens_per_rank"] > MAX_POSITION:
         raise ValueError(f"ranks x tokens_per_rank = {sizes['ranks'] * sizes['tokens_per_rank']} tokens per batch; "
                          f"at most {MAX_POSITION}")
+    draws = sizes["batches"] * sizes.get("micro_batches", 1)
+    if draws > MAX_DRAWS:
+        named = "batches x micro_batches" if "micro_batches" in sizes else "batches"
+        raise ValueError(f"{named} = {draws}: a simulation draws and plans at most {MAX_DRAWS} batches (each takes "
+                         "up to a second)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -560,6 +566,10 @@ def run_cli(args, parser) -> int:
         if args.layers < 1 or args.layers % stages:
             parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
+    draws = args.batches * (micro_batches if pipelined else 1)
+    if draws > MAX_DRAWS:
+        parser.error(f"{'--batches x --micro-batches' if pipelined else '--batches'} = {draws}: a simulation draws "
+                     f"and plans at most {MAX_DRAWS} batches (each takes up to a second)")
     if kv_cap_pairing_problem(args.kv_cap, args.tolerance):  # the settings' rule, in the flags' names
         parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
                      "time caps K/V")

@@ -32,6 +32,8 @@ import math
 import torch
 from torch import nn
 
+from ..config import is_integer
+
 __all__ = [
     "SPLITTABLE_MODEL_TYPES",
     "PipelineStageModule",
@@ -65,7 +67,7 @@ def check_layer_split(num_layers: int, num_stages: int) -> None:
 
     Raises ``ValueError`` naming both numbers and the setting (``pipeline_parallel_size``)."""
     for name, value in (("num_layers", num_layers), ("num_stages", num_stages)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"pipeline stages: {name} must be an integer >= 1, got {value!r}")
     if num_layers % num_stages:
         divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
@@ -84,7 +86,7 @@ def stage_layer_range(num_layers: int, num_stages: int, stage_index: int) -> ran
 
 
 def _check_stage_index(stage_index: int, num_stages: int) -> None:
-    if not isinstance(stage_index, int) or isinstance(stage_index, bool) or not 0 <= stage_index < num_stages:
+    if not is_integer(stage_index) or not 0 <= stage_index < num_stages:
         raise ValueError(f"pipeline stages: stage_index must be an integer in [0, {num_stages}) for "
                          f"{num_stages} stages, got {stage_index!r}")
 
@@ -339,7 +341,7 @@ def stage_io_shapes(config, *, stage_index: int, num_stages: int, micro_batch_si
     check_layer_split(config.num_hidden_layers, num_stages)
     _check_stage_index(stage_index, num_stages)
     for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"stage_io_shapes: {name} must be an integer >= 1, got {value!r}")
     def meta(*shape, dt):
         return torch.empty(shape, dtype=dt, device="meta", requires_grad=requires_grad and dt.is_floating_point)
