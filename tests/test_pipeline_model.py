@@ -350,7 +350,8 @@ def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():
     internal argument); lengths that are not integer tokens, a flat list, a stage out of range and a
     bad window are refused naming the argument (they were truncated, reread, wrapped or ignored)."""
     from distca_hf.planning.pipeline import in_flight_micro_batches
-    from distca_hf.planning.pipeline_bound import attention_floor_seconds, bubble_gain, pipeline_floors
+    from distca_hf.planning.pipeline_bound import (attention_floor_seconds, bubble_gain, holder_link_floor_seconds,
+                                                   pipeline_floors)
     from distca_hf.planning.pipeline_cost import check_step, held_micro_batches
 
     step = dict(data_parallel=2, tokens=2048, layers=4, activation_bytes_per_token=64)
@@ -383,6 +384,18 @@ def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():
         pipeline_floors(docs, stages=2, time_model=config.time_model, window=-5, **step)
     with pytest.raises(ValueError, match=r"docs\[0\] is -1000"):
         attention_floor_seconds([-1000, 100], config.time_model)
+    # a deep KeyError / AttributeError / numpy broadcast error before
+    with pytest.raises(ValueError, match=r"backward must be one of \['resend', 'saved'\], got 'bogus'"):
+        forward_backward_models(config.time_model, "bogus")
+    with pytest.raises(TypeError, match="config must be a PlannerConfig, got NoneType"):
+        pipeline_step(docs, stages=2, config=None, **step)
+    for call in (lambda: attention_floor_seconds([100], None),
+                 lambda: pipeline_floors(docs, stages=2, time_model=None, **step)):
+        with pytest.raises(TypeError, match="time_model must be a TimeModel, got NoneType"):
+            call()
+    with pytest.raises(ValueError, match="one entry per document"):
+        holder_link_floor_seconds([1.0, 2.0, 3.0], [1, 2], attn_s_per_pair=1.0, byte_s=1.0,
+                                  token_bytes=config.token_bytes)
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "doc_lengths_prolong.json").exists(), reason="needs ../shared/data")

@@ -18,7 +18,8 @@ import numpy as np
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
-           "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model", "check_document_lengths"]
+           "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model", "check_document_lengths",
+           "check_time_model"]
 
 
 def check_window(window) -> int | None:
@@ -352,6 +353,13 @@ CPU_GLOO_MEASURED = TimeModel(
 
 Other 2-core machines, or these processes beside other jobs, differ: measure with ``distca-hf
 profile`` and set ``DISTCA_TIME_MODEL``."""
+
+
+def check_time_model(time_model) -> TimeModel:
+    """``time_model`` when it is a ``TimeModel``, else ``TypeError`` naming the argument."""
+    if not isinstance(time_model, TimeModel):
+        raise TypeError(f"time_model must be a TimeModel, got {type(time_model).__name__}")
+    return time_model
 
 
 def default_time_model(device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import TimeModel, TokenBytes, check_document_lengths, check_window, document_pairs
+from .cost import TimeModel, TokenBytes, check_document_lengths, check_time_model, check_window, document_pairs
 from .pipeline import (FORWARD, PipelineRun, check_schedule_sizes, lockstep_1f1b_ticks, simulate_1f1b,
                        simulate_lockstep)
 from .pipeline_cost import check_step, forward_backward_models
@@ -54,6 +54,7 @@ def attention_floor_seconds(docs, time_model: TimeModel, *, window: int | None =
     """The least total attention seconds (summed over servers, one layer, in ``time_model``'s share)
     any plan pays for documents of lengths ``docs`` (``[documents]`` tokens): their pairs, one key
     read per token and one task per document."""
+    check_time_model(time_model)
     window = check_window(window)
     docs = check_document_lengths(docs, "docs")
     docs = docs[docs > 0]
@@ -74,8 +75,13 @@ def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s:
     ``reach`` pairs, so moving ``X`` pairs costs the holders at least ``X (q + o) / reach`` bytes, and
     ``tau >= min(a P / H, c P (q + o) / (reach H))`` (linear in ``X`` again)."""
     pairs, holders = np.asarray(pairs, dtype=np.float64), np.asarray(holders, dtype=np.float64)
-    if (holders < 1).any():
-        raise ValueError(f"holders must be >= 1 per document, got {holders.min()}")
+    shapes = {"pairs": pairs.shape, "holders": holders.shape}
+    if relayed_reach is not None:
+        shapes["relayed_reach"] = np.shape(relayed_reach)
+    if len(set(shapes.values())) > 1 or pairs.ndim != 1:
+        raise ValueError(f"pairs, holders (and relayed_reach) must hold one entry per document, got shapes {shapes}")
+    if not (np.isfinite(holders).all() and (holders >= 1).all()):
+        raise ValueError(f"holders must be >= 1 per document, got {holders.min(initial=1.0)}")
     for name, value in (("attn_s_per_pair", attn_s_per_pair), ("byte_s", byte_s)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -122,6 +128,7 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     any larger share. ``relays``: whether the plans may relay K/V (``kv_relays`` not ``"off"``); the
     holders' links then carry only queries and outputs for sure (``holder_link_floor_seconds``'
     ``relayed_reach``), a lower floor."""
+    check_time_model(time_model)
     window = check_window(window)
     layers_per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
                                                     tokens=tokens, layers=layers,

@@ -53,7 +53,7 @@ import numpy as np
 
 from ..config import is_integer
 from .baselines import RankLoads, pack_pieces
-from .cost import COMM_PASSES, TimeModel, check_document_lengths, imbalance
+from .cost import COMM_PASSES, TimeModel, check_document_lengths, check_time_model, imbalance
 from .micro_batches import balance_micro_batches
 from .pieces import DocumentPieces
 from .pipeline import (FORWARD, PipelineRun, check_schedule_sizes, in_flight_micro_batches, lockstep_1f1b_ticks,
@@ -85,6 +85,9 @@ def forward_backward_models(time_model: TimeModel, backward: str = "saved") -> t
     ``COMM_PASSES[backward]`` passes of bytes the forward moves one and the backward the rest
     (``bytes_per_s`` scaled to match); ``collective_s`` halved for each. The two add up to
     ``time_model`` for any loads in that mode."""
+    check_time_model(time_model)
+    if backward not in COMM_PASSES:
+        raise ValueError(f"backward must be one of {sorted(COMM_PASSES)}, got {backward!r}")
     passes = COMM_PASSES[backward]
 
     def share(fraction: float, comm_passes: float, label: str) -> TimeModel:
@@ -298,6 +301,8 @@ def pipeline_step(micro_batch_docs, *, stages: int, data_parallel: int, tokens: 
     Returns:
         ``{method: PipelineMethodStep}``.
     """
+    if not isinstance(config, PlannerConfig):
+        raise TypeError(f"config must be a PlannerConfig, got {type(config).__name__}")
     per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
                                              tokens=tokens, layers=layers,
                                              activation_bytes_per_token=activation_bytes_per_token)
