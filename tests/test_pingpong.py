@@ -95,38 +95,44 @@ def test_nano_split_refuses_a_cache():
 
 
 @settings(max_examples=300, deadline=None)
-@given(events=st.lists(st.sampled_from(["issue", "issue opening", "relays issued", "need"]), max_size=30))
+@given(events=st.lists(st.sampled_from(["issue", "issue opening", "relays issued", "take"]), max_size=30))
 def test_issue_queue_holds_only_behind_pending_relays(events):
-    """``IssueQueue``: exchanges are issued in the order asked; once a relayed first round (an
-    "opening") is issued, nothing more is until its relay rounds are ("relays issued": the oldest
-    pending one's), unless a node needs an exchange (then everything asked is); otherwise nothing
-    waits."""
-    from distca_hf.runtime.pingpong import IssueQueue
+    """``IssueQueue`` (both schedules'): exchanges are issued in the order asked; once a relayed first
+    round (an "opening") is issued, nothing more is until its relay rounds are ("relays issued": the
+    oldest pending one's), unless one is taken (then everything asked is); otherwise nothing waits.
+    ``take`` gives what the exchange's launch returned, and refuses one never asked for."""
+    from distca_hf.runtime.issue_queue import IssueQueue
 
-    class Owner:  # a nano-batch
+    class Owner:  # a wave or a nano-batch
         pass
 
-    queue, issued, asked, owners, pending = IssueQueue(), [], [], {}, []
+    queue, issued, asked, owners, pending, untaken = IssueQueue(), [], [], {}, [], []
     for number, event in enumerate(events):
         before = len(issued)
         if event.startswith("issue"):
             asked.append(number)
+            untaken.append(number)
             owner = owners.setdefault(number, Owner()) if event == "issue opening" else None
-            queue.issue(lambda n=number: issued.append(n), opens_relays_of=owner)
+            queue.issue(number, lambda n=number: issued.append(n) or f"exchange {n}", opens_relays_of=owner)
         elif event == "relays issued":
             queue.relays_issued(owners[pending.pop(0)] if pending else Owner())
-        else:
-            queue.need()
+        elif untaken:
+            key = untaken.pop(0)
+            was_issued = key in issued
+            assert queue.take(key) == f"exchange {key}"
+            assert not (was_issued and issued[before:])  # taking an issued one releases nothing
         new = issued[before:]
         assert issued == asked[: len(issued)]  # in order, each once
-        if pending and event != "need":
+        if pending and event != "take":
             assert not new  # held behind the pending relay rounds (another's, after a "relays issued")
-        if event != "need":
+        if event != "take":
             assert not any(n in owners for n in new[:-1])  # an opening holds what follows it
         pending += [n for n in new if n in owners]
-        if event == "need" or not pending:
-            assert issued == asked  # nothing waits without a reason
-        assert queue.relays_pending == bool(pending)
+        if (event == "take" and new) or not pending:
+            assert issued == asked  # nothing waits without a reason; a take of a held one issues all
+        assert bool(queue.pending) == bool(pending)
+    with pytest.raises(RuntimeError, match="never asked for"):
+        queue.take("unknown")
 
 
 @settings(max_examples=40, deadline=None)

@@ -8,6 +8,7 @@
     exchange       packing rows into one buffer per all-to-all, and unpacking them
     phases         the forward and backward phases of a wave (launch, serve, return, place)
     dispatch       a plan as this rank's list of waves
+    issue_queue    when a dispatch's exchanges are issued, so that relay rounds queue behind nothing
     wave_schedule  overlap ``none`` / ``wave``: all waves in one autograd node
     pingpong       overlap ``pingpong``: two nano-batches, three autograd nodes each
     pipeline_schedules  pipeline schedules on torch.distributed.pipelining: torch's gpipe / 1f1b, and the

@@ -12,8 +12,8 @@ inside ``serve_forward`` (``relay_kv``, after the first round arrived) and, in `
 (``relay_kv_grads``) before returning the pools' gradients, so the first round's return as without
 relays. Every rank enters every round (the plan's deepest tree), sending nothing if it has nothing.
 Both serve functions call a schedule's ``pools_ready`` hook between the relay rounds and the kernel,
-where ``wave_schedule`` (other waves') and ``pingpong`` (the other nano-batch's) issue the exchanges
-they held, so that the rounds before the kernel do not queue behind them.
+where the schedule's ``issue_queue.IssueQueue`` issues the exchanges it held, so that the rounds
+before the kernel do not queue behind them.
 
 Key-split plans (``Wave.merges``): a server returns each row's partial output and log-sum-exp (its
 tasks of a row merged first), the source merges every partial of a row (``merge_outputs``), and

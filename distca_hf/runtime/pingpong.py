@@ -14,8 +14,8 @@ Per decoder layer the schedule is
 
 so A's dispatch overlaps B's projections, B's dispatch A's attention kernel, A's return B's kernel and
 B's return A's MLP. (With relayed K/V, B's send waits for A's relay rounds and A's return for B's:
-``IssueQueue``.) Each nano-batch's attention is three autograd nodes (launch, serve, finish); in
-backward autograd runs nodes in reverse creation order as soon as they are ready, so the mirror
+``issue_queue.IssueQueue``, one per forward, ``PingPongPlan.issue_queue``.) Each nano-batch's
+attention is three autograd nodes (launch, serve, finish); in backward autograd runs nodes in reverse creation order as soon as they are ready, so the mirror
 schedule follows: ``finish`` launches dO, ``serve`` waits for it, computes and launches dQ/dK/dV,
 ``launch`` waits for those, with the other nano-batch's backward compute in between.
 
@@ -40,11 +40,12 @@ from .agree import PATH_PINGPONG, agree
 from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of
 from .dispatch import Dispatch
 from .forward import plan_batch
+from .issue_queue import IssueQueue
 from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs, merge_outputs,
                      place_grads, place_outputs, receive_all, returned_partials, serve_backward, serve_forward)
 from .tables import DispatchCounters
 
-__all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention", "IssueQueue"]
+__all__ = ["PingPongPlan", "plan_pingpong", "NanoAttention"]
 
 
 @dataclass(eq=False)
@@ -68,7 +69,7 @@ class PingPongPlan:
     prefix_rows: torch.Tensor
     pinned_rows: torch.Tensor
     longest_document: int
-    issue_queue: IssueQueue = field(default_factory=lambda: IssueQueue())  # (defined below)
+    issue_queue: IssueQueue = field(default_factory=IssueQueue)
 
     def keys_b(self, k_a: torch.Tensor, k_b: torch.Tensor) -> torch.Tensor:
         """Nano-batch B's key (or value) stream from both nano-batches' rows: ``[A's cut prefix] ++
@@ -146,52 +147,6 @@ def _nano_world(rows: RankDocuments, per_rank, assignments, which: int) -> RankD
 
 # ---- one nano-batch's attention as three autograd nodes ----
 
-class IssueQueue:
-    """When the two nano-batches' exchanges are issued. Collectives of one process group complete in
-    the order they were issued (NCCL runs a communicator's on one stream), the same on every rank.
-    A nano-batch whose K/V is relayed issues its relay rounds only once its first round has arrived
-    (in its serve node, forward; in ``resend`` mode's backward too), so they would queue behind
-    whatever the other nano-batch issued meanwhile: its inputs, its outputs, its gradients. So from
-    the launch of such a first round until its relay rounds are issued (``relays_issued``, the
-    serve functions' ``pools_ready`` hook), every exchange asked for is held, then issued in order:
-    they travel during that nano-batch's kernel, and the relay rounds wait for their own first round
-    only. A node that needs a held exchange issues everything held first (``need``), so no order of
-    the nodes can wait on an exchange never issued; every rank runs the same nodes in the same
-    order, so every rank issues alike. (A held exchange is packed when issued: a profile shows it
-    inside the span that released it.)"""
-
-    def __init__(self):
-        self.pending = set()  # ids of the nano-batches whose first round is issued, their relay rounds not yet
-        self.held = []  # (issue, opener) in order
-
-    @property
-    def relays_pending(self) -> bool:
-        return bool(self.pending)
-
-    def issue(self, issue, *, opens_relays_of=None) -> None:
-        """Run ``issue()`` (which launches an exchange and stores its pending handle) now, or, while
-        relay rounds are pending, once they are issued. ``opens_relays_of``: the nano-batch (any
-        object) whose relayed first round this is, its relay rounds to follow before its kernel."""
-        self.held.append((issue, opens_relays_of))
-        self._release(flush=False)
-
-    def relays_issued(self, owner) -> None:
-        """``owner``'s pending relay rounds were issued: the held exchanges go now (unless another's are pending)."""
-        self.pending.discard(id(owner))
-        self._release(flush=False)
-
-    def need(self) -> None:
-        """A node is about to wait on an exchange: whatever is held is issued now."""
-        self._release(flush=True)
-
-    def _release(self, *, flush: bool) -> None:
-        while self.held and (flush or not self.pending):
-            issue, opener = self.held.pop(0)
-            issue()
-            if opener is not None:
-                self.pending.add(id(opener))
-
-
 class _Flight:
     """What the three nodes of one nano-batch's attention in one layer hand to each other."""
 
@@ -203,22 +158,17 @@ class _Flight:
         self.scale, self.variant = scale, variant
         self.resend = self.wave.backward_mode == "resend"
         self.merges = self.wave.merges  # a key-split plan: a row's partials merged in _Finish
-        self.inputs = self.outputs = self.grad_inputs = self.grads = None
         self.lse_local = self.merged = None
         self.shapes = self.dtype = self.device = None  # of q, k and v, set by the forward
 
     def issue(self, name: str, launch, *, opens_relays: bool = False) -> None:
-        """Launch an exchange through the layer's ``IssueQueue``; its pending handle lands in
-        ``self.<name>`` when issued."""
-        self.queue.issue(lambda: setattr(self, name, launch()), opens_relays_of=self if opens_relays else None)
+        """Launch an exchange (``inputs``, ``outputs``, ``grad_inputs``, ``grads``) through the forward's
+        ``IssueQueue``."""
+        self.queue.issue((self, name), launch, opens_relays_of=self if opens_relays else None)
 
     def take(self, name: str):
-        """The pending handle ``self.<name>`` (issued now if it was held); the attribute is cleared."""
-        if getattr(self, name) is None:
-            self.queue.need()
-        pending = getattr(self, name)
-        setattr(self, name, None)
-        return pending
+        """The pending exchange ``name`` (issued now if it was held)."""
+        return self.queue.take((self, name))
 
     def pools_ready(self):
         """The serve functions' hook: this nano-batch's relay rounds are issued (None without relays)."""

@@ -2,9 +2,9 @@
 
 Remote waves' inputs are launched first, then the waves run in order (their outputs launched back
 as soon as computed) and the returns are placed at the end; backward does the mirror image, waves in
-reverse order. With one wave (``none``) each exchange is waited on right after its launch. A dispatch
-whose K/V is relayed before its kernels (forward; ``resend`` mode's backward) issues its exchanges in
-another order (``_IssueOrder``), so that those relay rounds do not queue behind other waves' transfers.
+reverse order. With one wave (``none``) each exchange is waited on right after its launch. Where a
+wave's K/V is relayed before its kernel (forward; ``resend`` mode's backward), the other waves'
+exchanges are held until its relay rounds are issued (``issue_queue.IssueQueue``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from ..kernels import AttentionVariant, accumulation_dtype
 
 from .dispatch import Dispatch
+from .issue_queue import IssueQueue
 from .phases import (kept_bytes, launch_grad_inputs, launch_grad_outputs, launch_inputs, launch_outputs,
                      merge_outputs, place_grads, place_outputs, receive_all, returned_partials, serve_backward,
                      serve_forward)
@@ -24,8 +25,8 @@ __all__ = ["dispatched_attention"]
 class _WaveSchedule(torch.autograd.Function):
     """Every wave of a dispatch inside one autograd node: remote waves' inputs are launched first,
     then the waves run in order (their outputs launched back as soon as computed) and the returns
-    are placed at the end. Backward does the mirror image, waves in reverse order. A relayed
-    dispatch launches each remote wave's inputs and return a wave later (``_IssueOrder``)."""
+    are placed at the end. Backward does the mirror image, waves in reverse order. Exchanges asked
+    for while a wave's relay rounds are pending go out once they are (``IssueQueue``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dispatch: Dispatch, scale: float, variant: AttentionVariant):
@@ -33,15 +34,17 @@ class _WaveSchedule(torch.autograd.Function):
         resend, merges = waves[0].backward_mode == "resend", waves[0].merges
         if dispatch.backward is not None and not resend:
             raise ValueError("distca: a dispatch whose backward is planned apart needs backward='resend'")
-        issue = _IssueOrder(waves, range(len(waves)), lambda i: launch_inputs(waves[i], q, k, v), relays_first=True)
+        queue = IssueQueue()  # relay rounds run before the kernels: other waves' exchanges wait for them
+        for i, w in enumerate(waves):
+            if not w.local_only:
+                queue.issue(("inputs", i), lambda w=w: launch_inputs(w, q, k, v), opens_relays_of=w if w.relays else None)
         out = q.new_zeros(*q.shape[:2], v.shape[-1])  # v's head dim (DeepSeek's MLA: not q's)
         lse = torch.zeros(q.shape[0], q.shape[1], dtype=accumulation_dtype(q.dtype), device=q.device) if resend else None
-        returning, kept, partials = [], [], []
+        kept, partials = [], []
         for i, w in enumerate(waves):
-            pending = issue.inputs(i)
-            received = pending.wait() if pending is not None else None
+            received = None if w.local_only else queue.take(("inputs", i)).wait()
             served = serve_forward(w, q, k, v, received, scale, want_lse=resend, variant=variant,
-                                   pools_ready=issue.pools_ready(i))
+                                   pools_ready=lambda w=w: queue.relays_issued(w))
             if merges:  # a row's partials of every wave and server are merged at the end
                 partials.append((torch.arange(w.num_local, device=q.device), served.out_pool[: w.num_local],
                                  served.lse_pool[: w.num_local]))
@@ -50,10 +53,11 @@ class _WaveSchedule(torch.autograd.Function):
                 if resend:
                     lse += served.lse_pool[: w.num_local]
             if not w.local_only:
-                issue.then_return(i, lambda w=w, served=served: returning.append((w, launch_outputs(w, served))))
+                queue.issue(("return", i), lambda w=w, served=served: launch_outputs(w, served))
             if not resend:
                 pools = _kept_kv(w, served, received) if dispatch.keeps_kv_once else (served.k_pool, served.v_pool)
                 kept.append((served.fq, *pools) if merges else (served.fq, *pools, served.f_out, served.f_lse))
+        returning = [(w, queue.take(("return", i))) for i, w in enumerate(waves) if not w.local_only]
         if merges:
             out, lse = merge_outputs(partials + [returned_partials(w, pending) for w, pending in returning], q.shape[0])
         else:
@@ -85,81 +89,28 @@ class _WaveSchedule(torch.autograd.Function):
             per_wave = _pools_rebuilt(ctx.dispatch.waves, saved, width, tail=2 if merged is not None else 0)
         order = list(reversed(range(len(waves))))
         resent = saved if resend else None
-        issue = _IssueOrder(waves, order, lambda i: launch_grad_inputs(waves[i], dout, resent, merged),
-                            relays_first=resend)  # (saved mode relays only the gradients, after the kernel)
+        queue = IssueQueue()  # resend mode relays before its kernels (saved mode only the gradients, after)
+        for i in order:
+            if not waves[i].local_only:
+                queue.issue(("inputs", i), lambda w=waves[i]: launch_grad_inputs(w, dout, resent, merged),
+                            opens_relays_of=waves[i] if resend and waves[i].relays else None)
         dq = dout.new_zeros(ctx.q_shape)
         dk = saved[1].new_zeros(waves[0].num_local_kv, *saved[1].shape[1:])  # saved[1]: k or a K/V pool
         dv = saved[2].new_zeros(waves[0].num_local_kv, *saved[2].shape[1:])  # saved[2]: v or a V pool
-        returning = []
         for i in order:
             w = waves[i]
-            pending = issue.inputs(i)
-            received = receive_all(pending) if pending is not None else []
+            received = [] if w.local_only else receive_all(queue.take(("inputs", i)))
             pools = serve_backward(w, dout, received, per_wave(i), scale, ctx.variant, merged,
-                                   pools_ready=issue.pools_ready(i))
+                                   pools_ready=lambda w=w: queue.relays_issued(w))
             dq += pools[0][: w.num_local]
             dk += pools[1][: w.num_local_kv]
             dv += pools[2][: w.num_local_kv]
             if not w.local_only:
-                issue.then_return(i, lambda w=w, pools=pools: returning.append((w, launch_grad_outputs(w, pools))))
-        for w, pending in returning:
-            place_grads(w, pending, dq, dk, dv)
+                queue.issue(("return", i), lambda w=w, pools=pools: launch_grad_outputs(w, pools))
+        for i in order:
+            if not waves[i].local_only:
+                place_grads(waves[i], queue.take(("return", i)), dq, dk, dv)
         return dq, dk, dv, None, None, None
-
-
-class _IssueOrder:
-    """When a dispatch's exchanges are issued, forward or backward (``order``: the waves' indices in
-    the order they run; ``launch(i)``: issues wave ``i``'s inputs and returns what ``inputs(i)``
-    gives; ``relays_first``: whether a wave's relay rounds run before its kernel in this direction:
-    forward, and ``resend`` mode's backward).
-
-    Collectives of one process group complete in the order they were issued (NCCL runs a
-    communicator's on one stream), the same order on every rank. Without relay rounds before the
-    kernels, every remote wave's inputs are issued first: they travel while the local waves compute.
-    With them, a wave's relay rounds are issued only once its first round has arrived, so they would
-    queue behind every later wave's inputs and every earlier wave's returns. So once a wave's pools
-    are complete (``pools_ready``), the next remote wave's inputs are issued, then the previous one's
-    return (which is read only at the end): both travel while that wave's kernel runs, and a wave's
-    relay rounds wait for its own first round and at most an earlier wave's return, never another
-    wave's inputs. (The rounds that send K/V gradients back up the
-    trees, after a backward kernel, queue behind what was issued before that kernel, which had the
-    kernel's time to travel.) Every rank issues in the same order: which waves are remote and
-    relayed is the plan's, the same on every rank."""
-
-    def __init__(self, waves, order, launch, *, relays_first: bool):
-        self.remote = [i for i in order if not waves[i].local_only]
-        self.holds = relays_first and any(waves[i].relays for i in self.remote)
-        self.launch = launch
-        self.in_flight = {i: launch(i) for i in (self.remote[:1] if self.holds else self.remote)}
-        self.held = []  # issuers of returns waiting for the next remote wave's relay rounds
-
-    def inputs(self, i):
-        """Wave ``i``'s inputs in flight (None for a local wave)."""
-        if i in self.remote and i not in self.in_flight:
-            raise RuntimeError(f"distca: the inputs of wave {i} were never issued")  # (a schedule bug: it would hang)
-        return self.in_flight.pop(i, None)
-
-    def pools_ready(self, i):
-        """The hook ``serve_forward`` / ``serve_backward`` call once wave ``i``'s pools are complete."""
-        if not self.holds or i not in self.remote:  # (a local wave has no relay rounds)
-            return None
-        return lambda: self._after_relays(i)
-
-    def _after_relays(self, i):
-        later = self.remote[self.remote.index(i) + 1:]
-        if later:  # first: the next wave's relay rounds wait for these inputs
-            self.in_flight[later[0]] = self.launch(later[0])
-        for issue in self.held:
-            issue()
-        self.held.clear()
-
-    def then_return(self, i, issue):
-        """Wave ``i``'s kernel has run: ``issue()`` issues its return, now or, while holding, after
-        the next remote wave's relay rounds."""
-        if self.holds and i != self.remote[-1]:
-            self.held.append(issue)
-        else:
-            issue()
 
 
 def _kept_kv(w, served, received):
