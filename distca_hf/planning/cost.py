@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+
+from ..config import is_integer
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
@@ -45,8 +46,7 @@ def check_document_lengths(lengths, where: str = "lengths", *, minimum: int = 0)
     if not isinstance(data, (list, tuple)):
         raise ValueError(f"{where} must be a list of document lengths (integer tokens), got {lengths!r}")
     for index, length in enumerate(data):
-        if not (isinstance(length, numbers.Integral) and not isinstance(length, bool)
-                and minimum <= length <= MAX_POSITION):
+        if not (is_integer(length) and minimum <= length <= MAX_POSITION):
             raise ValueError(f"{where}[{index}] is {length!r}; every document length must be an integer >= "
                              f"{minimum} token{'' if minimum == 1 else 's'}, at most {MAX_POSITION}")
     return np.asarray(data, dtype=np.int64).reshape(-1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import is_integer
 from ..errors import DocumentBoundaryError
 
 __all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "check_positions_agree", "find_documents"]
@@ -97,7 +98,7 @@ def find_documents(
         DocumentBoundaryError: naming the argument that does not describe documents.
     """
     for name, value in (("batch_size", batch_size), ("query_len", query_len), ("kv_len", kv_len)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
+        if not is_integer(value) or value < 1:
             raise DocumentBoundaryError(f"{name} must be an integer >= 1 (the attention call's shape), got {value!r}")
     mask = _check_mask(attention_mask, batch_size, kv_len)
     if kv_len != query_len:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import is_integer
 from ..errors import DocumentBoundaryError
 from .cost import MAX_POSITION, causal_pairs
 
@@ -93,13 +94,12 @@ class DocumentPieces:
         documents, numbered in order across ranks)."""
         rank, doc, start, end = [], [], [], []
         next_doc = 0
-        integer = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
         for r, pieces in enumerate(per_rank):
             for i, p in enumerate(pieces):
-                if integer(p):
+                if is_integer(p):
                     rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
                     next_doc += 1
-                elif isinstance(p, (tuple, list)) and len(p) == 3 and all(integer(x) for x in p):
+                elif isinstance(p, (tuple, list)) and len(p) == 3 and all(is_integer(x) for x in p):
                     d, s, e = p
                     rank.append(r), doc.append(int(d)), start.append(int(s)), end.append(int(e))
                 else:

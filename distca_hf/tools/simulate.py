@@ -441,11 +441,19 @@ def _check_sizes(**sizes) -> None:
     if sizes["ranks"] * sizes["tokens_per_rank"] > MAX_POSITION:
         raise ValueError(f"ranks x tokens_per_rank = {sizes['ranks'] * sizes['tokens_per_rank']} tokens per batch; "
                          f"at most {MAX_POSITION}")
-    draws = sizes["batches"] * sizes.get("micro_batches", 1)
-    if draws > MAX_DRAWS:
-        named = "batches x micro_batches" if "micro_batches" in sizes else "batches"
-        raise ValueError(f"{named} = {draws}: a simulation draws and plans at most {MAX_DRAWS} batches (each takes "
-                         "up to a second)")
+    problem = _draws_problem(sizes["batches"], sizes.get("micro_batches"))
+    if problem:
+        raise ValueError(problem)
+
+
+def _draws_problem(batches: int, micro_batches: int | None, names=("batches", "micro_batches")) -> str | None:
+    """Why ``batches`` (times ``micro_batches`` under a pipeline) is more than ``MAX_DRAWS`` draws, in
+    ``names`` (the arguments' or the flags'); None when it is not."""
+    draws = batches * (micro_batches or 1)
+    if draws <= MAX_DRAWS:
+        return None
+    named = f"{names[0]} x {names[1]}" if micro_batches else names[0]
+    return f"{named} = {draws}: a simulation draws and plans at most {MAX_DRAWS} batches (each takes up to a second)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -566,10 +574,9 @@ def run_cli(args, parser) -> int:
         if args.layers < 1 or args.layers % stages:
             parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
-    draws = args.batches * (micro_batches if pipelined else 1)
-    if draws > MAX_DRAWS:
-        parser.error(f"{'--batches x --micro-batches' if pipelined else '--batches'} = {draws}: a simulation draws "
-                     f"and plans at most {MAX_DRAWS} batches (each takes up to a second)")
+    problem = _draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
+    if problem:
+        parser.error(problem)
     if kv_cap_pairing_problem(args.kv_cap, args.tolerance):  # the settings' rule, in the flags' names
         parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
                      "time caps K/V")
