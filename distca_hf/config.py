@@ -438,10 +438,20 @@ def resolve(code: dict | None = None, file: dict | None = None) -> DistCAConfig:
 def configure(**settings) -> DistCAConfig:
     """Set distca options in code (they override ``DISTCA_*`` variables); returns the result.
     ``configure()`` with no arguments just validates the current settings."""
+    if settings.get("group") is not None:
+        _check_group(settings["group"])
     merged = {**STATE.code_settings, **settings}
     config = resolve(merged, STATE.file_settings)  # validate before storing
     STATE.code_settings = merged
     return config
+
+
+def _check_group(group) -> None:
+    import torch.distributed as dist  # here: reading settings needs no torch
+
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"distca group must be a torch.distributed ProcessGroup (dist.new_group(...)) or None for the "
+                        f"default group, got {group!r}")
 
 
 @contextlib.contextmanager

@@ -259,6 +259,10 @@ def test_configure_and_environment(monkeypatch):
             distca_hf.configure(tolerence=0.1)
         with pytest.raises(ValueError, match="distca backward must be one of"):
             distca_hf.configure(backward="later")
+        for group in (123, "world", torch.distributed):  # a rank, a name, the module: not a group
+            with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+                distca_hf.configure(group=group)
+        assert distca_hf.current_config().group is None  # nothing refused was kept
     finally:
         distca_hf.reset_config()
 

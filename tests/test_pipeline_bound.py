@@ -81,8 +81,9 @@ def test_equal_micro_batches_gain_only_the_bubbles(stages, micro_batches, data_p
     assert floors.attention_share == pytest.approx((55 + 28 + 6) / (55 + 28 + 6 + 20))
     if (stages, micro_batches) == (2, 2):  # b = 1/3: 3 (L + A) / (3 L + 2 A) with L = 20, A = 89
         assert gain == pytest.approx(3 * 109 / (3 * 20 + 2 * 89))
-    with pytest.raises(ValueError, match="attention_share must be between 0 and 1"):
-        bubble_gain(stages=stages, micro_batches=micro_batches, attention_share=1.5)
+    for share in (1.5, None, "0.5", float("nan")):  # None / '0.5': a TypeError deep in the formula before
+        with pytest.raises(ValueError, match="attention_share must be between 0 and 1"):
+            bubble_gain(stages=stages, micro_batches=micro_batches, attention_share=share)
 
 
 def test_floors_refuse_bad_input_naming_it():
@@ -103,8 +104,13 @@ def test_floors_refuse_bad_input_naming_it():
     assert pipeline_floors([np.array([4, 0, 3])], **args) == pipeline_floors([np.array([4, 3])], **args)
     with pytest.raises(ValueError, match="exposed_comm > 0 needs token_bytes"):
         pipeline_floors([np.array([4])], exposed_comm=0.5, **args)
-    with pytest.raises(ValueError, match="exposed_comm must be between 0 and 1"):
-        pipeline_floors([np.array([4])], exposed_comm=2.0, token_bytes=TOKEN_BYTES, **args)
+    for exposed in (2.0, None):
+        with pytest.raises(ValueError, match="exposed_comm must be between 0 and 1"):
+            pipeline_floors([np.array([4])], exposed_comm=exposed, token_bytes=TOKEN_BYTES, **args)
+    for name, value in (("attn_s_per_pair", None), ("attn_s_per_pair", float("inf")), ("byte_s", -1.0)):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0 \\(seconds\\)"):
+            holder_link_floor_seconds([1.0], [1], **{"attn_s_per_pair": 1.0, "byte_s": 1.0, name: value},
+                                      token_bytes=TOKEN_BYTES)
 
 
 @settings(max_examples=8, deadline=None)

@@ -18,7 +18,7 @@ from distca_hf.planning import (PlannerConfig, TimeModel, TokenBytes, causal_pai
 from distca_hf.planning.baselines import pack_pieces
 from distca_hf.planning.micro_batches import balance_micro_batches
 from distca_hf.planning.pipeline import (lockstep_1f1b_ticks, simulate_1f1b, simulate_lockstep, stock_1f1b_order)
-from distca_hf.planning.pipeline_cost import (PIPELINE_METHODS, forward_backward_models, pipeline_step)
+from distca_hf.planning.pipeline_cost import (PIPELINE_METHODS, forward_backward_models, pipeline_step, rank_subset)
 from distca_hf.tools.simulate import draw_batch, simulate_pipeline
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -112,6 +112,8 @@ def test_balance_micro_batches_hand_checked():
         balance_micro_batches([3], micro_batches=0, tokens=10)
     with pytest.raises(ValueError, match=">= 1 token"):
         balance_micro_batches([3, 0], micro_batches=1, tokens=10)
+    with pytest.raises(ValueError, match=r"micro_batches must be at most 1048576 rows .* got 1000000000000"):
+        balance_micro_batches([3], micro_batches=10**12, tokens=10)  # a numpy MemoryError before
 
 
 def test_balance_micro_batches_refuses_a_window_that_is_not_none_or_an_integer_of_at_least_one():
@@ -378,6 +380,11 @@ def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():
             in_flight_micro_batches(stage, 2, 3)
     with pytest.raises(ValueError, match="stages must be an integer >= 1, got 0"):
         held_micro_batches(0, 4)
+    pieces = pack_pieces(np.array([5, 1, 6, 3]), 3, 6)  # rows [5, 1], [6], [3]
+    assert rank_subset(pieces, np.array([2, 0]))[0].num_ranks == 2
+    for ranks in ([-1], [3], [0, 0], [0.5], [[0, 1]]):  # -1 wrapped to the last rank before
+        with pytest.raises(ValueError, match=r"ranks must be distinct rank numbers in \[0, 3\)"):
+            rank_subset(pieces, ranks)
     with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
         attention_floor_seconds([100], config.time_model, window=0)
     with pytest.raises(ValueError, match="window must be None or an integer >= 1"):

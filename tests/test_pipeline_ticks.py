@@ -69,3 +69,9 @@ def test_bad_shapes_are_refused_with_the_argument_named(bad):
         lockstep_1f1b_ticks(bad, 4)
     with pytest.raises(ValueError, match="num_micro_batches"):
         lockstep_1f1b_ticks(2, bad)
+    if bad is not None and bad != 1.5:  # both a stage and a micro-batch of 0 exist
+        return
+    with pytest.raises(ValueError, match="micro_batch must be an integer >= 0"):
+        forward_slot(0, bad)
+    with pytest.raises(ValueError, match=r"stage must lie in \[0, 2\)"):
+        backward_slot(bad, 0, 2)

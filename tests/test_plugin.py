@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,24 @@ def test_pipeline_stages_with_tensor_parallelism_are_refused_naming_the_source()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 \(from DistCAPlugin\.parallelism_config\.tp_size\)"):
         DistCAPlugin(pipeline_parallel_size=2, parallelism_config=ParallelismConfig(tp_size=2))
     assert DistCAPlugin(pipeline_parallel_size=2, tensor_parallel_size=1).topology(4).pipeline_parallel == 2
+
+
+def test_pipeline_settings_are_checked_where_the_plugin_is_made():
+    """Too few micro-batches for 1f1b are refused by the plugin (not at the first step), naming the
+    setting and both numbers; pipeline settings without stages warn that they do nothing."""
+    with pytest.raises(ValueError, match=r"DistCAPlugin\(pipeline_parallel_size=4\): pipeline_schedule='1f1b' needs "
+                                         r"at least 4 micro-batches .* got pipeline_micro_batches=3"):
+        DistCAPlugin(pipeline_parallel_size=4, pipeline_micro_batches=3)
+    for schedule in ("gpipe", "cad_1f1b"):  # they run any number
+        DistCAPlugin(pipeline_parallel_size=4, pipeline_micro_batches=3, pipeline_schedule=schedule)
+    with pytest.warns(UserWarning, match="pipeline_schedule set but pipeline_parallel_size is 1"):
+        DistCAPlugin(pipeline_schedule="cad_1f1b")
+    with pytest.warns(UserWarning, match="pipeline_micro_batches set but pipeline_parallel_size is 1"):
+        DistCAPlugin(file_settings={"pipeline_micro_batches": 8})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="gpipe")
+        DistCAPlugin()
 
 
 @pytest.mark.parametrize("variable, value", [("DISTCA_OVERLAP", "bogus"), ("DISTCA_BACKWARD", "x"),

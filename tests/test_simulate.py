@@ -138,6 +138,7 @@ def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match
 
 def test_simulate_bad_arguments(lengths_file, tmp_path):
     for flags, match in ((["--seed", "-1"], "--seed must be >= 0"), (["--layers", "0"], "--layers must be >= 1"),
+                         (["--layers", "8"], "--layers is read by the pipeline model only"),
                          (["--hidden", "100"], "--hidden (100) must be a multiple of --heads (32)"),
                          (["--time-model", str(tmp_path / "none.json")], "--time-model: "),
                          (["--time-model", str(lengths_file)], "a time model is a JSON object")):

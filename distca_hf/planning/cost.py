@@ -20,7 +20,7 @@ from ..config import is_integer
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
            "CPU_GLOO_MEASURED", "default_time_model", "resolve_time_model", "check_document_lengths",
-           "check_time_model"]
+           "check_number", "check_time_model"]
 
 
 def check_window(window) -> int | None:
@@ -31,6 +31,16 @@ def check_window(window) -> int | None:
     if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be None or an integer >= 1 (tokens a query sees), got {window!r}")
     return int(window)
+
+
+def check_number(value, name: str, *, low: float = 0.0, high: float = math.inf, unit: str = "") -> float:
+    """``value`` as a float when it is a finite real number (numpy's too; not a bool, ``None`` or a
+    string) in ``[low, high]``, else ``ValueError`` naming ``name`` and the range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(value) and low <= value <= high):
+        span = f"between {low:g} and {high:g}" if math.isfinite(high) else f"a finite number >= {low:g}"
+        raise ValueError(f"{name} must be {span}{unit}, got {value!r}")
+    return float(value)
 
 
 MAX_POSITION = math.isqrt(2**63 - 1)

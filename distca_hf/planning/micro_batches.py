@@ -18,7 +18,12 @@ from .baselines import pack_pieces
 from .cost import causal_pairs, check_document_lengths, check_window, start_with_pairs
 from .pieces import DocumentPieces
 
-__all__ = ["balance_micro_batches"]
+__all__ = ["MAX_ROWS", "balance_micro_batches"]
+
+MAX_ROWS = 1 << 20
+"""The most micro-batch rows ``balance_micro_batches`` fills: far beyond any step (data-parallel ranks x
+micro-batches), and few enough that its per-row arrays fit in memory (a huge count is named, not a
+``MemoryError``)."""
 
 
 def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: int | None = None) -> DocumentPieces:
@@ -52,6 +57,9 @@ def balance_micro_batches(lengths, *, micro_batches: int, tokens: int, window: i
     for name, value in (("micro_batches", micro_batches), ("tokens", tokens)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if micro_batches > MAX_ROWS:
+        raise ValueError(f"micro_batches must be at most {MAX_ROWS} rows (data-parallel ranks x micro-batches of one "
+                         f"step), got {micro_batches}")
     lengths = check_document_lengths(lengths, "lengths", minimum=1)
     window = check_window(window)
     capacity = int(micro_batches) * int(tokens)

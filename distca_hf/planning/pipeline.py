@@ -74,14 +74,25 @@ def _check_stage(stage: int, num_stages: int) -> None:
         raise ValueError(f"stage must lie in [0, {num_stages}), got {stage!r}")
 
 
+def _check_micro_batch(micro_batch: int) -> None:
+    if not is_integer(micro_batch) or micro_batch < 0:
+        raise ValueError(f"micro_batch must be an integer >= 0, got {micro_batch!r}")
+
+
 def forward_slot(stage: int, micro_batch: int) -> int:
-    """The forward slot in which ``stage`` runs ``micro_batch``'s forward."""
-    return micro_batch + stage
+    """The forward slot in which ``stage`` (an integer >= 0) runs ``micro_batch``'s forward."""
+    if not is_integer(stage) or stage < 0:
+        raise ValueError(f"stage must be an integer >= 0, got {stage!r}")
+    _check_micro_batch(micro_batch)
+    return int(micro_batch + stage)
 
 
 def backward_slot(stage: int, micro_batch: int, num_stages: int) -> int:
-    """The backward slot in which ``stage`` runs ``micro_batch``'s backward."""
-    return micro_batch + num_stages - 1 - stage
+    """The backward slot in which ``stage`` (of ``num_stages``) runs ``micro_batch``'s backward."""
+    check_schedule_sizes(num_stages, 1)
+    _check_stage(stage, num_stages)
+    _check_micro_batch(micro_batch)
+    return int(micro_batch + num_stages - 1 - stage)
 
 
 def _slot(kind: str, slot: int, num_stages: int, num_micro_batches: int) -> Tick:

@@ -35,13 +35,13 @@ it holds at ``X = 0`` or ``X = P``, hence ``tau >= min(a P / H, (2 c P sqrt((q +
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .baselines import pack_pieces
-from .cost import TimeModel, TokenBytes, check_document_lengths, check_time_model, check_window, document_pairs
+from .cost import (TimeModel, TokenBytes, check_document_lengths, check_number, check_time_model, check_window,
+                   document_pairs)
 from .pipeline import (FORWARD, PipelineRun, check_schedule_sizes, lockstep_1f1b_ticks, simulate_1f1b,
                        simulate_lockstep)
 from .pipeline_cost import check_step, forward_backward_models
@@ -82,9 +82,8 @@ def holder_link_floor_seconds(pairs, holders, *, attn_s_per_pair: float, byte_s:
         raise ValueError(f"pairs, holders (and relayed_reach) must hold one entry per document, got shapes {shapes}")
     if not (np.isfinite(holders).all() and (holders >= 1).all()):
         raise ValueError(f"holders must be >= 1 per document, got {holders.min(initial=1.0)}")
-    for name, value in (("attn_s_per_pair", attn_s_per_pair), ("byte_s", byte_s)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    attn_s_per_pair = check_number(attn_s_per_pair, "attn_s_per_pair", unit=" (seconds)")
+    byte_s = check_number(byte_s, "byte_s", unit=" (seconds)")
     if not (np.isfinite(pairs).all() and (pairs >= 0).all()):
         raise ValueError("pairs must be finite counts >= 0 per document")
     compute_all = attn_s_per_pair * pairs / holders
@@ -133,8 +132,7 @@ def pipeline_floors(micro_batch_docs, *, stages: int, data_parallel: int, tokens
     layers_per_stage, micro_batch_docs = check_step(micro_batch_docs, stages=stages, data_parallel=data_parallel,
                                                     tokens=tokens, layers=layers,
                                                     activation_bytes_per_token=activation_bytes_per_token)
-    if not 0.0 <= exposed_comm <= 1.0:
-        raise ValueError(f"exposed_comm must be between 0 and 1, got {exposed_comm!r}")
+    exposed_comm = check_number(exposed_comm, "exposed_comm", high=1.0)
     if exposed_comm > 0 and token_bytes is None:
         raise ValueError("exposed_comm > 0 needs token_bytes (the bytes a token's q, k/v and out move)")
     m, ranks = len(micro_batch_docs), stages * data_parallel
@@ -190,8 +188,7 @@ def bubble_gain(*, stages: int, micro_batches: int, attention_share: float) -> f
     seconds on one stage); the lockstep's slots hold every micro-batch's attention once over all stages'
     ranks, ``(M + P - 1) L + M A``. More than this comes only from micro-batches that differ (a long
     document's micro-batch holds up every stage it passes under 1F1B)."""
-    if not 0.0 <= attention_share <= 1.0:
-        raise ValueError(f"attention_share must be between 0 and 1, got {attention_share!r}")
+    attention_share = check_number(attention_share, "attention_share", high=1.0)
     check_schedule_sizes(stages, micro_batches, names=("stages", "micro_batches"))
     bubble = (stages - 1) / (micro_batches + stages - 1)
     return 1.0 / (1.0 - bubble * attention_share)

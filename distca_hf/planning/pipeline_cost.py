@@ -155,7 +155,11 @@ def pool_pieces(parts, num_ranks: int) -> DocumentPieces:
 def rank_subset(pieces: DocumentPieces, ranks) -> tuple[DocumentPieces, np.ndarray]:
     """The pieces held by ``ranks`` (a sequence of rank numbers), renumbered: rank ``ranks[i]`` becomes
     ``i`` and their documents ``0 .. k-1``; also ``[k]`` the original id of each new document."""
-    ranks = np.asarray(ranks, dtype=np.int64)
+    values = np.asarray(ranks)
+    if (values.ndim != 1 or not (values.size == 0 or np.issubdtype(values.dtype, np.integer))
+            or ((values < 0) | (values >= pieces.num_ranks)).any() or np.unique(values).size != values.size):
+        raise ValueError(f"ranks must be distinct rank numbers in [0, {pieces.num_ranks}), got {ranks!r}")
+    ranks = values.astype(np.int64)
     local = np.full(pieces.num_ranks, -1, dtype=np.int64)
     local[ranks] = np.arange(ranks.size)
     keep = local[pieces.rank] >= 0

@@ -105,6 +105,9 @@ def cut_to(docs: np.ndarray, total_tokens: int) -> np.ndarray:
     return kept
 
 
+DEFAULT_LAYERS = 32
+"""Decoder layers the pipeline model splits into stages when none are given (Llama-3-8B)."""
+
 AUTO_PLANNERS = {"descent": plan_tasks, "tolerances": plan_by_tolerances}  # tolerance="auto": now / before the descent
 
 
@@ -275,7 +278,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
 
 def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int, micro_batches: int, batches: int = 8,
                       seed: int = 0, config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED,
-                      hidden_comm_fraction: float = 0.0, layers: int = 32, hidden: int = 4096,
+                      hidden_comm_fraction: float = 0.0, layers: int = DEFAULT_LAYERS, hidden: int = 4096,
                       dtype_bytes: int = 2) -> dict:
     """The ``"pipeline"`` object of ``--pipeline-parallel``: ``batches`` steps of ``stages`` x
     ``ranks / stages`` data-parallel pipelines, each step ``micro_batches`` micro-batches drawn from
@@ -521,8 +524,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "pipeline each (default: 2 P). M < P is modelled as a GPipe-like fill (every "
                                "forward before the first backward on the first stages); torch's Schedule1F1B "
                                "refuses it")
-    pipeline.add_argument("--layers", type=int, default=32,
-                          help="decoder layers, a multiple of P (default: %(default)s, Llama-3-8B)")
+    pipeline.add_argument("--layers", type=int,
+                          help=f"decoder layers, a multiple of P (default: {DEFAULT_LAYERS}, Llama-3-8B); only with "
+                               "the pipeline model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -548,7 +552,7 @@ def _time_model_flag(path, parser) -> TimeModel:
 def run_cli(args, parser) -> int:
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
-    if args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
     if args.heads >= 1 and args.kv_heads >= 1 and not args.heads % args.kv_heads and args.hidden % args.heads:
         parser.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}): head dim = hidden / heads")
@@ -561,6 +565,10 @@ def run_cli(args, parser) -> int:
         parser.error(f"--wlb-threshold must be between 1 and --tokens-per-rank ({args.tokens_per_rank}), "
                      f"got {args.wlb_threshold}")
     pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
+    if args.layers is not None and not pipelined:
+        parser.error("--layers is read by the pipeline model only (the layer model times one layer); give "
+                     "--pipeline-parallel P too, or leave --layers out")
+    layers = args.layers if args.layers is not None else DEFAULT_LAYERS
     if pipelined:
         stages = args.pipeline_parallel if args.pipeline_parallel is not None else 1
         if stages < 1:
@@ -571,8 +579,8 @@ def run_cli(args, parser) -> int:
         micro_batches = args.micro_batches if args.micro_batches is not None else 2 * stages
         if micro_batches < 1:
             parser.error(f"--micro-batches must be >= 1, got {micro_batches}")
-        if args.layers < 1 or args.layers % stages:
-            parser.error(f"--layers ({args.layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
+        if layers % stages:
+            parser.error(f"--layers ({layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
     problem = _draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
     if problem:
@@ -607,7 +615,7 @@ def run_cli(args, parser) -> int:
         public["pipeline"] = simulate_pipeline(
             lengths, args.ranks, args.tokens_per_rank, stages=stages, micro_batches=micro_batches,
             batches=args.batches, seed=args.seed, config=config, time_model=time_model,
-            hidden_comm_fraction=args.hidden_comm_fraction, layers=args.layers, hidden=args.hidden)
+            hidden_comm_fraction=args.hidden_comm_fraction, layers=layers, hidden=args.hidden)
         table += "\n\n" + format_pipeline_table(public["pipeline"])
     print(json.dumps(public) if args.json else table)
     if args.plot and not args.json:

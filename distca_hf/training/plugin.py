@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
@@ -139,8 +140,28 @@ class DistCAPlugin(_SettingFields):
                              f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="the distca: section")
-        self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
+        config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
+        self._check_pipeline_settings(config)
+
+    def _check_pipeline_settings(self, config: DistCAConfig) -> None:
+        """Pipeline settings said in code or the file without stages do nothing (a warning: one file may
+        serve runs with and without stages); with stages, too few micro-batches for the schedule are
+        refused here rather than at the first step."""
+        said = [name for name in ("pipeline_schedule", "pipeline_micro_batches")
+                if getattr(self, name) is not None or name in self.file_settings]
+        if self.pipeline_parallel_size == 1 and said:
+            warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
+                          f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
+                          "to train in stages", stacklevel=4)
+        if self.pipeline_parallel_size > 1 and config.pipeline_micro_batches is not None:
+            from ..runtime.pipeline_schedules import check_micro_batches  # torch's pipelining: only with stages
+
+            try:
+                check_micro_batches(config.pipeline_schedule, config.pipeline_micro_batches,
+                                    self.pipeline_parallel_size, setting="pipeline_micro_batches")
+            except ValueError as e:
+                raise ValueError(f"DistCAPlugin(pipeline_parallel_size={self.pipeline_parallel_size}): {e}") from None
 
     # -- construction from HF's ways of saying the topology ---------------------------------------
 
