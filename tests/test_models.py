@@ -454,3 +454,53 @@ def test_llama4_and_deepseek_v3_on_two_ranks(tmp_path):
         for rank, runs in exact_runs(per_family, 5):
             assert all(run["stats"]["dispatched"] for run in runs[:4]), (family, rank)
         check_forward_bytes(per_family, layers=layers)
+
+
+def _shared_positions_worker(rank, world):
+    """Two checkpointed forwards given one ``position_ids`` tensor, padded on rank 0 and unpadded
+    (no mask) on rank 1, then one backward; logits, gradients and how many forwards were planned."""
+    import distca_hf
+    from helpers import param_grads, per_document_reference
+
+    distca_hf.configure(timeout_s=20.0)  # ranks that disagree on a recomputation's forward stop here
+    model = tiny_model("llama")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    first, second = _documents([32, 32], seed=30 + rank)
+    positions = torch.arange(32).unsqueeze(0)  # one tensor, both forwards, both ranks
+    if rank == 0:
+        masks = torch.ones(2, 1, 32, dtype=torch.long)
+        masks[0, 0, :12] = 0  # left padding
+        masks[1, 0, 20:] = 0  # right padding
+        kept, masks = [slice(12, 32), slice(0, 20)], list(masks)
+    else:  # no padding: HF passes the attention no mask at all
+        kept, masks = [slice(0, 32), slice(0, 32)], [None, None]
+    docs = [first[kept[0]], second[kept[1]]]
+    weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
+    ref_logits, ref_grads = per_document_reference(model, docs, weights)
+    steps_before = distca_hf.plan_stats()["step"] if distca_hf.runtime.context.current_forward() else 0
+    logits = [model(input_ids=ids[None], attention_mask=mask, position_ids=positions, use_cache=False).logits[0, rows]
+              for ids, mask, rows in zip((first, second), masks, kept)]
+    sum((lg * w).sum() for lg, w in zip(logits, weights)).backward()
+    grads = param_grads(model)
+    return {"logit_err": max(float((lg.detach() - ref).abs().max()) for lg, ref in zip(logits, ref_logits)),
+            "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                               for n in ref_grads),
+            "forwards_planned": distca_hf.plan_stats()["step"] - steps_before,
+            "dispatched": distca_hf.plan_stats()["dispatched"]}
+
+
+@pytest.mark.distributed
+def test_checkpointed_forwards_sharing_position_ids_with_padding_on_one_rank_only(tmp_path):
+    """The recomputation of the first forward's layers runs after the second forward, and on rank 1
+    (no mask) nothing in the call tells the two forwards apart: the model forward's own contexts,
+    carried in the layers' keyword arguments, do, on every rank alike. Before, rank 0 opened a forward
+    again there while rank 1 reused the second's, and both stopped with DistCATimeoutError."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_shared_positions_worker, 2, tmp_path, env={"DISTCA_TOLERANCE": "0.02"}, deadline_s=120)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback', result['error'])}"
+        value = result["value"]
+        assert value["logit_err"] < 1e-4 and value["grad_excess"] <= 1e-5, (rank, value)
+        assert value["forwards_planned"] == 2, (rank, value)  # the recomputations planned nothing again
+    assert any(r["value"]["dispatched"] for r in results)

@@ -262,17 +262,17 @@ def test_a_family_whose_layers_pass_on_no_documents_is_refused(monkeypatch):
 
 
 def test_model_position_ids_that_do_not_fit_the_call():
-    from distca_hf.hf.model_inputs import MODEL_DOCUMENTS, document_arguments
+    from distca_hf.hf.model_inputs import MODEL_DOCUMENTS, ModelForward, document_arguments
 
     attention = torch.nn.Linear(1, 1)
     query = torch.zeros(1, 4, 10, 8)  # a call that sees 10 of the model's 16 positions
     packed = torch.cat([torch.arange(4), torch.arange(12)])[None]
     with pytest.raises(UnsupportedAttentionError, match=r"packed position_ids given to the model \(shape \(1, 16\)\)"):
-        document_arguments(attention, query, {MODEL_DOCUMENTS: (packed, None, None)})
+        document_arguments(attention, query, {MODEL_DOCUMENTS: ModelForward(packed)})
     plain = torch.arange(16)[None]
-    assert document_arguments(attention, query, {MODEL_DOCUMENTS: (plain, None, None)}) == (None, None, None)
+    assert document_arguments(attention, query, {MODEL_DOCUMENTS: ModelForward(plain)}) == (None, None, None)
     mrope = torch.cat([torch.arange(4), torch.arange(6)]).expand(3, 1, 10)  # multimodal rotary positions
-    assert document_arguments(attention, query, {MODEL_DOCUMENTS: (mrope, None, None)}) == (None, None, None)
+    assert document_arguments(attention, query, {MODEL_DOCUMENTS: ModelForward(mrope)}) == (None, None, None)
 
 
 def _llama4(**overrides):

@@ -25,7 +25,7 @@ from ..errors import UnsupportedAttentionError
 from ..kernels import AttentionVariant, varlen_causal_attention
 from ..runtime import context_for_call, dispatched_attention
 from ..state import warn_once
-from .model_inputs import document_arguments
+from .model_inputs import MODEL_DOCUMENTS, document_arguments
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward",
            "widest_window", "refuse_unsupported", "to_compute_dtype"]
@@ -216,8 +216,10 @@ def distca_attention_forward(
     position_ids, cu_seq_lens_q, cu_seq_lens_k = document_arguments(module, query, kwargs)
     query = _per_document_temperature(module, query, kv_len, lambda: _document_positions(
         batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q))
+    model_forward = kwargs.get(MODEL_DOCUMENTS)
     context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
-                               kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim)
+                               kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim,
+                               model_contexts=model_forward.contexts if model_forward is not None else None)
     variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"), chunk)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)

@@ -12,13 +12,16 @@ the documents). ``cu_seq_lens`` travel in ``**kwargs`` and reach the attention i
 that passes its kwargs on.
 
 ``watch_model_inputs(model)`` (run by ``register()`` for every model that chooses ``"distca"``)
-adds, before each forward of the model, one more keyword argument, ``MODEL_DOCUMENTS``: the
-``(position_ids, cu_seq_lens_q, cu_seq_lens_k)`` the model was called with. It travels the way
-``cu_seq_lens`` do (model -> decoder layers -> attention module -> attention function, through
-their ``**kwargs``), so it also reaches the recomputation of gradient checkpointing, which calls a
-layer's ``forward`` again with the keyword arguments it got. ``document_arguments`` gives an
-attention call that got none of its own these. A model forward that takes no ``**kwargs`` gets
-nothing added.
+adds, before each forward of the model, one more keyword argument, ``MODEL_DOCUMENTS``: a
+``ModelForward`` holding the ``position_ids``, ``cu_seq_lens_q``, ``cu_seq_lens_k`` the model was
+called with. It travels the way ``cu_seq_lens`` do (model -> decoder layers -> attention module ->
+attention function, through their ``**kwargs``), so it also reaches the recomputation of gradient
+checkpointing, which calls a layer's ``forward`` again with the keyword arguments it got.
+``document_arguments`` gives an attention call that got none of its own these. The same object
+also records the forward contexts its attention calls ran in (``ModelForward.contexts``): a
+checkpointed layer recomputed in the backward brings it back and runs in its own forward's context,
+whatever forwards ran since (``runtime.forward.context_for_call``). A model forward that takes no
+``**kwargs`` gets nothing added.
 
 The guard: a model forward given packed documents (``position_ids`` that fall back, or
 ``cu_seq_lens``) during which some distca attention call got no document argument at all (a family
@@ -42,13 +45,31 @@ from ..errors import UnsupportedAttentionError
 from ..state import STATE
 
 __all__ = ["CU_SEQ_LENS_STATEFUL_MODEL_TYPES", "DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "STATEFUL_LAYER_TYPES",
-           "document_arguments", "watch_model_inputs"]
+           "ModelForward", "document_arguments", "watch_model_inputs"]
 
 DOCUMENT_ARGUMENTS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
 """The attention-call arguments that describe documents (after ``cu_seq_lens``, ``position_ids``)."""
 
 MODEL_DOCUMENTS = "distca_model_documents"
-"""The keyword argument that carries a model forward's document arguments down to its attention."""
+"""The keyword argument that carries a model forward's ``ModelForward`` down to its attention."""
+
+
+class ModelForward:
+    """One forward of a model, as its attention calls see it (the value of ``MODEL_DOCUMENTS``).
+
+    Attributes:
+        position_ids, cu_seq_lens_q, cu_seq_lens_k: the document arguments the model was called with
+            (``None`` when not given).
+        contexts: the ``runtime.context.ForwardContext`` of each forward its attention calls ran in
+            (usually one), filled by ``runtime.forward.context_for_call``; kept alive as long as a
+            checkpointed layer's saved keyword arguments hold this object.
+    """
+
+    __slots__ = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "contexts")
+
+    def __init__(self, position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None):
+        self.position_ids, self.cu_seq_lens_q, self.cu_seq_lens_k = position_ids, cu_seq_lens_q, cu_seq_lens_k
+        self.contexts = []
 
 
 STATEFUL_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
@@ -139,9 +160,9 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         if packed:
             _refuse_stateful_layers_across_documents(module, found)
         open_calls.append((STATE.calls_without_documents, packed))
-        if not takes_kwargs or all(t is None for t in found.values()):
+        if not takes_kwargs:
             return None
-        return args, {**kwargs, MODEL_DOCUMENTS: tuple(found[name] for name in DOCUMENT_ARGUMENTS)}
+        return args, {**kwargs, MODEL_DOCUMENTS: ModelForward(*(found[name] for name in DOCUMENT_ARGUMENTS))}
 
     def after(module, args, kwargs, output=None):
         opened = open_calls.pop() if open_calls else None
@@ -171,10 +192,10 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     given = kwargs.get(MODEL_DOCUMENTS)
     if any(t is not None for t in own):
         return own
-    if given is None:
+    if given is None or all(t is None for t in (given.position_ids, given.cu_seq_lens_q, given.cu_seq_lens_k)):
         STATE.calls_without_documents += 1
         return own
-    positions, cu_seq_lens_q, cu_seq_lens_k = given
+    positions, cu_seq_lens_q, cu_seq_lens_k = given.position_ids, given.cu_seq_lens_q, given.cu_seq_lens_k
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         return None, cu_seq_lens_q, cu_seq_lens_k
     batch_size, query_len = query.shape[0], query.shape[2]

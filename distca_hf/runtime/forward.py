@@ -7,14 +7,19 @@ begins; this also holds for hybrid models and pipeline stages whose first attent
 0). Other calls reuse the current context when they see the same ``position_ids`` /
 ``cu_seq_lens`` tensors and one of its attention masks (HF passes one set of positions to every
 layer). The mask counts even beside positions: two forwards may share one ``position_ids`` tensor
-and differ only in padding, and a checkpointed layer recomputed in the backward must find its own
-forward's documents, not the last forward's. HF makes one mask per layer type (a new tensor each),
-so during a forward a mask of equal content joins the context (``_same_documents``); in a backward
-only a mask the context already holds does. HF passes no mask (``None``) for rows without padding,
-and ``None`` matches ``None``: two forwards that share one ``position_ids`` tensor, then one
-backward recomputing checkpointed layers, with padding on some ranks only, still make the ranks
-without padding reuse the later forward while the others open one, and every rank stops with
-``DistCATimeoutError`` (not a wrong answer). Give each forward its own ``position_ids`` tensor.
+and differ only in padding. HF makes one mask per layer type (a new tensor each), so during a
+forward a mask of equal content joins the context (``_same_documents``).
+
+A checkpointed layer recomputed in the backward must run in its own forward's context, not the last
+forward's. The model's forward hook (``hf.model_inputs``) gives every attention call of one model
+forward the same list, ``model_contexts``, which travels in the layers' keyword arguments, so the
+recomputation brings it back: it takes the context recorded there, on every rank alike, with no
+collective and whatever ran since. A call without that list (a model forward that takes no
+``**kwargs``, a layer called directly) falls back on the rule above, where in a backward only a mask
+the context already holds matches; HF passes no mask (``None``) for rows without padding, and
+``None`` matches ``None``, so there two forwards sharing one ``position_ids`` tensor, then one
+backward recomputing checkpointed layers, with padding on some ranks only, stop every rank with
+``DistCATimeoutError`` (not a wrong answer): give each forward its own ``position_ids`` tensor.
 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
 collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
@@ -111,13 +116,16 @@ def _starts_forward(module) -> bool:
 
 
 def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
-                     cu_seq_lens_k, *, kv_window: int | None = None,
-                     value_head_dim: int | None = None) -> ForwardContext:
+                     cu_seq_lens_k, *, kv_window: int | None = None, value_head_dim: int | None = None,
+                     model_contexts: list | None = None) -> ForwardContext:
     """The context of the forward this attention call belongs to (made now if the call opens one).
     query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``;
     ``kv_window``: the widest sliding window of the model's layers (``None`` when a layer attends to
     whole prefixes), which a dispatch's CA-tasks cut their K/V to; ``value_head_dim``: the values'
-    head dim when it is not ``head_dim`` (DeepSeek's MLA), for the bytes a plan moves."""
+    head dim when it is not ``head_dim`` (DeepSeek's MLA), for the bytes a plan moves;
+    ``model_contexts``: the contexts of the model forward this call is part of
+    (``hf.model_inputs.ModelForward.contexts``, the same list when a checkpointed layer is
+    recomputed): filled in a forward, and in a backward the recomputation runs in the one it holds."""
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     pinned = pinned_context()
@@ -126,15 +134,26 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     identifying = (position_ids, cu_seq_lens_q, cu_seq_lens_k)
     call_key = ((batch_size, query_len, kv_len, num_heads, num_kv_heads, head_dim, query.dtype, query.device),
                 _identity(identifying))
+    if model_contexts is not None and in_backward():
+        for context in model_contexts:  # recomputed: its own forward's context, whatever ran since
+            if context.key == call_key and all(a is b for a, b in zip(context.inputs, identifying)):
+                return context
     new_forward = _starts_forward(module)
     current = current_forward()
     if not new_forward and _same_documents(current, call_key, identifying, attention_mask):
-        return current
+        return _joined(current, model_contexts)
 
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     context = _open_forward(module, query, key, call, call_key, identifying, kv_window, value_head_dim or head_dim)
     context.masks.append(_mask_entry(attention_mask))
-    return begin_forward(context)
+    return _joined(begin_forward(context), model_contexts)
+
+
+def _joined(context: ForwardContext, model_contexts: list | None) -> ForwardContext:
+    """``context``, recorded among its model forward's (outside a backward: a recomputation reuses)."""
+    if model_contexts is not None and not in_backward() and not any(c is context for c in model_contexts):
+        model_contexts.append(context)
+    return context
 
 
 def _mask_entry(mask) -> tuple:
