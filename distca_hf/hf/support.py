@@ -80,6 +80,10 @@ FEATURES = (
     Feature("families whose layers drop `position_ids` (Llama 4)", "exact: the model's forward hands its "
             "`position_ids` / `cu_seq_lens` to every attention call as one more keyword argument "
             "(`distca_model_documents`), which gradient checkpointing's recomputation gets too"),
+    Feature("gradient checkpointing after several forwards", "exact: the model forward's keyword argument "
+            "(`distca_model_documents`) also carries the contexts its attention calls ran in, so a recomputed "
+            "layer runs in its own forward's plan (no collective, no new plan), even when later forwards shared its "
+            "`position_ids` and only some ranks pad"),
     Feature("grouped-query attention", "native: K/V keep `num_key_value_heads` heads, never repeated in memory"),
     Feature("fp32, bf16, fp16", "all. On CUDA without any extra install: fp16/bf16 run PyTorch's own flash varlen kernel "
             "(`torch_cuda`, compute capability 8.0+), fp32 PyTorch's memory-efficient varlen kernel "
