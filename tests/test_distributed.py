@@ -142,7 +142,7 @@ def _computed_while_exchanging(trace_path) -> int:
     return count
 
 
-def test_bench_rejects_bad_arguments(capsys):
+def test_bench_rejects_bad_arguments(capsys, tmp_path):
     from distca_hf.tools.cli import main
 
     with pytest.raises(SystemExit):
@@ -164,7 +164,21 @@ def test_bench_rejects_bad_arguments(capsys):
                                  ("kernel-bench", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
                                  ("kernel-bench", ["--out", "/no/such/folder/x.json"], "--out: the folder of"),
                                  ("profile", ["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
-                                 ("profile", ["--device", "tpu"], "--device must be")):
+                                 ("profile", ["--device", "tpu"], "--device must be"),
+                                 # a segfault, a CUDA candidate dropped, outputs failing after the run, 0 read as
+                                 # the default, a huge world spawned: before
+                                 ("kernel-bench", ["--device", "cpu", "--threads", "100000"],
+                                  "--threads must be at most this machine's"),
+                                 ("kernel-bench", ["--device", "cpu", "--candidate", "flash_attn"],
+                                  "--candidate flash_attn is not a cpu candidate"),
+                                 ("kernel-bench", ["--out", str(tmp_path)], "is a folder; name a file in it"),
+                                 ("profile", ["--max-tokens", "0"], "--max-tokens must be >= 64, got 0"),
+                                 ("profile", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+                                 ("profile", ["--world", "100000"], "processes per CPU core"),
+                                 ("profile", ["--out", str(tmp_path)], "is a folder; name a file in it"),
+                                 ("bench", ["--vocab", "0"], "--vocab must be >= 1, got 0"),
+                                 ("bench", ["--tokens", str(10**12)], "--world x --tokens = 2000000000000 tokens"),
+                                 ("bench", ["--trace", "/no/such/folder/t.json"], "--trace: the folder of")):
         with pytest.raises(SystemExit):
             main([command, *flags])
         assert says in capsys.readouterr().err, (command, flags)

@@ -137,11 +137,16 @@ def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match
 
 
 def test_simulate_bad_arguments(lengths_file, tmp_path):
+    (tmp_path / "empty.json").write_text("{}")  # a TypeError from TimeModel's constructor before
     for flags, match in ((["--seed", "-1"], "--seed must be >= 0"), (["--layers", "0"], "--layers must be >= 1"),
                          (["--layers", "8"], "--layers is read by the pipeline model only"),
+                         (["--plot", str(tmp_path)], "is a folder; name a file in it"),  # written as .png before
+                         (["--plot", str(tmp_path / "x.txt")], "must end with one of .png, .pdf, .svg"),
+                         (["--tokens-per-rank", str(10**12)], "--ranks x --tokens-per-rank = 2000000000000"),
                          (["--hidden", "100"], "--hidden (100) must be a multiple of --heads (32)"),
                          (["--time-model", str(tmp_path / "none.json")], "--time-model: "),
-                         (["--time-model", str(lengths_file)], "a time model is a JSON object")):
+                         (["--time-model", str(lengths_file)], "a time model is a JSON object"),
+                         (["--time-model", str(tmp_path / "empty.json")], "the time model lacks the keys")):
         result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", *flags)
         assert result.returncode == 2 and match in result.stderr, result.stderr
     result = _cli("simulate", "--lengths", str(tmp_path), "--ranks", "2", "--tokens-per-rank", "64")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +311,10 @@ class TimeModel:
         unknown = set(data) - known - {"shape"}
         if unknown:
             raise ValueError(f"{path}: unknown time-model keys {sorted(unknown)}; expected {sorted(known)}")
+        required = sorted(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"{path}: the time model lacks the keys {missing} (`distca-hf profile` writes them all)")
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
         except ValueError as e:

@@ -15,4 +15,5 @@
     profiling         ``distca-hf profile``: the time model's constants on this device
     kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side
     docs_reference    the generated pages of docs/ (the settings and command-line references): ``make docs``
+    output_paths      the files the commands write (``--out``, ``--plot``, ``--trace``), checked before they run
 """

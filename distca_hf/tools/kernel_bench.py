@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..kernels import available_backends, torch_cpu, varlen_causal_attention
 from ..planning import attention_flops, causal_pairs
+from .output_paths import output_path_problem
 
 WORKLOADS = {
     # whole documents of a skewed mix, as a rank holds them before planning (8k tokens)
@@ -301,8 +302,11 @@ def main(argv=None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        parser.error(f"--out: the folder of {args.out} does not exist")
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        parser.error(f"--threads must be at most this machine's {os.cpu_count()} CPU cores, got {args.threads}")
+    problem = output_path_problem("--out", args.out) if args.out is not None else None
+    if problem:
+        parser.error(problem)
     heads = args.heads if args.heads is not None else (32 if cuda else 8)
     kv_heads = args.kv_heads if args.kv_heads is not None else (8 if cuda else 2)
     head_dim = args.head_dim if args.head_dim is not None else (128 if cuda else 64)
@@ -318,8 +322,8 @@ def main(argv=None) -> int:
     if cuda:
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device")
-        if args.flex:
-            parser.error("--flex is a cpu option")
+        if args.flex or args.threads is not None:
+            parser.error(f"{'--flex' if args.flex else '--threads'} is a cpu option")
         try:
             results = run_cuda(heads, kv_heads, head_dim, dtype, args.repeats, args.workload, args.candidate, args.window)
         except ValueError as e:
@@ -334,8 +338,11 @@ def main(argv=None) -> int:
         return 0
     if args.window is not None:
         parser.error("--window is a cuda option")
+    foreign = [c for c in args.candidate or () if c not in CANDIDATES]
+    if foreign:
+        parser.error(f"--candidate {foreign[0]} is not a cpu candidate; choose from {list(CANDIDATES)} (or --device cuda)")
     results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
-                  [c for c in args.candidate or CANDIDATES if c in CANDIDATES])
+                  list(args.candidate or CANDIDATES))
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     _write(args.out, {"device": "cpu", "torch": torch.__version__, "results": results})
     return 0

@@ -46,6 +46,7 @@ from ..runtime.comm import free_port
 from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
+from .output_paths import output_path_problem
 
 __all__ = ["profile", "build_parser", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans",
            "communication_plans", "CommFit", "fit_comm_terms", "comm_backend", "world_warning", "CommMeasurement",
@@ -463,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_WORLD_PER_CPU = 8
+"""``--world`` beyond this many processes per CPU core is refused (each process holds a model and a
+torch runtime; the machine would stall before measuring anything)."""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -483,9 +489,18 @@ def main(argv=None) -> int:
         parser.error(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch sees no CUDA device")
-    args.max_tokens = args.max_tokens or (16384 if device.startswith("cuda") else 2048)
-    if args.max_tokens < 64 or args.repeats < 1:
-        parser.error("--max-tokens must be >= 64 and --repeats >= 1")
+    if args.max_tokens is None:
+        args.max_tokens = 16384 if device.startswith("cuda") else 2048
+    if args.max_tokens < 64:
+        parser.error(f"--max-tokens must be >= 64, got {args.max_tokens}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.world is not None and args.world > MAX_WORLD_PER_CPU * (os.cpu_count() or 1):
+        parser.error(f"--world {args.world} is more than {MAX_WORLD_PER_CPU} processes per CPU core of this machine "
+                     f"({os.cpu_count()}); profile with at most {MAX_WORLD_PER_CPU * (os.cpu_count() or 1)}")
+    problem = output_path_problem("--out", args.out)
+    if problem:
+        parser.error(problem)
     if args.world is not None:
         warning = world_warning(args.world, torch.device(device).type, os.cpu_count() or 1)
         if warning:

@@ -75,6 +75,7 @@ from ..planning.transfers import long_document_servers
 from ..planning.cost import H100_MEASURED, MAX_POSITION, check_document_lengths, default_time_model
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
+from .output_paths import output_path_problem
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
@@ -104,6 +105,9 @@ def cut_to(docs: np.ndarray, total_tokens: int) -> np.ndarray:
     kept[-1] -= int(ends[count - 1]) - total_tokens
     return kept
 
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""The ``--plot`` files matplotlib writes here (a path without one would be written as ``.png``)."""
 
 DEFAULT_LAYERS = 32
 """Decoder layers the pipeline model splits into stages when none are given (Llama-3-8B)."""
@@ -564,6 +568,13 @@ def run_cli(args, parser) -> int:
     if args.wlb_threshold is not None and not 1 <= args.wlb_threshold <= args.tokens_per_rank:
         parser.error(f"--wlb-threshold must be between 1 and --tokens-per-rank ({args.tokens_per_rank}), "
                      f"got {args.wlb_threshold}")
+    if args.ranks * args.tokens_per_rank > MAX_POSITION:
+        parser.error(f"--ranks x --tokens-per-rank = {args.ranks * args.tokens_per_rank} tokens per batch; at most "
+                     f"{MAX_POSITION} (positions past it overflow the pair counts)")
+    if args.plot is not None:
+        problem = output_path_problem("--plot", args.plot, suffixes=PLOT_SUFFIXES)
+        if problem:
+            parser.error(problem)
     pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
     if args.layers is not None and not pipelined:
         parser.error("--layers is read by the pipeline model only (the layer model times one layer); give "

@@ -11,10 +11,11 @@ import argparse
 import json
 import os
 
+from ..output_paths import output_path_problem
 from . import demo_data, processes
 from .demo_data import DEMO_MODEL, DEMO_ROUNDS, demo_packing_config
 from .model import MODEL_DEFAULTS
-from .pipeline_cli import run_pipeline_cli
+from .pipeline_cli import check_sizes, run_pipeline_cli
 from .summaries import summarize, summarize_demo, summarize_long
 from .tables import format_long_table, format_table
 from .worker import run_rank
@@ -184,10 +185,11 @@ def run_cli(args, parser) -> int:
     check_workload_names(args, parser)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
-                 "kv_heads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_sizes(args, parser)
+    if args.trace is not None:
+        problem = output_path_problem("--trace", args.trace)
+        if problem:
+            parser.error(problem)
     if args.world < 2 and "WORLD_SIZE" not in os.environ:
         parser.error("--world must be >= 2: the benchmark compares ranks")
     if args.hidden % args.heads or args.heads % args.kv_heads:

@@ -7,12 +7,25 @@ from __future__ import annotations
 import json
 import os
 
+from ...planning.cost import MAX_POSITION
 from . import processes
 from .model import MODEL_DEFAULTS
 from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
 from .pipeline_reports import format_pipeline_table, summarize_pipeline
 from .pipeline_worker import run_pipeline_rank
 from .workloads import check_workload_names
+
+
+def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
+    """The benchmark's sizes (and ``extra`` flags) are integers >= 1, and ``--world x --tokens``
+    positions fit the pair counts; ``parser.error`` names the flag."""
+    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
+                 "kv_heads", "vocab", *extra):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.world * args.tokens > MAX_POSITION:
+        parser.error(f"--world x --tokens = {args.world * args.tokens} tokens; at most {MAX_POSITION} (positions past "
+                     "it overflow the pair counts)")
 
 
 def check_pipeline_arguments(args, parser) -> None:
@@ -27,10 +40,7 @@ def check_pipeline_arguments(args, parser) -> None:
         args.short_docs = max(1, args.tokens // 256)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
         args.world = int(os.environ["WORLD_SIZE"])
-    for name in ("world", "tokens", "short_docs", "layers", "steps", "threads", "hidden", "intermediate", "heads",
-                 "kv_heads", "micro_batches"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_sizes(args, parser, extra=("micro_batches",))
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     if args.world % p:
