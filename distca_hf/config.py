@@ -127,9 +127,14 @@ def _kv_relays_problem(value):
                 f"trees of that fanout), got {value!r}")
 
 
+MAX_BLOCK = 2**31 - 1
+"""The largest ``block``: token offsets are int32 in the kernels' ``cu_seqlens``."""
+
+
 def _block_problem(value):
-    if value is not None and not (is_integer(value) and value >= 1):
-        return f"must be an integer >= 1 (tokens per shard block) or None (by device), got {value!r}"
+    if value is not None and not (is_integer(value) and 1 <= value <= MAX_BLOCK):
+        return (f"must be an integer from 1 to {MAX_BLOCK} (tokens per shard block) or None (by device), "
+                f"got {value!r}")
 
 
 DEVICE_BLOCKS = {"cuda": 128}

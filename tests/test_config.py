@@ -51,6 +51,8 @@ def test_every_setting_is_declared_once_and_everything_else_follows():
         assert setting_problem(name, VALID[name]) is None
         assert setting_problem(name, INVALID[name]).startswith("must be")
     assert setting_problem("tolerence", 0.1).startswith("is not a distca setting")
+    # past int32 token offsets: an OverflowError deep in numpy's rounding before
+    assert setting_problem("block", 10**30).startswith("must be an integer from 1 to 2147483647")
 
 
 @pytest.mark.parametrize("name", [n for n, f in SETTINGS.items() if f.metadata["env"]])

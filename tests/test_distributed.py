@@ -178,7 +178,9 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("profile", ["--out", str(tmp_path)], "is a folder; name a file in it"),
                                  ("bench", ["--vocab", "0"], "--vocab must be >= 1, got 0"),
                                  ("bench", ["--tokens", str(10**12)], "--world x --tokens = 2000000000000 tokens"),
-                                 ("bench", ["--trace", "/no/such/folder/t.json"], "--trace: the folder of")):
+                                 ("bench", ["--trace", "/no/such/folder/t.json"], "--trace: the folder of"),
+                                 ("bench", ["--long-tokens", "5"], "--long-tokens is for --workload long"),
+                                 ("bench", ["--no-ulysses"], "--no-ulysses is for --workload long")):
         with pytest.raises(SystemExit):
             main([command, *flags])
         assert says in capsys.readouterr().err, (command, flags)

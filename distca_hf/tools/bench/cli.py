@@ -114,6 +114,9 @@ def _check_long(args, parser) -> None:
     """``--workload long``: the long document's length, one distca setting, whether Ulysses runs."""
     args.ulysses_skipped = "--no-ulysses" if args.no_ulysses else None
     if args.workload != "long":
+        for flag, given in (("--long-tokens", args.long_tokens is not None), ("--no-ulysses", args.no_ulysses)):
+            if given:
+                parser.error(f"{flag} is for --workload long (got --workload {args.workload})")
         return
     if args.long_tokens is None:
         args.long_tokens = default_long_tokens(args.world, args.tokens)
