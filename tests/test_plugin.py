@@ -44,7 +44,7 @@ def clean_environment(monkeypatch):
     ("backward", "later", r"DistCAPlugin.backward must be one of"),
     ("tolerance", -0.1, r"DistCAPlugin.tolerance must be a finite number >= 0"),
     ("tolerance", float("nan"), r"DistCAPlugin.tolerance"),
-    ("block", 0, r"DistCAPlugin.block must be an integer >= 1"),
+    ("block", 0, r"DistCAPlugin.block must be an integer from 1 to 2147483647"),
     ("timeout_s", 0, r"DistCAPlugin.timeout_s must be a positive number"),
     ("mode", "remote", r"DistCAPlugin.mode must be one of \['distca', 'colocated'\]"),
     ("servers", [], r"DistCAPlugin.servers must be a non-empty list"),
