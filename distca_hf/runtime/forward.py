@@ -136,7 +136,7 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
                 _identity(identifying))
     if model_contexts is not None and in_backward():
         for context in model_contexts:  # recomputed: its own forward's context, whatever ran since
-            if context.key == call_key and all(a is b for a, b in zip(context.inputs, identifying)):
+            if _same_inputs(context, call_key, identifying):
                 return context
     new_forward = _starts_forward(module)
     current = current_forward()
@@ -161,6 +161,11 @@ def _mask_entry(mask) -> tuple:
     return mask, _identity((mask,))[0]
 
 
+def _same_inputs(context: ForwardContext, call_key, identifying: tuple) -> bool:
+    """Whether a call has ``context``'s shapes and its very ``position_ids`` / ``cu_seq_lens`` tensors, unchanged."""
+    return context.key == call_key and all(a is b for a, b in zip(context.inputs, identifying))
+
+
 def _same_documents(current: ForwardContext | None, call_key, identifying: tuple, mask) -> bool:
     """Whether a call that does not start a forward belongs to ``current``: same shapes, the same
     ``position_ids`` / ``cu_seq_lens`` tensors, unchanged, and a mask the context holds. During a
@@ -168,7 +173,7 @@ def _same_documents(current: ForwardContext | None, call_key, identifying: tuple
     documents). In a backward it is not: the recomputation of an earlier forward that shares the
     positions would otherwise run on this forward's documents when the masks happen to agree on this
     rank only (``None`` masks aside: module docstring)."""
-    if current is None or current.key != call_key or not all(a is b for a, b in zip(current.inputs, identifying)):
+    if current is None or not _same_inputs(current, call_key, identifying):
         return False
     entry = _mask_entry(mask)
     if any(m is mask and version == entry[1] for m, version in current.masks):
