@@ -120,11 +120,16 @@ def kv_cap_pairing_problem(kv_cap, tolerance) -> str | None:
     return None
 
 
+MAX_RELAY_FANOUT = 2**20
+"""The largest relay fanout (``kv_relays``, ``planning.relay_trees``): one past any server count, where a
+tree is a holder sending to every server directly."""
+
+
 def _kv_relays_problem(value):
-    if value not in ("auto", "off") and not (is_integer(value) and value >= 1):
+    if value not in ("auto", "off") and not (is_integer(value) and 1 <= value <= MAX_RELAY_FANOUT):
         return (f"must be 'auto' (relay trees placed by time where they make the step faster), 'off' (every holder "
-                f"sends to every server) or an integer fanout >= 1 (every K/V range several servers need goes along "
-                f"trees of that fanout), got {value!r}")
+                f"sends to every server) or an integer fanout from 1 to {MAX_RELAY_FANOUT} (every K/V range several "
+                f"servers need goes along trees of that fanout), got {value!r}")
 
 
 MAX_BLOCK = 2**31 - 1

@@ -53,6 +53,8 @@ def test_every_setting_is_declared_once_and_everything_else_follows():
     assert setting_problem("tolerence", 0.1).startswith("is not a distca setting")
     # past int32 token offsets: an OverflowError deep in numpy's rounding before
     assert setting_problem("block", 10**30).startswith("must be an integer from 1 to 2147483647")
+    assert setting_problem("kv_relays", 10**30).startswith("must be 'auto'")  # int64 overflow in the trees before
+    assert setting_problem("kv_relays", 2**20) is None
 
 
 @pytest.mark.parametrize("name", [n for n, f in SETTINGS.items() if f.metadata["env"]])

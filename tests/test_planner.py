@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from distca_hf.planning import (AUTO_TOLERANCES, DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, causal_pairs,
                                 check_tiles, colocated_plan, comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks, rank_seconds,
                                 step_seconds)
-from distca_hf.planning.by_time import CARVING_ORDER
 from distca_hf.planning.planner import tolerance_plans
 from distca_hf.planning.transfers import RunningBytes, rank_bytes
 from distca_hf.runtime.context import BatchPlan, plan_stats_of
@@ -196,6 +195,27 @@ def test_edge_cases():
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         PlannerConfig(**bad)
+
+
+@pytest.mark.parametrize("make, match", [
+    # seconds that overflowed to inf (Infinity in simulate's JSON) or int64 products that raised deep in numpy
+    (lambda: TimeModel(2e-6, 1e-10, 1e-6, bytes_per_s=1e-300), "TimeModel.bytes_per_s must be a finite number >= 1"),
+    (lambda: TimeModel(2e-6, 1e-10, 1e-6, bytes_per_s=float("inf")), "TimeModel.bytes_per_s"),
+    (lambda: TimeModel(2e-6, 1e300, 1e-6), "TimeModel.attn_s_per_pair must be between 0 and 1e\\+06 seconds"),
+    (lambda: TimeModel(-1.0, 1e-10, 1e-6), "TimeModel.linear_s_per_token must be between 0 and 1e"),
+    (lambda: TimeModel(2e-6, 1e-10, True), "TimeModel.task_s must be between 0 and 1e\\+06"),
+    (lambda: TokenBytes(q=2**62, kv=8, o=8), "TokenBytes.q must be an integer from 0 to 16777216"),
+    (lambda: TokenBytes(q=8, kv=2.5, o=8), "TokenBytes.kv must be an integer"),
+    (lambda: TokenBytes.for_model(hidden=2**62, heads=32, kv_heads=8), "hidden must be an integer from 1 to 1048576"),
+    (lambda: TokenBytes.for_model(hidden=4096, heads=0, kv_heads=8), "heads must be an integer from 1"),
+    (lambda: TokenBytes.for_model(hidden=4096, heads=32, kv_heads=5), r"heads \(32\) must be a positive multiple"),
+    (lambda: TokenBytes.for_model(hidden=2**20, heads=2**20, kv_heads=2**20, head_dim=2**20), "TokenBytes.q must be"),
+])
+def test_cost_models_refuse_what_overflows(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+    assert TokenBytes.for_model(4096, 32, 8) == TokenBytes(q=8192, kv=4096, o=8192, lse=128)
+    assert TimeModel(2e-6, 1e-10, 1e-6, bytes_per_s=1.0).bytes_per_s == 1.0
 
 
 def test_planner_config_takes_numpy_numbers_as_python_ones_and_refuses_bools():

@@ -87,13 +87,18 @@ def test_pipeline_stages_with_tensor_parallelism_are_refused_naming_the_source()
 def test_pipeline_settings_are_checked_where_the_plugin_is_made():
     """Too few micro-batches for 1f1b are refused by the plugin (not at the first step), naming the
     setting and both numbers; pipeline settings without stages warn that they do nothing."""
+    from accelerate import ParallelismConfig
     with pytest.raises(ValueError, match=r"DistCAPlugin\(pipeline_parallel_size=4\): pipeline_schedule='1f1b' needs "
                                          r"at least 4 micro-batches .* got pipeline_micro_batches=3"):
         DistCAPlugin(pipeline_parallel_size=4, pipeline_micro_batches=3)
     for schedule in ("gpipe", "cad_1f1b"):  # they run any number
         DistCAPlugin(pipeline_parallel_size=4, pipeline_micro_batches=3, pipeline_schedule=schedule)
     with pytest.warns(UserWarning, match="pipeline_schedule set but pipeline_parallel_size is 1"):
-        DistCAPlugin(pipeline_schedule="cad_1f1b")
+        plugin = DistCAPlugin(pipeline_schedule="cad_1f1b")
+    with warnings.catch_warnings():  # once, where it was made: not again when the Accelerator's config joins
+        warnings.simplefilter("error")
+        joined = plugin.with_parallelism(ParallelismConfig(dp_shard_size=1))
+    assert joined.parallelism_config is not None and joined.pipeline_schedule == "cad_1f1b"
     with pytest.warns(UserWarning, match="pipeline_micro_batches set but pipeline_parallel_size is 1"):
         DistCAPlugin(file_settings={"pipeline_micro_batches": 8})
     with warnings.catch_warnings():

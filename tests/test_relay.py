@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distca_hf.config import MAX_RELAY_FANOUT
 from distca_hf.planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, kv_transfers, plan_tasks,
                                 rank_seconds)
 from distca_hf.planning.baselines import pack_pieces
@@ -120,8 +121,9 @@ def test_relay_tree_by_hand():
     assert relayed.rounds == 3
     chain = relay_kv_sends(direct, fanout=2, holder_fanout=1)
     assert chain.rounds == 3 and chain.source.tolist().count(0) == 1
-    with pytest.raises(ValueError, match="fanout must be an integer >= 1 or math.inf"):
-        relay_kv_sends(direct, fanout=0)
+    for bad in (0, MAX_RELAY_FANOUT + 1):  # (past the bound: int64 overflow in the trees before)
+        with pytest.raises(ValueError, match=f"fanout must be an integer from 1 to {MAX_RELAY_FANOUT} or math.inf"):
+            relay_kv_sends(direct, fanout=bad)
     with pytest.raises(ValueError, match="holder_fanout must be"):
         relay_kv_sends(direct, fanout=2, holder_fanout=1.5)
 

@@ -160,8 +160,18 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
     assert result.returncode == 2 and "multiple of kv_heads" in result.stderr
     for flag, value, match in (("--hidden-comm-fraction", "1.5", "--hidden-comm-fraction must be between 0 and 1"),
                                ("--wlb-threshold", "65", "--wlb-threshold must be between 1 and --tokens-per-rank"),
-                               ("--bytes-per-s", "0", "--bytes-per-s must be a positive number")):
-        result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", flag, value)
+                               ("--bytes-per-s", "0", "--bytes-per-s must be a finite number >= 1 bytes per second"),
+                               # an overflow to inf seconds (Infinity in the JSON) before
+                               ("--bytes-per-s", "1e-300", "--bytes-per-s must be a finite number >= 1"),
+                               # an OverflowError from numpy before
+                               ("--hidden", str(2**62), "--hidden must be an integer from 1 to 1048576"),
+                               ("--kv-heads", "0", "--kv-heads must be an integer from 1 to 1048576"),
+                               # ignored before: a number plans that carving
+                               ("--auto-planner", "tolerances", "--auto-planner tolerances needs --tolerance auto "
+                                                                "(got 0.1)")):
+        tolerance = ["--tolerance", "0.1"] if flag == "--auto-planner" else []
+        result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", flag, value,
+                      *tolerance)
         assert result.returncode == 2 and match in result.stderr, result.stderr
 
 

@@ -71,6 +71,11 @@ class ModelForward:
         self.position_ids, self.cu_seq_lens_q, self.cu_seq_lens_k = position_ids, cu_seq_lens_q, cu_seq_lens_k
         self.contexts = []
 
+    @property
+    def documents(self) -> tuple:
+        """``(position_ids, cu_seq_lens_q, cu_seq_lens_k)``, in ``DOCUMENT_ARGUMENTS``' order."""
+        return self.position_ids, self.cu_seq_lens_q, self.cu_seq_lens_k
+
 
 STATEFUL_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
 """``config.layer_types`` of token mixers that are not attention (Mamba, linear attention, short
@@ -192,10 +197,10 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     given = kwargs.get(MODEL_DOCUMENTS)
     if any(t is not None for t in own):
         return own
-    if given is None or all(t is None for t in (given.position_ids, given.cu_seq_lens_q, given.cu_seq_lens_k)):
+    if given is None or all(t is None for t in given.documents):
         STATE.calls_without_documents += 1
         return own
-    positions, cu_seq_lens_q, cu_seq_lens_k = given.position_ids, given.cu_seq_lens_q, given.cu_seq_lens_k
+    positions, cu_seq_lens_q, cu_seq_lens_k = given.documents
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         return None, cu_seq_lens_q, cu_seq_lens_k
     batch_size, query_len = query.shape[0], query.shape[2]

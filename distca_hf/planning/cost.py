@@ -48,6 +48,17 @@ MAX_POSITION = math.isqrt(2**63 - 1)
 (3,037,000,499): ``DocumentPieces`` refuses documents longer than this rather than overflow silently."""
 
 
+def batch_tokens_problem(ranks: int, tokens_per_rank: int, names=("ranks", "tokens_per_rank")) -> str | None:
+    """What is wrong with a batch of ``ranks x tokens_per_rank`` tokens (a document may span all of
+    them: positions past ``MAX_POSITION`` overflow the pair counts), naming ``names`` (argument or flag
+    names), or ``None``; the one home of the rule for the simulator and the benchmarks."""
+    total = ranks * tokens_per_rank
+    if total > MAX_POSITION:
+        return (f"{names[0]} x {names[1]} = {total} tokens per batch; at most {MAX_POSITION} (positions past it "
+                "overflow the pair counts)")
+    return None
+
+
 def check_document_lengths(lengths, where: str = "lengths", *, minimum: int = 0) -> np.ndarray:
     """``lengths`` (a list, tuple or 1-D array of document lengths, tokens) as ``[documents]`` int64;
     else ``ValueError`` starting with ``where`` and naming the first bad entry: each must be an
@@ -160,6 +171,15 @@ def attention_flops(pairs: int, num_heads: int, head_dim: int, backward: bool = 
     return forward * 7 // 2 if backward else forward
 
 
+MAX_MODEL_WIDTH = 2**20
+"""The largest hidden size, head count or head dimension ``TokenBytes.for_model`` takes (elements):
+64x today's widest models, small enough that bytes, pair counts and seconds stay finite."""
+
+MAX_TOKEN_BYTES = 2**24
+"""The most bytes one token's q, k/v, out or log-sum-exp may take in ``TokenBytes`` (16 MiB, 300x a
+bf16 query of today's widest models): times any token count up to ``MAX_POSITION`` it fits in int64."""
+
+
 @dataclass(frozen=True)
 class TokenBytes:
     """Bytes one token costs on the wire in one layer's forward, and what attention's backward keeps
@@ -178,6 +198,13 @@ class TokenBytes:
     o: int
     lse: int = 0
 
+    def __post_init__(self):
+        for name in ("q", "kv", "o", "lse"):
+            value = getattr(self, name)
+            if not (is_integer(value) and 0 <= value <= MAX_TOKEN_BYTES):
+                raise ValueError(f"TokenBytes.{name} must be an integer from 0 to {MAX_TOKEN_BYTES} (bytes per token), "
+                                 f"got {value!r}")
+
     @property
     def held(self) -> int:
         """Bytes attention's backward keeps per token of a rank's own in one layer, colocated (HF's
@@ -187,7 +214,14 @@ class TokenBytes:
 
     @classmethod
     def for_model(cls, hidden: int, heads: int, kv_heads: int, dtype_bytes: int = 2, head_dim: int | None = None):
-        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        """The bytes of a model of ``hidden`` elements per token, ``heads`` query and ``kv_heads`` key/value
+        heads of ``head_dim`` elements (default ``hidden // heads``), ``dtype_bytes`` each; each of them
+        an integer from 1 to ``MAX_MODEL_WIDTH``."""
+        for name, value in (("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads), ("dtype_bytes", dtype_bytes),
+                            ("head_dim", 1 if head_dim is None else head_dim)):
+            if not (is_integer(value) and 1 <= value <= MAX_MODEL_WIDTH):
+                raise ValueError(f"{name} must be an integer from 1 to {MAX_MODEL_WIDTH}, got {value!r}")
+        if heads % kv_heads:
             raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
         head_dim = head_dim or hidden // heads
         if head_dim <= 0:
@@ -203,6 +237,11 @@ COMM_PASSES = {"saved": 2.0, "resend": 3.0}
 the forward sends Q and K/V out and O back; the backward sends dO out and dQ, dK/dV back, as many
 again. ``resend``: the backward also sends q, k/v and out again with dO, twice the forward's (the
 log-sum-exp, 4 bytes per head and query, not counted)."""
+
+
+MAX_MODEL_SECONDS = 1e6
+"""The most seconds a ``TimeModel`` constant may take (per token, pair, task, key or collective): times
+any pair count up to ``MAX_POSITION``'s a layer's seconds stay finite."""
 
 
 @dataclass(frozen=True)
@@ -238,13 +277,11 @@ class TimeModel:
     collective_s: float = 0.0
 
     def __post_init__(self):
-        real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        # bounded so that a layer's seconds stay finite whatever its pair counts (a byte a second is
+        # slower than any link; tests use unit-free models of a few seconds per pair)
         for name in ("linear_s_per_token", "attn_s_per_pair", "task_s", "task_key_s", "collective_s"):
-            value = getattr(self, name)
-            if not (real(value) and value >= 0):
-                raise ValueError(f"TimeModel.{name} must be a finite number >= 0 (seconds), got {value!r}")
-        if not (real(self.bytes_per_s) and self.bytes_per_s > 0):
-            raise ValueError(f"TimeModel.bytes_per_s must be a positive number, got {self.bytes_per_s!r}")
+            check_number(getattr(self, name), f"TimeModel.{name}", high=MAX_MODEL_SECONDS, unit=" seconds")
+        check_number(self.bytes_per_s, "TimeModel.bytes_per_s", low=1.0, unit=" bytes per second")
 
     def rank_seconds(self, tokens, pairs, tasks=0, keys=0, *, other_s=None):
         """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks

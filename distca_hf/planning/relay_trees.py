@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..config import MAX_RELAY_FANOUT
 from .carving import Plan
 from .pieces import DocumentPieces
 from .transfers import KVTransfers, RangeSends, kv_transfers
@@ -135,12 +136,13 @@ class RelayTrees:
 
 
 def check_fanout(name: str, value) -> float:
-    """``value`` as a fanout: an integer >= 1, or ``math.inf`` (direct sends); else ``ValueError``
-    naming ``name``."""
+    """``value`` as a fanout: an integer from 1 to ``MAX_RELAY_FANOUT``, or ``math.inf`` (direct sends);
+    else ``ValueError`` naming ``name``."""
     if value == math.inf:
         return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 or math.inf (direct sends), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_RELAY_FANOUT:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_RELAY_FANOUT} or math.inf (direct sends), "
+                         f"got {value!r}")
     return int(value)
 
 

@@ -72,7 +72,7 @@ from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
-from ..planning.cost import H100_MEASURED, MAX_POSITION, check_document_lengths, default_time_model
+from ..planning.cost import H100_MEASURED, batch_tokens_problem, check_document_lengths, default_time_model
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .output_paths import output_path_problem
@@ -445,10 +445,8 @@ def _check_sizes(**sizes) -> None:
     for name, value in sizes.items():
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if sizes["ranks"] * sizes["tokens_per_rank"] > MAX_POSITION:
-        raise ValueError(f"ranks x tokens_per_rank = {sizes['ranks'] * sizes['tokens_per_rank']} tokens per batch; "
-                         f"at most {MAX_POSITION}")
-    problem = _draws_problem(sizes["batches"], sizes.get("micro_batches"))
+    problem = batch_tokens_problem(sizes["ranks"], sizes["tokens_per_rank"]) or \
+        _draws_problem(sizes["batches"], sizes.get("micro_batches"))
     if problem:
         raise ValueError(problem)
 
@@ -511,8 +509,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the time model's)")
     parser.add_argument("--hidden-comm-fraction", type=float, default=0.0,
                         help="share of every method's communication the overlap hides, 0..1 (default 0: none)")
-    parser.add_argument("--auto-planner", choices=list(AUTO_PLANNERS), default="descent", help="what --tolerance "
-                        "auto plans with: 'descent' (the planner's) or 'tolerances' (the one before it, to compare)")
+    parser.add_argument("--auto-planner", choices=list(AUTO_PLANNERS), help="what --tolerance auto plans with: "
+                        "'descent' (the planner's; the default) or 'tolerances' (the one before it, to compare); "
+                        "only with --tolerance auto")
     parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
                         "(tokens; default tokens-per-rank / 2)")
     pipeline = parser.add_argument_group(
@@ -527,7 +526,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="micro-batches per step, one row of --tokens-per-rank tokens per data-parallel "
                                "pipeline each (default: 2 P). M < P is modelled as a GPipe-like fill (every "
                                "forward before the first backward on the first stages); torch's Schedule1F1B "
-                               "refuses it")
+                               "refuses it. Given without --pipeline-parallel it adds the model with P = 1")
     pipeline.add_argument("--layers", type=int,
                           help=f"decoder layers, a multiple of P (default: {DEFAULT_LAYERS}, Llama-3-8B); only with "
                                "the pipeline model")
@@ -568,9 +567,9 @@ def run_cli(args, parser) -> int:
     if args.wlb_threshold is not None and not 1 <= args.wlb_threshold <= args.tokens_per_rank:
         parser.error(f"--wlb-threshold must be between 1 and --tokens-per-rank ({args.tokens_per_rank}), "
                      f"got {args.wlb_threshold}")
-    if args.ranks * args.tokens_per_rank > MAX_POSITION:
-        parser.error(f"--ranks x --tokens-per-rank = {args.ranks * args.tokens_per_rank} tokens per batch; at most "
-                     f"{MAX_POSITION} (positions past it overflow the pair counts)")
+    problem = batch_tokens_problem(args.ranks, args.tokens_per_rank, ("--ranks", "--tokens-per-rank"))
+    if problem:
+        parser.error(problem)
     if args.plot is not None:
         problem = output_path_problem("--plot", args.plot, suffixes=PLOT_SUFFIXES)
         if problem:
@@ -596,6 +595,10 @@ def run_cli(args, parser) -> int:
     problem = _draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
     if problem:
         parser.error(problem)
+    if args.auto_planner is not None and args.tolerance != "auto":
+        parser.error(f"--auto-planner {args.auto_planner} needs --tolerance auto (got {args.tolerance}): a number "
+                     "plans that carving, whatever the auto planner")
+    args.auto_planner = args.auto_planner or "descent"
     if kv_cap_pairing_problem(args.kv_cap, args.tolerance):  # the settings' rule, in the flags' names
         parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
                      "time caps K/V")
@@ -611,7 +614,11 @@ def run_cli(args, parser) -> int:
         if args.bytes_per_s is not None:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
-        parser.error(str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s"))
+        message = str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s")
+        for name in ("hidden", "heads", "kv_heads"):  # TokenBytes.for_model's names for the model's flags
+            if message.startswith(f"{name} "):
+                message = "--" + message.replace("_", "-", 1 if name == "kv_heads" else 0)
+        parser.error(message)
     options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
                "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner}
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,

@@ -63,6 +63,10 @@ class DistCAGroups:
     config: DistCAConfig
 
 
+_IGNORED_PIPELINE_SETTINGS = "pipeline_parallel_size is 1"
+"""The words of the warning about pipeline settings given without stages (``_check_pipeline_settings``)."""
+
+
 def _positive_int_problem(optional: bool):
     def problem(value):
         if value is None and optional:
@@ -151,7 +155,7 @@ class DistCAPlugin(_SettingFields):
         said = [name for name in ("pipeline_schedule", "pipeline_micro_batches")
                 if getattr(self, name) is not None or name in self.file_settings]
         if self.pipeline_parallel_size == 1 and said:
-            warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
+            warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but {_IGNORED_PIPELINE_SETTINGS}, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
                           "to train in stages", stacklevel=4)
         if self.pipeline_parallel_size > 1 and config.pipeline_micro_batches is not None:
@@ -185,7 +189,9 @@ class DistCAPlugin(_SettingFields):
             _check_agree(_sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config"),
                          theirs)
             return self
-        return dataclasses.replace(self, parallelism_config=parallelism_config)
+        with warnings.catch_warnings():  # said when this plugin was made; a ParallelismConfig sets no stages
+            warnings.filterwarnings("ignore", message=f".*{_IGNORED_PIPELINE_SETTINGS}")
+            return dataclasses.replace(self, parallelism_config=parallelism_config)
 
     # -- construction from files ------------------------------------------------------------------
 

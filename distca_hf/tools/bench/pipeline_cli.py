@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from ...planning.cost import MAX_POSITION
+from ...planning.cost import batch_tokens_problem
 from . import processes
 from .model import MODEL_DEFAULTS
 from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
@@ -23,9 +23,9 @@ def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
                  "kv_heads", "vocab", *extra):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.world * args.tokens > MAX_POSITION:
-        parser.error(f"--world x --tokens = {args.world * args.tokens} tokens; at most {MAX_POSITION} (positions past "
-                     "it overflow the pair counts)")
+    problem = batch_tokens_problem(args.world, args.tokens, ("--world", "--tokens"))
+    if problem:
+        parser.error(problem)
 
 
 def check_pipeline_arguments(args, parser) -> None:
