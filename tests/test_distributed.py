@@ -165,6 +165,7 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("kernel-bench", ["--out", "/no/such/folder/x.json"], "--out: the folder of"),
                                  ("profile", ["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
                                  ("profile", ["--device", "tpu"], "--device must be"),
+                                 ("profile", ["--device", "cpu:5"], "--device must be cpu, cuda or cuda:N, got 'cpu:5'"),
                                  # a segfault, a CUDA candidate dropped, outputs failing after the run, 0 read as
                                  # the default, a huge world spawned: before
                                  ("kernel-bench", ["--device", "cpu", "--threads", "100000"],

@@ -68,6 +68,11 @@ def test_plugin_refuses_what_is_no_parallelism_config_nor_settings_and_takes_num
         DistCAPlugin(parallelism_config=5)
     with pytest.raises(ValueError, match="DistCAPlugin.file_settings must be a dict"):
         DistCAPlugin(file_settings=None)
+    # "the distca: section.tolerence: unknown setting", and a TypeError for a topology size, before
+    with pytest.raises(ValueError, match=r"DistCAPlugin.file_settings: unknown setting\(s\) \['tolerence'\]"):
+        DistCAPlugin(file_settings={"tolerence": 0.1})
+    with pytest.raises(ValueError, match=r"\['pipeline_parallel_size'\] are DistCAPlugin fields: pass them as keyword"):
+        DistCAPlugin(file_settings={"pipeline_parallel_size": 2})
     assert DistCAPlugin().topology(np.int64(4)).data_parallel == 4
 
 
@@ -173,6 +178,8 @@ def test_yaml_section_errors_name_file_and_key(tmp_path):
     assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == "auto"  # no section: defaults
     with pytest.raises(FileNotFoundError, match="does not exist"):
         DistCAPlugin.from_accelerate_config(tmp_path / "missing.yaml")
+    with pytest.raises(IsADirectoryError, match="is a folder; name the YAML file in it"):  # "does not exist" before
+        DistCAPlugin.from_accelerate_config(tmp_path)
 
 
 # -- recipes as Accelerate reads them ---------------------------------------------------------------

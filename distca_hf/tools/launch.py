@@ -49,12 +49,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="distca-launch-") as tmp:
         if found is not None:
             index, path = found
-            if not Path(path).is_file():
-                raise SystemExit(f"distca-hf launch: config file {path!r} does not exist")
             try:
                 accelerate_settings, _ = split_config(path)
-            except ValueError as e:
-                raise SystemExit(f"distca-hf launch: {e}") from None
+            except (OSError, ValueError) as e:  # a missing, unreadable or bad file, named before any process starts
+                raise SystemExit(f"distca-hf launch: error: --config_file: {e}") from None
             import yaml
 
             stripped = Path(tmp) / Path(path).name

@@ -485,10 +485,13 @@ def main(argv=None) -> int:
         kind = torch.device(device).type
     except RuntimeError:
         kind = None
-    if kind not in ("cpu", "cuda"):
-        parser.error(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and torch.device(device).index not in (None, 0)):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {device!r}")  # (cpu:5 named no device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {device}: torch sees no CUDA device")
+    if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                     f"cuda:{torch.cuda.device_count() - 1})")
     if args.max_tokens is None:
         args.max_tokens = 16384 if device.startswith("cuda") else 2048
     if args.max_tokens < 64:

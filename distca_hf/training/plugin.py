@@ -143,6 +143,13 @@ class DistCAPlugin(_SettingFields):
             raise ValueError(f"DistCAPlugin.file_settings must be a dict of settings (the distca: section), got "
                              f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
+        unknown = sorted(set(self.file_settings) - set(SETTINGS), key=str)
+        if unknown:
+            fields = [name for name in unknown if name in {f.name for f in _checked_fields()}]
+            hint = (f"; {fields} are DistCAPlugin fields: pass them as keyword arguments (from_accelerate_config "
+                    "does so for a file's)") if fields else ""
+            raise ValueError(f"DistCAPlugin.file_settings: unknown setting(s) {unknown}; it holds a distca: section's "
+                             f"settings, some of {sorted(SETTINGS)}{hint}")
         _validate(self.file_settings, source="the distca: section")
         config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
@@ -442,6 +449,8 @@ def read_distca_section(path: str | os.PathLike) -> dict:
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"distca config file {str(path)!r} is a folder; name the YAML file in it")
     if not path.is_file():
         raise FileNotFoundError(f"distca config file {str(path)!r} does not exist")
     with open(path, encoding="utf-8") as f:
