@@ -615,9 +615,9 @@ def run_cli(args, parser) -> int:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
         message = str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s")
-        for name in ("hidden", "heads", "kv_heads"):  # TokenBytes.for_model's names for the model's flags
-            if message.startswith(f"{name} "):
-                message = "--" + message.replace("_", "-", 1 if name == "kv_heads" else 0)
+        for name, flag in (("hidden", "--hidden"), ("heads", "--heads"), ("kv_heads", "--kv-heads")):
+            if message.startswith(f"{name} "):  # TokenBytes.for_model's names for the model's flags
+                message = flag + message[len(name):]
         parser.error(message)
     options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
                "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner}
