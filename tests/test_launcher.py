@@ -46,11 +46,13 @@ def test_bad_section_stops_before_launching(tmp_path):
                              "nothing.py"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "backward" in result.stderr and "later" in result.stderr
+
+def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
+    from distca_hf.tools.launch import main
+
     for path, words in ((tmp_path, "is a folder; name the YAML file in it"), (tmp_path / "none.yaml", "does not exist")):
-        result = subprocess.run([*_cli(), "launch", "--config_file", str(path), "nothing.py"], capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 1 and "distca-hf launch: error: --config_file: distca config file" in result.stderr \
-            and words in result.stderr, result.stderr
+        with pytest.raises(SystemExit, match=f"distca-hf launch: error: --config_file: distca config file .*{words}"):
+            main(["--config_file", str(path), "nothing.py"])
 
 
 @pytest.mark.distributed
