@@ -56,10 +56,24 @@ def test_cpu_kernel_low_precision(dtype, tol):
         torch.testing.assert_close(got.double(), want.double(), atol=5 * tol, rtol=5 * tol)
 
 
-def test_kernel_rejects_a_task_with_more_queries_than_keys():
+@pytest.mark.parametrize("backend", ["torch_cpu", "math"])
+def test_kernel_rejects_a_task_with_more_queries_than_keys(backend):
     q, k, v = random_qkv(5, 3, 2, 2, 8, torch.float32)
-    with pytest.raises(ValueError, match="lk >= lq"):
-        varlen_causal_attention(q, k, v, cu_seqlens([5]), cu_seqlens([3]), 5, 3, None, "torch_cpu")
+    with pytest.raises(ValueError, match="lk >= lq"):  # math gave NaN
+        varlen_causal_attention(q, k, v, cu_seqlens([5]), cu_seqlens([3]), 5, 3, None, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch_cpu", "math"])
+@pytest.mark.parametrize("offsets", [[0, 3, 2, 4], [0, -2, 4], [1, 4]])
+def test_kernel_rejects_offsets_that_go_back_or_do_not_start_at_0(backend, offsets):
+    """Offsets that decrease stopped the process (SIGFPE in the CPU kernel); negative ones or a first
+    offset past 0 gave wrong outputs without a word."""
+    q, k, v = random_qkv(4, 4, 2, 2, 8, torch.float32)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and never decrease"):
+        varlen_causal_attention(q, k, v, cu, cu, 4, 4, None, backend)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an integer tensor"):
+        varlen_causal_attention(q, k, v, [0, 4], cu_seqlens([4]), 4, 4, None, backend)
 
 
 def test_kernel_rejects_cu_seqlens_that_do_not_cover_the_rows():

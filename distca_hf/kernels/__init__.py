@@ -148,9 +148,19 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
                          f"head_dim ({q.shape[2]}); v may have its own head_dim")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not torch.is_tensor(cu) or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32 offsets: 0, then each task's end), got "
+                            f"{type(cu).__name__ if not torch.is_tensor(cu) else cu.dtype}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1D with one entry per task plus one")
     if cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu":
+        # (on the host only: never at the cost of a device synchronisation; a kernel given offsets that
+        # go back reads out of bounds: the CPU one stopped the process with SIGFPE)
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+                raise ValueError(f"{name} must start at 0 and never decrease (task i holds rows cu[i]:cu[i + 1]), "
+                                 f"got {cu.tolist()}")
         if int(cu_seqlens_q[-1]) != q.shape[0] or int(cu_seqlens_k[-1]) != k.shape[0]:
             raise ValueError(
                 f"cu_seqlens end at ({int(cu_seqlens_q[-1])}, {int(cu_seqlens_k[-1])}) but q has {q.shape[0]} "
@@ -383,6 +393,11 @@ def varlen_attention_forward(
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     flags = _full_flags(full, cu_seqlens_q.numel() - 1)
+    if flags is None and cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu" \
+            and bool((cu_seqlens_k.diff() < cu_seqlens_q.diff()).any()):
+        # bottom-right aligned: a causal task's first query sees its keys' first (the math kernel gave NaN)
+        raise ValueError("every causal CA-task needs lk >= lq (its queries see the keys of their prefix and "
+                         f"themselves); cu_seqlens_q {cu_seqlens_q.tolist()}, cu_seqlens_k {cu_seqlens_k.tolist()}")
     if flags is not None:
         with torch.no_grad():
             return _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
