@@ -203,9 +203,15 @@ MAX_TIMEOUT_S = 1e9
 torch's waits and process groups take."""
 
 
+MIN_TIMEOUT_S = 1e-3
+"""The shortest ``timeout_s``: torch counts waits in whole milliseconds, and a wait of 0 ms is no
+timeout at all (c10d's ``kNoTimeout``): a shorter one would wait forever."""
+
+
 def _timeout_problem(value):
-    if not (_is_number(value) and 0 < value <= MAX_TIMEOUT_S):
-        return f"must be a positive number of seconds, at most 1e9 (about 31 years), got {value!r}"
+    if not (_is_number(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+        return (f"must be a number of seconds from 0.001 (torch waits in whole milliseconds; 0 ms would mean no "
+                f"timeout) to 1e9 (about 31 years), got {value!r}")
 
 
 def _servers_problem(value):
@@ -314,8 +320,8 @@ class DistCAConfig:
              "(Llama-family decoder stacks)")
     timeout_s: float = setting(
         600.0, env="DISTCA_TIMEOUT_S", parse=_words({}, float), check=_timeout_problem, agree=False,
-        help="seconds a distca collective may wait for a peer before raising DistCATimeoutError (at most 1e9, about "
-             "31 years: longer waits overflow datetime.timedelta)")
+        help="seconds a distca collective may wait for a peer before raising DistCATimeoutError (from 0.001, torch's "
+             "millisecond, to 1e9, about 31 years: longer waits overflow datetime.timedelta)")
     mode: str = setting(
         "distca", parse=_choice(MODES), check=_one_of(MODES), agree=False,
         help="'distca' redistributes attention; 'colocated' runs each rank's own documents with the same kernel "

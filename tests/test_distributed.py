@@ -151,8 +151,10 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["bench", "--overlap", "none,sometimes"])
     assert "--overlap takes distinct values" in capsys.readouterr().err
-    for flags, says in ((["--timeout", "nan"], "--timeout: must be a positive number of seconds"),
-                        (["--timeout", "-5"], "--timeout: must be a positive number of seconds"),
+    for flags, says in ((["--timeout", "nan"], "--timeout: must be a number of seconds from 0.001"),
+                        (["--timeout", "-5"], "--timeout: must be a number of seconds from 0.001"),
+                        # 0 ms: c10d's "no timeout", a hang where a peer died, before
+                        (["--timeout", "1e-300"], "--timeout: must be a number of seconds from 0.001"),
                         (["--tolerance", "sometimes"], "--tolerance: must be a finite number >= 0")):
         with pytest.raises(SystemExit):
             main(["bench", *flags])

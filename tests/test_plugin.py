@@ -45,7 +45,7 @@ def clean_environment(monkeypatch):
     ("tolerance", -0.1, r"DistCAPlugin.tolerance must be a finite number >= 0"),
     ("tolerance", float("nan"), r"DistCAPlugin.tolerance"),
     ("block", 0, r"DistCAPlugin.block must be an integer from 1 to 2147483647"),
-    ("timeout_s", 0, r"DistCAPlugin.timeout_s must be a positive number"),
+    ("timeout_s", 0, r"DistCAPlugin.timeout_s must be a number of seconds from 0.001"),
     ("mode", "remote", r"DistCAPlugin.mode must be one of \['distca', 'colocated'\]"),
     ("servers", [], r"DistCAPlugin.servers must be a non-empty list"),
     ("servers", [0, 0], r"DistCAPlugin.servers must be a non-empty list of distinct ranks"),
