@@ -499,6 +499,7 @@ def apply_file_settings(settings: dict) -> None:
 def reset_config() -> None:
     """Forget settings made with ``configure`` or a plugin (environment variables and defaults apply)."""
     STATE.code_settings = {}
+    STATE.plugin_settings = {}
     STATE.file_settings = {}
 
 

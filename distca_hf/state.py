@@ -23,6 +23,8 @@ class DistCAState:
 
     Attributes:
         code_settings: settings made with ``distca_hf.configure`` (they beat ``DISTCA_*`` variables).
+        plugin_settings: the ``code_settings`` the last ``DistCAPlugin.attach`` made (the next attach
+            tells them from settings a user made with ``configure`` since, which it names as it drops).
         file_settings: settings of a ``distca:`` YAML section applied by ``DistCAPlugin.attach``
             (below the variables).
         forward: the ``runtime.context.ForwardContext`` of the forward in progress, or of the last
@@ -47,6 +49,7 @@ class DistCAState:
     """
 
     code_settings: dict = field(default_factory=dict)
+    plugin_settings: dict = field(default_factory=dict)
     file_settings: dict = field(default_factory=dict)
     forward: object = None
     forwards_started: int = 0

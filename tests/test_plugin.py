@@ -142,8 +142,13 @@ def test_precedence_code_environment_file_defaults(monkeypatch, tmp_path):
 def test_attach_applies_the_settings_process_wide():
     import distca_hf
 
-    distca_hf.configure(backward="resend")  # an earlier configure() does not leak into the plugin's job
-    groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
+    distca_hf.configure(backward="resend")  # an earlier configure() does not leak into the plugin's job...
+    with pytest.warns(UserWarning, match=r"distca_hf.configure\(\) \(backward='resend'\) are dropped"):  # ...said
+        groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
+    with warnings.catch_warnings():  # the settings of the plugin attached before are no user's: no word
+        warnings.simplefilter("error")
+        DistCAPlugin(mode="colocated").attach()
+        groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
     assert groups.server_ranks == (0,) and groups.group is None and groups.topology.world_size == 1
     current = distca_hf.current_config()
     assert (current.tolerance, current.mode, current.backward) == (0.07, "colocated", "saved")

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
                       read_setting_text, reset_config, resolve, setting_problem)
+from ..state import STATE
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
@@ -305,10 +306,26 @@ class DistCAPlugin(_SettingFields):
                 f"{len(smallest)}"
             )
         group, ranks = build_server_group(topology, rank, self.server_group) if distributed else (None, ranks)
+        self._warn_dropped_settings()
         reset_config()  # the plugin describes the whole job: no setting of an earlier configure() lingers
         apply_file_settings(self.file_settings)
         config = configure(**self.code_settings(), group=group)
+        STATE.plugin_settings = dict(STATE.code_settings)
         return DistCAGroups(topology, rank, tuple(ranks), group, config)
+
+    def _warn_dropped_settings(self) -> None:
+        """Warn about settings made with ``distca_hf.configure`` (not by an earlier attach) that
+        attaching drops because this plugin does not set them itself (silently before)."""
+        mine = self.code_settings()
+        missing = object()
+        dropped = {name: value for name, value in STATE.code_settings.items()
+                   if name != "group" and name not in mine and STATE.plugin_settings.get(name, missing) != value}
+        if dropped:
+            said = ", ".join(f"{name}={value!r}" for name, value in sorted(dropped.items()))
+            warnings.warn(f"DistCAPlugin: the settings made earlier with distca_hf.configure() ({said}) are dropped: "
+                          "the plugin describes the whole job; give them to the plugin (DistCAPlugin("
+                          f"{', '.join(sorted(dropped))}=...), DistCAArguments' flags or the distca: section), or "
+                          "call configure() after the trainer or accelerator is made", stacklevel=3)
 
 
 @dataclass(frozen=True)
