@@ -47,3 +47,19 @@ def test_simulate_help_names_the_units(flag, words, capsys):
     options = text[text.index("options:"):]
     assert words in options[options.index(flag + " "):][:300]
     assert "(bytes;" not in text
+
+
+@pytest.mark.parametrize("command", [["env"], ["bench", "--world", "2"], ["kernel-bench"], ["profile"]])
+def test_a_bad_distca_variable_stops_the_command_in_one_line(monkeypatch, capsys, command):
+    """``env`` printed a traceback, ``bench`` spawned its workers and printed theirs; ``simulate`` reads
+    no setting from the environment and still runs; ``--help`` still helps."""
+    from distca_hf.tools.cli import main
+
+    monkeypatch.setenv("DISTCA_TIMEOUT_S", "inf")
+    with pytest.raises(SystemExit) as stopped:
+        main(command)
+    assert stopped.value.code == 2
+    assert "distca-hf: error: invalid DISTCA_TIMEOUT_S='inf'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as helped:
+        main([*command, "--help"])
+    assert helped.value.code == 0

@@ -132,9 +132,21 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
+SETTINGS_FREE = ("simulate",)
+"""Subcommands that read no distca setting from the environment (``simulate`` takes its own flags), so
+a bad ``DISTCA_*`` variable does not stop them."""
+
+
 def main(argv=None) -> int:
     parser, _ = _build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command not in SETTINGS_FREE and not {"-h", "--help"} & set(rest):
+        from ..config import current_config
+
+        try:  # a bad DISTCA_* variable, named in one line before any process starts (a traceback before)
+            current_config()
+        except ValueError as e:
+            parser.error(str(e))
     if args.command in SUBCOMMANDS:
         import importlib
 
