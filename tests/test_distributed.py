@@ -180,6 +180,11 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("profile", ["--world", "100000"], "processes per CPU core"),
                                  ("profile", ["--out", str(tmp_path)], "is a folder; name a file in it"),
                                  ("bench", ["--vocab", "0"], "--vocab must be >= 1, got 0"),
+                                 # spawned 100000 workers, or overflowed in each of them, before
+                                 ("bench", ["--world", "100000"], "processes per CPU core of this machine"),
+                                 ("bench", ["--threads", "100000"], "--threads must be at most this machine's"),
+                                 ("bench", ["--pipeline-parallel", "2", "--world", "4000"], "processes per CPU core"),
+                                 ("kernel-bench", ["--head-dim", str(10**30)], "--head-dim must be at most 4096"),
                                  ("bench", ["--tokens", str(10**12)], "--world x --tokens = 2000000000000 tokens"),
                                  ("bench", ["--trace", "/no/such/folder/t.json"], "--trace: the folder of"),
                                  ("bench", ["--long-tokens", "5"], "--long-tokens is for --workload long"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from ..kernels import available_backends, torch_cpu, varlen_causal_attention
 from ..planning import attention_flops, causal_pairs
+from .machine_limits import threads_problem
 from .output_paths import output_path_problem
 
 WORKLOADS = {
@@ -293,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_SHAPE = 4096
+"""The most heads, key/value heads, head dimension or repeats a run takes (today's models use at most a
+few hundred heads of up to 256 dimensions)."""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -302,8 +307,11 @@ def main(argv=None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.threads is not None and args.threads > (os.cpu_count() or 1):
-        parser.error(f"--threads must be at most this machine's {os.cpu_count()} CPU cores, got {args.threads}")
+        if flag != "threads" and value is not None and value > MAX_SHAPE:  # overflowed in torch.randn before
+            parser.error(f"--{flag.replace('_', '-')} must be at most {MAX_SHAPE}, got {value}")
+    problem = threads_problem(args.threads) if args.threads is not None else None
+    if problem:
+        parser.error(problem)
     problem = output_path_problem("--out", args.out) if args.out is not None else None
     if problem:
         parser.error(problem)

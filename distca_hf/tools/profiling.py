@@ -46,6 +46,7 @@ from ..runtime.comm import free_port
 from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
+from .machine_limits import world_problem
 from .output_paths import output_path_problem
 
 __all__ = ["profile", "build_parser", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans",
@@ -464,9 +465,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MAX_WORLD_PER_CPU = 8
-"""``--world`` beyond this many processes per CPU core is refused (each process holds a model and a
-torch runtime; the machine would stall before measuring anything)."""
 
 
 def main(argv=None) -> int:
@@ -498,9 +496,9 @@ def main(argv=None) -> int:
         parser.error(f"--max-tokens must be >= 64, got {args.max_tokens}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.world is not None and args.world > MAX_WORLD_PER_CPU * (os.cpu_count() or 1):
-        parser.error(f"--world {args.world} is more than {MAX_WORLD_PER_CPU} processes per CPU core of this machine "
-                     f"({os.cpu_count()}); profile with at most {MAX_WORLD_PER_CPU * (os.cpu_count() or 1)}")
+    problem = world_problem(args.world) if args.world is not None else None
+    if problem:
+        parser.error(problem)
     problem = output_path_problem("--out", args.out)
     if problem:
         parser.error(problem)

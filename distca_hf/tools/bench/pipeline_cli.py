@@ -8,6 +8,7 @@ import json
 import os
 
 from ...planning.cost import batch_tokens_problem
+from ..machine_limits import threads_problem, world_problem
 from . import processes
 from .model import MODEL_DEFAULTS
 from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
@@ -23,7 +24,9 @@ def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
                  "kv_heads", "vocab", *extra):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    problem = batch_tokens_problem(args.world, args.tokens, ("--world", "--tokens"))
+    problem = batch_tokens_problem(args.world, args.tokens, ("--world", "--tokens")) or threads_problem(args.threads)
+    if not problem and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):  # spawned here, not by torchrun
+        problem = world_problem(args.world)
     if problem:
         parser.error(problem)
 
