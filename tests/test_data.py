@@ -397,6 +397,31 @@ def test_document_errors_are_one_line_that_names_the_flag(tmp_path, monkeypatch)
     with pytest.raises(DocumentSourceError, match=r"--dataset_split validation: no such split .*\['train'\]") as caught:
         load_documents(str(tmp_path / "saved"), split="validation", flags=flags)
     errors.append(caught.value)
+    # a DatasetDict in hand ("must be a datasets dataset" before) and a split of one file (read whole before)
+    assert load_documents(datasets.DatasetDict({"train": texts, "test": texts}), lambda t, **_: {
+        "input_ids": [[1] for _ in t]}, split="test", text_column="body", add_eos=False)["input_ids"] == [[1], [1]]
+    with pytest.raises(DocumentSourceError, match=r"--dataset_split validation: no such split .*\['train'\]") as caught:
+        load_documents(datasets.DatasetDict({"train": texts}), split="validation", flags=flags)
+    errors.append(caught.value)
+    one_file = tmp_path / "docs.jsonl"
+    one_file.write_text('{"text": "alpha"}\n')
+    with pytest.raises(DocumentSourceError, match=r"--dataset_split validation: a single file \(docs.jsonl\) holds "
+                                                  r"one split, 'train'") as caught:
+        load_documents(str(one_file), split="validation", flags=flags)
+    errors.append(caught.value)
+    # a model name as the tokenizer ('str' object is not callable inside datasets.map before), eos ids that
+    # are no token id (appended as given before), add_eos that is no bool, texts that are not text
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer .*got str 'gpt2'"):
+        load_documents(texts, "gpt2", text_column="body", add_eos=False)
+    encode = lambda t, **_: {"input_ids": [[1] for _ in t]}
+    for bad in (-1, "2", 2.0, True):
+        with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+            load_documents(texts, encode, text_column="body", eos_token_id=bad)
+    with pytest.raises(TypeError, match="add_eos must be True or False, got 'no'"):
+        load_documents(texts, encode, text_column="body", add_eos="no", eos_token_id=2)
+    with pytest.raises(DocumentSourceError, match="--text_column body: every document must be text, got NoneType None"):
+        load_documents(datasets.Dataset.from_dict({"body": ["alpha", None]}), encode, text_column="body", eos_token_id=2,
+                       flags=flags)
     assert all(len(str(e).splitlines()) == 1 for e in errors)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..config import is_integer
+
 __all__ = ["DocumentSourceError", "MissingDocumentsError", "load_documents", "looks_like_hub_name", "open_dataset",
            "tokenize"]
 
@@ -76,6 +78,11 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
 
     if isinstance(source, (datasets.Dataset, datasets.IterableDataset)):
         return source
+    if isinstance(source, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if split not in source:
+            raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: no such split in the dataset (splits: "
+                                      f"{sorted(source)})")
+        return source[split]
     if not isinstance(source, (str, Path)):
         raise TypeError(f"source must be a datasets dataset, a path or a dataset name, got {type(source).__name__}")
     path = Path(source).expanduser()
@@ -100,6 +107,9 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
                                   f"of {sorted(_EXTENSION_BUILDERS)}, a save_to_disk folder or a Hub name")
     if _blank(path):
         raise DocumentSourceError(f"{_flag(flags, 'source')} {path} holds no documents (the file is empty)")
+    if split != "train":  # one file is one split, "train": another was read as the whole file before
+        raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: a single file ({path.name}) holds one split, "
+                                  "'train'; point the source at that split's own file instead")
     return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming, **load_kwargs)
 
 
@@ -134,16 +144,28 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = T
     if tokenizer is None:
         raise DocumentSourceError(f"the documents are text (column {text_column!r}) and no tokenizer was given; set "
                                   f"{_flag(flags, 'tokenizer')}")
+    if not (hasattr(tokenizer, "encode_batch") or callable(tokenizer)):  # a model name: a str is not callable
+        raise TypeError(f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(name)) or a "
+                        f"tokenizers.Tokenizer, got {type(tokenizer).__name__} {tokenizer!r}")
+    if not isinstance(add_eos, bool):
+        raise TypeError(f"add_eos must be True or False, got {add_eos!r}")
     if add_eos and eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if eos_token_id is None:
             raise DocumentSourceError("add_eos=True but the tokenizer has no eos_token_id; pass eos_token_id= or "
                                       "add_eos=False")
+    if add_eos and not (is_integer(eos_token_id) and eos_token_id >= 0):
+        raise ValueError(f"eos_token_id must be a token id (an integer >= 0), got {eos_token_id!r}")
     encode = _batch_encoder(tokenizer)
-    suffix = [eos_token_id] if add_eos else []
+    suffix = [int(eos_token_id)] if add_eos else []
 
     def encode_batch(batch):
-        return {"input_ids": [ids + suffix for ids in encode(batch[text_column])]}
+        texts = batch[text_column]
+        for text in texts:
+            if not isinstance(text, str):  # the tokenizer's own error named neither the row nor the column
+                raise DocumentSourceError(f"{_flag(flags, 'text_column')} {text_column}: every document must be text, "
+                                          f"got {type(text).__name__} {text!r}")
+        return {"input_ids": [ids + suffix for ids in encode(texts)]}
 
     return dataset.map(encode_batch, batched=True, remove_columns=columns)
 
