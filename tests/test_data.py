@@ -179,6 +179,16 @@ def test_collator_and_config_refuse_bad_input():
         PackedCollator()([{"input_ids": []}])
     with pytest.raises(ValueError, match="PackedDataset"):
         PackedCollator()([[1, 2, 3]])
+    # a flat token list read as pieces of one token each ("got int 1; tokenize text first"), labels dropped, before
+    with pytest.raises(ValueError, match="item 0's input_ids is one flat list of token ids; .*pack the documents"):
+        PackedCollator()([{"input_ids": [1, 2, 3]}])
+    with pytest.raises(ValueError, match="item 0 has labels, which it does not read"):
+        PackedCollator()([{"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}])
+    for columns in ({"input_ids": [[1, 2]]}, {"input_ids": [[1, 2]], "attention_mask": [[1, 1]]}):  # KeyError: 0 before
+        with pytest.raises(ValueError, match=r"got a mapping of columns \[.*'input_ids'.*\]; pass its 'input_ids'"):
+            PackedDataset(columns, PackingConfig(tokens_per_rank=8))
+        with pytest.raises(ValueError, match="got a mapping of columns"):
+            StreamingPackedDataset(columns, PackingConfig(tokens_per_rank=8))
     with pytest.raises(ValueError, match="tokens_per_rank"):
         PackingConfig(tokens_per_rank=1)
     with pytest.raises(ValueError, match="window"):
@@ -243,8 +253,8 @@ def test_collator_refuses_padding_outside_the_item_and_non_integer_keys():
         PackedCollator()([{"input_ids": [[1, 2]], "first_position": "x"}])
     with pytest.raises(ValueError, match=r"item 0 has last_label=None"):
         PackedCollator()([{"input_ids": [[1, 2]], "last_label": None}])
-    with pytest.raises(ValueError, match=r"item 0's input_ids\[0\] \(a piece\) must be a 1-D sequence"):
-        PackedCollator()([{"input_ids": [1, 2, 3]}])
+    with pytest.raises(ValueError, match=r"item 0's input_ids\[1\] \(a piece\) must be a 1-D sequence"):
+        PackedCollator()([{"input_ids": [[1, 2], 3]}])
     whole = PackedCollator()([{"input_ids": [[1, 2]], "padding": 2}])  # a filler row: all padding
     assert whole["shift_labels"].tolist() == [[-100, -100]]
     assert PackedCollator()([{"input_ids": [[5, 6, 7]], "padding": 1}])["labels"].tolist() == [[-100, 6, -100]]

@@ -62,6 +62,16 @@ class PackedCollator:
             if isinstance(item["input_ids"], (str, bytes)) or not hasattr(item["input_ids"], "__iter__"):
                 raise ValueError(f"PackedCollator: item {index}'s input_ids must be a list of pieces (token-id lists), "
                                  f"got {type(item['input_ids']).__name__}")
+            flat = item["input_ids"]
+            if (isinstance(flat, (list, tuple)) and flat and is_integer(flat[0])) or \
+                    (isinstance(flat, torch.Tensor) and flat.dim() == 1):
+                raise ValueError(f"PackedCollator: item {index}'s input_ids is one flat list of token ids; the collator "
+                                 "reads the rows of PackedDataset / StreamingPackedDataset (input_ids: a list of pieces, "
+                                 "each a token-id list): pack the documents with one of them first")
+            if "labels" in item:  # dropped without a word before (its -100 masks lost)
+                raise ValueError(f"PackedCollator: item {index} has labels, which it does not read: its labels are the "
+                                 "pieces' next tokens; to mask tokens (a prompt), use distca_hf.training.trl's "
+                                 "SFTPackedDataset / SFTPackedCollator, whose rows carry their labels")
             own = [tokens_of(p, what=f"PackedCollator: item {index}'s input_ids[{j}] (a piece)")
                    for j, p in enumerate(item["input_ids"])]
             pieces.extend(own)

@@ -25,10 +25,20 @@ def _document_lengths(documents) -> list[int]:
             return [len(ids) for batch in documents.iter(batch_size=1024) for ids in batch["input_ids"]]
     except ImportError:
         pass
+    refuse_columns(documents)
     if isinstance(documents, (str, bytes)) or not (hasattr(documents, "__len__") and hasattr(documents, "__getitem__")):
         raise ValueError(f"documents must be a sequence of token-id documents (a datasets.Dataset with an 'input_ids' "
                          f"column, or a list of token lists / tensors), got {type(documents).__name__}")
     return [len(tokens_of(documents[i], what=f"document {i}")) for i in range(len(documents))]
+
+
+def refuse_columns(documents) -> None:
+    """Documents given as a mapping of columns (a dict, a tokenizer's output) are refused, naming the
+    fix (``documents[0]`` raised ``KeyError: 0``; a stream read its keys as texts)."""
+    if isinstance(documents, Mapping):
+        raise ValueError(f"documents must be a sequence of token-id documents, got a mapping of columns "
+                         f"{sorted(map(str, documents))}; pass its 'input_ids' (documents['input_ids'], a list of "
+                         "token lists) or datasets.Dataset.from_dict(...)")
 
 
 def _require_input_ids(columns) -> None:

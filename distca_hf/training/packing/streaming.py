@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .dataset import row_item, tokens_of
+from .dataset import refuse_columns, row_item, tokens_of
 from .layout import RankLayout
 from .rows import PackedRow, PackingConfig, PackingReport, global_batch_rows
 
@@ -29,6 +29,7 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  span_ranks: bool = False, server_groups=None):
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
+        refuse_columns(documents)
         self.documents = documents
         self.config = config
         self.layout = RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups)
