@@ -373,3 +373,24 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
     with pytest.raises(TypeError, match="SFTConfig"):
         DistCASFTTrainer(model=_model("distca", len(tokenizer)), args=None, train_dataset=documents,
                          processing_class=tokenizer)
+
+    # what DistCATrainer refused and this trainer took (an IndexError in the embedding, TRL's StopIteration, a
+    # loss of 0 trained on, labels read as "trained" whatever they said), refused by name
+    def trainer(dataset, vocab=len(tokenizer)):
+        return DistCASFTTrainer(model=_model("distca", vocab), args=SFTConfig(**good), train_dataset=dataset,
+                                processing_class=tokenizer)
+
+    with pytest.raises(ValueError, match="DistCASFTTrainer: train_dataset holds no documents"):
+        trainer(datasets.Dataset.from_dict({"input_ids": []}))
+    with pytest.raises(ValueError, match="train_dataset has nothing to learn"):
+        trainer(datasets.Dataset.from_dict({"input_ids": [[5], [6]]}))
+    with pytest.raises(ValueError, match="pad_token_id .* is not below the model's vocab_size"):
+        trainer(documents, vocab=tokenizer.pad_token_id)
+    small = trainer(documents, vocab=len(tokenizer))
+    small.data_collator.vocab_size = 3
+    with pytest.raises(ValueError, match="is not below the model's vocab_size 3"):
+        small.data_collator([small.train_dataset[0]])
+    wrong = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8]], "labels": [[5, 500, 7, 8]]})
+    mislabelled = trainer(wrong)
+    with pytest.raises(ValueError, match="a label is neither -100 nor its token's id"):
+        mislabelled.data_collator([mislabelled.train_dataset[0]])

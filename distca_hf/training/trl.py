@@ -116,6 +116,9 @@ class SFTPackedCollator(PackedCollator):
             raise ValueError(f"SFTPackedCollator: the items' label_pieces hold {targets.shape[1]} labels for "
                              f"{batch['input_ids'].shape[1]} tokens; each document needs one label per token")
         trained = targets.ne(IGNORE_INDEX)
+        if not torch.equal(targets[trained], batch["input_ids"][trained]):  # read as "trained" before, whatever they said
+            raise ValueError("SFTPackedCollator: a label is neither -100 nor its token's id; the labels of TRL's "
+                             "datasets mask tokens (-100: no target), each token is trained on the next one")
         next_trained = torch.tensor([[int(items[-1]["next_label"]) != IGNORE_INDEX]])
         batch["labels"] = batch["labels"].masked_fill(~trained, IGNORE_INDEX)
         batch["shift_labels"] = batch["shift_labels"].masked_fill(
@@ -158,6 +161,8 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
             raise ValueError("DistCASFTTrainer builds its rows itself (distca_hf.training.SFTPackedCollator: "
                              "documents spanning ranks); drop data_collator=")
         for name, dataset in {"train_dataset": train_dataset, **_named(eval_dataset)}.items():
+            if hasattr(dataset, "__len__") and not isinstance(dataset, SFTPackedDataset) and len(dataset) == 0:
+                raise ValueError(f"DistCASFTTrainer: {name} holds no documents")  # (TRL's StopIteration before)
             if is_streaming(dataset):
                 raise ValueError(f"DistCASFTTrainer packs map-style datasets; {name} is a streaming "
                                  f"{type(dataset).__name__}. Load it without streaming, or train with "
@@ -197,10 +202,19 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         self._packing = PackingConfig(tokens_per_rank=self.args.max_length, length_aware=True,
                                       seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
                                       pad_token_id=tokenizer.pad_token_id)
+        vocab = getattr(getattr(hf_model_of(self.model), "config", None), "vocab_size", None)
+        if vocab is not None and self._packing.pad_token_id >= vocab:
+            raise ValueError(f"DistCASFTTrainer: the tokenizer's pad_token_id {self._packing.pad_token_id} is not below "
+                             f"the model's vocab_size {vocab}: filler rows would fail in the embedding")
         self._layout = {"world_size": world, "span_ranks": self.span_ranks,
                         "server_groups": server_groups if self.span_ranks else None}
-        self.data_collator = SFTPackedCollator()
+        # token ids at or past the vocabulary refused by name (an IndexError in the embedding before)
+        self.data_collator = SFTPackedCollator(vocab_size=vocab)
         self.train_dataset = self._pack(self.train_dataset, "train")
+        if self.train_dataset.rows.label_tokens() == 0:  # (trained silently at loss 0 before)
+            raise ValueError(f"DistCASFTTrainer: train_dataset has nothing to learn: none of its "
+                             f"{self.train_dataset.report.documents} documents has two tokens or more, so no token has "
+                             "a next token to predict")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {name: self._pack(d, f"eval_{name}") for name, d in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
