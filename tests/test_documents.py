@@ -165,6 +165,10 @@ def test_find_documents_refuses_bad_shapes_and_positions_as_document_errors(kwar
     (lambda: DocumentPieces.from_rank_lists([[10.7]]), r"per_rank\[0\]\[0\] must be an integer length"),
     (lambda: DocumentPieces.from_rank_lists([[5, (0, 5)]]), r"per_rank\[0\]\[1\] must be .* triple"),
     (lambda: DocumentPieces.from_rank_lists([[True]]), "must be an integer length"),
+    # numpy asked for 7 TiB (a MemoryError), a TypeError from iteration: before
+    (lambda: DocumentPieces.from_rank_lists([[(10**12, 0, 5)], [3]]), "document ids must be below 1048578"),
+    (lambda: DocumentPieces.from_rank_lists(5), "per_rank must be a list with one list of pieces per rank"),
+    (lambda: DocumentPieces.from_rank_lists([5]), r"per_rank\[0\] must be a list of pieces"),
 ])
 def test_pieces_refuse_non_integers_and_lengths_whose_pairs_overflow(build, match):
     """Floats were cut (10.9 -> 10), strings and bools read as numbers, and a 3.1e9-token document's

@@ -17,6 +17,11 @@ from .cost import MAX_POSITION, causal_pairs
 __all__ = ["DocumentPieces", "RankDocuments", "rank_documents", "stitch_rank_documents"]
 
 
+SPARE_DOCUMENT_IDS = 2**20
+"""How far document ids may run past the number of pieces (ids need not be dense, but planning sizes
+per-document arrays by the largest: an id of 10**12 asked numpy for terabytes)."""
+
+
 @dataclass(frozen=True, eq=False)
 class DocumentPieces:
     """Every rank's packed documents as pieces (arrays of shape ``[num_pieces]``, int64).
@@ -64,6 +69,10 @@ class DocumentPieces:
                 raise ValueError(f"piece ranks must lie in [0, {self.num_ranks}), got {self.rank.min()}..{self.rank.max()}")
             if (self.doc < 0).any():
                 raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
+            if int(self.doc.max()) >= self.doc.size + SPARE_DOCUMENT_IDS:
+                raise ValueError(f"document ids must be below {self.doc.size + SPARE_DOCUMENT_IDS} (the {self.doc.size} "
+                                 f"pieces + {SPARE_DOCUMENT_IDS}), got {int(self.doc.max())}: number documents from 0 "
+                                 "(planning sizes its per-document arrays by the largest id)")
             if int(self.end.max()) > MAX_POSITION:
                 raise ValueError(f"a document reaches position {int(self.end.max())}; at most {MAX_POSITION} tokens "
                                  "(its pair counts would overflow int64)")
@@ -92,9 +101,14 @@ class DocumentPieces:
     def from_rank_lists(cls, per_rank) -> "DocumentPieces":
         """``per_rank[r]`` is a list of ``(doc, start, end)`` (a piece) or of plain lengths (whole
         documents, numbered in order across ranks)."""
+        if isinstance(per_rank, (str, bytes, dict)) or not hasattr(per_rank, "__len__"):
+            raise ValueError(f"per_rank must be a list with one list of pieces per rank, got {type(per_rank).__name__}")
         rank, doc, start, end = [], [], [], []
         next_doc = 0
         for r, pieces in enumerate(per_rank):
+            if isinstance(pieces, (str, bytes, dict)) or not hasattr(pieces, "__iter__"):
+                raise ValueError(f"per_rank[{r}] must be a list of pieces (lengths or (doc, start, end) triples), got "
+                                 f"{type(pieces).__name__} {pieces!r:.40}")
             for i, p in enumerate(pieces):
                 if is_integer(p):
                     rank.append(r), doc.append(next_doc), start.append(0), end.append(int(p))
