@@ -227,8 +227,14 @@ def test_packing_config_takes_numpy_integers_as_ints_and_still_refuses_bools():
     assert pack_rows(lengths, config)[0] == pack_rows(lengths, PackingConfig(8, window=4, seed=2))[0]
     for name, bad in (("tokens_per_rank", True), ("tokens_per_rank", np.bool_(True)), ("window", True),
                       ("pad_token_id", False), ("tokens_per_rank", np.int64(1)), ("tokens_per_rank", 8.0)):
-        with pytest.raises(ValueError, match=f"{name} must be an integer >= "):
+        with pytest.raises(ValueError, match=f"{name} must be an integer from "):
             PackingConfig(**{"tokens_per_rank": 8, name: bad})
+    # a pad id that overflowed in the collator, a row of 2**40 tokens that packed for ever: before
+    for name, bad in (("pad_token_id", 10**30), ("tokens_per_rank", 2**40)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer from .* to 2147483647"):
+            PackingConfig(**{"tokens_per_rank": 8, name: bad})
+    with pytest.raises(ValueError, match=r"seed must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        PackingConfig(tokens_per_rank=8, seed=2**64)
 
 
 def test_pack_rows_refuses_negative_and_fractional_lengths_naming_the_document():
@@ -659,10 +665,13 @@ def test_rank_layout_and_sampler_refuse_bad_input():
     with pytest.raises(ValueError, match="multiple of world_size"):
         GlobalBatchSampler(7, 2)
     for num_items in (4.0, -4):  # 4.0 raised TypeError in randperm, -4 in len()
-        with pytest.raises(ValueError, match=rf"num_items must be an integer >= 0, got {num_items}"):
+        with pytest.raises(ValueError, match=rf"num_items must be an integer from 0 to 2147483647, got {num_items}"):
             GlobalBatchSampler(num_items, 4)
-    with pytest.raises(ValueError, match="seed must be an integer"):
-        GlobalBatchSampler(4, 4, seed=None)
+    for seed in (None, 2**64):  # 2**64 overflowed when iterated
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            GlobalBatchSampler(4, 4, seed=seed)
+    with pytest.raises(ValueError, match="world_size must be an integer from 1 to 2147483647"):
+        RankLayout.for_ranks(10**12)  # ran for ever
     for groups in ("01", ["0", "1"], [[0.5], [1]]):  # "01" was read as [[0], [1]]
         with pytest.raises(ValueError, match="server_groups must be lists of ranks"):
             RankLayout.for_ranks(2, span_ranks=True, server_groups=groups)

@@ -376,25 +376,35 @@ def _check_lengths(lengths) -> list[int]:
     return checked
 
 
+MAX_COUNT = 2**31 - 1
+"""The largest token count, token id, rank count or step size packing takes: token offsets and ids
+are int32 in the kernels and the embedding (10**30 overflowed in the collator, 2**40 tokens a row or
+10**12 ranks ran for ever)."""
+
+
 def check_positive(name: str, value) -> int:
-    """``value`` as an int, refused (naming ``name``) unless an integer >= 1."""
+    """``value`` as an int, refused (naming ``name``) unless an integer from 1 to ``MAX_COUNT``."""
     return check_integer(name, value, 1)
 
 
-def check_integer(name: str, value, minimum: int, what: str = "") -> int:
+def check_integer(name: str, value, minimum: int, what: str = "", maximum: int = MAX_COUNT) -> int:
     """``value`` as an int (numpy integers too), refused (naming ``name``, and ``what`` it counts) unless
-    an integer >= ``minimum``."""
-    if not is_integer(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{what}, got {value!r}")
+    an integer from ``minimum`` to ``maximum``."""
+    if not is_integer(value) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}{what}, got {value!r}")
     return int(value)
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds torch's generators take (``torch.Generator.manual_seed``)."""
+
+
 def check_seed(value) -> int:
-    """``value`` as an int, refused (naming ``seed``) unless an integer: every process must draw the same
-    order from it (None would seed each one from the OS)."""
-    if not is_integer(value):
-        raise ValueError(f"seed must be an integer (every process must draw the same order from it; None would seed "
-                         f"each process from the OS), got {value!r}")
+    """``value`` as an int, refused (naming ``seed``) unless an integer in ``SEED_RANGE``: every process
+    must draw the same order from it (None would seed each one from the OS)."""
+    if not is_integer(value) or not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1 (every process must draw the same order "
+                         f"from it; None would seed each process from the OS), got {value!r}")
     return int(value)
 
 
