@@ -183,6 +183,18 @@ def test_text_flags_of_the_examples_follow_the_variables_rule():
     with pytest.raises(ValueError, match=r"invalid --tolerance 'sometimes': distca tolerance must be .*'auto'"):
         DistCAArguments(tolerance="sometimes").plugin()
 
+    # "unbounded" could not be said from a flag (a float flag refused "none") nor in code (the plugin's None
+    # means "not set": the default 0.1 applied); the word now stands for the setting's own None in both
+    from transformers import HfArgumentParser
+
+    parsed, = HfArgumentParser((DistCAArguments,)).parse_args_into_dataclasses(["--memory_budget", " None "])
+    assert parsed.plugin().resolved().memory_budget is None
+    assert DistCAPlugin(memory_budget="none").resolved().memory_budget is None
+    assert DistCAPlugin().resolved().memory_budget == SETTINGS["memory_budget"].default
+    assert DistCAArguments(memory_budget="0.3").plugin().resolved().memory_budget == 0.3
+    with pytest.raises(ValueError, match=r"invalid --memory_budget 'lots': distca memory_budget must be a number"):
+        DistCAArguments(memory_budget="lots").plugin()
+
 
 def test_timeout_is_bounded_where_datetime_timedelta_still_holds_it(monkeypatch):
     """A timeout of ~8.7e13 s or more overflows ``datetime.timedelta`` (a false DistCATimeoutError in

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import field, make_dataclass
 from typing import Literal, Optional
 
-from ..config import SETTINGS, read_setting_text
+from ..config import SETTINGS, read_setting_text, stands_for_none
 
 __all__ = ["DistCAArguments"]
 
@@ -36,7 +36,10 @@ def _flag_type(name: str, setting) -> type:
     if annotation.startswith("tuple[int"):
         return list[int]
     kinds = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
-    if len(kinds) == 1 and kinds[0] in _PLAIN_TYPES:
+    # a setting whose None is a value of its own, not its default (memory_budget None: unbounded), takes text
+    # ("none" as its variable spells it; a float flag refused it)
+    none_is_a_value = "None" in annotation and setting.default is not None
+    if len(kinds) == 1 and kinds[0] in _PLAIN_TYPES and not none_is_a_value:
         return _PLAIN_TYPES[kinds[0]]
     return str
 
@@ -69,6 +72,8 @@ def _plugin(self, **overrides):
 
     given = {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
     for name in _TEXT_SETTINGS & given.keys():
+        if stands_for_none(name, given[name]):  # kept as the word: the plugin's None means "not set"
+            continue
         try:
             given[name] = read_setting_text(name, str(given[name]))
         except ValueError as error:

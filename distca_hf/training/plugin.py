@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
+                      stands_for_none,
                       read_setting_text, reset_config, resolve, setting_problem)
 from ..state import STATE
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
@@ -224,8 +225,10 @@ class DistCAPlugin(_SettingFields):
     # -- resolution -------------------------------------------------------------------------------
 
     def code_settings(self) -> dict:
-        """The settings this plugin sets in code (its fields that are not ``None``)."""
-        return {name: getattr(self, name) for name in SETTINGS if getattr(self, name) is not None}
+        """The settings this plugin sets in code (its fields that are not ``None``; ``"none"`` stands for a
+        setting's own ``None``, ``config.stands_for_none``: ``memory_budget="none"`` is unbounded)."""
+        return {name: None if stands_for_none(name, value) else value for name in SETTINGS
+                if (value := getattr(self, name)) is not None}
 
     def resolved(self) -> DistCAConfig:
         """The settings this plugin puts in force (code > environment > file > defaults)."""
@@ -514,7 +517,7 @@ def _validate(values: dict, source: str) -> None:
     for name, value in values.items():
         if name not in checks:
             raise ValueError(f"{source}.{name}: unknown setting")
-        if value is None and checks[name].metadata.get("setting"):
+        if (value is None or stands_for_none(name, value)) and checks[name].metadata.get("setting"):
             continue
         problem = checks[name].metadata["check"](value)
         if problem:
