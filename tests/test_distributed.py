@@ -188,7 +188,9 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("bench", ["--tokens", str(10**12)], "--world x --tokens = 2000000000000 tokens"),
                                  ("bench", ["--trace", "/no/such/folder/t.json"], "--trace: the folder of"),
                                  ("bench", ["--long-tokens", "5"], "--long-tokens is for --workload long"),
-                                 ("bench", ["--no-ulysses"], "--no-ulysses is for --workload long")):
+                                 ("bench", ["--no-ulysses"], "--no-ulysses is for --workload long"),
+                                 ("bench", ["--workload", "balanced", "--short-docs", "4"],
+                                  "--short-docs is for --workload skewed or long (got --workload balanced)")):
         with pytest.raises(SystemExit):
             main([command, *flags])
         assert says in capsys.readouterr().err, (command, flags)

@@ -183,6 +183,9 @@ def run_cli(args, parser) -> int:
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, QUICK[name] if args.quick else value)
+    if args.short_docs is not None and not {"skewed", "long"} & set(str(args.workload).split(",")):
+        parser.error(f"--short-docs is for --workload skewed or long (got --workload {args.workload}): the others "
+                     "draw their documents")  # (ignored before)
     if args.short_docs is None:
         args.short_docs = max(1, args.tokens // 256)  # short documents of 256 tokens
     check_workload_names(args, parser)
