@@ -21,7 +21,7 @@ __version__ = "0.2.0"
 from importlib import import_module
 
 from . import _after_import, _moved
-from .config import DistCAConfig, configure, current_config, reset_config
+from .config import DistCAConfig, configure, configured, current_config, reset_config
 from .errors import (DistCAPeerError, DistCATimeoutError, DocumentBoundaryError, LaunchError,
                      UnsupportedAttentionError)
 
@@ -46,7 +46,7 @@ _after_import.install()
 
 __all__ = sorted([
     "DistCAConfig", "DistCAPeerError", "DistCATimeoutError", "DocumentBoundaryError", "LaunchError",
-    "UnsupportedAttentionError", "configure", "current_config", "reset_config", *_HOME,
+    "UnsupportedAttentionError", "configure", "configured", "current_config", "reset_config", *_HOME,
 ])
 
 
