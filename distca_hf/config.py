@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "stands_for_none", "read_setting_text", "is_integer", "plain_number", "FLAG_WORDS", "settings_fingerprint",
+           "setting_problem", "stands_for_none", "read_setting_text", "is_integer", "plain_number", "FLAG_WORDS",
+           "settings_fingerprint",
            "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
            "OVERLAP_MODES", "MODES", "KERNELS", "PIPELINE_SCHEDULES"]
 
@@ -293,8 +294,8 @@ class DistCAConfig:
              "nothing) when that is faster or the only way to fit; a fixed tolerance keeps its carving and "
              "falls back to 'resend'. The default 0.1 holds memory_imbalance within 1.10 on every batch of the "
              "shared samples at 8-512 ranks, at about a tenth of the speedup on the rows with documents spanning "
-             "many ranks (they need resend mode); None: unbounded ('none' in DistCAPlugin and the flags, whose None means "
-             "not set")
+             "many ranks (they need resend mode); None: unbounded ('none' in DistCAPlugin and the flags, whose "
+             "None means not set)")
     kv_cap: float | str | None = setting(
         None, env="DISTCA_KV_CAP", parse=_words({"none": None, "cp": "cp"}, float), check=_kv_cap_problem,
         help="a cap on the K/V one attention server receives per layer (forward; what 'saved' mode keeps for "

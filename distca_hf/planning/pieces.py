@@ -70,9 +70,9 @@ class DocumentPieces:
             if (self.doc < 0).any():
                 raise ValueError(f"document ids must be >= 0, got {int(self.doc.min())}")
             if int(self.doc.max()) >= self.doc.size + SPARE_DOCUMENT_IDS:
-                raise ValueError(f"document ids must be below {self.doc.size + SPARE_DOCUMENT_IDS} (the {self.doc.size} "
-                                 f"pieces + {SPARE_DOCUMENT_IDS}), got {int(self.doc.max())}: number documents from 0 "
-                                 "(planning sizes its per-document arrays by the largest id)")
+                raise ValueError(f"document ids must be below {self.doc.size + SPARE_DOCUMENT_IDS} (the "
+                                 f"{self.doc.size} pieces + {SPARE_DOCUMENT_IDS}), got {int(self.doc.max())}: number "
+                                 "documents from 0 (planning sizes its per-document arrays by the largest id)")
             if int(self.end.max()) > MAX_POSITION:
                 raise ValueError(f"a document reaches position {int(self.end.max())}; at most {MAX_POSITION} tokens "
                                  "(its pair counts would overflow int64)")

@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
-                      stands_for_none,
-                      read_setting_text, reset_config, resolve, setting_problem)
+                      read_setting_text, reset_config, resolve, setting_problem, stands_for_none)
 from ..state import STATE
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
