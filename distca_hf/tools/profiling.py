@@ -465,8 +465,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -116,7 +116,7 @@ class SFTPackedCollator(PackedCollator):
             raise ValueError(f"SFTPackedCollator: the items' label_pieces hold {targets.shape[1]} labels for "
                              f"{batch['input_ids'].shape[1]} tokens; each document needs one label per token")
         trained = targets.ne(IGNORE_INDEX)
-        if not torch.equal(targets[trained], batch["input_ids"][trained]):  # read as "trained" before, whatever they said
+        if not torch.equal(targets[trained], batch["input_ids"][trained]):  # (read as "trained" before)
             raise ValueError("SFTPackedCollator: a label is neither -100 nor its token's id; the labels of TRL's "
                              "datasets mask tokens (-100: no target), each token is trained on the next one")
         next_trained = torch.tensor([[int(items[-1]["next_label"]) != IGNORE_INDEX]])
@@ -204,8 +204,8 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
                                       pad_token_id=tokenizer.pad_token_id)
         vocab = getattr(getattr(hf_model_of(self.model), "config", None), "vocab_size", None)
         if vocab is not None and self._packing.pad_token_id >= vocab:
-            raise ValueError(f"DistCASFTTrainer: the tokenizer's pad_token_id {self._packing.pad_token_id} is not below "
-                             f"the model's vocab_size {vocab}: filler rows would fail in the embedding")
+            raise ValueError(f"DistCASFTTrainer: the tokenizer's pad_token_id {self._packing.pad_token_id} is not "
+                             f"below the model's vocab_size {vocab}: filler rows would fail in the embedding")
         self._layout = {"world_size": world, "span_ranks": self.span_ranks,
                         "server_groups": server_groups if self.span_ranks else None}
         # token ids at or past the vocabulary refused by name (an IndexError in the embedding before)

@@ -65,9 +65,9 @@ class PackedCollator:
             flat = item["input_ids"]
             if (isinstance(flat, (list, tuple)) and flat and is_integer(flat[0])) or \
                     (isinstance(flat, torch.Tensor) and flat.dim() == 1):
-                raise ValueError(f"PackedCollator: item {index}'s input_ids is one flat list of token ids; the collator "
-                                 "reads the rows of PackedDataset / StreamingPackedDataset (input_ids: a list of pieces, "
-                                 "each a token-id list): pack the documents with one of them first")
+                raise ValueError(f"PackedCollator: item {index}'s input_ids is one flat list of token ids; the "
+                                 "collator reads the rows of PackedDataset / StreamingPackedDataset (input_ids: a list "
+                                 "of pieces, each a token-id list): pack the documents with one of them first")
             if "labels" in item:  # dropped without a word before (its -100 masks lost)
                 raise ValueError(f"PackedCollator: item {index} has labels, which it does not read: its labels are the "
                                  "pieces' next tokens; to mask tokens (a prompt), use distca_hf.training.trl's "
