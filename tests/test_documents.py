@@ -147,6 +147,10 @@ def test_from_lengths_validates():
     (dict(batch_size=0, query_len=4, kv_len=4), "batch_size must be an integer >= 1"),
     (dict(batch_size=2.0, query_len=4, kv_len=4), "batch_size must be an integer >= 1"),
     (dict(batch_size=1, query_len=4, kv_len=4, position_ids=[0, 1, 0, 1]), "position_ids must be an integer tensor"),
+    # a list beside a KV cache or cu_seq_lens was ignored without a word
+    (dict(batch_size=1, query_len=2, kv_len=5, position_ids=[3, 4]), "position_ids must be an integer tensor"),
+    (dict(batch_size=1, query_len=2, kv_len=2, position_ids=[[0, 1]], cu_seq_lens_q=torch.tensor([0, 2]),
+          cu_seq_lens_k=torch.tensor([0, 2])), "position_ids must be an integer tensor"),
     (dict(batch_size=1, query_len=3, kv_len=3, position_ids=torch.tensor([[True, False, True]])),
      "position_ids must be integers"),
 ])

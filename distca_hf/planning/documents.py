@@ -101,6 +101,9 @@ def find_documents(
         if not is_integer(value) or value < 1:
             raise DocumentBoundaryError(f"{name} must be an integer >= 1 (the attention call's shape), got {value!r}")
     mask = _check_mask(attention_mask, batch_size, kv_len)
+    if position_ids is not None and not torch.is_tensor(position_ids):  # (ignored on the two paths below before)
+        raise DocumentBoundaryError(f"position_ids must be an integer tensor [batch or 1, {query_len}], got "
+                                    f"{type(position_ids).__name__}")
     if kv_len != query_len:
         if kv_len < query_len:
             raise DocumentBoundaryError(
