@@ -136,10 +136,13 @@ def test_split_document_and_flops():
 
 
 def test_from_lengths_validates():
-    with pytest.raises(DocumentBoundaryError):
-        from distca_hf import PackedDocuments
+    from distca_hf import PackedDocuments
 
-        PackedDocuments.from_lengths([3, 0])
+    # [2.5, 3.7] became [2, 3]; "3" and True were read as lengths: before
+    for lengths, index in (([3, 0], 1), ([2.5, 3.7], 0), (["3"], 0), ([True, True], 0), ([2**63], 0)):
+        with pytest.raises(DocumentBoundaryError, match=rf"document lengths\[{index}\] is .*integer >= 1 token"):
+            PackedDocuments.from_lengths(lengths)
+    assert PackedDocuments.from_lengths(np.array([3, 4])).lengths.tolist() == [3, 4]
     assert np.array_equal(find_documents(1, 7, 7, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1]])).lengths, [3, 2, 2])
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..config import is_integer
 from ..errors import DocumentBoundaryError
+from .cost import check_document_lengths
 
 __all__ = ["PackedDocuments", "DocumentBoundaryError", "check_cu_seq_lens", "check_positions_agree", "find_documents"]
 
@@ -65,9 +66,10 @@ class PackedDocuments:
     @classmethod
     def from_lengths(cls, lengths) -> "PackedDocuments":
         """Documents laid end to end in one stream, with no padding and no cache."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.ndim != 1 or (lengths <= 0).any():
-            raise DocumentBoundaryError(f"document lengths must be positive integers, got {lengths.tolist()}")
+        try:  # integers only: [2.5, 3.7] became [2, 3], "3" and True were read as numbers, before
+            lengths = check_document_lengths(lengths, "document lengths", minimum=1)
+        except ValueError as e:
+            raise DocumentBoundaryError(str(e)) from None
         starts = np.cumsum(lengths) - lengths
         total = int(lengths.sum())
         return cls(lengths, np.zeros_like(lengths), starts, starts.copy(), total, total)
