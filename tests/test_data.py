@@ -670,6 +670,8 @@ def test_rank_layout_and_sampler_refuse_bad_input():
     for seed in (None, 2**64):  # 2**64 overflowed when iterated
         with pytest.raises(ValueError, match="seed must be an integer"):
             GlobalBatchSampler(4, 4, seed=seed)
+    with pytest.raises(ValueError, match="epoch must be an integer from 0"):  # a raw TypeError before
+        GlobalBatchSampler(4, 4).set_epoch(None)
     with pytest.raises(ValueError, match="world_size must be an integer from 1 to 2147483647"):
         RankLayout.for_ranks(10**12)  # ran for ever
     for groups in ("01", ["0", "1"], [[0.5], [1]]):  # "01" was read as [[0], [1]]

@@ -44,7 +44,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = check_integer("epoch", epoch, 0)  # (a raw TypeError for None before)
 
     def block_order(self) -> list[int]:
         blocks = self.num_items // self.world_size
