@@ -5,8 +5,8 @@ from the same all-gathered lengths, and all of it is tested without processes. T
 data-path order; each imports only modules above it (``tests/test_structure.py`` checks it, and
 that no import, at module level or inside a function, closes a circle):
 
-    documents  boundaries of packed documents in one rank's micro-batch (``find_documents``)
     cost       pairs, FLOPs, bytes per token, imbalance and the time model (one home per formula)
+    documents  boundaries of packed documents in one rank's micro-batch (``find_documents``)
     ranges     integer index helpers: concatenated ranges, a fast lexsort of integer keys
     tasks      CA-tasks (a query shard + its K/V prefix) and fused varlen batches
     pieces     every rank's documents as pieces, the planner's input
