@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "stands_for_none", "read_setting_text", "is_integer", "plain_number", "FLAG_WORDS",
-           "settings_fingerprint",
+           "setting_problem", "stands_for_none", "read_setting_text", "is_integer", "is_number", "plain_number",
+           "FLAG_WORDS", "settings_fingerprint",
            "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
            "OVERLAP_MODES", "MODES", "KERNELS", "PIPELINE_SCHEDULES"]
 
@@ -90,24 +90,25 @@ def _stripped(text: str) -> str:
 
 # ---- checks: each returns what is wrong, as "must be ..., got ...", or None ----
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """Whether ``value`` is a finite real number (numpy's too), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _tolerance_problem(value):
-    if value != "auto" and not (_is_number(value) and value >= 0):
+    if value != "auto" and not (is_number(value) and value >= 0):
         return (f"must be a finite number >= 0 (allowed max/mean - 1 of attention load) or 'auto' (plan by time), "
                 f"got {value!r}")
 
 
 def _memory_budget_problem(value):
-    if value is not None and not (_is_number(value) and value >= 0):
+    if value is not None and not (is_number(value) and value >= 0):
         return (f"must be a number >= 0 (the worst rank may hold (1 + memory_budget) x the mean over ranks of what "
                 f"they hold for attention's backward per layer) or None (unbounded), got {value!r}")
 
 
 def _kv_cap_problem(value):
-    if value is not None and value != "cp" and not (_is_number(value) and value > 0):
+    if value is not None and value != "cp" and not (is_number(value) and value > 0):
         return (f"must be 'cp' (per-document CP's worst rank of the batch), a number of bytes > 0 (K/V one server may "
                 f"receive per layer) or None (no cap), got {value!r}")
 
@@ -175,7 +176,7 @@ def _time_model_contents_problem(path: str, mtime_ns: int, size: int) -> str | N
     except ValueError as e:
         return f"must be a `distca-hf profile` JSON file, got {str(path)!r} (not JSON: {e})"
     if not isinstance(data, dict) or not all(
-            _is_number(data.get(k)) for k in ("linear_s_per_token", "attn_s_per_pair")):
+            is_number(data.get(k)) for k in ("linear_s_per_token", "attn_s_per_pair")):
         return (f"must be a `distca-hf profile` JSON file, got {str(path)!r} (no object with numbers "
                 "linear_s_per_token and attn_s_per_pair)")
     return None
@@ -210,7 +211,7 @@ timeout at all (c10d's ``kNoTimeout``): a shorter one would wait forever."""
 
 
 def _timeout_problem(value):
-    if not (_is_number(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+    if not (is_number(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
         return (f"must be a number of seconds from 0.001 (torch waits in whole milliseconds; 0 ms would mean no "
                 f"timeout) to 1e9 (about 31 years), got {value!r}")
 

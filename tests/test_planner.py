@@ -236,6 +236,9 @@ def test_planner_config_takes_numpy_numbers_as_python_ones_and_refuses_bools():
         PlannerConfig(token_bytes=5)  # (failed at plan time: 'int' object has no attribute 'q')
     with pytest.raises(ValueError, match="base_pairs must be finite numbers"):
         PlannerConfig(base_pairs="12")  # (was read as (1.0, 2.0))
+    for bad in (["a"], [None], {1: 2}, [True]):  # raw float() errors, a dict's keys taken as (1.0,): before
+        with pytest.raises(ValueError, match="base_pairs must be finite numbers"):
+            PlannerConfig(base_pairs=bad)
     with pytest.raises(TypeError, match="plan_tasks takes DocumentPieces"):
         plan_tasks([[100, 50], [30]], PlannerConfig())
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import plain_number, setting_problem
+from ..config import is_number, plain_number, setting_problem
 from .cost import (H100_MEASURED, LLAMA3_8B_BYTES, TimeModel, TokenBytes, causal_pairs, check_window, end_with_pairs,
                    key_start, start_with_pairs, tile_pairs)
 from .pieces import DocumentPieces
@@ -119,8 +119,8 @@ class PlannerConfig:
         if type(self.exposed_comm) not in (int, float) or not 0.0 <= self.exposed_comm <= 1.0:  # (no bool)
             raise ValueError(f"exposed_comm must be a fraction in [0, 1], got {self.exposed_comm!r}")
         if self.base_pairs is not None:  # (a string is no list of numbers: "12" is not (1.0, 2.0))
-            listed = hasattr(self.base_pairs, "__iter__") and not isinstance(self.base_pairs, (str, bytes))
-            base = tuple(float(b) for b in self.base_pairs) if listed else (-1.0,)
+            listed = isinstance(self.base_pairs, (list, tuple, np.ndarray)) and np.ndim(self.base_pairs) == 1  # no dict
+            base = tuple(float(b) if is_number(b) else -1.0 for b in self.base_pairs) if listed else (-1.0,)
             if not all(np.isfinite(b) and b >= 0 for b in base):
                 raise ValueError(f"base_pairs must be finite numbers >= 0 (one per rank), got {self.base_pairs!r}")
             object.__setattr__(self, "base_pairs", base)
