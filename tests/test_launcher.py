@@ -47,6 +47,7 @@ def test_bad_section_stops_before_launching(tmp_path):
     assert result.returncode != 0
     assert "backward" in result.stderr and "later" in result.stderr
 
+
 def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
     from distca_hf.tools.launch import main
 

@@ -93,6 +93,7 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
     """Too few micro-batches for 1f1b are refused by the plugin (not at the first step), naming the
     setting and both numbers; pipeline settings without stages warn that they do nothing."""
     from accelerate import ParallelismConfig
+
     with pytest.raises(ValueError, match=r"DistCAPlugin\(pipeline_parallel_size=4\): pipeline_schedule='1f1b' needs "
                                          r"at least 4 micro-batches .* got pipeline_micro_batches=3"):
         DistCAPlugin(pipeline_parallel_size=4, pipeline_micro_batches=3)
