@@ -18,6 +18,7 @@ the loss over the targets the dataset's labels allow, a plain SGD step; losses a
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -376,16 +377,19 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
 
     # what DistCATrainer refused and this trainer took (an IndexError in the embedding, TRL's StopIteration, a
     # loss of 0 trained on, labels read as "trained" whatever they said), refused by name
-    def trainer(dataset, vocab=len(tokenizer)):
+    def trainer(dataset, vocab=len(tokenizer), processing_class=tokenizer):
         return DistCASFTTrainer(model=_model("distca", vocab), args=SFTConfig(**good), train_dataset=dataset,
-                                processing_class=tokenizer)
+                                processing_class=processing_class)
 
     with pytest.raises(ValueError, match="DistCASFTTrainer: train_dataset holds no documents"):
         trainer(datasets.Dataset.from_dict({"input_ids": []}))
     with pytest.raises(ValueError, match="train_dataset has nothing to learn"):
         trainer(datasets.Dataset.from_dict({"input_ids": [[5], [6]]}))
-    with pytest.raises(ValueError, match="pad_token_id .* is not below the model's vocab_size"):
-        trainer(documents, vocab=tokenizer.pad_token_id)
+    padded = copy.deepcopy(tokenizer)  # a pad token added, the embeddings not resized
+    padded.add_special_tokens({"pad_token": "<pad>"})
+    with pytest.raises(ValueError, match=rf"the tokenizer's pad_token_id={len(tokenizer)} is not below the model's "
+                                         rf"vocab_size {len(tokenizer)}"):
+        trainer(documents, processing_class=padded)
     small = trainer(documents, vocab=len(tokenizer))
     small.data_collator.vocab_size = 3
     with pytest.raises(ValueError, match="is not below the model's vocab_size 3"):

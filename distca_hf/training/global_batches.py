@@ -14,6 +14,9 @@ ranks"). ``GlobalBatchTrainerMixin`` holds, once, what follows from that for the
 - packed items reach ``PackedCollator`` whole (their keys are not model arguments);
 - the evaluation loss is the exact mean over every target token of the set, whatever rank holds it.
 
+Both trainers also check their model and packed data alike (``model_vocab_size``,
+``check_pad_token_id``, ``check_has_documents``: one wording for both).
+
 A subclass lists its packed dataset classes in ``packed_dataset_types`` and sets ``distca_plugin``
 and ``distca`` (``DistCAPlugin.attach``'s groups) before calling ``_choose_span_ranks``.
 """
@@ -28,7 +31,38 @@ import torch
 from ..config import SETTINGS, configured
 from .packing import GlobalBatchSampler, PackedCollator
 
-__all__ = ["GlobalBatchTrainerMixin"]
+__all__ = ["GlobalBatchTrainerMixin", "model_vocab_size", "check_pad_token_id", "check_has_documents"]
+
+
+# -- what both trainers check of the model and the packed data (one home, one wording) -------------
+
+def model_vocab_size(model) -> int | None:
+    """The model's ``config.vocab_size`` (None when it has none: a ``model_init`` trainer's model)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def check_pad_token_id(pad_token_id: int, vocab: int | None, *, source: str) -> None:
+    """Refuse a pad id (``source`` names where it came from) at or past the model's vocabulary: filler
+    rows would fail inside the embedding."""
+    if vocab is not None and pad_token_id >= vocab:
+        raise ValueError(f"{source}={pad_token_id} is not below the model's vocab_size {vocab}: filler rows would "
+                         "fail in the embedding; use the tokenizer's pad token id")
+
+
+def check_has_documents(packed, argument: str, *, trainer: str, training: bool) -> None:
+    """A ``PackedDataset`` that packs into no row would end in torch's ``num_samples=0`` (train) or
+    evaluate nothing: say which ``argument`` of ``trainer`` and why. A training set must also hold a
+    label token (a document of two tokens or more), or the loss would be 0 / 0."""
+    report = packed.report
+    if len(packed) == 0:
+        why = ("it holds no documents" if report.documents == 0 else
+               f"all {report.documents} of its documents are empty (input_ids of no token)")
+        raise ValueError(f"{trainer}: {argument} has no documents to {'train on' if training else 'evaluate'}: "
+                         f"{why}; give it tokenized documents (an 'input_ids' column of token-id lists)")
+    if training and packed.label_tokens() == 0:
+        raise ValueError(f"{trainer}: {argument} has nothing to learn: none of its {report.documents} documents "
+                         "has two tokens or more, so no token has a next token to predict")
 
 
 class GlobalBatchTrainerMixin:

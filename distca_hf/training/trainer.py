@@ -71,7 +71,7 @@ from ..runtime import plan_stats
 from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cpu, prepare_training_arguments,
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
-from .global_batches import GlobalBatchTrainerMixin
+from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
 from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming
 from .pipeline import pipeline_targets
 from .pipeline_trainer import PipelineTrainerMixin
@@ -136,7 +136,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             args.accelerator_config.dispatch_batches = False
         # The datasets are packed once the server groups exist (below): how many ranks share a
         # global batch decides the packing.
-        vocab = _vocab_size(model)
+        vocab = model_vocab_size(model)
         super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(vocab),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
@@ -173,9 +173,8 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if pipelined:
             layout.update(self._pipeline_packing_layout())
         self._packing, self._layout = packing, layout  # (for datasets given to evaluate() / predict() later)
-        if packing is not None and vocab is not None and packing.pad_token_id >= vocab:
-            raise ValueError(f"PackingConfig.pad_token_id={packing.pad_token_id} is not below the model's vocab_size "
-                             f"{vocab}: filler rows would fail in the embedding; use the tokenizer's pad token id")
+        if packing is not None:
+            check_pad_token_id(packing.pad_token_id, vocab, source="PackingConfig.pad_token_id")
         self.train_dataset = self._packed(train_dataset, packing, layout, "train")
         if isinstance(eval_dataset, dict):
             self.eval_dataset = {name: self._packed(d, packing, layout, f"eval_{name}")
@@ -242,7 +241,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         else:
             packed = PackedDataset(dataset, packing, **layout)
         if isinstance(packed, PackedDataset):
-            _check_has_documents(packed, name)
+            check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
             report = packed.report
             if report.cut_documents:  # (documented, but it changes what trains: said once, with the count)
                 warnings.warn(f"DistCATrainer: {report.cut_documents} of the {report.documents} documents of "
@@ -416,22 +415,6 @@ def _argument_name(name: str) -> str:
     return f"{name}_dataset"
 
 
-def _check_has_documents(packed: PackedDataset, name: str) -> None:
-    """A dataset that packs into no row would end in torch's ``num_samples=0`` (train) or evaluate
-    nothing: say which argument and why. A training set must also hold a label token (a document of
-    two tokens or more), or the loss would be 0 / 0."""
-    report = packed.report
-    if len(packed) == 0:
-        why = ("it holds no documents" if report.documents == 0 else
-               f"all {report.documents} of its documents are empty (input_ids of no token)")
-        raise ValueError(f"DistCATrainer: {_argument_name(name)} has no documents to "
-                         f"{'train on' if name == 'train' else 'evaluate'}: {why}; give it tokenized documents "
-                         "(an 'input_ids' column of token-id lists)")
-    if name == "train" and packed.label_tokens() == 0:
-        raise ValueError(f"DistCATrainer: train_dataset has nothing to learn: none of its {report.documents} documents "
-                         "has two tokens or more, so no token has a next token to predict")
-
-
 def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
     raw = not (is_streaming(dataset) or isinstance(dataset, PackedDataset))
     if raw:
@@ -486,12 +469,6 @@ def _check_no_masks(dataset, name: str) -> None:
 
 def _as_list(values) -> list:
     return values.tolist() if hasattr(values, "tolist") else list(values)
-
-
-def _vocab_size(model) -> int | None:
-    """The model's ``config.vocab_size`` (None when it has none: a ``model_init`` trainer's model)."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
 
 
 def _prepare_model(model) -> None:

@@ -47,7 +47,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
-from .global_batches import GlobalBatchTrainerMixin
+from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
 from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, is_streaming
 from .plugin import DistCAPlugin
 
@@ -202,19 +202,15 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         self._packing = PackingConfig(tokens_per_rank=self.args.max_length, length_aware=True,
                                       seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
                                       pad_token_id=tokenizer.pad_token_id)
-        vocab = getattr(getattr(hf_model_of(self.model), "config", None), "vocab_size", None)
-        if vocab is not None and self._packing.pad_token_id >= vocab:
-            raise ValueError(f"DistCASFTTrainer: the tokenizer's pad_token_id {self._packing.pad_token_id} is not "
-                             f"below the model's vocab_size {vocab}: filler rows would fail in the embedding")
+        vocab = model_vocab_size(hf_model_of(self.model))
+        check_pad_token_id(self._packing.pad_token_id, vocab, source="DistCASFTTrainer: the tokenizer's pad_token_id")
         self._layout = {"world_size": world, "span_ranks": self.span_ranks,
                         "server_groups": server_groups if self.span_ranks else None}
         # token ids at or past the vocabulary refused by name (an IndexError in the embedding before)
         self.data_collator = SFTPackedCollator(vocab_size=vocab)
         self.train_dataset = self._pack(self.train_dataset, "train")
-        if self.train_dataset.rows.label_tokens() == 0:  # (trained silently at loss 0 before)
-            raise ValueError(f"DistCASFTTrainer: train_dataset has nothing to learn: none of its "
-                             f"{self.train_dataset.report.documents} documents has two tokens or more, so no token has "
-                             "a next token to predict")
+        # (trained silently at loss 0 before)
+        check_has_documents(self.train_dataset.rows, "train_dataset", trainer="DistCASFTTrainer", training=True)
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {name: self._pack(d, f"eval_{name}") for name, d in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
