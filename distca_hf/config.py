@@ -28,9 +28,8 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "stands_for_none", "read_setting_text", "is_integer", "is_number", "plain_number",
-           "FLAG_WORDS", "settings_fingerprint",
-           "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
+           "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
+           "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
            "OVERLAP_MODES", "MODES", "KERNELS", "PIPELINE_SCHEDULES"]
 
 BACKWARD_MODES = ("saved", "resend")
@@ -380,12 +379,17 @@ SETTINGS = {f.name: f for f in fields(DistCAConfig) if "check" in f.metadata}
 """name -> dataclass field of every setting; ``field.metadata`` holds env, parse, check, help, agree."""
 
 
+def none_is_a_value(name: str) -> bool:
+    """Whether setting ``name`` takes ``None`` as a value of its own rather than as its default
+    (``memory_budget``: unbounded). ``DistCAPlugin`` fields and ``DistCAArguments`` flags, whose ``None``
+    means "not set", spell that value ``"none"`` (``stands_for_none``)."""
+    setting = SETTINGS.get(name)
+    return setting is not None and setting.default is not None and setting.metadata["check"](None) is None
+
+
 def stands_for_none(name: str, value) -> bool:
-    """Whether ``value`` is the word ``"none"`` (any case) given to a setting whose ``None`` is a value of
-    its own rather than its default (``memory_budget``: unbounded). ``DistCAPlugin`` fields and
-    ``DistCAArguments`` flags spell that value so, since their ``None`` means "not set"."""
-    return (isinstance(value, str) and value.strip().lower() == "none" and name in SETTINGS
-            and SETTINGS[name].default is not None and SETTINGS[name].metadata["check"](None) is None)
+    """Whether ``value`` is the word ``"none"`` (any case) given to a setting of ``none_is_a_value``."""
+    return isinstance(value, str) and value.strip().lower() == "none" and none_is_a_value(name)
 
 
 def setting_problem(name: str, value) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import field, make_dataclass
 from typing import Literal, Optional
 
-from ..config import SETTINGS, read_setting_text, stands_for_none
+from ..config import SETTINGS, none_is_a_value, read_setting_text, stands_for_none
 
 __all__ = ["DistCAArguments"]
 
@@ -36,10 +36,9 @@ def _flag_type(name: str, setting) -> type:
     if annotation.startswith("tuple[int"):
         return list[int]
     kinds = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
-    # a setting whose None is a value of its own, not its default (memory_budget None: unbounded), takes text
-    # ("none" as its variable spells it; a float flag refused it)
-    none_is_a_value = "None" in annotation and setting.default is not None
-    if len(kinds) == 1 and kinds[0] in _PLAIN_TYPES and not none_is_a_value:
+    # a setting whose None is a value of its own takes text ("none" as its variable spells it; a float flag
+    # refused it)
+    if len(kinds) == 1 and kinds[0] in _PLAIN_TYPES and not none_is_a_value(name):
         return _PLAIN_TYPES[kinds[0]]
     return str
 

@@ -28,7 +28,7 @@ with ``DistCAPlugin.from_environment()``), or keep the section in a second file
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
 import warnings
 from collections.abc import Mapping
@@ -62,10 +62,6 @@ class DistCAGroups:
     server_ranks: tuple[int, ...]
     group: object
     config: DistCAConfig
-
-
-_IGNORED_PIPELINE_SETTINGS = "pipeline_parallel_size is 1"
-"""The words of the warning about pipeline settings given without stages (``_check_pipeline_settings``)."""
 
 
 def _positive_int_problem(optional: bool):
@@ -144,14 +140,7 @@ class DistCAPlugin(_SettingFields):
             raise ValueError(f"DistCAPlugin.file_settings must be a dict of settings (the distca: section), got "
                              f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
-        unknown = sorted(set(self.file_settings) - set(SETTINGS), key=str)
-        if unknown:
-            fields = [name for name in unknown if name in {f.name for f in _checked_fields()}]
-            hint = (f"; {fields} are DistCAPlugin fields: pass them as keyword arguments (from_accelerate_config "
-                    "does so for a file's)") if fields else ""
-            raise ValueError(f"DistCAPlugin.file_settings: unknown setting(s) {unknown}; it holds a distca: section's "
-                             f"settings, some of {sorted(SETTINGS)}{hint}")
-        _validate(self.file_settings, source="the distca: section")
+        _validate(self.file_settings, source="DistCAPlugin.file_settings", names=SETTINGS)  # (settings only)
         config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
         self._check_pipeline_settings(config)
@@ -163,7 +152,7 @@ class DistCAPlugin(_SettingFields):
         said = [name for name in ("pipeline_schedule", "pipeline_micro_batches")
                 if getattr(self, name) is not None or name in self.file_settings]
         if self.pipeline_parallel_size == 1 and said:
-            warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but {_IGNORED_PIPELINE_SETTINGS}, so no pipeline "
+            warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
                           "to train in stages", stacklevel=4)
         if self.pipeline_parallel_size > 1 and config.pipeline_micro_batches is not None:
@@ -197,9 +186,12 @@ class DistCAPlugin(_SettingFields):
             _check_agree(_sizes_of_parallelism_config(self.parallelism_config, "DistCAPlugin.parallelism_config"),
                          theirs)
             return self
-        with warnings.catch_warnings():  # said when this plugin was made; a ParallelismConfig sets no stages
-            warnings.filterwarnings("ignore", message=f".*{_IGNORED_PIPELINE_SETTINGS}")
-            return dataclasses.replace(self, parallelism_config=parallelism_config)
+        # this plugin with the config, checked as __post_init__ checks it; the rest was checked (and its
+        # warnings said) when this plugin was made, and a ParallelismConfig changes none of it
+        joined = copy.copy(self)
+        joined.parallelism_config, joined.file_settings = parallelism_config, dict(self.file_settings)
+        joined.parallel_sizes()
+        return joined
 
     # -- construction from files ------------------------------------------------------------------
 
@@ -509,13 +501,19 @@ def read_distca_section(path: str | os.PathLike) -> dict:
     return section
 
 
-def _validate(values: dict, source: str) -> None:
+def _validate(values: dict, source: str, *, names=None) -> None:
     """Check each value with its field's check; the message names it (``source.name``). ``None``
-    means "not set" for a setting."""
-    checks = {f.name: f for f in _checked_fields()}
+    means "not set" for a setting. ``names``: the fields ``values`` may hold (default: every checked
+    field); others are refused together, a plugin field given where only settings go named as such
+    (a ``TypeError`` later, before)."""
+    checks = {f.name: f for f in _checked_fields() if names is None or f.name in names}
+    unknown = sorted((name for name in values if name not in checks), key=str)
+    if unknown:
+        fields_given = [name for name in unknown if name in {f.name for f in _checked_fields()}]
+        hint = (f"; {fields_given} are DistCAPlugin fields: pass them as keyword arguments (from_accelerate_config "
+                "does so for a file's)") if fields_given else ""
+        raise ValueError(f"{source}: unknown setting(s) {unknown}; expected some of {sorted(checks)}{hint}")
     for name, value in values.items():
-        if name not in checks:
-            raise ValueError(f"{source}.{name}: unknown setting")
         if (value is None or stands_for_none(name, value)) and checks[name].metadata.get("setting"):
             continue
         problem = checks[name].metadata["check"](value)
