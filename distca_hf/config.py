@@ -29,8 +29,9 @@ from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
            "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
-           "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS", "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES",
-           "OVERLAP_MODES", "MODES", "KERNELS", "PIPELINE_SCHEDULES"]
+           "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS",
+           "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
+           "PIPELINE_SCHEDULES"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
