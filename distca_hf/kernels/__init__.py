@@ -393,11 +393,6 @@ def varlen_attention_forward(
     kernel = _kernel_for(q, backend, variant)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     flags = _full_flags(full, cu_seqlens_q.numel() - 1)
-    if flags is None and cu_seqlens_q.device.type == "cpu" and cu_seqlens_k.device.type == "cpu" \
-            and bool((cu_seqlens_k.diff() < cu_seqlens_q.diff()).any()):
-        # bottom-right aligned: a causal task's first query sees its keys' first (the math kernel gave NaN)
-        raise ValueError("every causal CA-task needs lk >= lq (its queries see the keys of their prefix and "
-                         f"themselves); cu_seqlens_q {cu_seqlens_q.tolist()}, cu_seqlens_k {cu_seqlens_k.tolist()}")
     if flags is not None:
         with torch.no_grad():
             return _forward_with_full(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

@@ -35,6 +35,8 @@ def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: i
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if causal and lk < lq:  # (its first queries saw no key: NaN rows, before)
+            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
         span = lk if window is None else min(lk, window)
         rows = max(1, SCORE_ELEMENTS // max(1, num_heads * span))
         offset = lk - lq if causal else lk - 1  # the key column of the task's first query (bottom-right)
