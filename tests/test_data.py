@@ -248,6 +248,15 @@ def test_pack_rows_refuses_negative_and_fractional_lengths_naming_the_document()
         pack_rows([True, 2], config)
     rows, report = pack_rows(np.array([3, 0, 5]), config)  # numpy integers and empty documents are fine
     assert report.tokens == 8 and report.empty_documents == 1
+    # its other arguments (a dict config was an AttributeError; step_batches=0 or 2.5 and full_rows="no" were
+    # taken as given, full_rows="no" padding every row)
+    with pytest.raises(TypeError, match="config must be a PackingConfig, got dict"):
+        pack_rows([3], {"tokens_per_rank": 8})
+    for bad in (0, 2.5, 10**40):
+        with pytest.raises(ValueError, match=r"step_batches must be an integer from 1 to"):
+            pack_rows([3], config, step_batches=bad)
+    with pytest.raises(ValueError, match="full_rows must be True or False, got 'no'"):
+        pack_rows([3], config, full_rows="no")
 
 
 def test_collator_refuses_padding_outside_the_item_and_non_integer_keys():

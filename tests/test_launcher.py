@@ -54,6 +54,11 @@ def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
     for path, words in ((tmp_path, "is a folder; name the YAML file in it"), (tmp_path / "none.yaml", "does not exist")):
         with pytest.raises(SystemExit, match=f"distca-hf launch: error: --config_file: distca config file .*{words}"):
             main(["--config_file", str(path), "nothing.py"])
+    twice = tmp_path / "twice.yaml"  # accelerate's own keys too: accelerate would keep the last one
+    twice.write_text("num_processes: 2\nmixed_precision: 'no'\nnum_processes: 4\n")
+    with pytest.raises(SystemExit, match=r"--config_file: .*twice.yaml: not valid YAML: key 'num_processes' is given "
+                                         r"twice \(lines 1 and 3\)"):
+        main(["--config_file", str(twice), "nothing.py"])
 
 
 @pytest.mark.distributed

@@ -186,6 +186,13 @@ def test_yaml_section_errors_name_file_and_key(tmp_path):
         DistCAPlugin.from_accelerate_config(tmp_path / "missing.yaml")
     with pytest.raises(IsADirectoryError, match="is a folder; name the YAML file in it"):  # "does not exist" before
         DistCAPlugin.from_accelerate_config(tmp_path)
+    # a key written twice: YAML keeps the last one, so the first setting was dropped without a word
+    path.write_text("distca:\n  tolerance: 0.1\n  overlap: wave\n  tolerance: 0.3\n")
+    with pytest.raises(ValueError, match=r"cfg.yaml: not valid YAML: key 'tolerance' is given twice \(lines 2 and 4\)"):
+        DistCAPlugin.from_accelerate_config(path)
+    # a YAML merge key may be overridden: not a duplicate
+    path.write_text("base: &b {num_processes: 2}\njob:\n  <<: *b\n  num_processes: 4\ndistca:\n  tolerance: 0.2\n")
+    assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == 0.2
 
 
 # -- recipes as Accelerate reads them ---------------------------------------------------------------

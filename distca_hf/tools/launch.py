@@ -28,13 +28,10 @@ CONFIG_FILE_VARIABLE = "DISTCA_CONFIG_FILE"
 
 def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
     """``(accelerate settings, distca section)`` of a YAML config file; the section is validated."""
-    import yaml
-
-    from ..training.plugin import read_distca_section
+    from ..training.plugin import load_config_yaml, read_distca_section
 
     section = read_distca_section(path)  # checks the file, the mapping and every distca key
-    with open(path, encoding="utf-8") as f:
-        document = yaml.safe_load(f) or {}
+    document = load_config_yaml(path) or {}
     document.pop("distca", None)
     return document, section
 

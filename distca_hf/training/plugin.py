@@ -455,20 +455,41 @@ def _document(cls) -> str:
 DistCAPlugin.__doc__ = _document(DistCAPlugin)
 
 
-def read_distca_section(path: str | os.PathLike) -> dict:
-    """The ``distca:`` mapping of a YAML file (empty when absent), with its keys checked."""
+def load_config_yaml(path: str | os.PathLike):
+    """The YAML document of a config file (``yaml.safe_load``'s), refusing a key given twice in one
+    mapping: YAML keeps the last one, so a setting written twice would silently lose the first."""
     import yaml
 
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # (a merge key "<<" may be overridden; safe_load refuses unhashable keys itself)
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (lines {seen[key]} and {line}); keep one",
+                        key_node.start_mark)
+                seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            return yaml.load(f, Loader=UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+
+
+def read_distca_section(path: str | os.PathLike) -> dict:
+    """The ``distca:`` mapping of a YAML file (empty when absent), with its keys checked."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"distca config file {str(path)!r} is a folder; name the YAML file in it")
     if not path.is_file():
         raise FileNotFoundError(f"distca config file {str(path)!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        try:
-            document = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
+    document = load_config_yaml(path)
     if document is None:
         return {}
     if not isinstance(document, dict):

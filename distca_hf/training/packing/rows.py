@@ -347,7 +347,10 @@ def pack_rows(lengths: Sequence[int], config: PackingConfig, *, group_size: int 
     has exactly ``tokens_per_rank`` tokens, the free room of a global batch filled with padding
     documents (key ``PADDING``, no labels) at the end of its token stream. ``step_batches``: global
     batches per optimizer step, balanced together when ``config.balance_micro_batches``."""
+    if not isinstance(config, PackingConfig):
+        raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
     group_size = check_positive("group_size", group_size)
+    full_rows, step_batches = check_flag("full_rows", full_rows), check_positive("step_batches", step_batches)
     lengths = _check_lengths(lengths)
     order = list(range(len(lengths)))
     if config.shuffle:
