@@ -16,5 +16,5 @@
     kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side
     docs_reference    the generated pages of docs/ (the settings and command-line references): ``make docs``
     output_paths      the files the commands write (``--out``, ``--plot``, ``--trace``), checked before they run
-    machine_limits    the processes (``--world``) and threads (``--threads``) a command may ask of this machine
+    machine_limits    the processes (``--world``), threads (``--threads``) and memory a command may ask of this machine
 """

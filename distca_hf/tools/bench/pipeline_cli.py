@@ -8,9 +8,9 @@ import json
 import os
 
 from ...planning.cost import batch_tokens_problem
-from ..machine_limits import threads_problem, world_problem
+from ..machine_limits import memory_problem, threads_problem, world_problem
 from . import processes
-from .model import MODEL_DEFAULTS
+from .model import MODEL_DEFAULTS, bench_model_bytes
 from .pipeline import PIPELINE_DEFAULTS, UNSUPPORTED
 from .pipeline_reports import format_pipeline_table, summarize_pipeline
 from .pipeline_worker import run_pipeline_rank
@@ -25,8 +25,13 @@ def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     problem = batch_tokens_problem(args.world, args.tokens, ("--world", "--tokens")) or threads_problem(args.threads)
-    if not problem and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):  # spawned here, not by torchrun
+    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if not problem and not under_torchrun:  # spawned here, not by torchrun
         problem = world_problem(args.world)
+    if not problem and args.heads <= args.hidden:
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", args.world)) if under_torchrun else args.world
+        problem = memory_problem(bench_model_bytes(args, stages=args.pipeline_parallel or 1), here,
+                                 "--hidden, --intermediate, --layers, --vocab and --tokens", args.device)
     if problem:
         parser.error(problem)
 
