@@ -31,7 +31,7 @@ __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_confi
            "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
            "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS",
            "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
-           "PIPELINE_SCHEDULES"]
+           "PIPELINE_SCHEDULES", "INT32_MAX"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -134,13 +134,14 @@ def _kv_relays_problem(value):
                 f"servers need goes along trees of that fanout), got {value!r}")
 
 
-MAX_BLOCK = 2**31 - 1
-"""The largest ``block``: token offsets are int32 in the kernels' ``cu_seqlens``."""
+INT32_MAX = 2**31 - 1
+"""The largest token count, offset or id the package takes (``block``, packing's sizes): token offsets
+are int32 in the kernels' ``cu_seqlens``, token ids in the embedding."""
 
 
 def _block_problem(value):
-    if value is not None and not (is_integer(value) and 1 <= value <= MAX_BLOCK):
-        return (f"must be an integer from 1 to {MAX_BLOCK} (tokens per shard block) or None (by device), "
+    if value is not None and not (is_integer(value) and 1 <= value <= INT32_MAX):
+        return (f"must be an integer from 1 to {INT32_MAX} (tokens per shard block) or None (by device), "
                 f"got {value!r}")
 
 

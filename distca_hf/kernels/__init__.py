@@ -62,7 +62,7 @@ from ..config import current_config
 from ..state import warn_once
 from . import flash_attn as _flash_attn
 from . import math as _math
-from .math import accumulation_dtype
+from .math import accumulation_dtype, check_causal_task
 from . import torch_cpu as _torch_cpu
 from . import torch_cuda as _torch_cuda
 from . import torch_cuda_efficient as _torch_cuda_efficient
@@ -241,8 +241,7 @@ def chunk_tasks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, chunk: i
     q_lengths, k_lengths, key_starts = [], [], []
     for i in range(len(cu_q) - 1):
         lq, lk, k0 = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_k[i]
-        if lk < lq:
-            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
+        check_causal_task(i, lq, lk)
         for c in range((lk - lq) // chunk, (lk - 1) // chunk + 1) if lq else ():
             first, end = c * chunk, min(lk, (c + 1) * chunk)
             q_lengths.append(end - max(lk - lq, first))

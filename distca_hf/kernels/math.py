@@ -26,6 +26,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_causal_task(i: int, lq: int, lk: int) -> None:
+    """Refuse causal CA-task ``i`` with fewer keys (``lk``) than queries (``lq``): its first queries
+    would see no key (NaN rows)."""
+    if lk < lq:
+        raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
+
+
 def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: int, window: int | None,
             causal: bool = True):
     """Yield (query rows, key rows, position of the first query row among the task's keys, i.e.
@@ -35,8 +42,8 @@ def _chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_heads: i
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        if causal and lk < lq:  # (its first queries saw no key: NaN rows, before)
-            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
+        if causal:
+            check_causal_task(i, lq, lk)
         span = lk if window is None else min(lk, window)
         rows = max(1, SCORE_ELEMENTS // max(1, num_heads * span))
         offset = lk - lq if causal else lk - 1  # the key column of the task's first query (bottom-right)

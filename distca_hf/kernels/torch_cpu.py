@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from .math import accumulation_dtype
+from .math import accumulation_dtype, check_causal_task
 from .merge import merge_partials
 
 NAME = "torch_cpu"
@@ -46,8 +46,8 @@ def _shape_groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, group:
     groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for i in range(len(cu_q) - 1):
         lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        if causal and lk < lq:
-            raise ValueError(f"CA-task {i} has {lq} queries but only {lk} keys; a causal task needs lk >= lq")
+        if causal:
+            check_causal_task(i, lq, lk)
         if lq == 0:
             continue
         groups[(lq, lk)].append((cu_q[i], cu_k[i]))

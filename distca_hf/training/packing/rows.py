@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from ...config import is_integer
+from ...config import INT32_MAX, is_integer
 
 
 IGNORE_INDEX = -100
@@ -379,10 +379,9 @@ def _check_lengths(lengths) -> list[int]:
     return checked
 
 
-MAX_COUNT = 2**31 - 1
-"""The largest token count, token id, rank count or step size packing takes: token offsets and ids
-are int32 in the kernels and the embedding (10**30 overflowed in the collator, 2**40 tokens a row or
-10**12 ranks ran for ever)."""
+MAX_COUNT = INT32_MAX
+"""The largest token count, token id, rank count or step size packing takes (``config.INT32_MAX``:
+10**30 overflowed in the collator, 2**40 tokens a row or 10**12 ranks ran for ever)."""
 
 
 def check_positive(name: str, value) -> int:
