@@ -131,6 +131,11 @@ def test_split_document_and_flops():
         split_document(0, 0, 10, [11])
     with pytest.raises(ValueError, match="q_start < q_end"):
         CATask(0, 5, 5)
+    with pytest.raises(TypeError, match="CATask.q_end must be an integer, got 2.5"):  # (kept as given before)
+        split_document(0, 0, 8, [2.5])
+    with pytest.raises(TypeError, match="CATask.doc must be an integer, got True"):
+        CATask(True, 0, 3)
+    assert type(CATask(np.int64(1), np.int32(0), 3).q_start) is int
     assert attention_flops(10, 2, 4) == 4 * 10 * 2 * 4
     assert attention_flops(10, 2, 4, backward=True) == 3.5 * 4 * 10 * 2 * 4
 

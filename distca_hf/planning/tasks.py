@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from ..config import is_integer
 from .cost import causal_pairs, key_start, tile_pairs
 from .documents import PackedDocuments
 from .ranges import concat_ranges
@@ -33,6 +34,11 @@ class CATask:
     q_end: int
 
     def __post_init__(self):
+        for name in ("doc", "q_start", "q_end"):  # (a float was kept as given, 2.5 tokens included)
+            value = getattr(self, name)
+            if not is_integer(value):
+                raise TypeError(f"CATask.{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers as ints
         if not 0 <= self.q_start < self.q_end:
             raise ValueError(f"a CA-task needs 0 <= q_start < q_end, got [{self.q_start}, {self.q_end})")
 
