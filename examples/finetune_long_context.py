@@ -42,6 +42,7 @@ the same losses.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -152,6 +153,20 @@ def parse_args(argv=None):
         parser.error("--timing_repeats times the runs of --compare_colocated; add --compare_colocated or drop it")
     if comparison.compare_colocated and training.resume_from_checkpoint:
         parser.error("--compare_colocated trains from scratch; drop --resume_from_checkpoint")
+    if not math.isfinite(comparison.loss_tolerance) or comparison.loss_tolerance < 0:
+        parser.error(f"--loss_tolerance must be a finite number >= 0, got {comparison.loss_tolerance}")
+    if comparison.loss_tolerance != ComparisonArguments.loss_tolerance and not comparison.compare_colocated:
+        parser.error("--loss_tolerance bounds the loss difference of --compare_colocated's two runs; add "
+                     "--compare_colocated or drop it")
+    if comparison.compare_colocated and distca.mode is not None:
+        parser.error(f"--mode {distca.mode}: --compare_colocated trains both modes, distca then colocated; drop --mode")
+    if not data.dataset:  # (they were ignored: the offline documents trained)
+        given = [f"--{name}" for name in ("dataset_split", "text_column")
+                 if getattr(data, name) != getattr(DataArguments, name)]
+        if given:
+            several = len(given) > 1
+            parser.error(f"{' and '.join(given)} {'read' if several else 'reads'} --dataset; add --dataset or drop "
+                         f"{'them' if several else 'it'} (without it the offline documents train)")
     if data.dataset and not model.model_name_or_path:
         parser.error("--dataset needs --model_name_or_path (its tokenizer); the offline tokenizer only knows the "
                      "pydoc topics")

@@ -463,6 +463,22 @@ def test_streaming_refuses_several_dataloader_workers():
         list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2))
 
 
+def test_streaming_refuses_what_it_would_ignore_or_lose():
+    config = PackingConfig(tokens_per_rank=8)
+    for bad in (None, 5, "text"):  # (accepted, then a TypeError deep in iteration)
+        with pytest.raises(TypeError, match="documents must be an iterable of token-id documents"):
+            StreamingPackedDataset(bad, config)
+    with pytest.raises(ValueError, match=r"balance_micro_batches=True\) needs the step's documents"):  # (ignored)
+        StreamingPackedDataset(_Documents(), PackingConfig(tokens_per_rank=8, balance_micro_batches=True))
+    # a generator is read once: its second epoch packed nothing, silently
+    stream = StreamingPackedDataset((d for d in [[1, 2, 3], [4, 5], [6, 7, 8, 9]]), config)
+    assert len(list(stream)) == 2
+    with pytest.raises(ValueError, match="one-shot iterator .* this epoch would train nothing"):
+        list(stream)
+    again = StreamingPackedDataset(_Documents(), config)  # a source that starts over reads the same every epoch
+    assert [item["input_ids"] for item in again] == [item["input_ids"] for item in again] != []
+
+
 # -- documents spanning ranks ------------------------------------------------------------------------
 
 

@@ -183,8 +183,15 @@ def test_compare_counts_slower_steps_and_those_that_kept_the_colocated_plan(caps
 @pytest.mark.parametrize("argv, message", [
     (["--compare_colocated", "--timing_repeats", "0"], "--timing_repeats must be at least 1"),
     (["--timing_repeats", "2"], "add --compare_colocated"),
+    # flags that were ignored, or read wrongly (nan never passes, inf always does, -1 always fails)
+    (["--compare_colocated", "--loss_tolerance", "nan"], "--loss_tolerance must be a finite number >= 0, got nan"),
+    (["--compare_colocated", "--loss_tolerance", "-1"], "--loss_tolerance must be a finite number >= 0, got -1.0"),
+    (["--loss_tolerance", "0.5"], "--loss_tolerance bounds the loss difference of --compare_colocated's"),
+    (["--compare_colocated", "--mode", "colocated"], "--mode colocated: --compare_colocated trains both modes"),
+    (["--text_column", "body"], "--text_column reads --dataset; add --dataset or drop it"),
+    (["--dataset_split", "test", "--text_column", "body"], "--dataset_split and --text_column read --dataset"),
 ])
-def test_timing_repeats_are_checked(tmp_path, capsys, argv, message):
+def test_comparison_and_data_flags_are_checked(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):
         example.parse_args(["--output_dir", str(tmp_path), *argv])
     assert message in capsys.readouterr().err

@@ -789,6 +789,17 @@ def test_documents_cut_by_packing_are_said(tmp_path):
                       packing=PackingConfig(tokens_per_rank=16))
 
 
+def test_balancing_micro_batches_without_pipeline_stages_is_said(tmp_path):
+    """balance_micro_batches balances the micro-batches of a step, which only pipeline stages have: it
+    was ignored without a word."""
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    with pytest.warns(UserWarning, match=r"balance_micro_batches=True\) has nothing to balance in train_dataset"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=[[1] * 10, [2, 3]],
+                      packing=PackingConfig(tokens_per_rank=16, balance_micro_batches=True))
+
+
 def test_token_ids_beyond_the_vocabulary_are_named(tmp_path):
     """A token id >= vocab_size failed inside the embedding (IndexError here, a device-side assert on
     CUDA), and a pad_token_id beyond it was accepted (used by filler rows on several ranks)."""

@@ -243,6 +243,12 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if isinstance(packed, PackedDataset):
             check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
             report = packed.report
+            if (name == "train" and packed.config.balance_micro_batches
+                    and packed.step_micro_batches * packed.layout.num_groups == 1):
+                warnings.warn(f"DistCATrainer: PackingConfig(balance_micro_batches=True) has nothing to balance in "
+                              f"{_argument_name(name)}: a step holds one global batch (no pipeline stages, one server "
+                              "group); it balances the micro-batches of a step in pipeline stages "
+                              "(DistCAPlugin(pipeline_parallel_size > 1)). Set it False", stacklevel=3)
             if report.cut_documents:  # (documented, but it changes what trains: said once, with the count)
                 warnings.warn(f"DistCATrainer: {report.cut_documents} of the {report.documents} documents of "
                               f"{_argument_name(name)} are longer than a global batch ({report.group_size} x "

@@ -4,7 +4,8 @@ and ``is_streaming``: whether a dataset is read as a stream rather than by index
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable
+from typing import Iterator
 
 import torch
 
@@ -29,9 +30,16 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                  span_ranks: bool = False, server_groups=None):
         if not isinstance(config, PackingConfig):
             raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}")
+        if not isinstance(documents, Iterable) or isinstance(documents, (str, bytes)):
+            raise TypeError(f"documents must be an iterable of token-id documents (a datasets.IterableDataset, a list, "
+                            f"a generator), got {type(documents).__name__}")
         refuse_columns(documents)
+        if config.balance_micro_batches:  # (it was ignored)
+            raise ValueError("PackingConfig(balance_micro_batches=True) needs the step's documents before packing them; "
+                             "a stream is packed as it is read. Use PackedDataset, or balance_micro_batches=False")
         self.documents = documents
         self.config = config
+        self._read_once = False  # a one-shot iterator (a generator) read in an earlier epoch
         self.layout = RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups)
         self.report = PackingReport(config.tokens_per_rank, self.layout.group_size)
 
@@ -59,6 +67,12 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             raise ValueError(
                 f"a streaming packed dataset must be read by one DataLoader worker, got {worker.num_workers} "
                 "(dataloader_num_workers); set dataloader_num_workers to 0 or 1")
+        if iter(self.documents) is self.documents:  # an iterator: a second epoch would read nothing
+            if self._read_once:
+                raise ValueError("the documents are a one-shot iterator (a generator) that an earlier epoch read to "
+                                 "its end, so this epoch would train nothing; pass a source that can be read again "
+                                 "(a list, a datasets.IterableDataset, an object whose __iter__ starts over)")
+            self._read_once = True
         layout = self.layout
         report = PackingReport(self.config.tokens_per_rank, layout.group_size)
         self.report = report
