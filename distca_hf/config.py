@@ -31,7 +31,7 @@ __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_confi
            "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
            "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS",
            "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
-           "PIPELINE_SCHEDULES", "INT32_MAX"]
+           "PIPELINE_SCHEDULES", "INT32_MAX", "PINGPONG_AS_WAVE"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -39,6 +39,11 @@ MODES = ("distca", "colocated")
 KERNELS = ("auto", "flash_attn", "torch_cuda", "torch_cuda_efficient", "torch_cpu", "math")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
 """The ``pipeline_schedule`` names (contract "pipeline parallelism"); ``runtime.pipeline_schedules`` builds them."""
+
+PINGPONG_AS_WAVE = ("distca: pipeline_schedule='cad_1f1b' plans each tick for whole micro-batches; overlap='pingpong' "
+                    "runs as overlap='wave' there")
+"""What the plugin (at construction) and the ``cad_1f1b`` runtime (for settings made by ``configure``)
+say, once per process, of ``overlap="pingpong"`` under ``cad_1f1b``."""
 
 
 # ---- numbers: Python's and numpy's alike ----

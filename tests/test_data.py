@@ -703,6 +703,8 @@ def test_rank_layout_and_sampler_refuse_bad_input():
         with pytest.raises(ValueError, match="server_groups must be lists of ranks"):
             RankLayout.for_ranks(2, span_ranks=True, server_groups=groups)
     assert RankLayout.for_ranks(np.int64(2), span_ranks=True, server_groups=[[np.int64(1), 0]]).group_size == 2
+    with pytest.raises(ValueError, match=r"server_groups=\[\[0, 1\], \[2, 3\]\] needs span_ranks=True"):  # (ignored)
+        PackedDataset([[1, 2]], PackingConfig(tokens_per_rank=8), 4, server_groups=[[0, 1], [2, 3]])
     layout = RankLayout.for_ranks(4, span_ranks=True, server_groups=[[2, 0], [3, 1]])
     assert layout.server_groups == ((0, 2), (1, 3)) and layout.group_size == 2 and layout.num_groups == 2
     assert [layout.locate(i) for i in range(8)] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]

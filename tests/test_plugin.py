@@ -111,6 +111,16 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
         warnings.simplefilter("error")
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="gpipe")
         DistCAPlugin()
+    # cad_1f1b pools over every rank: settings that pick servers inside a stage were refused at the first
+    # step (servers) or ignored (server_group), and ping-pong's downgrade to wave was said only then
+    cad = dict(pipeline_parallel_size=2, pipeline_schedule="cad_1f1b")
+    with pytest.raises(ValueError, match=r"pipeline_schedule='cad_1f1b'\): .* the servers setting \(\(0, 3\), .* unset "):
+        DistCAPlugin(**cad, servers=[0, 3])
+    with pytest.raises(ValueError, match="server_group='node' does not apply"):
+        DistCAPlugin(**cad, server_group="node")
+    with pytest.warns(UserWarning, match="overlap='pingpong' runs as overlap='wave' there"):
+        DistCAPlugin(**cad, overlap="pingpong")
+    DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="1f1b", servers=[0], server_group="node")  # per stage
 
 
 @pytest.mark.parametrize("variable, value", [("DISTCA_OVERLAP", "bogus"), ("DISTCA_BACKWARD", "x"),

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ..config import PIPELINE_SCHEDULES, DistCAConfig, current_config
+from ..config import PINGPONG_AS_WAVE, PIPELINE_SCHEDULES, DistCAConfig, current_config
 from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1f1b_ticks, plan_lockstep_tick,
                         stitch_rank_documents)
 from ..state import warn_once
@@ -259,8 +259,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
                 f"setting ({config.servers}, indices into one stage's server group) does not apply: unset it")
         overlap = config.overlap
         if overlap == "pingpong":
-            warn_once("cad_1f1b-pingpong", "distca: pipeline_schedule='cad_1f1b' plans each tick for whole "
-                      "micro-batches; overlap='pingpong' runs as overlap='wave' there")
+            warn_once("cad_1f1b-pingpong", PINGPONG_AS_WAVE)
             overlap = "wave"
         return dataclasses.replace(config, group=self._pooled_group, backward="resend", overlap=overlap)
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import (SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer, plain_number,
-                      read_setting_text, reset_config, resolve, setting_problem, stands_for_none)
-from ..state import STATE
+from ..config import (PINGPONG_AS_WAVE, SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer,
+                      plain_number, read_setting_text, reset_config, resolve, setting_problem, stands_for_none)
+from ..state import STATE, warn_once
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
 __all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
@@ -155,6 +155,8 @@ class DistCAPlugin(_SettingFields):
             warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
                           "to train in stages", stacklevel=4)
+        if self.pipeline_parallel_size > 1 and config.pipeline_schedule == "cad_1f1b":
+            self._check_cad_1f1b_settings(config)
         if self.pipeline_parallel_size > 1 and config.pipeline_micro_batches is not None:
             from ..runtime.pipeline_schedules import check_micro_batches  # torch's pipelining: only with stages
 
@@ -163,6 +165,22 @@ class DistCAPlugin(_SettingFields):
                                     self.pipeline_parallel_size, setting="pipeline_micro_batches")
             except ValueError as e:
                 raise ValueError(f"DistCAPlugin(pipeline_parallel_size={self.pipeline_parallel_size}): {e}") from None
+
+    def _check_cad_1f1b_settings(self, config: DistCAConfig) -> None:
+        """``cad_1f1b`` pools every tick's CA-tasks over all data-parallel x pipeline ranks: settings that
+        choose servers inside one stage's group cannot apply (refused here, not at the first step, after
+        the model is split and the data packed), and ping-pong runs as ``wave`` (said here)."""
+        where = f"DistCAPlugin(pipeline_parallel_size={self.pipeline_parallel_size}, pipeline_schedule='cad_1f1b')"
+        if config.servers is not None:
+            raise ValueError(f"{where}: cad_1f1b pools CA-tasks over every data-parallel x pipeline rank; the servers "
+                             f"setting ({config.servers}, indices into one stage's server group) does not apply: unset "
+                             "it, or use pipeline_schedule='1f1b'")
+        if self.server_group != "data_parallel":
+            raise ValueError(f"{where}: cad_1f1b pools CA-tasks over every data-parallel x pipeline rank, so "
+                             f"server_group={self.server_group!r} does not apply: leave server_group at "
+                             "'data_parallel', or use pipeline_schedule='1f1b'")
+        if config.overlap == "pingpong":
+            warn_once("cad_1f1b-pingpong", PINGPONG_AS_WAVE, stacklevel=6)
 
     # -- construction from HF's ways of saying the topology ---------------------------------------
 

@@ -30,10 +30,13 @@ class RankLayout:
     def for_ranks(cls, world_size: int, *, span_ranks: bool = False, server_groups=None) -> "RankLayout":
         """The layout of ``world_size`` ranks. With ``span_ranks``, ``server_groups`` (lists of global
         ranks) default to one group of every rank; without it each rank is its own group (and
-        ``server_groups`` is ignored)."""
+        ``server_groups`` is refused: it was ignored)."""
         world_size = check_positive("world_size", world_size)
         if not isinstance(span_ranks, bool):
             raise ValueError(f"span_ranks must be True or False, got {span_ranks!r}")
+        if not span_ranks and server_groups is not None:
+            raise ValueError(f"server_groups={server_groups!r} needs span_ranks=True: without it every rank packs its "
+                             "own rows and no group shares a global batch; drop server_groups or set span_ranks=True")
         if not span_ranks:
             return cls(tuple((rank,) for rank in range(world_size)), False)
         if server_groups is None:
