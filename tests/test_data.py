@@ -184,6 +184,11 @@ def test_collator_and_config_refuse_bad_input():
         PackedCollator()([{"input_ids": [1, 2, 3]}])
     with pytest.raises(ValueError, match="item 0 has labels, which it does not read"):
         PackedCollator()([{"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}])
+    with pytest.raises(ValueError, match=r"item 0 has \['attention_mask', 'position_ids'\], which it does not read"):
+        PackedCollator()([{"input_ids": [[5, 6]], "attention_mask": [[1, 1]], "position_ids": [[5, 6]]}])  # (dropped)
+    for vocab in ("100", 0, -1, 3.5):  # a TypeError comparing, or an error that blamed the documents, before
+        with pytest.raises(ValueError, match=r"PackedCollator.vocab_size must be an integer from 1 to"):
+            PackedCollator(vocab_size=vocab)
     for columns in ({"input_ids": [[1, 2]]}, {"input_ids": [[1, 2]], "attention_mask": [[1, 1]]}):  # KeyError: 0 before
         with pytest.raises(ValueError, match=r"got a mapping of columns \[.*'input_ids'.*\]; pass its 'input_ids'"):
             PackedDataset(columns, PackingConfig(tokens_per_rank=8))

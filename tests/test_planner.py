@@ -201,6 +201,7 @@ def test_config_validation(bad, match):
     # seconds that overflowed to inf (Infinity in simulate's JSON) or int64 products that raised deep in numpy
     (lambda: TimeModel(2e-6, 1e-10, 1e-6, bytes_per_s=1e-300), "TimeModel.bytes_per_s must be a finite number >= 1"),
     (lambda: TimeModel(2e-6, 1e-10, 1e-6, bytes_per_s=float("inf")), "TimeModel.bytes_per_s"),
+    (lambda: TimeModel(0.0, 0.0), "linear_s_per_token and attn_s_per_pair are both 0: a step would take no time"),
     (lambda: TimeModel(2e-6, 1e300, 1e-6), "TimeModel.attn_s_per_pair must be between 0 and 1e\\+06 seconds"),
     (lambda: TimeModel(-1.0, 1e-10, 1e-6), "TimeModel.linear_s_per_token must be between 0 and 1e"),
     (lambda: TimeModel(2e-6, 1e-10, True), "TimeModel.task_s must be between 0 and 1e\\+06"),

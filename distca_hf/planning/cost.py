@@ -282,6 +282,9 @@ class TimeModel:
         for name in ("linear_s_per_token", "attn_s_per_pair", "task_s", "task_key_s", "collective_s"):
             check_number(getattr(self, name), f"TimeModel.{name}", high=MAX_MODEL_SECONDS, unit=" seconds")
         check_number(self.bytes_per_s, "TimeModel.bytes_per_s", low=1.0, unit=" bytes per second")
+        if self.linear_s_per_token == 0 and self.attn_s_per_pair == 0:  # (speedups divided by zero, NaN in JSON)
+            raise ValueError("TimeModel.linear_s_per_token and attn_s_per_pair are both 0: a step would take no "
+                             "time, and no plan or method could be timed against another; give either a cost")
 
     def rank_seconds(self, tokens, pairs, tasks=0, keys=0, *, other_s=None):
         """Per-rank compute time of a layer: ``tokens`` through the linear layers and kernel tasks

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from trl import SFTConfig, SFTTrainer
@@ -102,6 +103,8 @@ class SFTPackedCollator(PackedCollator):
     is ``shift_labels`` at the token before it, including the last token of a rank's piece when the
     first token of the next rank's piece is masked (``next_label``). Shapes as ``PackedCollator``.
     """
+
+    item_keys: ClassVar[frozenset] = PackedCollator.item_keys | {"label_pieces", "next_label"}
 
     def __call__(self, items: list[dict]) -> dict:
         batch = super().__call__(items)

@@ -4,11 +4,12 @@ return_flash_attn_kwargs=True)`` emits, plus ``shift_labels`` for documents that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .dataset import tokens_of
-from .rows import IGNORE_INDEX, is_integer
+from .rows import IGNORE_INDEX, check_integer, is_integer
 
 
 @dataclass
@@ -37,9 +38,17 @@ class PackedCollator:
     ``shift_labels`` are -100.
     """
 
+    item_keys: ClassVar[frozenset] = frozenset({"input_ids", "first_position", "last_label", "padding"})
+    """The keys of a packed row's item (``dataset.row_item``), all that the collator reads (a subclass
+    reading more adds them); an item with another key is refused rather than the key dropped."""
+
     vocab_size: int | None = None
     """The model's; a token id at or above it is refused here, naming the id, rather than failing
     inside the embedding (an IndexError on CPU, a device-side assert on CUDA)."""
+
+    def __post_init__(self):
+        if self.vocab_size is not None:  # ("100" failed comparing, -1 blamed the documents)
+            self.vocab_size = check_integer("PackedCollator.vocab_size", self.vocab_size, 1, " (the model's vocabulary)")
 
     def __call__(self, items: list[dict]) -> dict:
         pieces: list[list[int]] = []
@@ -72,6 +81,11 @@ class PackedCollator:
                 raise ValueError(f"PackedCollator: item {index} has labels, which it does not read: its labels are the "
                                  "pieces' next tokens; to mask tokens (a prompt), use distca_hf.training.trl's "
                                  "SFTPackedDataset / SFTPackedCollator, whose rows carry their labels")
+            unread = sorted(set(item) - self.item_keys)
+            if unread:  # (dropped without a word before)
+                raise ValueError(f"PackedCollator: item {index} has {unread}, which it does not read: it makes the "
+                                 "positions and the attention layout from the pieces (items hold "
+                                 f"{sorted(self.item_keys)}); drop them")
             own = [tokens_of(p, what=f"PackedCollator: item {index}'s input_ids[{j}] (a piece)")
                    for j, p in enumerate(item["input_ids"])]
             pieces.extend(own)
