@@ -341,10 +341,30 @@ def test_simulate_pipeline_json_keys(lengths_file):
     # drew micro-batches for ever (memory growing, no output)
     (("--ranks", "4", "--pipeline-parallel", "2", "--micro-batches", str(10**21)),
      f"--batches x --micro-batches = {8 * 10**21}: a simulation draws and plans at most 10000 batches"),
+    # ignored before: the pipeline model planned with the descent anyway
+    (("--ranks", "4", "--pipeline-parallel", "2", "--auto-planner", "tolerances"),
+     "--auto-planner tolerances is read by the layer model only"),
+    # the planner's setting names, not the flags, before
+    (("--ranks", "4", "--block", "0"), "--block must be an integer from 1"),
+    (("--ranks", "4", "--kv-relays", "0"), "--kv-relays must be 'auto'"),
+    (("--ranks", "4", "--kv-heads", "3"), "--heads (32) must be a positive multiple of --kv-heads (3)"),
 ])
 def test_simulate_pipeline_refusals(lengths_file, flags, message):
     result = _cli("simulate", "--lengths", lengths_file, "--tokens-per-rank", "64", *flags)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_simulate_says_documents_longer_than_a_batch_are_cut(tmp_path):
+    path = tmp_path / "long.json"
+    path.write_text("[100000, 200, 20]")
+    for flags, says in (((), "longer than a batch (512 tokens = --ranks x --tokens-per-rank)"),
+                        (("--pipeline-parallel", "2"), "longer than a micro-batch (256 tokens = --ranks / "
+                                                       "--pipeline-parallel x --tokens-per-rank)")):
+        result = _cli("simulate", "--lengths", path, "--ranks", "4", "--tokens-per-rank", "128", "--batches", "1",
+                      "--json", *flags)
+        assert result.returncode == 0 and f"1 of the 3 lengths are {says}" in result.stderr, result.stderr
+    fits = _cli("simulate", "--lengths", path, "--ranks", "1024", "--tokens-per-rank", "128", "--batches", "1")
+    assert fits.returncode == 0 and "longer than" not in fits.stderr
 
 
 def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():

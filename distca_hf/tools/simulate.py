@@ -598,6 +598,9 @@ def run_cli(args, parser) -> int:
     if args.auto_planner is not None and args.tolerance != "auto":
         parser.error(f"--auto-planner {args.auto_planner} needs --tolerance auto (got {args.tolerance}): a number "
                      "plans that carving, whatever the auto planner")
+    if args.auto_planner == "tolerances" and pipelined:  # (the pipeline model kept planning with the descent)
+        parser.error("--auto-planner tolerances is read by the layer model only; the pipeline model's CAD methods "
+                     "plan with the descent: leave --auto-planner out with --pipeline-parallel")
     args.auto_planner = args.auto_planner or "descent"
     if kv_cap_pairing_problem(args.kv_cap, args.tolerance):  # the settings' rule, in the flags' names
         parser.error(f"--kv-cap {args.kv_cap} needs --tolerance auto (got {args.tolerance}): only planning by "
@@ -615,10 +618,16 @@ def run_cli(args, parser) -> int:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
         message = str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s")
-        for name, flag in (("hidden", "--hidden"), ("heads", "--heads"), ("kv_heads", "--kv-heads")):
-            if message.startswith(f"{name} "):  # TokenBytes.for_model's names for the model's flags
-                message = flag + message[len(name):]
-        parser.error(message)
+        for name in ("hidden", "heads", "kv_heads", "block", "backward", "memory_budget", "kv_cap", "kv_relays"):
+            if message.startswith(f"{name} "):  # TokenBytes.for_model's and PlannerConfig's names: the flags'
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        parser.error(message.replace("multiple of kv_heads", "multiple of --kv-heads"))
+    batch = args.ranks // (stages if pipelined else 1) * args.tokens_per_rank
+    longer = int((lengths > batch).sum())
+    if longer:  # (said nowhere before)
+        what = ("micro-batch", "--ranks / --pipeline-parallel x") if pipelined else ("batch", "--ranks x")
+        print(f"distca-hf simulate: {longer} of the {lengths.size} lengths are longer than a {what[0]} ({batch} tokens "
+              f"= {what[1]} --tokens-per-rank): drawn, such a document is cut where the batch is full", file=sys.stderr)
     options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
                "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner}
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,
