@@ -186,6 +186,11 @@ def test_collator_and_config_refuse_bad_input():
         PackedCollator()([{"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}])
     with pytest.raises(ValueError, match=r"item 0 has \['attention_mask', 'position_ids'\], which it does not read"):
         PackedCollator()([{"input_ids": [[5, 6]], "attention_mask": [[1, 1]], "position_ids": [[5, 6]]}])  # (dropped)
+    packed = PackedDataset([[1, 2, 3], [4, 5]], PackingConfig(tokens_per_rank=4))
+    for index in (slice(0, 2), 1.0, "0"):  # (failed inside a comparison or divmod)
+        with pytest.raises(TypeError, match="read one row at a time by an integer index"):
+            packed[index]
+    assert packed[np.int64(0)] == packed[0]
     for vocab in ("100", 0, -1, 3.5):  # a TypeError comparing, or an error that blamed the documents, before
         with pytest.raises(ValueError, match=r"PackedCollator.vocab_size must be an integer from 1 to"):
             PackedCollator(vocab_size=vocab)

@@ -378,6 +378,8 @@ def test_pipeline_api_takes_numpy_integers_and_refuses_what_is_no_step():
 
     step = dict(data_parallel=2, tokens=2048, layers=4, activation_bytes_per_token=64)
     config = PlannerConfig(tolerance=0.1)
+    with pytest.raises(ValueError, match=r"num_stages x \(num_micro_batches \+ num_stages\) = 2000000000000 is more"):
+        lockstep_1f1b_ticks(10**6, 10**6)  # (built ticks until killed)
     assert simulate_pipeline([1000, 2000, 500], 4, 2048, batches=1, stages=np.int64(2), micro_batches=np.int64(2))
     docs = [[1000, 500], [2000]]
     assert pipeline_step(docs, stages=np.int64(2), config=config, **step).keys() == \

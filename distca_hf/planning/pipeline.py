@@ -63,10 +63,20 @@ class Tick:
 def check_schedule_sizes(num_stages: int, num_micro_batches: int, *,
                          names: tuple[str, str] = ("num_stages", "num_micro_batches")) -> None:
     """``ValueError`` naming the argument (``names``: the caller's names for them) unless both are
-    integers >= 1 (numpy's too)."""
+    integers >= 1 (numpy's too) and a step's ticks, ``stages x (micro-batches + stages)`` entries, stay
+    within ``MAX_SCHEDULE_ENTRIES``."""
     for name, value in zip(names, (num_stages, num_micro_batches)):
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if num_stages * (num_micro_batches + num_stages) > MAX_SCHEDULE_ENTRIES:  # (built them for minutes, then ran out)
+        raise ValueError(f"{names[0]} x ({names[1]} + {names[0]}) = {num_stages * (num_micro_batches + num_stages)} "
+                         f"is more than a schedule of {MAX_SCHEDULE_ENTRIES} (stage, tick) entries; use fewer "
+                         f"{names[0]} or {names[1]} ({num_stages} and {num_micro_batches})")
+
+
+MAX_SCHEDULE_ENTRIES = 2**24
+"""The most ``(stage, tick)`` entries a step's schedule may hold (a lockstep step has ``2 (M + P - 1)``
+ticks of ``P`` entries): far past any real pipeline, a bound on what the models build."""
 
 
 def _check_stage(stage: int, num_stages: int) -> None:

@@ -201,6 +201,9 @@ class PackedDataset(torch.utils.data.Dataset):
         return self.layout.blocks(self.report.global_batches) * self.layout.world_size
 
     def __getitem__(self, index: int) -> dict:
+        if not is_integer(index):  # (a slice or a float failed deep inside, a comparison or divmod)
+            raise TypeError(f"PackedDataset items are read one row at a time by an integer index, got "
+                            f"{type(index).__name__} {index!r}")
         if not -len(self) <= index < len(self):
             raise IndexError(f"row {index} out of range ({len(self)})")
         global_batch, position = self.layout.locate(index % len(self))
