@@ -173,6 +173,8 @@ def test_find_documents_refuses_bad_shapes_and_positions_as_document_errors(kwar
 @pytest.mark.parametrize("build, match", [
     (lambda: DocumentPieces([0], [0], [0], [10.9], 1), "end must hold integers"),
     (lambda: DocumentPieces(["0"], [0], [0], [5], 1), "rank must hold integers"),
+    (lambda: DocumentPieces([[0, 1]], [[0, 1]], [[0, 0]], [[5, 5]], 2),  # (flattened before)
+     r"rank must be one entry per piece \(1-D\), got an array of shape \(1, 2\)"),
     (lambda: DocumentPieces([0], [0], [0], [3_100_000_000], 1), "at most 3037000499 tokens"),
     (lambda: DocumentPieces.from_rank_lists([[10.7]]), r"per_rank\[0\]\[0\] must be an integer length"),
     (lambda: DocumentPieces.from_rank_lists([[5, (0, 5)]]), r"per_rank\[0\]\[1\] must be .* triple"),

@@ -50,6 +50,8 @@ class DocumentPieces:
             given = np.asarray(getattr(self, name))
             whole = given.dtype.kind in "iu" or (given.dtype.kind == "f" and bool(np.isfinite(given).all())
                                                  and bool((given == np.round(given)).all()))
+            if given.ndim > 1:  # (flattened without a word before)
+                raise ValueError(f"{name} must be one entry per piece (1-D), got an array of shape {given.shape}")
             if given.size and not whole:
                 bad = given.reshape(-1)[:4].tolist()
                 raise ValueError(f"{name} must hold integers (tokens, ranks, document ids), got {given.dtype} {bad}")
