@@ -83,6 +83,13 @@ def test_lockstep_with_transfers_hand_computed():
     assert run.busy_s == (1 + 2 + 5 + 6, 2 + 3 + 4 + 5)
     with pytest.raises(ValueError, match="one duration per tick"):
         simulate_lockstep([1, 2], num_stages=2, num_micro_batches=2)
+    # ragged lists, strings and complex numbers failed inside numpy; bools and text read as seconds
+    for bad in (["1"] * 6, [True] * 6, [1j] * 6):
+        with pytest.raises(ValueError, match=r"tick_s must be a list \(one per tick\) of seconds"):
+            simulate_lockstep(bad, num_stages=2, num_micro_batches=2)
+    for bad in ([[1.0], [1.0, 2.0]], [["a"]], [[True]]):
+        with pytest.raises(ValueError, match=r"forward_s must be a \[stages, micro_batches\] array of seconds"):
+            simulate_1f1b(bad, bad)
 
 
 # --- balance_micro_batches -----------------------------------------------------------------------------

@@ -178,8 +178,22 @@ class PipelineRun:
         return max(0.0, 1.0 - sum(self.busy_s) / total) if total > 0 else 0.0  # (no rounding below 0)
 
 
+def _seconds(value, name: str, what: str) -> np.ndarray:
+    """``value`` as a float64 array of seconds, refused naming ``name`` (``what``: its shape in words)
+    unless it holds real numbers: ragged lists, strings, bools and complex numbers failed inside numpy,
+    or were read as seconds."""
+    try:
+        given = np.asarray(list(value) if not isinstance(value, np.ndarray) and hasattr(value, "__iter__") else value)
+    except (TypeError, ValueError):
+        given = np.asarray(None)
+    if given.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must be {what} of seconds (real numbers), got {value!r}")
+    return given.astype(np.float64)
+
+
 def _durations(forward_s, backward_s):
-    forward_s, backward_s = np.asarray(forward_s, dtype=np.float64), np.asarray(backward_s, dtype=np.float64)
+    forward_s = _seconds(forward_s, "forward_s", "a [stages, micro_batches] array")
+    backward_s = _seconds(backward_s, "backward_s", "a [stages, micro_batches] array")
     if forward_s.ndim != 2 or forward_s.shape != backward_s.shape or 0 in forward_s.shape:
         raise ValueError(f"forward_s and backward_s must both be [stages, micro_batches] arrays, got shapes "
                          f"{forward_s.shape} and {backward_s.shape}")
@@ -245,9 +259,10 @@ def simulate_lockstep(tick_s, *, num_stages: int, num_micro_batches: int, p2p_s:
     which it runs a micro-batch; in the others it serves CA-tasks."""
     _check_p2p(p2p_s)
     ticks = lockstep_1f1b_ticks(num_stages, num_micro_batches)
-    if len(tick_s) != len(ticks):
+    tick_s = _seconds(tick_s, "tick_s", "a list (one per tick)")
+    if tick_s.ndim != 1 or len(tick_s) != len(ticks):
         raise ValueError(f"tick_s must hold one duration per tick ({len(ticks)} for {num_stages} stages and "
-                         f"{num_micro_batches} micro-batches), got {len(tick_s)}")
+                         f"{num_micro_batches} micro-batches), got shape {tick_s.shape}")
     end, last_end = 0.0, {FORWARD: None, BACKWARD: None}
     busy = [0.0] * num_stages
     for tick, seconds in zip(ticks, tick_s):
