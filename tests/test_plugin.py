@@ -114,7 +114,7 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
     # cad_1f1b pools over every rank: settings that pick servers inside a stage were refused at the first
     # step (servers) or ignored (server_group), and ping-pong's downgrade to wave was said only then
     cad = dict(pipeline_parallel_size=2, pipeline_schedule="cad_1f1b")
-    with pytest.raises(ValueError, match=r"pipeline_schedule='cad_1f1b'\): .* the servers setting \(\(0, 3\), .* unset "):
+    with pytest.raises(ValueError, match=r"'cad_1f1b'\): .* the servers setting \(\(0, 3\), .* unset "):
         DistCAPlugin(**cad, servers=[0, 3])
     with pytest.raises(ValueError, match="server_group='node' does not apply"):
         DistCAPlugin(**cad, server_group="node")

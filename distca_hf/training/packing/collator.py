@@ -48,7 +48,8 @@ class PackedCollator:
 
     def __post_init__(self):
         if self.vocab_size is not None:  # ("100" failed comparing, -1 blamed the documents)
-            self.vocab_size = check_integer("PackedCollator.vocab_size", self.vocab_size, 1, " (the model's vocabulary)")
+            self.vocab_size = check_integer("PackedCollator.vocab_size", self.vocab_size, 1,
+                                            " (the model's vocabulary)")
 
     def __call__(self, items: list[dict]) -> dict:
         pieces: list[list[int]] = []

@@ -35,8 +35,8 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
                             f"a generator), got {type(documents).__name__}")
         refuse_columns(documents)
         if config.balance_micro_batches:  # (it was ignored)
-            raise ValueError("PackingConfig(balance_micro_batches=True) needs the step's documents before packing them; "
-                             "a stream is packed as it is read. Use PackedDataset, or balance_micro_batches=False")
+            raise ValueError("PackingConfig(balance_micro_batches=True) needs the step's documents before packing "
+                             "them; a stream is packed as it is read. Use PackedDataset, or leave it False")
         self.documents = documents
         self.config = config
         self._read_once = False  # a one-shot iterator (a generator) read in an earlier epoch
