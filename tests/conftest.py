@@ -11,8 +11,20 @@ Every test starts from a fresh distca state (no setting, forward or warning left
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One OpenMP thread in the test process, set before torch loads: without a thread pool (and without
+# tqdm's monitor thread, below) the process stays single-threaded, and dist_harness may fork its ranks
+# instead of spawning them (see dist_harness.start_method). Spawned children and launchers get their
+# own settings.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import tqdm  # noqa: E402
+
+tqdm.tqdm.monitor_interval = 0  # no monitor thread (a Trainer's or datasets' progress bar starts one otherwise)
 
 from distca_hf.state import reset_state
 

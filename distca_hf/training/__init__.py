@@ -54,7 +54,10 @@ __all__ = sorted(_LAZY)
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        except AttributeError as e:  # (``from distca_hf.training import X`` would say only "cannot import name")
+            raise ImportError(f"importing {name} from {__name__}.{_LAZY[name]} failed: {e!r}") from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
