@@ -182,8 +182,10 @@ def _seconds(value, name: str, what: str) -> np.ndarray:
     """``value`` as a float64 array of seconds, refused naming ``name`` (``what``: its shape in words)
     unless it holds real numbers: ragged lists, strings, bools and complex numbers failed inside numpy,
     or were read as seconds."""
+    if hasattr(value, "__next__"):  # a generator: its values
+        value = list(value)
     try:
-        given = np.asarray(list(value) if not isinstance(value, np.ndarray) and hasattr(value, "__iter__") else value)
+        given = np.asarray(value)
     except (TypeError, ValueError):
         given = np.asarray(None)
     if given.dtype.kind not in "iuf":

@@ -41,7 +41,8 @@ from ..config import (PINGPONG_AS_WAVE, SETTINGS, DistCAConfig, apply_file_setti
 from ..state import STATE, warn_once
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
-__all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section"]
+__all__ = ["DistCAPlugin", "DistCAGroups", "ParallelSizes", "model_parallel_sizes", "read_distca_section",
+           "load_config_yaml"]
 
 
 @dataclass(frozen=True)
