@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import os
 
-# One OpenMP thread in the test process, set before torch loads: without a thread pool (and without
-# tqdm's monitor thread, below) the process stays single-threaded, and dist_harness may fork its ranks
-# instead of spawning them (see dist_harness.start_method). Spawned children and launchers get their
-# own settings.
+# One OpenMP thread, set before torch loads: dist_harness's fork server inherits it, so importing
+# torch there starts no thread pool that its forked ranks would find broken (dist_harness.start_method).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import tqdm  # noqa: E402
-
-tqdm.tqdm.monitor_interval = 0  # no monitor thread (a Trainer's or datasets' progress bar starts one otherwise)
 
 from distca_hf.state import reset_state
 

@@ -1,19 +1,17 @@
 """Run a function on N gloo ranks in child processes, with a deadline; collect what each returns.
 
-The children are forked where that is safe (see ``start_method``): a spawned child imports torch,
-transformers and the test module again, about 10 s of CPU per rank on the CI machine, which was most
-of the suite's time. A forked child starts from this process's modules and state: the fresh distca
-state the ``conftest`` fixture gives every test, accelerate's reset (``_entry``), and whatever the
-test set before calling ``run_ranks`` (which a spawned child would not see).
+The children come from a fork server where there is no CUDA (``start_method``): one clean process,
+started at the first ``run_ranks``, imports torch, transformers and distca once (``PRELOAD``) and
+forks every rank from itself. A spawned rank imported them again, about 10 s of CPU each on the CI
+machine, which was most of the suite's time. A rank still starts as a spawned one would: from the
+server's fresh modules (no state of this test process), with this process's environment at the call.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -23,18 +21,8 @@ from distca_hf.runtime.comm import free_port
 PEER_WAIT_S = 30.0  # how long rank 0 keeps the rendezvous store up for peers still running
 
 
-def _forget_the_parents_accelerate_state() -> None:
-    """A forked rank starts as a spawned one would: accelerate keeps its process state in class-level
-    singletons, and a test that ran a Trainer in the test process left them saying "one process"."""
-    if "accelerate.state" in sys.modules:
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-
-
 def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo", peer_wait_s=PEER_WAIT_S):
-    _forget_the_parents_accelerate_state()
+    os.environ.clear()  # the caller's environment, as a spawned child inherits it (not the server's, older)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import datetime
@@ -61,49 +49,49 @@ def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo", peer_wait_
     os._exit(0)  # skip process-group teardown: a peer may be dead on purpose
 
 
-FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
-"""Threads a fork may leave behind: jemalloc's purging thread (pyarrow's allocator, loaded with
-``datasets``) takes its locks around a fork and restarts in the child."""
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.trainer", "accelerate", "distca_hf",
+           "distca_hf.runtime.dispatch", "distca_hf.training.trainer", "helpers")
+"""What the fork server imports once for every rank it forks (a module that fails to import is skipped)."""
 
 
 def start_method() -> str:
-    """``"fork"`` when it is safe, else ``"spawn"``; ``DISTCA_TEST_START_METHOD`` (fork or spawn)
-    overrides it. Safe: a Linux process with no CUDA (a child cannot use CUDA its parent initialised,
-    so GPU machines spawn) and a single thread. A fork copies only the calling thread, so a lock or a
-    thread pool of another is left broken in the child: an OpenMP pool of the parent hung MKL's first
-    threaded op in a forked rank. ``conftest`` keeps the test process on one OpenMP thread
-    (``OMP_NUM_THREADS=1``) so that it has no pool; a test that starts threads (gloo, TensorBoard)
-    makes the later ones spawn, only slower."""
+    """``"forkserver"`` where there is no CUDA, else ``"spawn"`` (GPU machines keep the start every
+    GPU test was written for); ``DISTCA_TEST_START_METHOD`` (forkserver or spawn) overrides it. The
+    server must fork from one thread (a fork copies only the calling thread; an OpenMP pool left
+    behind hung MKL in a forked rank): ``conftest`` sets ``OMP_NUM_THREADS=1``, which the server
+    inherits, so importing torch there starts no pool."""
     import torch
 
     asked = os.environ.get("DISTCA_TEST_START_METHOD")
     if asked is not None:
-        if asked not in ("fork", "spawn"):
-            raise ValueError(f"DISTCA_TEST_START_METHOD must be fork or spawn, got {asked!r}")
+        if asked not in ("forkserver", "spawn"):
+            raise ValueError(f"DISTCA_TEST_START_METHOD must be forkserver or spawn, got {asked!r}")
         return asked
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir() or torch.cuda.is_available():
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return "spawn"
-    others = [(task / "comm").read_text().strip() for task in tasks.iterdir() if task.name != str(os.getpid())]
-    return "fork" if all(name in FORK_SAFE_THREADS for name in others) else "spawn"
+    return "forkserver"
+
+
+def _context():
+    method = start_method()
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(PRELOAD))  # (read when the server starts: the first call)
+    return context
 
 
 def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300.0, backend: str = "gloo",
               peer_wait_s: float = PEER_WAIT_S) -> list[dict]:
     """``fn(rank, world, *args)`` on every rank; ``peer_wait_s``: how long rank 0 waits for the others'
     results before leaving (0 when a peer dies or hangs on purpose and only rank 0's result counts)."""
-    ctx = mp.get_context(start_method())
+    ctx = _context()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), env or {}, args, backend, peer_wait_s))
-             for r in range(world)]
-    # A forked child's garbage collector would walk (and so copy, page by page) every object this
-    # process holds; frozen, they are out of its reach. This process unfreezes at once.
-    gc.freeze()
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        gc.unfreeze()
+    environment = {**os.environ, **(env or {})}
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path), environment, args, backend,
+                                              peer_wait_s)) for r in range(world)]
+    for p in procs:
+        p.start()
     for p in procs:
         p.join(deadline_s)
     for p in procs:

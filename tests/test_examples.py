@@ -24,7 +24,8 @@ def test_transformers_flags_and_ours_parse_together(tmp_path):
     model, data, packing, distca, comparison, training = example.parse_args([
         "--max_steps", "5", "--output_dir", str(tmp_path), "--learning_rate", "1e-4", "--warmup_steps", "2",
         "--lr_scheduler_type", "cosine", "--weight_decay", "0.1", "--report_to", "tensorboard", "--use_cpu",
-        "--tokens-per-rank", "512", "--text_column", "body", "--tolerance", "0.05", "--overlap", "wave",
+        "--tokens-per-rank", "512", "--dataset", "docs.jsonl", "--model_name_or_path", "some/model",
+        "--text_column", "body", "--tolerance", "0.05", "--overlap", "wave",
         "--servers", "0", "1", "--span_ranks", "false", "--compare-colocated"])
     assert (training.max_steps, training.output_dir, training.learning_rate, training.warmup_steps) == \
         (5, str(tmp_path), 1e-4, 2)

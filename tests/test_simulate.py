@@ -157,7 +157,7 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
     assert result.returncode == 2 and "--ranks must be >= 1" in result.stderr
     result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64",
                   "--heads", "6", "--kv-heads", "4")
-    assert result.returncode == 2 and "multiple of kv_heads" in result.stderr
+    assert result.returncode == 2 and "multiple of --kv-heads" in result.stderr
     for flag, value, match in (("--hidden-comm-fraction", "1.5", "--hidden-comm-fraction must be between 0 and 1"),
                                ("--wlb-threshold", "65", "--wlb-threshold must be between 1 and --tokens-per-rank"),
                                ("--bytes-per-s", "0", "--bytes-per-s must be a finite number >= 1 bytes per second"),
