@@ -70,6 +70,8 @@ def start_method() -> str:
         return asked
     if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return "spawn"
+    if os.environ.get("OMP_NUM_THREADS") != "1":  # (set otherwise by the caller: the server would start a pool)
+        return "spawn"
     return "forkserver"
 
 
