@@ -31,7 +31,8 @@ __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_confi
            "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
            "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS",
            "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
-           "PIPELINE_SCHEDULES", "INT32_MAX", "PINGPONG_AS_WAVE"]
+           "PIPELINE_SCHEDULES", "INT32_MAX", "PINGPONG_AS_WAVE",
+           "cad_1f1b_servers_problem"]
 
 BACKWARD_MODES = ("saved", "resend")
 OVERLAP_MODES = ("none", "wave", "pingpong")
@@ -39,6 +40,16 @@ MODES = ("distca", "colocated")
 KERNELS = ("auto", "flash_attn", "torch_cuda", "torch_cuda_efficient", "torch_cpu", "math")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "cad_1f1b")
 """The ``pipeline_schedule`` names (contract "pipeline parallelism"); ``runtime.pipeline_schedules`` builds them."""
+
+def cad_1f1b_servers_problem(servers) -> str | None:
+    """Why a ``servers`` setting cannot apply under ``pipeline_schedule="cad_1f1b"`` (the plugin refuses it
+    where it is made, the runtime for settings made by ``configure``), or ``None``."""
+    if servers is None:
+        return None
+    return (f"pipeline_schedule='cad_1f1b' pools CA-tasks over every data-parallel x pipeline rank; the servers "
+            f"setting ({servers}, indices into one stage's server group) does not apply: unset it, or use "
+            "pipeline_schedule='1f1b'")
+
 
 PINGPONG_AS_WAVE = ("distca: pipeline_schedule='cad_1f1b' plans each tick for whole micro-batches; overlap='pingpong' "
                     "runs as overlap='wave' there")

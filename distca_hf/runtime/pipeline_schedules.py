@@ -55,7 +55,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ..config import PINGPONG_AS_WAVE, PIPELINE_SCHEDULES, DistCAConfig, current_config
+from ..config import (PINGPONG_AS_WAVE, PIPELINE_SCHEDULES, DistCAConfig, cad_1f1b_servers_problem,
+                      current_config)
 from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1f1b_ticks, plan_lockstep_tick,
                         stitch_rank_documents)
 from ..state import warn_once
@@ -253,10 +254,9 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
 
     def _pooled_config(self) -> DistCAConfig:
         config = current_config()
-        if config.servers is not None:
-            raise ValueError(
-                f"pipeline_schedule='cad_1f1b' pools CA-tasks over every data-parallel x pipeline rank; the servers "
-                f"setting ({config.servers}, indices into one stage's server group) does not apply: unset it")
+        problem = cad_1f1b_servers_problem(config.servers)
+        if problem:
+            raise ValueError(problem)
         overlap = config.overlap
         if overlap == "pingpong":
             warn_once("cad_1f1b-pingpong", PINGPONG_AS_WAVE)

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import (PINGPONG_AS_WAVE, SETTINGS, DistCAConfig, apply_file_settings, configure, is_integer,
-                      plain_number, read_setting_text, reset_config, resolve, setting_problem, stands_for_none)
+from ..config import (PINGPONG_AS_WAVE, SETTINGS, DistCAConfig, apply_file_settings, cad_1f1b_servers_problem,
+                      configure, is_integer, plain_number, read_setting_text, reset_config, resolve, setting_problem,
+                      stands_for_none)
 from ..state import STATE, warn_once
 from .topology import SERVER_SCOPES, ParallelTopology, build_server_group
 
@@ -172,10 +173,9 @@ class DistCAPlugin(_SettingFields):
         choose servers inside one stage's group cannot apply (refused here, not at the first step, after
         the model is split and the data packed), and ping-pong runs as ``wave`` (said here)."""
         where = f"DistCAPlugin(pipeline_parallel_size={self.pipeline_parallel_size}, pipeline_schedule='cad_1f1b')"
-        if config.servers is not None:
-            raise ValueError(f"{where}: cad_1f1b pools CA-tasks over every data-parallel x pipeline rank; the servers "
-                             f"setting ({config.servers}, indices into one stage's server group) does not apply: unset "
-                             "it, or use pipeline_schedule='1f1b'")
+        problem = cad_1f1b_servers_problem(config.servers)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
         if self.server_group != "data_parallel":
             raise ValueError(f"{where}: cad_1f1b pools CA-tasks over every data-parallel x pipeline rank, so "
                              f"server_group={self.server_group!r} does not apply: leave server_group at "

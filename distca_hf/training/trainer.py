@@ -243,8 +243,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if isinstance(packed, PackedDataset):
             check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
             report = packed.report
-            if (name == "train" and packed.config.balance_micro_batches
-                    and packed.step_micro_batches * packed.layout.num_groups == 1):
+            if name == "train" and packed.config.balance_micro_batches and packed.step_global_batches == 1:
                 warnings.warn(f"DistCATrainer: PackingConfig(balance_micro_batches=True) has nothing to balance in "
                               f"{_argument_name(name)}: a step holds one global batch (no pipeline stages, one server "
                               "group); it balances the micro-batches of a step in pipeline stages "

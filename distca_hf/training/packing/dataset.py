@@ -166,7 +166,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.layout = layout
         self.rows, report = pack_rows(self._lengths, self.config, group_size=layout.group_size,
                                       full_rows=self.full_rows,
-                                      step_batches=getattr(self, "step_micro_batches", 1) * layout.num_groups)
+                                      step_batches=self.step_global_batches)
         filler_batches = layout.blocks(report.global_batches) * layout.num_groups - report.global_batches
         report.filler_micro_batches += filler_batches * layout.group_size
         self.report = report
@@ -183,6 +183,12 @@ class PackedDataset(torch.utils.data.Dataset):
             copy.step_micro_batches = check_positive("step_micro_batches", step_micro_batches)
         copy._set_layout(RankLayout.for_ranks(world_size, span_ranks=span_ranks, server_groups=server_groups))
         return copy
+
+    @property
+    def step_global_batches(self) -> int:
+        """Global batches of one optimizer step (``step_micro_batches`` per server group): what
+        ``config.balance_micro_batches`` balances together (nothing when 1)."""
+        return getattr(self, "step_micro_batches", 1) * self.layout.num_groups
 
     def with_world_size(self, world_size: int) -> "PackedDataset":
         """The same packing mode for ``world_size`` ranks (spanning: one server group of all of them)."""
