@@ -365,8 +365,11 @@ def main(argv=None) -> int:
     from distca_hf.training.loading import DocumentSourceError
 
     try:
+        if model_args.pipeline_parallel_size:  # the process count, before documents and model are made
+            distca_args.plugin(pipeline_parallel_size=model_args.pipeline_parallel_size).topology(
+                training_args.world_size)
         data = load_data(model_args, data_args, packing_args, training_args.seed)
-    except DocumentSourceError as error:  # one line that names the flag, not a traceback per rank
+    except (DocumentSourceError, ValueError) as error:  # one line that names the flag, not a traceback per rank
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
         return 2
     if not comparison.compare_colocated:

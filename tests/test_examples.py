@@ -210,3 +210,12 @@ def test_bench_sim_untuned_runs_without_the_shared_samples(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         bench_sim.main(["--data", str(tmp_path / "missing")])
     assert "doc_lengths" in capsys.readouterr().err
+
+
+def test_pipeline_stages_need_a_multiple_of_the_stages_in_processes(tmp_path, capsys, monkeypatch):
+    """``--pipeline_parallel_size 2`` on one process failed with a traceback after the documents were read
+    and the model built: refused first, in one line."""
+    monkeypatch.setattr(example, "load_data", lambda *args: pytest.fail("read documents before the process check"))
+    assert example.main(["--output_dir", str(tmp_path), "--pipeline_parallel_size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1" in err

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from .dataset import tokens_of
-from .rows import IGNORE_INDEX, check_integer, is_integer
+from .rows import IGNORE_INDEX, MAX_COUNT, check_integer, is_integer
 
 
 @dataclass
@@ -60,6 +60,9 @@ class PackedCollator:
                                  f"PackedDataset, got {type(item).__name__}")
             position = _integer_key(item, index, "first_position", 0)
             label = _integer_key(item, index, "last_label", IGNORE_INDEX)
+            if position > MAX_COUNT or label > MAX_COUNT:  # (10**30 overflowed int64 in torch, unnamed)
+                raise ValueError(f"PackedCollator: item {index} has first_position={position} and last_label={label}; "
+                                 f"a position or a token id is at most {MAX_COUNT}")
             if position < 0 or (position > 0 and (index > 0 or not item["input_ids"])):
                 raise ValueError(f"PackedCollator: item {index} has first_position={position}; only the row's first "
                                  "piece can continue a document (first_position > 0), and positions are >= 0")
