@@ -734,3 +734,54 @@ def test_global_batch_sampler_shuffles_whole_blocks_from_seed_and_epoch():
     sampler.set_epoch(1)
     assert list(sampler) != order
     assert list(GlobalBatchSampler(12, 3, shuffle=False)) == list(range(12))
+
+
+def test_packing_refuses_columns_it_would_drop_and_token_ids_out_of_range():
+    """A packed dataset (or a stream) given 'labels' masking a prompt, an 'attention_mask' with padding or
+    'position_ids' of its own trained as if they were not there (only DistCATrainer's raw-dataset check
+    caught them); a None row or an id past 2**31 - 1 failed deep or in the collator."""
+    import datasets
+
+    config = PackingConfig(tokens_per_rank=16)
+    masked = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 3, "labels": [[-100, -100, 3, 4]] * 3})
+    with pytest.raises(ValueError, match=r"PackedDataset: documents row 0 has 'labels' that differ .*DistCASFTTrainer"):
+        PackedDataset(masked, config)
+    with pytest.raises(ValueError, match=r"document 0 of the stream has 'labels' that differ"):
+        list(StreamingPackedDataset(masked.to_iterable_dataset(), config))
+    with pytest.raises(ValueError, match=r"document 1 has an 'attention_mask' with padding"):
+        PackedDataset([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 0]}], config)
+    with pytest.raises(ValueError, match=r"document 0 has 'position_ids' other than 0 \.\. n-1"):
+        PackedDataset([{"input_ids": [1, 2, 3], "position_ids": [5, 6, 7]}], config)
+    # columns that say nothing packing drops are fine
+    plain = {"input_ids": [1, 2, 3], "labels": [1, 2, 3], "attention_mask": [1, 1, 1], "position_ids": [0, 1, 2]}
+    assert PackedDataset([plain], config).report.tokens == 3
+    with pytest.raises(ValueError, match=r"document 1 has no input_ids \(None\)"):
+        PackedDataset(datasets.Dataset.from_dict({"input_ids": [[1, 2], None]}), config)
+    with pytest.raises(ValueError, match=r"'input_ids' hold token id 1099511627776; token ids are integers from 0 to"):
+        PackedDataset(datasets.Dataset.from_dict({"input_ids": [[1, 2**40]]}), config)
+    with pytest.raises(ValueError, match=r"document 0 must be a 1-D sequence .* got token id 2147483648"):
+        PackedDataset([[2**31, 1]], config)
+
+
+def test_load_documents_refuses_arguments_it_would_ignore(tmp_path):
+    """A split asked of one dataset, load_dataset's arguments for a dataset in hand or a saved folder, and the
+    text arguments for documents already tokenized were all ignored; streaming=True of a dataset in hand too."""
+    import datasets
+
+    from distca_hf.training.loading import DocumentSourceError
+
+    tokenized = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 3})
+    tokenized.save_to_disk(str(tmp_path / "one"))
+    for source in (tokenized, str(tmp_path / "one")):
+        with pytest.raises(DocumentSourceError, match=r"split= validation: .* is a single dataset \(no splits\)"):
+            load_documents(source, split="validation")
+        with pytest.raises(TypeError, match=r"\['data_files'\] go to datasets.load_dataset"):
+            load_documents(source, data_files="elsewhere.jsonl")
+    made_as = datasets.Dataset.from_dict({"input_ids": [[1, 2]]}, split="validation")  # it says which split it is
+    assert len(load_documents(made_as, split="validation")) == 1
+    with pytest.raises(DocumentSourceError, match=r"split= test: .*\(the 'validation' split\)"):
+        load_documents(made_as, split="test")
+    with pytest.raises(DocumentSourceError, match=r"text_column= body and eos_token_id=5: the documents already hold "
+                                                  "token ids"):
+        load_documents(tokenized, text_column="body", eos_token_id=5)
+    assert isinstance(load_documents(tokenized, streaming=True), datasets.IterableDataset)

@@ -53,7 +53,8 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
             already has ``input_ids``.
         text_column: the text to tokenize.
         streaming: read lazily (an ``IterableDataset``; pack it with ``StreamingPackedDataset``).
-        add_eos: append the end-of-sequence token to every document.
+        add_eos: append the end-of-sequence token to every document (text only: documents given as
+            token ids are kept as they are, and ``text_column`` or ``eos_token_id`` given with them is refused).
         eos_token_id: that token (default: the tokenizer's ``eos_token_id``).
         flags: how the caller's users set these arguments, for the errors: ``{"source": "--dataset",
             "text_column": "--text_column", "split": "--dataset_split", "tokenizer": "--model_name_or_path"}``
@@ -67,6 +68,13 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
     _require_documents(dataset, source, flags)
     columns = dataset.column_names
     if columns is not None and "input_ids" in columns:
+        # (ignored before: the documents came back as they were, without the asked-for column or token)
+        given = [f"{_flag(flags, 'text_column')} {text_column}" if text_column != "text" else None,
+                 f"eos_token_id={eos_token_id}" if eos_token_id is not None else None]
+        given = [g for g in given if g]
+        if given:
+            raise DocumentSourceError(f"{' and '.join(given)}: the documents already hold token ids (an 'input_ids' "
+                                      "column), which are kept as they are; these apply to text only: drop them")
         return dataset.select_columns(["input_ids"])
     return tokenize(dataset, tokenizer, text_column=text_column, add_eos=add_eos, eos_token_id=eos_token_id,
                     flags=flags)
@@ -77,8 +85,11 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
     import datasets
 
     if isinstance(source, (datasets.Dataset, datasets.IterableDataset)):
-        return source
+        _refuse_load_kwargs(load_kwargs, "a dataset in hand")
+        _check_one_split(source, split, "the dataset given", flags)
+        return source.to_iterable_dataset() if streaming and isinstance(source, datasets.Dataset) else source
     if isinstance(source, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        _refuse_load_kwargs(load_kwargs, "a dataset in hand")
         if split not in source:
             raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: no such split in the dataset (splits: "
                                       f"{sorted(source)})")
@@ -93,12 +104,15 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
             f"{_flag(flags, 'source')} {source}: no such file or folder (a Hub dataset would be named owner/name)")
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+            _refuse_load_kwargs(load_kwargs, f"a save_to_disk folder ({path})")
             dataset = datasets.load_from_disk(str(path))
             if isinstance(dataset, datasets.DatasetDict):
                 if split not in dataset:
                     raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: no such split in {path} "
                                               f"(splits: {sorted(dataset)})")
                 dataset = dataset[split]
+            else:
+                _check_one_split(dataset, split, str(path), flags)
             return dataset.to_iterable_dataset() if streaming else dataset
         return datasets.load_dataset(str(path), split=split, streaming=streaming, **load_kwargs)
     builder = _EXTENSION_BUILDERS.get(path.suffix.lower())
@@ -111,6 +125,25 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
         raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: a single file ({path.name}) holds one split, "
                                   "'train'; point the source at that split's own file instead")
     return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming, **load_kwargs)
+
+
+def _check_one_split(dataset, split: str, where: str, flags) -> None:
+    """One dataset (no splits) read as ``split``: the default ``"train"`` (a dataset does not always say
+    which split it is), or the split it says it was made from (``load_dataset(..., split=)`` records it,
+    slices aside); another split was read as the whole set before."""
+    own = getattr(dataset, "split", None)
+    if split == "train" or (own is not None and str(own).split("[")[0] == split.split("[")[0]):
+        return
+    made = f"the {str(own)!r} split" if own is not None else "no splits"
+    raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: {where} is a single dataset ({made}); drop "
+                              f"{_flag(flags, 'split')} or point the source at that split's own data")
+
+
+def _refuse_load_kwargs(load_kwargs: dict, what: str) -> None:
+    """``load_dataset``'s own arguments given for a source it does not read (dropped before)."""
+    if load_kwargs:
+        raise TypeError(f"load_documents: {sorted(load_kwargs)} go to datasets.load_dataset (a Hub name, data files), "
+                        f"which {what} does not go through; drop them")
 
 
 def _blank(path: Path) -> bool:

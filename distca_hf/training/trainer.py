@@ -72,7 +72,7 @@ from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cp
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
-from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming
+from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming, refuse_masks
 from .pipeline import pipeline_targets
 from .pipeline_trainer import PipelineTrainerMixin
 from .plugin import DistCAPlugin, model_parallel_sizes
@@ -422,8 +422,8 @@ def _argument_name(name: str) -> str:
 
 def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
     raw = not (is_streaming(dataset) or isinstance(dataset, PackedDataset))
-    if raw:
-        _check_no_masks(dataset, name)
+    if raw:  # (before packing, naming the argument; PackedDataset checks a dataset given packed)
+        refuse_masks(dataset, f"DistCATrainer: {_argument_name(name)}")
     if raw and hasattr(dataset, "__len__") and len(dataset) == 0:
         # before packing: a datasets.Dataset of no rows may not even have an input_ids column
         raise ValueError(f"DistCATrainer: {_argument_name(name)} has no documents to "
@@ -436,44 +436,6 @@ def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
     elif packing is None:
         raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
                          "or an already packed distca_hf.PackedDataset")
-
-
-def _check_no_masks(dataset, name: str) -> None:
-    """Raw documents whose ``labels`` differ from their ``input_ids``, or whose ``attention_mask`` marks
-    padding, are refused: packing keeps ``input_ids`` alone, so the masked prompt or the padding would
-    be trained on without a word. (Columns that mask nothing are fine.)"""
-    def check(row, i) -> None:
-        if not isinstance(row, Mapping):
-            return
-        ids, labels, mask = row.get("input_ids"), row.get("labels"), row.get("attention_mask")
-        if labels is not None and _as_list(labels) != _as_list(ids):
-            raise ValueError(
-                f"DistCATrainer: {_argument_name(name)} row {i} has 'labels' that differ from its 'input_ids' (a "
-                "masked prompt, -100): DistCATrainer packs input_ids alone and would train on every token. Use "
-                "DistCASFTTrainer (TRL), which packs the labels with the documents, or drop the 'labels' column")
-        if mask is not None and 0 in _as_list(mask):
-            raise ValueError(
-                f"DistCATrainer: {_argument_name(name)} row {i} has an 'attention_mask' with padding: packing keeps "
-                "input_ids alone and would train on the padding. Give the documents unpadded (drop the padding "
-                "tokens and the 'attention_mask' column)")
-
-    columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, list):  # a datasets.Dataset: only its masking columns are read
-        wanted = [c for c in ("input_ids", "labels", "attention_mask") if c in columns]
-        if len(wanted) > 1 and "input_ids" in wanted:
-            start = 0
-            for batch in dataset.select_columns(wanted).iter(batch_size=1024):
-                rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-                for offset, row in enumerate(rows):
-                    check(row, start + offset)
-                start += len(rows)
-    elif isinstance(dataset, (list, tuple)):
-        for i, row in enumerate(dataset):
-            check(row, i)
-
-
-def _as_list(values) -> list:
-    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _prepare_model(model) -> None:

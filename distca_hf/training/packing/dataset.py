@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from .layout import RankLayout
-from .rows import (IGNORE_INDEX, PADDING, PackedRow, PackingConfig, Piece, check_flag, check_positive, is_integer,
-                   pack_rows)
+from .rows import (IGNORE_INDEX, MAX_COUNT, PADDING, PackedRow, PackingConfig, Piece, check_flag, check_positive,
+                   is_integer, pack_rows)
 
 
 def _document_lengths(documents) -> list[int]:
@@ -22,6 +22,8 @@ def _document_lengths(documents) -> list[int]:
         if isinstance(documents, datasets.Dataset):
             _require_input_ids(documents.column_names)
             _require_token_ids_column(documents.features["input_ids"])
+            _check_token_ids_column(documents)
+            refuse_masks(documents, "PackedDataset: documents")
             return [len(ids) for batch in documents.iter(batch_size=1024) for ids in batch["input_ids"]]
     except ImportError:
         pass
@@ -59,6 +61,75 @@ def _require_token_ids_column(feature) -> None:
                          f"{_TOKENIZE_FIRST}")
 
 
+def _check_token_ids_column(documents) -> None:
+    """A ``datasets`` ``input_ids`` column read by its lengths only (the fast path): no row may be
+    null, and no id above ``MAX_COUNT``. (Negative ids are left to ``PackedCollator``, which refuses
+    them: ``DistCASFTTrainer`` packs its labels, -100 included, as such a column.)"""
+    import pyarrow.compute as pc
+
+    column = documents.data.column("input_ids")
+    if column.null_count:
+        row = pc.index(pc.is_null(column), True).as_py()
+        raise ValueError(f"document {row} has no input_ids (None); every document needs its token-id list (drop or "
+                         "fill the empty rows)")
+    flat = pc.list_flatten(column)
+    if len(flat):
+        high = pc.max(flat).as_py()
+        if high > MAX_COUNT:
+            raise ValueError(f"the documents' 'input_ids' hold token id {high}; token ids are integers from 0 to "
+                             f"{MAX_COUNT}; {_TOKENIZE_FIRST}")
+
+
+MASKING_COLUMNS = ("labels", "attention_mask", "position_ids")
+"""Columns beside ``input_ids`` that packing would drop although they say something: masked labels,
+padding, positions other than ``0 .. n-1``; a row holding one is refused (``mask_problem``)."""
+
+
+def mask_problem(row: Mapping) -> str | None:
+    """Why packing ``row`` (a document as a mapping of columns) would lose what its other columns say
+    (``labels`` other than its ``input_ids``, an ``attention_mask`` with padding, ``position_ids`` other
+    than ``0 .. n-1``: packing keeps ``input_ids`` alone), as the end of a sentence; None when nothing."""
+    ids, labels, mask, positions = (row.get(c) for c in ("input_ids", *MASKING_COLUMNS))
+    if labels is not None and _as_list(labels) != _as_list(ids):
+        return ("has 'labels' that differ from its 'input_ids' (a masked prompt, -100): packing keeps input_ids alone "
+                "and would train on every token. Use DistCASFTTrainer (TRL), which packs the labels with the "
+                "documents, or drop the 'labels' column")
+    if mask is not None and 0 in _as_list(mask):
+        return ("has an 'attention_mask' with padding: packing keeps input_ids alone and would train on the padding. "
+                "Give the documents unpadded (drop the padding tokens and the 'attention_mask' column)")
+    if positions is not None and _as_list(positions) != list(range(len(_as_list(ids)))):
+        return ("has 'position_ids' other than 0 .. n-1: packing gives every document its own positions from 0 and "
+                "would drop these. Give each document whole, or drop the 'position_ids' column")
+    return None
+
+
+def refuse_masks(documents, where: str) -> None:
+    """Refuse documents (a ``datasets.Dataset``, or a list of mappings) of which a row has a
+    ``mask_problem``, naming ``where`` and the row; other sources are checked row by row as read
+    (``tokens_of``). Only the masking columns are read."""
+    columns = getattr(documents, "column_names", None)
+    if isinstance(columns, list):  # a datasets.Dataset
+        wanted = [c for c in ("input_ids", *MASKING_COLUMNS) if c in columns]
+        if len(wanted) > 1 and "input_ids" in wanted:
+            start = 0
+            for batch in documents.select_columns(wanted).iter(batch_size=1024):
+                rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+                for offset, row in enumerate(rows):
+                    problem = mask_problem(row)
+                    if problem:
+                        raise ValueError(f"{where} row {start + offset} {problem}")
+                start += len(rows)
+    elif isinstance(documents, (list, tuple)):
+        for i, row in enumerate(documents):
+            problem = mask_problem(row) if isinstance(row, Mapping) else None
+            if problem:
+                raise ValueError(f"{where} row {i} {problem}")
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 def _read_tokens(document) -> list:
     if isinstance(document, Mapping):  # as tokens_of: a dict or a BatchEncoding
         document = document["input_ids"]
@@ -68,15 +139,19 @@ def _read_tokens(document) -> list:
 
 
 def tokens_of(document, what: str = "a document") -> list[int]:
-    """The token ids of one document: a list, a 1-D tensor or array, or ``{"input_ids": ...}``; anything
-    else (text, floats, negative ids, nested lists, 2-D tensors) is refused naming ``what``."""
+    """The token ids of one document: a list, a 1-D tensor or array, or ``{"input_ids": ...}`` (whose
+    other columns may not mask anything: ``mask_problem``); anything else (text, floats, ids outside 0 to
+    ``MAX_COUNT``, nested lists, 2-D tensors) is refused naming ``what``."""
     if isinstance(document, Mapping):  # a dict, or a tokenizer's BatchEncoding (a UserDict)
         _require_input_ids(document.keys())
+        problem = mask_problem(document)
+        if problem:
+            raise ValueError(f"{what} {problem}")
         document = document["input_ids"]
 
     def refuse(got: str) -> ValueError:
-        return ValueError(f"{what} must be a 1-D sequence of integer token ids >= 0 (a list, a 1-D tensor or array, or "
-                          f"{{'input_ids': ...}}), got {got}; {_TOKENIZE_FIRST}")
+        return ValueError(f"{what} must be a 1-D sequence of integer token ids from 0 to {MAX_COUNT} (a list, a 1-D "
+                          f"tensor or array, or {{'input_ids': ...}}), got {got}; {_TOKENIZE_FIRST}")
 
     if isinstance(document, (str, bytes)):
         raise refuse(f"text {document[:40]!r}")
@@ -97,8 +172,8 @@ def tokens_of(document, what: str = "a document") -> list[int]:
                 if not is_integer(t):
                     raise refuse(f"{type(t).__name__} {t!r:.40} at position {position}")
             tokens = [int(t) for t in tokens]
-    if tokens and min(tokens) < 0:
-        raise refuse(f"token id {min(tokens)}")
+    if tokens and (min(tokens) < 0 or max(tokens) > MAX_COUNT):
+        raise refuse(f"token id {min(tokens) if min(tokens) < 0 else max(tokens)}")
     return tokens
 
 
