@@ -385,6 +385,17 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
         trainer(datasets.Dataset.from_dict({"input_ids": []}))
     with pytest.raises(ValueError, match="train_dataset has nothing to learn"):
         trainer(datasets.Dataset.from_dict({"input_ids": [[5], [6]]}))
+    masked = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 2, "labels": [[5, -100, -100]] * 2})
+    with pytest.raises(ValueError, match="train_dataset has nothing to learn: every label after a document's first"):
+        trainer(masked)  # every target masked (it trained at loss 0)
+    from distca_hf.training.trl import SFTPackedDataset
+    from distca_hf import PackedDataset, PackingConfig
+
+    config = PackingConfig(tokens_per_rank=ROW)
+    rows = PackedDataset([[5, 6, 7]], config)
+    for labels, trains in (([5, -100, -100], False), ([5, -100, 7], True)):  # (labels travel as a datasets column)
+        packed = PackedDataset(datasets.Dataset.from_dict({"input_ids": [labels]}), config)
+        assert SFTPackedDataset(rows, packed).has_targets() is trains
     padded = copy.deepcopy(tokenizer)  # a pad token added, the embeddings not resized
     padded.add_special_tokens({"pad_token": "<pad>"})
     with pytest.raises(ValueError, match=rf"the tokenizer's pad_token_id={len(tokenizer)} is not below the model's "

@@ -49,7 +49,7 @@ from trl import SFTConfig, SFTTrainer
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
-from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, is_streaming
+from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, arrow_columns, is_streaming
 from .plugin import DistCAPlugin
 
 __all__ = ["DistCASFTTrainer", "SFTPackedCollator", "SFTPackedDataset"]
@@ -85,6 +85,19 @@ class SFTPackedDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def has_targets(self) -> bool:
+        """Whether some token trains (a label other than -100 after a document's first token)."""
+        if self.labels is None:
+            return self.rows.label_tokens() > 0
+        # labels hold -100, which only a datasets column carries through packing (tokens_of refuses it)
+        import pyarrow.compute as pc
+
+        for labels in arrow_columns(self.labels.documents, "input_ids"):
+            later = pc.list_flatten(pc.list_slice(labels, 1))
+            if len(later) and pc.any(pc.not_equal(later, IGNORE_INDEX)).as_py():
+                return True
+        return False
 
     def __getitem__(self, index: int) -> dict:
         item = self.rows[index]
@@ -214,6 +227,10 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         self.train_dataset = self._pack(self.train_dataset, "train")
         # (trained silently at loss 0 before)
         check_has_documents(self.train_dataset.rows, "train_dataset", trainer="DistCASFTTrainer", training=True)
+        if not self.train_dataset.has_targets():  # (trained at loss 0 before: TRL's masks hid every token)
+            raise ValueError("DistCASFTTrainer: train_dataset has nothing to learn: every label after a document's "
+                             "first token is -100 (TRL's completion_only_loss / assistant_only_loss masked them all); "
+                             "check the dataset's prompt / completion fields or the chat template's assistant marks")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {name: self._pack(d, f"eval_{name}") for name, d in self.eval_dataset.items()}
         elif self.eval_dataset is not None:

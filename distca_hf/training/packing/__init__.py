@@ -41,14 +41,14 @@ The files (each imports only files above it):
 
     rows          documents' lengths -> packed rows, pure: PackingConfig, PackedRow, PackingReport, pack_rows
     layout        RankLayout: which rank trains which row of which global batch
-    dataset       PackedDataset (map-style, packed once), tokens_of and refuse_masks (columns packing would drop)
+    dataset       PackedDataset (map-style, packed once), tokens_of, refuse_masks (columns packing would drop)
     streaming     StreamingPackedDataset (packed as the stream is read) and is_streaming
     sampler       GlobalBatchSampler: whole global batches shuffled, never the rows inside them
     collator      PackedCollator: a row's items -> the model inputs
 """
 
 from .collator import PackedCollator
-from .dataset import MASKING_COLUMNS, PackedDataset, refuse_masks, tokens_of
+from .dataset import MASKING_COLUMNS, PackedDataset, arrow_columns, refuse_masks, tokens_of
 from .layout import RankLayout
 from .rows import (IGNORE_INDEX, PADDING, PADDING_DOCUMENT_TOKENS, PackedRow, PackingConfig, PackingReport, Piece,
                    pack_lengths, pack_rows)
@@ -56,5 +56,5 @@ from .sampler import GlobalBatchSampler
 from .streaming import StreamingPackedDataset, is_streaming
 
 __all__ = ["PackingConfig", "PackingReport", "Piece", "PackedRow", "RankLayout", "PackedDataset", "StreamingPackedDataset",
-           "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "refuse_masks",
+           "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "refuse_masks", "arrow_columns",
            "MASKING_COLUMNS", "is_streaming", "IGNORE_INDEX", "PADDING", "PADDING_DOCUMENT_TOKENS"]

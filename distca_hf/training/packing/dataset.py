@@ -61,21 +61,29 @@ def _require_token_ids_column(feature) -> None:
                          f"{_TOKENIZE_FIRST}")
 
 
+def arrow_columns(documents, column: str, batch_size: int = 65536):
+    """A ``datasets.Dataset``'s ``column`` as pyarrow arrays, batch after batch, rows as the dataset
+    selects them (``Dataset.data`` is the whole table, whatever ``select`` or ``shuffle`` kept)."""
+    for batch in documents.select_columns([column]).with_format("arrow").iter(batch_size=batch_size):
+        yield batch.column(column)
+
+
 def _check_token_ids_column(documents) -> None:
     """A ``datasets`` ``input_ids`` column read by its lengths only (the fast path): no row may be
     null, and no id above ``MAX_COUNT``. (Negative ids are left to ``PackedCollator``, which refuses
     them: ``DistCASFTTrainer`` packs its labels, -100 included, as such a column.)"""
     import pyarrow.compute as pc
 
-    column = documents.data.column("input_ids")
-    if column.null_count:
-        row = pc.index(pc.is_null(column), True).as_py()
-        raise ValueError(f"document {row} has no input_ids (None); every document needs its token-id list (drop or "
-                         "fill the empty rows)")
-    flat = pc.list_flatten(column)
-    if len(flat):
-        high = pc.max(flat).as_py()
-        if high > MAX_COUNT:
+    start = 0
+    for column in arrow_columns(documents, "input_ids"):
+        if column.null_count:
+            row = start + pc.index(pc.is_null(column), True).as_py()
+            raise ValueError(f"document {row} has no input_ids (None); every document needs its token-id list (drop "
+                             "or fill the empty rows)")
+        start += len(column)
+        flat = pc.list_flatten(column)
+        high = pc.max(flat).as_py() if len(flat) else None
+        if high is not None and high > MAX_COUNT:
             raise ValueError(f"the documents' 'input_ids' hold token id {high}; token ids are integers from 0 to "
                              f"{MAX_COUNT}; {_TOKENIZE_FIRST}")
 
