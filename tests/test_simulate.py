@@ -138,6 +138,9 @@ def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match
 
 def test_simulate_bad_arguments(lengths_file, tmp_path):
     (tmp_path / "empty.json").write_text("{}")  # a TypeError from TimeModel's constructor before
+    # a profile of another model's shape was mixed with the flags' bytes without a word
+    TimeModel(1e-6, 2e-10, 3e-6, 1e10, "test").save(tmp_path / "small.json", shape={
+        "hidden": 64, "intermediate": 64, "heads": 2, "kv_heads": 1})
     for flags, match in ((["--seed", "-1"], "--seed must be >= 0"), (["--layers", "0"], "--layers must be >= 1"),
                          (["--layers", "8"], "--layers is read by the pipeline model only"),
                          (["--plot", str(tmp_path)], "is a folder; name a file in it"),  # written as .png before
@@ -146,7 +149,9 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
                          (["--hidden", "100"], "--hidden (100) must be a multiple of --heads (32)"),
                          (["--time-model", str(tmp_path / "none.json")], "--time-model: "),
                          (["--time-model", str(lengths_file)], "a time model is a JSON object"),
-                         (["--time-model", str(tmp_path / "empty.json")], "the time model lacks the keys")):
+                         (["--time-model", str(tmp_path / "empty.json")], "the time model lacks the keys"),
+                         (["--time-model", str(tmp_path / "small.json")], "was profiled on --hidden 64 --heads 2 "
+                          "--kv-heads 1, this run models --hidden 4096 --heads 32 --kv-heads 8")):
         result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", *flags)
         assert result.returncode == 2 and match in result.stderr, result.stderr
     result = _cli("simulate", "--lengths", str(tmp_path), "--ranks", "2", "--tokens-per-rank", "64")
@@ -213,7 +218,17 @@ def test_time_model_roundtrip_and_validation(tmp_path):
     model = TimeModel(1e-6, 2e-10, 3e-6, 1e10, "test")
     path = tmp_path / "tm.json"
     model.save(path, shape={"hidden": 8})
-    assert TimeModel.load(path) == model
+    assert TimeModel.load(path) == model and TimeModel.load_profile(path) == (model, {"hidden": 8})
+    for shape in ({"hidden": 0}, {"hidden": 8.5}, {"layers": 2}, [8]):
+        model.save(path, shape=shape)
+        with pytest.raises(ValueError, match="'shape' must map"):
+            TimeModel.load(path)
+    # the runtime's setting: a profile of another attention width is used, and said
+    from distca_hf.planning import TokenBytes, resolve_time_model
+
+    model.save(path, shape={"hidden": 64, "intermediate": 64, "heads": 2, "kv_heads": 1})
+    with pytest.warns(UserWarning, match="profiled on heads x head_dim = 64, but this model's attention is 128 wide"):
+        assert resolve_time_model(str(path), "cpu", TokenBytes.for_model(128, 4, 2, dtype_bytes=4), 4) == model
     path.write_text(json.dumps({"linear_s_per_token": 1.0, "attn_s_per_pair": 1.0, "typo": 3}))
     with pytest.raises(ValueError, match="unknown time-model keys"):
         TimeModel.load(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -341,6 +342,13 @@ class TimeModel:
     def load(cls, path) -> "TimeModel":
         """The model a JSON object in ``path`` holds (``save``'s); a missing or unreadable file, other
         JSON or a bad value is a ``ValueError`` naming the file."""
+        return cls.load_profile(path)[0]
+
+    @classmethod
+    def load_profile(cls, path) -> "tuple[TimeModel, dict | None]":
+        """``(load(path), shape)``: ``shape`` is the model shape ``distca-hf profile`` measured on
+        (``{"hidden", "intermediate", "heads", "kv_heads"}``, integers >= 1), None when the file does
+        not say. The constants hold for that shape: a caller planning another one says so."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -355,14 +363,22 @@ class TimeModel:
         missing = [k for k in required if k not in data]
         if missing:
             raise ValueError(f"{path}: the time model lacks the keys {missing} (`distca-hf profile` writes them all)")
+        shape = data.get("shape")
+        if shape is not None and not (isinstance(shape, dict) and set(shape) <= set(PROFILE_SHAPE_KEYS) and all(
+                type(v) is int and v >= 1 for v in shape.values())):
+            raise ValueError(f"{path}: 'shape' must map {list(PROFILE_SHAPE_KEYS)} to integers >= 1 (the model "
+                             f"`distca-hf profile` measured), got {shape!r}")
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**{k: v for k, v in data.items() if k in known}), shape
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
     def save(self, path, **extra) -> None:
         Path(path).write_text(json.dumps({**asdict(self), **extra}, indent=2) + "\n")
 
+
+PROFILE_SHAPE_KEYS = ("hidden", "intermediate", "heads", "kv_heads")
+"""The model shape a ``distca-hf profile`` file records (``TimeModel.load_profile``)."""
 
 LLAMA3_8B_H100 = TimeModel.from_flops(hidden=4096, intermediate=14336, heads=32, kv_heads=8)
 
@@ -435,9 +451,17 @@ def default_time_model(device_type: str, token_bytes: TokenBytes, dtype_bytes: i
 
 def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:
     """The ``time_model`` setting as a ``TimeModel``: ``None`` -> ``default_time_model``; a path ->
-    ``TimeModel.load`` (used as measured: profile the model you train); a ``TimeModel`` as given."""
+    ``TimeModel.load`` (used as measured: profile the model you train; a profile of another attention
+    width is warned about); a ``TimeModel`` as given."""
     if setting is None:
         return default_time_model(device_type, token_bytes, dtype_bytes)
     if isinstance(setting, TimeModel):
         return setting
-    return TimeModel.load(setting)
+    model, shape = TimeModel.load_profile(setting)
+    width = token_bytes.q // dtype_bytes  # heads x head_dim of the model planned
+    if shape and shape.get("hidden") and shape.get("heads") and \
+            shape["heads"] * (shape["hidden"] // shape["heads"]) != width:
+        warnings.warn(f"distca time_model {setting} was profiled on heads x head_dim = {shape['hidden']}, but this "
+                      f"model's attention is {width} wide: its plans are timed with another model's costs; profile "
+                      "this model (distca-hf profile --hidden --intermediate --heads --kv-heads)", stacklevel=2)
+    return model

@@ -544,12 +544,22 @@ def main(argv=None) -> int:
     return run_cli(parser.parse_args(argv), parser)
 
 
-def _time_model_flag(path, parser) -> TimeModel:
-    """``--time-model``'s file as a ``TimeModel``, its problems reported naming the flag."""
+def _time_model_flag(path, parser, args) -> TimeModel:
+    """``--time-model``'s file as a ``TimeModel``, its problems reported naming the flag; a profile of
+    another shape than ``--hidden`` / ``--heads`` / ``--kv-heads`` is refused (its costs would be
+    mixed with this shape's bytes)."""
     try:
-        return TimeModel.load(path)
+        model, shape = TimeModel.load_profile(path)
     except ValueError as e:
         parser.error(f"--time-model: {e}")
+    flags = {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads}
+    differ = {k: v for k, v in flags.items() if shape and k in shape and shape[k] != v}
+    if differ:
+        measured = " ".join(f"--{k.replace('_', '-')} {shape[k]}" for k in flags if k in shape)
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+        parser.error(f"--time-model {path} was profiled on {measured}, this run models {given}: pass the profile's "
+                     "shape, or profile this one (distca-hf profile --hidden ... --heads ... --kv-heads ...)")
+    return model
 
 
 def run_cli(args, parser) -> int:
@@ -612,7 +622,7 @@ def run_cli(args, parser) -> int:
                                backward=args.backward, memory_budget=args.memory_budget, key_split=True,
                                kv_cap=args.kv_cap, kv_relays=args.kv_relays)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
-        time_model = _time_model_flag(args.time_model, parser) if args.time_model else \
+        time_model = _time_model_flag(args.time_model, parser, args) if args.time_model else \
             default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
