@@ -244,7 +244,10 @@ def test_sample_workload_reads_a_json_list(tmp_path):
     good = tmp_path / "lengths.json"
     good.write_text("[3, 70, 900]")
     assert bench.sample_lengths(f"sample:{good}") == [3, 70, 900]
-    for content, match in [("{\"a\": 1}", "non-empty JSON list"), ("[1, -2]", "positive"), ("[1,", "cannot read")]:
+    # (a JSON true was a one-token document; deep nesting a RecursionError)
+    for content, match in [("{\"a\": 1}", "non-empty JSON list"), ("[1, -2]", r"\[1\] is -2; every document length"),
+                           ("[1,", "is not valid JSON"), ("[true]", r"\[0\] is True"),
+                           ("[" * 100000 + "]" * 100000, "nested too deeply")]:
         bad = tmp_path / "bad.json"
         bad.write_text(content)
         with pytest.raises(ValueError, match=match):
@@ -255,7 +258,7 @@ def test_sample_workload_reads_a_json_list(tmp_path):
     (["--workload", "uniform"], "--workload takes skewed, balanced, mixed, long, demo or sample:FILE.json"),
     (["--workload", "skewed,long"], "--workload long runs alone"),
     (["--workload", "mixed,mixed"], "names a workload twice"),
-    (["--workload", "sample:/no/such.json"], "cannot read"),
+    (["--workload", "sample:/no/such.json"], "--workload sample:FILE.json: /no/such.json does not exist"),
     (["--tolerance", "-1"], "must be a finite number >= 0"),
 ])
 def test_bench_arguments_are_checked(capsys, argv, message):

@@ -203,6 +203,9 @@ def test_yaml_section_errors_name_file_and_key(tmp_path):
     # a YAML merge key may be overridden: not a duplicate
     path.write_text("base: &b {num_processes: 2}\njob:\n  <<: *b\n  num_processes: 4\ndistca:\n  tolerance: 0.2\n")
     assert DistCAPlugin.from_accelerate_config(path).resolved().tolerance == 0.2
+    path.write_text("distca:\n  tolerance: " + "[" * 5000 + "]" * 5000 + "\n")  # (a RecursionError before)
+    with pytest.raises(ValueError, match=r"cfg.yaml: not a config file \(YAML nested too deeply\)"):
+        DistCAPlugin.from_accelerate_config(path)
 
 
 # -- recipes as Accelerate reads them ---------------------------------------------------------------

@@ -234,6 +234,9 @@ def test_time_model_roundtrip_and_validation(tmp_path):
         TimeModel.load(path)
     with pytest.raises(ValueError, match="attn_s_per_pair"):
         TimeModel(1e-6, -1.0)
+    path.write_text("[" * 100000 + "]" * 100000)  # (a RecursionError before)
+    with pytest.raises(ValueError, match="cannot read a time model \\(JSON nested too deeply\\)"):
+        TimeModel.load(path)
 
 
 def test_profile_writes_a_loadable_time_model(tmp_path):

@@ -353,6 +353,8 @@ class TimeModel:
             data = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read a time model ({getattr(e, 'strerror', None) or e})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: cannot read a time model (JSON nested too deeply)") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a time model is a JSON object of its fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}

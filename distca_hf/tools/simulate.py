@@ -409,20 +409,22 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     }
 
 
-def load_lengths(path) -> np.ndarray:
-    """A JSON list of positive integer document lengths; errors name the file and the problem."""
+def load_lengths(path, flag: str = "--lengths") -> np.ndarray:
+    """A JSON list of positive integer document lengths; errors name ``flag``, the file and the problem."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"--lengths: {path} does not exist") from None
+        raise ValueError(f"{flag}: {path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--lengths: {path} is not valid JSON ({e})") from None
+        raise ValueError(f"{flag}: {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{flag}: {path} is not a list of lengths (JSON nested too deeply)") from None
     except OSError as e:
-        raise ValueError(f"--lengths: cannot read {path} ({e.strerror or e})") from None
+        raise ValueError(f"{flag}: cannot read {path} ({e.strerror or e})") from None
     if not isinstance(data, list) or not data:
-        raise ValueError(f"--lengths: {path} must hold a non-empty JSON list of document lengths (tokens)")
-    return check_lengths(data, f"--lengths: {path}")
+        raise ValueError(f"{flag}: {path} must hold a non-empty JSON list of document lengths (tokens)")
+    return check_lengths(data, f"{flag}: {path}")
 
 
 def check_lengths(lengths, where: str = "lengths") -> np.ndarray:

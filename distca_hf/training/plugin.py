@@ -499,6 +499,8 @@ def load_config_yaml(path: str | os.PathLike):
             return yaml.load(f, Loader=UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{path}: not a config file (YAML nested too deeply)") from None
 
 
 def read_distca_section(path: str | os.PathLike) -> dict:

@@ -7,9 +7,6 @@
 
 from __future__ import annotations
 
-import json
-
-
 WORKLOADS = ("skewed", "balanced", "mixed", "long", "demo")
 """``--workload`` names (besides ``sample:FILE.json``)."""
 
@@ -51,16 +48,9 @@ def sample_lengths(workload: str) -> list[int]:
     """The length sample of ``mixed`` or ``sample:FILE.json`` (a JSON list of positive ints)."""
     if workload == "mixed":
         return demo_lengths()
-    path = workload.removeprefix("sample:")
-    try:
-        with open(path) as f:
-            lengths = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--workload sample:FILE.json: cannot read {path!r} ({e})") from None
-    if not (isinstance(lengths, list) and lengths and all(isinstance(n, int) and n > 0 for n in lengths)):
-        raise ValueError(f"--workload sample:FILE.json: {path!r} must hold a non-empty JSON list of positive "
-                         "document lengths (tokens)")
-    return lengths
+    from ..simulate import load_lengths  # (simulate's checks: a bool or a float was a length here)
+
+    return load_lengths(workload.removeprefix("sample:"), "--workload sample:FILE.json").tolist()
 
 
 def drawn_batches(lengths: list[int], world: int, tokens: int, seed: int) -> list[list[int]]:
