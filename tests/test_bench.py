@@ -577,7 +577,11 @@ def test_pipeline_row_marks_documents_and_their_first_labels():
     (["--pipeline-parallel", "2", "--layers", "3"], "--layers 3 must be a multiple of --pipeline-parallel 2"),
     (["--pipeline-parallel", "2", "--world", "3"], "--world 3 must be a multiple of --pipeline-parallel 2"),
     (["--pipeline-parallel", "2", "--micro-batches", "1"],
-     "needs at least 2 micro-batches per step (one per stage), got --micro-batches=1"),
+     "--micro-batches 1: the baseline runs torch's 1F1B, which needs at least one micro-batch per stage"),
+    # flags that were ignored
+    (["--pipeline-parallel", "2", "--quick"], "--quick is not for --pipeline-parallel"),
+    (["--pipeline-parallel", "2", "--workload", "mixed", "--short-docs", "5"],
+     "--short-docs is for --workload skewed (got --workload mixed)"),
     (["--pipeline-parallel", "1"], "--pipeline-parallel must be >= 2"),
     (["--pipeline-parallel", "2", "--workload", "long"], "does not run --workload long"),
     (["--pipeline-parallel", "2", "--overlap", "pingpong"], "--pipeline-parallel runs one distca setting"),

@@ -44,6 +44,10 @@ def check_pipeline_arguments(args, parser) -> None:
     for name, value in {**MODEL_DEFAULTS, **PIPELINE_DEFAULTS}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.quick:  # (it was ignored: the pipeline run kept its own sizes)
+        parser.error("--quick is not for --pipeline-parallel; size the run with --tokens, --steps and --micro-batches")
+    if args.short_docs is not None and args.workload != "skewed":  # (ignored: only skewed rows have short documents)
+        parser.error(f"--short-docs is for --workload skewed (got --workload {args.workload})")
     if args.short_docs is None:
         args.short_docs = max(1, args.tokens // 256)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
@@ -57,12 +61,9 @@ def check_pipeline_arguments(args, parser) -> None:
     if args.layers % p:
         parser.error(f"--layers {args.layers} must be a multiple of --pipeline-parallel {p}: every stage holds the "
                      "same number of decoder layers")
-    from ...runtime.pipeline_schedules import check_micro_batches
-
-    try:  # the baseline runs torch's 1F1B
-        check_micro_batches("1f1b", args.micro_batches, p, setting="--micro-batches")
-    except ValueError as e:
-        parser.error(str(e))
+    if args.micro_batches < p:  # (runtime.pipeline_schedules.check_micro_batches' rule, in the flags' names)
+        parser.error(f"--micro-batches {args.micro_batches}: the baseline runs torch's 1F1B, which needs at least one "
+                     f"micro-batch per stage (--pipeline-parallel {p})")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         parser.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
     if args.short_docs > args.tokens:
