@@ -168,6 +168,7 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("profile", ["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
                                  ("profile", ["--device", "tpu"], "--device must be"),
                                  ("profile", ["--device", "cpu:5"], "--device must be cpu, cuda or cuda:N, got 'cpu:5'"),
+                                 ("profile", ["--device", ""], "--device must be cpu, cuda or cuda:N, got ''"),
                                  # a segfault, a CUDA candidate dropped, outputs failing after the run, 0 read as
                                  # the default, a huge world spawned: before
                                  ("kernel-bench", ["--device", "cpu", "--threads", "100000"],
@@ -175,6 +176,14 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("kernel-bench", ["--device", "cpu", "--candidate", "flash_attn"],
                                   "--candidate flash_attn is not a cpu candidate"),
                                  ("kernel-bench", ["--out", str(tmp_path)], "is a folder; name a file in it"),
+                                 ("kernel-bench", ["--out", "/proc/x.json"], "--out: cannot write /proc/x.json"),
+                                 ("profile", ["--out", "/proc/x.json"], "--out: cannot write /proc/x.json"),
+                                 # flags that timed nothing (an empty table's traceback, or silently)
+                                 ("kernel-bench", ["--device", "cpu", "--workload", "mixed_as_512_shards", "--flex"],
+                                  "--flex times whole-document workloads only"),
+                                 ("kernel-bench", ["--device", "cpu", "--workload", "mixed_as_512_shards",
+                                                   "--candidate", "dense_packed_sdpa"],
+                                  "dense_packed_sdpa masks whole documents only"),
                                  ("profile", ["--max-tokens", "0"], "--max-tokens must be >= 64, got 0"),
                                  ("profile", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
                                  ("profile", ["--world", "100000"], "processes per CPU core"),

@@ -59,6 +59,12 @@ def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
     with pytest.raises(SystemExit, match=r"--config_file: .*twice.yaml: not valid YAML: key 'num_processes' is given "
                                          r"twice \(lines 1 and 3\)"):
         main(["--config_file", str(twice), "nothing.py"])
+    # the flag twice (distca read the first file, accelerate the last) or empty (read as the current folder)
+    good = tmp_path / "good.yaml"
+    good.write_text("num_processes: 2\n")
+    for argv in (["--config_file", str(good), f"--config-file={good}", "x.py"], ["--config_file=", "x.py"]):
+        with pytest.raises(SystemExit, match=r"--config_file is (given twice; give it once|empty; name the accelerate)"):
+            main(argv)
 
 
 @pytest.mark.distributed

@@ -147,6 +147,9 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
                          (["--plot", str(tmp_path / "x.txt")], "must end with one of .png, .pdf, .svg"),
                          (["--tokens-per-rank", str(10**12)], "--ranks x --tokens-per-rank = 2000000000000"),
                          (["--hidden", "100"], "--hidden (100) must be a multiple of --heads (32)"),
+                         (["--tolerance", "nan"], "--tolerance must be a finite number >= 0"),
+                         (["--block", "0"], "--block must be an integer from 1 to 2147483647 (tokens per shard block), "
+                          "got 0"),
                          (["--time-model", str(tmp_path / "none.json")], "--time-model: "),
                          (["--time-model", str(lengths_file)], "a time model is a JSON object"),
                          (["--time-model", str(tmp_path / "empty.json")], "the time model lacks the keys"),

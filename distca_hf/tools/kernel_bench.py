@@ -349,6 +349,14 @@ def main(argv=None) -> int:
     foreign = [c for c in args.candidate or () if c not in CANDIDATES]
     if foreign:
         parser.error(f"--candidate {foreign[0]} is not a cpu candidate; choose from {list(CANDIDATES)} (or --device cuda)")
+    sharded = [w for w in args.workload or () if WORKLOADS[w]["shard"] is not None]
+    whole = sorted(w for w, spec in WORKLOADS.items() if spec["shard"] is None)
+    if sharded and args.flex:  # (nothing was timed, without a word)
+        parser.error(f"--flex times whole-document workloads only ({', '.join(whole)}); {sharded[0]} is cut into "
+                     "shards")
+    if sharded and "dense_packed_sdpa" in (args.candidate or ()):  # (an empty table's traceback)
+        parser.error(f"--candidate dense_packed_sdpa masks whole documents only ({', '.join(whole)}); it cannot "
+                     f"time {sharded[0]}")
     results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
                   list(args.candidate or CANDIDATES))
     print(json.dumps(results, indent=2) if args.json else format_table(results))

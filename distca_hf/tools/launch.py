@@ -46,6 +46,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="distca-launch-") as tmp:
         if found is not None:
             index, path = found
+            if not path:  # (read as the current folder before)
+                raise SystemExit("distca-hf launch: error: --config_file is empty; name the accelerate config file")
+            rest = argv[index + (1 if "=" in argv[index] else 2):]
+            if find_flag(rest, "config_file") is not None:  # accelerate reads the last, distca read the first
+                raise SystemExit("distca-hf launch: error: --config_file is given twice; give it once")
             try:
                 accelerate_settings, _ = split_config(path)
             except (OSError, ValueError) as e:  # a missing, unreadable or bad file, named before any process starts

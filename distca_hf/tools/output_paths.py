@@ -10,8 +10,9 @@ __all__ = ["output_path_problem"]
 
 def output_path_problem(flag: str, path: str, *, suffixes: tuple[str, ...] | None = None) -> str | None:
     """What is wrong with writing the file ``path`` given to ``flag``, as a ``parser.error`` message, or
-    ``None``: it must not be a folder, its folder must exist, and when ``suffixes`` are given (lower
-    case, with the dot) it must end with one of them."""
+    ``None``: it must not be a folder, its folder must exist, when ``suffixes`` are given (lower case,
+    with the dot) it must end with one of them, and it must be writable (tried by opening it to append,
+    a file it creates removed again)."""
     if not path:
         return f"{flag} must name a file, got an empty path"
     if os.path.isdir(path):
@@ -21,4 +22,12 @@ def output_path_problem(flag: str, path: str, *, suffixes: tuple[str, ...] | Non
         return f"{flag}: the folder of {path} does not exist"
     if suffixes and os.path.splitext(path)[1].lower() not in suffixes:
         return f"{flag} {path} must end with one of {', '.join(suffixes)}"
+    existed = os.path.exists(path)
+    try:  # (a read-only folder, /proc or /sys: the run ended in a traceback when it wrote)
+        with open(path, "a"):  # appending nothing: an existing file is left as it is
+            pass
+    except OSError as e:
+        return f"{flag}: cannot write {path} ({e.strerror or e})"
+    if not existed:
+        os.remove(path)
     return None

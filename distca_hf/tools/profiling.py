@@ -476,7 +476,7 @@ def main(argv=None) -> int:
     if args.world is not None and args.world < 2:
         parser.error(f"--world must be >= 2 (processes that exchange the dispatch's data), got {args.world}; leave it "
                      "out to keep the built-in communication terms")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         kind = torch.device(device).type
     except RuntimeError:

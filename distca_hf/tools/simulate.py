@@ -630,9 +630,11 @@ def run_cli(args, parser) -> int:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
     except ValueError as e:
         message = str(e).replace("TimeModel.bytes_per_s", "--bytes-per-s")
-        for name in ("hidden", "heads", "kv_heads", "block", "backward", "memory_budget", "kv_cap", "kv_relays"):
+        for name in ("hidden", "heads", "kv_heads", "block", "backward", "memory_budget", "kv_cap", "kv_relays",
+                     "tolerance"):
             if message.startswith(f"{name} "):  # TokenBytes.for_model's and PlannerConfig's names: the flags'
                 message = "--" + name.replace("_", "-") + message[len(name):]
+        message = message.replace(" or None (by device)", "")  # (the setting's None; --block takes a number)
         parser.error(message.replace("multiple of kv_heads", "multiple of --kv-heads"))
     batch = args.ranks // (stages if pipelined else 1) * args.tokens_per_rank
     longer = int((lengths > batch).sum())
