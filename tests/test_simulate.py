@@ -148,6 +148,10 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
                          (["--tokens-per-rank", str(10**12)], "--ranks x --tokens-per-rank = 2000000000000"),
                          (["--hidden", "100"], "--hidden (100) must be a multiple of --heads (32)"),
                          (["--tolerance", "nan"], "--tolerance must be a finite number >= 0"),
+                         (["--ranks", "5000", "--tokens-per-rank", "1"], "the longest document would span 5000 "
+                          "ranks, at most 4096"),  # (killed out of memory at 100000 before)
+                         (["--backward", "resend", "--memory-budget", "0"],  # (ignored before)
+                          "--backward resend keeps nothing: drop one of them"),
                          (["--block", "0"], "--block must be an integer from 1 to 2147483647 (tokens per shard block), "
                           "got 0"),
                          (["--time-model", str(tmp_path / "none.json")], "--time-model: "),

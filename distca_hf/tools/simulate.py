@@ -409,6 +409,11 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     }
 
 
+MAX_SPANNED_RANKS = 4096
+"""The most ranks one document may span in ``simulate``'s batches (its K/V transfers, about the square
+of them, would not fit in memory much beyond)."""
+
+
 def load_lengths(path, flag: str = "--lengths") -> np.ndarray:
     """A JSON list of positive integer document lengths; errors name ``flag``, the file and the problem."""
     path = Path(path)
@@ -486,10 +491,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="planner tolerance (max/mean - 1 of attention), or 'auto' to plan by time "
                              "(default: %(default)s)")
     budget = SETTINGS["memory_budget"]
-    parser.add_argument("--memory-budget", type=budget.metadata["parse"], default=budget.default,
+    parser.add_argument("--memory-budget", type=budget.metadata["parse"], default=argparse.SUPPRESS,
                         help="distca's memory bound: the worst rank may hold (1 + this) x the mean over ranks of what "
                              "they hold for attention's backward per layer (memory_imbalance <= 1 + this), or 'none' "
-                             "(the memory_budget setting; default: %(default)s)")
+                             f"(the memory_budget setting; default: {budget.default}; not with --backward resend, "
+                             "which keeps nothing)")
     cap = SETTINGS["kv_cap"]
     parser.add_argument("--kv-cap", type=cap.metadata["parse"], default=cap.default,
                         help="distca's cap on the K/V one server receives per layer: 'cp' (per-document CP's worst "
@@ -565,6 +571,11 @@ def _time_model_flag(path, parser, args) -> TimeModel:
 
 
 def run_cli(args, parser) -> int:
+    if not hasattr(args, "memory_budget"):  # (absent unless given: --backward resend refuses a given one)
+        args.memory_budget = SETTINGS["memory_budget"].default
+    elif args.backward == "resend":  # (it was ignored: resend mode keeps nothing on servers to bound)
+        parser.error(f"--memory-budget {args.memory_budget} bounds what servers keep for backward in saved mode; "
+                     "--backward resend keeps nothing: drop one of them")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.layers is not None and args.layers < 1:
@@ -637,6 +648,13 @@ def run_cli(args, parser) -> int:
         message = message.replace(" or None (by device)", "")  # (the setting's None; --block takes a number)
         parser.error(message.replace("multiple of kv_heads", "multiple of --kv-heads"))
     batch = args.ranks // (stages if pipelined else 1) * args.tokens_per_rank
+    # a document over s ranks makes about s^2 / 2 K/V transfers (each piece needs every earlier one's):
+    # 100000 ranks of 1 token each ran out of memory, killed without a word
+    span = min(-(-int(min(lengths.max(), batch)) // args.tokens_per_rank) + 1, batch // args.tokens_per_rank)
+    if span > MAX_SPANNED_RANKS:
+        parser.error(f"--ranks {args.ranks} x --tokens-per-rank {args.tokens_per_rank}: the longest document would span "
+                     f"{span} ranks, at most {MAX_SPANNED_RANKS} (its K/V transfers grow with the square); raise "
+                     "--tokens-per-rank")
     longer = int((lengths > batch).sum())
     if longer:  # (said nowhere before)
         what = ("micro-batch", "--ranks / --pipeline-parallel x") if pipelined else ("batch", "--ranks x")
