@@ -111,6 +111,12 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
         warnings.simplefilter("error")
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="gpipe")
         DistCAPlugin()
+        DistCAPlugin(mode="colocated", backward="resend")  # (spanning prefixes run in it)
+    # planner settings under mode="colocated", which plans nothing, were ignored without a word
+    with pytest.warns(UserWarning, match="tolerance, servers set but mode='colocated' plans nothing .* they are ignored"):
+        DistCAPlugin(mode="colocated", tolerance=0.1, servers=[0])
+    with pytest.warns(UserWarning, match="kv_relays set but mode='colocated' plans nothing .* it is ignored"):
+        DistCAPlugin(file_settings={"mode": "colocated", "kv_relays": "off"})
     # cad_1f1b pools over every rank: settings that pick servers inside a stage were refused at the first
     # step (servers) or ignored (server_group), and ping-pong's downgrade to wave was said only then
     cad = dict(pipeline_parallel_size=2, pipeline_schedule="cad_1f1b")
@@ -158,6 +164,7 @@ def test_attach_applies_the_settings_process_wide():
         groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
     with warnings.catch_warnings():  # the settings of the plugin attached before are no user's: no word
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*plans nothing")  # (its tolerance under colocated: said)
         DistCAPlugin(mode="colocated").attach()
         groups = DistCAPlugin(tolerance=0.07, mode="colocated").attach()
     assert groups.server_ranks == (0,) and groups.group is None and groups.topology.world_size == 1

@@ -146,6 +146,16 @@ class DistCAPlugin(_SettingFields):
         config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
         self._check_pipeline_settings(config)
+        self._check_colocated_settings(config)
+
+    def _check_colocated_settings(self, config: DistCAConfig) -> None:
+        """Planner settings said in code or the file under ``mode="colocated"``, which plans nothing
+        (every rank computes its own documents), are ignored: a warning, as for pipeline settings."""
+        said = [name for name in PLANNER_ONLY_SETTINGS if getattr(self, name) is not None or name in self.file_settings]
+        if config.mode == "colocated" and said:
+            warnings.warn(f"DistCAPlugin: {', '.join(said)} set but mode='colocated' plans nothing (every rank "
+                          f"computes its own documents), so {'they are' if len(said) > 1 else 'it is'} ignored; "
+                          "set mode='distca' to balance attention", stacklevel=4)
 
     def _check_pipeline_settings(self, config: DistCAConfig) -> None:
         """Pipeline settings said in code or the file without stages do nothing (a warning: one file may
@@ -472,6 +482,10 @@ def _document(cls) -> str:
 
 
 DistCAPlugin.__doc__ = _document(DistCAPlugin)
+
+
+PLANNER_ONLY_SETTINGS = ("tolerance", "servers", "memory_budget", "kv_cap", "kv_relays", "time_model")
+"""The settings only the planner reads: ``mode="colocated"`` ignores them (``DistCAPlugin`` warns)."""
 
 
 def load_config_yaml(path: str | os.PathLike):
