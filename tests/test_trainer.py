@@ -982,3 +982,34 @@ def test_plan_visualize_draws_a_plan(tmp_path):
                              "--tokens-per-rank", "4096"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.stat().st_size > 10_000 and "colocated" in result.stdout and "-> distca" in result.stdout
+
+
+def test_collators_and_token_ids_are_checked_against_the_model(tmp_path):
+    """Another collator failed deep inside transformers on packed rows; a model made by model_init, a collator's
+    own vocab_size and a packed dataset's pad id were never compared with the model's vocabulary (an IndexError
+    in the embedding at a step)."""
+    from transformers import DataCollatorWithFlattening
+
+    from distca_hf import DistCATrainer, PackedCollator, PackedDataset, PackingConfig
+    from helpers import tiny_model
+
+    packing = PackingConfig(tokens_per_rank=BUDGET)
+    documents = [[1, 2, 3]] * 4
+    with pytest.raises(ValueError, match="the rows must come from distca_hf.PackedCollator.*DataCollatorWithFlattening"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
+                      data_collator=DataCollatorWithFlattening())
+    with pytest.raises(TypeError, match="data_collator=PackedCollator is a class; pass an instance"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
+                      data_collator=PackedCollator)
+    with pytest.raises(ValueError, match=r"data_collator=PackedCollator\(vocab_size=1000\) but the model's vocab_size "
+                                         "is 96"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
+                      data_collator=PackedCollator(vocab_size=1000))
+    with pytest.raises(ValueError, match="train_dataset's PackingConfig.pad_token_id=500 is not below the model's "
+                                         "vocab_size 96"):
+        DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path),
+                      train_dataset=PackedDataset(documents, PackingConfig(tokens_per_rank=BUDGET, pad_token_id=500)))
+    late = DistCATrainer(model_init=lambda: tiny_model("llama"), args=_arguments(tmp_path),
+                         train_dataset=[[1, 2, 200]] * 4, packing=packing)
+    with pytest.raises(ValueError, match="token id 200 is not below the model's vocab_size 96"):
+        late.train()

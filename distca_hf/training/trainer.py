@@ -113,6 +113,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             raise TypeError(f"distca_plugin must be a distca_hf.DistCAPlugin, got {type(distca_plugin).__name__}")
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
+        _check_collator(data_collator)
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
         pipelined = self.distca_plugin.pipeline_parallel_size > 1  # PipelineTrainerMixin's set-up hooks below
         if model is not None:
@@ -137,6 +138,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         # The datasets are packed once the server groups exist (below): how many ranks share a
         # global batch decides the packing.
         vocab = model_vocab_size(model)
+        self._own_collator = data_collator is None  # (its vocab_size is filled when a model_init model is made)
         super().__init__(model=model, args=args, data_collator=data_collator or PackedCollator(vocab),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
@@ -181,10 +183,27 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
                                  for name, d in eval_dataset.items()}
         else:
             self.eval_dataset = self._packed(eval_dataset, packing, layout, "eval")
+        self._check_vocabulary(vocab)
         if pipelined:
             self._start_pipeline()
         self._reset_window()
         self._table_replaces_progress()
+
+    def _check_vocabulary(self, vocab: int | None) -> None:
+        """Token ids at or past the model's ``vocab`` fail deep in the embedding (an ``IndexError``): the
+        collator refuses them by name when it knows the vocabulary, and the pad id of every packing (the
+        trainer's, or that of a dataset given packed) must be below it. ``None``: no model yet."""
+        if vocab is None:
+            return
+        collator = self.data_collator
+        if self._own_collator:
+            collator.vocab_size = vocab
+        elif collator.vocab_size is not None and collator.vocab_size != vocab:
+            raise ValueError(f"DistCATrainer: data_collator={type(collator).__name__}(vocab_size={collator.vocab_size}) "
+                             f"but the model's vocab_size is {vocab}; give the collator the model's (or no data_collator)")
+        for name, packed in self._packed_datasets.items():
+            check_pad_token_id(packed.config.pad_token_id, vocab,
+                               source=f"DistCATrainer: {_argument_name(name)}'s PackingConfig.pad_token_id")
 
     def _table_replaces_progress(self) -> None:
         """A ``StepTableCallback`` draws the bar and writes the logs itself: drop the Trainer's own
@@ -211,12 +230,6 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
 
     def _check_span_setup(self) -> None:
         """With documents spanning ranks the loss must take ``shift_labels`` (the boundary labels)."""
-        if not isinstance(self.data_collator, PackedCollator):
-            raise ValueError(
-                "with span_ranks=True the rows must come from distca_hf.PackedCollator (it emits the continuing "
-                "positions and the labels across rank boundaries), got "
-                f"data_collator={type(self.data_collator).__name__}; "
-                "drop data_collator= or set DistCAPlugin(span_ranks=False)")
         if self.compute_loss_func is not None or self.args.label_smoothing_factor:
             raise ValueError(
                 "with span_ranks=True the loss must read shift_labels (the last token of a rank's piece predicts the "
@@ -272,7 +285,10 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             return dataset
         packed = isinstance(dataset, (PackedDataset, StreamingPackedDataset))  # (its own packing config holds)
         _check_packable(dataset, None if packed else self._packing, name)
-        return self._packed(dataset, self._packing, self._layout, name)
+        packed = self._packed(dataset, self._packing, self._layout, name)
+        if self.model is not None and self._pipeline is None:
+            self._check_vocabulary(model_vocab_size(hf_model_of(self.model)))
+        return packed
 
     @property
     def packing_reports(self) -> dict:
@@ -285,6 +301,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             _prepare_model(self.model)  # a model_init model is only known now
             if self.span_ranks:
                 self._check_span_setup()
+            self._check_vocabulary(model_vocab_size(hf_model_of(self.model)))
         return super().train(*args, **kwargs)  # GlobalBatchTrainerMixin: the trainer's settings in force
 
     # -- training ---------------------------------------------------------------------------------
@@ -436,6 +453,19 @@ def _check_packable(dataset, packing: PackingConfig | None, name: str) -> None:
     elif packing is None:
         raise ValueError(f"the {name} dataset holds raw documents: pass packing=PackingConfig(tokens_per_rank=...) "
                          "or an already packed distca_hf.PackedDataset")
+
+
+def _check_collator(data_collator) -> None:
+    """Every dataset reaches the collator as packed rows (``PackedDataset`` items: ``input_ids`` a list of
+    pieces), which only ``PackedCollator`` and its subclasses read (another collator failed deep inside)."""
+    if isinstance(data_collator, type):
+        raise TypeError(f"data_collator={data_collator.__name__} is a class; pass an instance, e.g. PackedCollator()")
+    if data_collator is not None and not isinstance(data_collator, PackedCollator):
+        raise ValueError(
+            "DistCATrainer: the rows must come from distca_hf.PackedCollator (the datasets are packed rows, items "
+            "{'input_ids': [piece tokens, ...], 'first_position', 'last_label'}, and it emits their positions and the "
+            f"labels across rank boundaries), got data_collator={type(data_collator).__name__}; drop data_collator= "
+            "(or pass a PackedCollator subclass)")
 
 
 def _prepare_model(model) -> None:
