@@ -785,3 +785,14 @@ def test_load_documents_refuses_arguments_it_would_ignore(tmp_path):
                                                   "token ids"):
         load_documents(tokenized, text_column="body", eos_token_id=5)
     assert isinstance(load_documents(tokenized, streaming=True), datasets.IterableDataset)
+
+
+def test_rank_counts_and_seeds_at_their_bounds():
+    """2**31 - 1 ranks (inside the old bound) ran for ever; a seed near 2**64 overflowed once an epoch was added."""
+    config = PackingConfig(tokens_per_rank=4)
+    with pytest.raises(ValueError, match=r"world_size must be an integer from 1 to 1048576 \(ranks\), got 2147483647"):
+        PackedDataset([[1, 2]], config, world_size=2**31 - 1)
+    top = GlobalBatchSampler(4, 2, seed=2**64 - 1)
+    top.set_epoch(5)
+    same = GlobalBatchSampler(4, 2, seed=4)  # torch reads seeds modulo 2**64: 2**64 - 1 + 5 is 4
+    assert sorted(top) == [0, 1, 2, 3] and list(top) == list(same)

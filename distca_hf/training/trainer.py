@@ -60,7 +60,6 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections.abc import Mapping
 
 import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .rows import check_integer, check_positive
+from .rows import MAX_RANKS, check_integer
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RankLayout:
         """The layout of ``world_size`` ranks. With ``span_ranks``, ``server_groups`` (lists of global
         ranks) default to one group of every rank; without it each rank is its own group (and
         ``server_groups`` is refused: it was ignored)."""
-        world_size = check_positive("world_size", world_size)
+        world_size = check_integer("world_size", world_size, 1, " (ranks)", maximum=MAX_RANKS)
         if not isinstance(span_ranks, bool):
             raise ValueError(f"span_ranks must be True or False, got {span_ranks!r}")
         if not span_ranks and server_groups is not None:

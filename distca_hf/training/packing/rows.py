@@ -384,6 +384,11 @@ MAX_COUNT = INT32_MAX
 10**30 overflowed in the collator, 2**40 tokens a row or 10**12 ranks ran for ever)."""
 
 
+MAX_RANKS = 2**20
+"""The most ranks packing lays rows out for (``RankLayout`` holds an entry per rank: 2**31 - 1 ranks
+ran for ever)."""
+
+
 def check_positive(name: str, value) -> int:
     """``value`` as an int, refused (naming ``name``) unless an integer from 1 to ``MAX_COUNT``."""
     return check_integer(name, value, 1)

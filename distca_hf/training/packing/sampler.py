@@ -50,7 +50,8 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
         blocks = self.num_items // self.world_size
         if not self.shuffle:
             return list(range(blocks))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        # (torch reads a seed modulo 2**64, negative ones too: seed + epoch past 2**64 - 1 overflowed)
+        generator = torch.Generator().manual_seed((self.seed + self.epoch) % 2**64)
         if self.step_blocks == 1:
             return torch.randperm(blocks, generator=generator).tolist()
         units = torch.randperm(blocks // self.step_blocks, generator=generator).tolist()
