@@ -12,6 +12,7 @@
     simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
     simulate_tables   ``distca-hf simulate``'s text tables
     simulate_plot     ``distca-hf simulate --plot``: its figure
+    length_samples    the document-length files the commands read (``--lengths``, ``sample:FILE.json``), checked
     profiling         ``distca-hf profile``: the time model's constants on this device
     kernel_bench      ``distca-hf kernel-bench``: the exact attention paths side by side
     docs_reference    the generated pages of docs/ (the settings and command-line references): ``make docs``

@@ -59,7 +59,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -72,9 +71,10 @@ from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
-from ..planning.cost import H100_MEASURED, batch_tokens_problem, check_document_lengths, default_time_model
+from ..planning.cost import H100_MEASURED, batch_tokens_problem, default_time_model
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
+from .length_samples import check_lengths, load_lengths, span_problem
 from .output_paths import output_path_problem
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
 
@@ -409,38 +409,6 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     }
 
 
-MAX_SPANNED_RANKS = 4096
-"""The most ranks one document may span in ``simulate``'s batches (its K/V transfers, about the square
-of them, would not fit in memory much beyond)."""
-
-
-def load_lengths(path, flag: str = "--lengths") -> np.ndarray:
-    """A JSON list of positive integer document lengths; errors name ``flag``, the file and the problem."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{flag}: {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag}: {path} is not valid JSON ({e})") from None
-    except RecursionError:
-        raise ValueError(f"{flag}: {path} is not a list of lengths (JSON nested too deeply)") from None
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path} ({e.strerror or e})") from None
-    if not isinstance(data, list) or not data:
-        raise ValueError(f"{flag}: {path} must hold a non-empty JSON list of document lengths (tokens)")
-    return check_lengths(data, f"{flag}: {path}")
-
-
-def check_lengths(lengths, where: str = "lengths") -> np.ndarray:
-    """``lengths`` (a list or array of document lengths) as int64, else ``ValueError`` starting with
-    ``where``: a non-empty list of positive integers, none past ``cost.MAX_POSITION``."""
-    checked = check_document_lengths(lengths, where, minimum=1)
-    if not checked.size:
-        raise ValueError(f"{where} must hold a non-empty list of document lengths (tokens)")
-    return checked
-
-
 MAX_DRAWS = 10_000
 """The most batches (``batches``, times ``micro_batches`` under a pipeline) one simulation draws and
 plans: each takes 0.01-1 s here, so more would run for hours (a huge count read as a hang)."""
@@ -648,13 +616,9 @@ def run_cli(args, parser) -> int:
         message = message.replace(" or None (by device)", "")  # (the setting's None; --block takes a number)
         parser.error(message.replace("multiple of kv_heads", "multiple of --kv-heads"))
     batch = args.ranks // (stages if pipelined else 1) * args.tokens_per_rank
-    # a document over s ranks makes about s^2 / 2 K/V transfers (each piece needs every earlier one's):
-    # 100000 ranks of 1 token each ran out of memory, killed without a word
-    span = min(-(-int(min(lengths.max(), batch)) // args.tokens_per_rank) + 1, batch // args.tokens_per_rank)
-    if span > MAX_SPANNED_RANKS:
-        parser.error(f"--ranks {args.ranks} x --tokens-per-rank {args.tokens_per_rank}: the longest document would span "
-                     f"{span} ranks, at most {MAX_SPANNED_RANKS} (its K/V transfers grow with the square); raise "
-                     "--tokens-per-rank")
+    problem = span_problem(lengths, batch, args.tokens_per_rank)
+    if problem:
+        parser.error(f"--ranks {args.ranks} x --tokens-per-rank {args.tokens_per_rank}: {problem}")
     longer = int((lengths > batch).sum())
     if longer:  # (said nowhere before)
         what = ("micro-batch", "--ranks / --pipeline-parallel x") if pipelined else ("batch", "--ranks x")

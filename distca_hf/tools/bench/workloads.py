@@ -48,7 +48,7 @@ def sample_lengths(workload: str) -> list[int]:
     """The length sample of ``mixed`` or ``sample:FILE.json`` (a JSON list of positive ints)."""
     if workload == "mixed":
         return demo_lengths()
-    from ..simulate import load_lengths  # (simulate's checks: a bool or a float was a length here)
+    from ..length_samples import load_lengths  # (simulate's checks: a bool or a float was a length here)
 
     return load_lengths(workload.removeprefix("sample:"), "--workload sample:FILE.json").tolist()
 
