@@ -241,6 +241,11 @@ def test_time_model_roundtrip_and_validation(tmp_path):
         TimeModel.load(path)
     with pytest.raises(ValueError, match="attn_s_per_pair"):
         TimeModel(1e-6, -1.0)
+    for bad, match in (({"heads": 0}, "heads must be an integer >= 1, got 0"),  # (a ZeroDivisionError before)
+                       ({"hidden": "64"}, "hidden must be an integer >= 1, got '64'"),
+                       ({"attn_flops_per_s": 0.0}, "attn_flops_per_s must be a positive number")):
+        with pytest.raises(ValueError, match=f"TimeModel.from_flops: {bad and match}"):
+            TimeModel.from_flops(**{"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, **bad})
     path.write_text("[" * 100000 + "]" * 100000)  # (a RecursionError before)
     with pytest.raises(ValueError, match="cannot read a time model \\(JSON nested too deeply\\)"):
         TimeModel.load(path)

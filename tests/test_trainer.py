@@ -1009,6 +1009,16 @@ def test_collators_and_token_ids_are_checked_against_the_model(tmp_path):
                                          "vocab_size 96"):
         DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path),
                       train_dataset=PackedDataset(documents, PackingConfig(tokens_per_rank=BUDGET, pad_token_id=500)))
+    # wrong types that failed deep (an AttributeError in the checks, or after the first step)
+    from distca_hf import StepTableCallback
+
+    with pytest.raises(TypeError, match="args must be transformers.TrainingArguments, got dict"):
+        DistCATrainer(model=tiny_model("llama"), args={"output_dir": str(tmp_path)}, train_dataset=documents,
+                      packing=packing)
+    with pytest.raises(TypeError, match="model must be a model, got str 'gpt2'; load it first"):
+        DistCATrainer(model="gpt2", args=_arguments(tmp_path), train_dataset=documents, packing=packing)
+    with pytest.raises(TypeError, match=r"StepTableCallback\(out=...\) must be a writable file object"):
+        StepTableCallback(out="table.txt")
     late = DistCATrainer(model_init=lambda: tiny_model("llama"), args=_arguments(tmp_path),
                          train_dataset=[[1, 2, 200]] * 4, packing=packing)
     with pytest.raises(ValueError, match="token id 200 is not below the model's vocab_size 96"):

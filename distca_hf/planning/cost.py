@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import is_integer
+from ..config import is_integer, is_number
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
@@ -331,6 +331,13 @@ class TimeModel:
                    linear_flops_per_s: float = 600e12, attn_flops_per_s: float = 400e12, task_s: float = 2e-6,
                    bytes_per_s: float = 50e9) -> "TimeModel":
         """Constants from FLOP counts at assumed sustained rates (defaults: an H100 in bf16)."""
+        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("heads", heads),
+                            ("kv_heads", kv_heads), ("head_dim", 1 if head_dim is None else head_dim)):
+            if not (is_integer(value) and value >= 1):  # (0 heads divided by zero, "64" failed in an operator)
+                raise ValueError(f"TimeModel.from_flops: {name} must be an integer >= 1, got {value!r}")
+        for name, value in (("linear_flops_per_s", linear_flops_per_s), ("attn_flops_per_s", attn_flops_per_s)):
+            if not (is_number(value) and 0 < value < math.inf):
+                raise ValueError(f"TimeModel.from_flops: {name} must be a positive number (FLOP/s), got {value!r}")
         head_dim = head_dim or hidden // heads
         params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
         linear = 6 * params / linear_flops_per_s  # forward 2 FLOPs per weight, backward 4

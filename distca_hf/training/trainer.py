@@ -62,7 +62,7 @@ import time
 import warnings
 
 import torch
-from transformers import PrinterCallback, ProgressCallback, Trainer
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
@@ -113,6 +113,11 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if packing is not None and not isinstance(packing, PackingConfig):
             raise TypeError(f"packing must be a distca_hf.PackingConfig, got {type(packing).__name__}")
         _check_collator(data_collator)
+        if args is not None and not isinstance(args, TrainingArguments):  # (an AttributeError deep in the checks)
+            raise TypeError(f"args must be transformers.TrainingArguments, got {type(args).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):  # a name: the Trainer does not load one
+            raise TypeError(f"model must be a model, got {type(model).__name__} {model!r:.60}; load it first: "
+                            "AutoModelForCausalLM.from_pretrained(name, attn_implementation='distca')")
         self.distca_plugin = distca_plugin if distca_plugin is not None else DistCAPlugin.from_environment()
         pipelined = self.distca_plugin.pipeline_parallel_size > 1  # PipelineTrainerMixin's set-up hooks below
         if model is not None:
@@ -519,6 +524,11 @@ class StepTableCallback(ProgressCallback):
 
     def __init__(self, title: str | None = None, out=None):
         super().__init__()
+        if out is not None and not callable(getattr(out, "write", None)):  # (an AttributeError after a step)
+            raise TypeError(f"StepTableCallback(out=...) must be a writable file object (open(path, 'w'), "
+                            f"sys.stdout, io.StringIO()), got {type(out).__name__} {out!r:.60}")
+        if title is not None and not isinstance(title, str):
+            raise TypeError(f"StepTableCallback(title=...) must be a string, got {type(title).__name__}")
         self.title = title
         self.out = out
         self.rows: list[dict] = []
