@@ -896,10 +896,13 @@ def test_spanning_setups_that_would_lose_the_boundary_labels_are_refused(tmp_pat
         DistCATrainer(model=model, args=_arguments(tmp_path), compute_loss_func=lambda *a, **k: 0, **common)
     with pytest.raises(ValueError, match="must come from distca_hf.PackedCollator.*DataCollatorWithFlattening"):
         DistCATrainer(model=model, args=_arguments(tmp_path), data_collator=DataCollatorWithFlattening(), **common)
-    trainer = DistCATrainer(model=model, args=_arguments(tmp_path, train_sampling_strategy="group_by_length"),
-                            **common)
-    with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length' would reorder the rows"):
-        trainer.get_train_dataloader()
+    for strategy, span, says in (("group_by_length", True, "would group the packed rows by their number of pieces"),
+                                 ("group_by_length", False, "would group the packed rows"),  # (silently before)
+                                 ("no_such", True, "would reorder the rows of a global batch")):
+        trainer = DistCATrainer(model=model, args=_arguments(tmp_path, train_sampling_strategy=strategy),
+                                **{**common, "distca_plugin": DistCAPlugin(span_ranks=span)})
+        with pytest.raises(ValueError, match=f"train_sampling_strategy='{strategy}' {says}"):
+            trainer.get_train_dataloader()
 
 
 def test_causal_lm_loss_over_rank_pieces_equals_the_whole_documents():

@@ -362,6 +362,7 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
         ({"packing": False}, {}, "packing=True"),
         ({"packing_strategy": "wrapped"}, {}, "not padding-free"),
         ({"eval_packing": False}, {}, "eval_packing"),
+        ({"pad_to_multiple_of": 8}, {}, "pad_to_multiple_of=8 is not applied"),  # (ignored before)
         ({}, {"model": _model("eager", len(tokenizer))}, "attn_implementation='distca'"),
         ({}, {"data_collator": DataCollatorWithFlattening()}, "drop data_collator"),
         ({}, {"train_dataset": datasets.Dataset.from_dict(documents.to_dict()).to_iterable_dataset()}, "streaming"),

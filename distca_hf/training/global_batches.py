@@ -113,9 +113,14 @@ class GlobalBatchTrainerMixin:
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if strategy == "group_by_length" and isinstance(dataset, self.packed_dataset_types):
+            # (it grouped rows by their count of pieces, the length of their input_ids, without a word)
+            raise ValueError("train_sampling_strategy='group_by_length' would group the packed rows by their number "
+                             "of pieces: rows are packed already, every one of tokens_per_rank tokens at most "
+                             "(PackingConfig.length_aware groups documents by length); use 'random' or 'sequential'")
         if not self._lays_out_global_batches(dataset):
             return super()._get_train_sampler(train_dataset)
-        strategy = getattr(self.args, "train_sampling_strategy", "random")
         if strategy not in ("random", "sequential"):
             raise ValueError(
                 f"train_sampling_strategy={strategy!r} would reorder the rows of a global batch, which with "

@@ -298,6 +298,9 @@ def _check_config(args) -> None:
             f"packing_strategy={args.packing_strategy!r} is not padding-free: it concatenates documents so that they "
             "attend to each other. DistCASFTTrainer trains every document alone (padding-free rows, position_ids "
             "restarting per document): use packing_strategy='bfd' (the default)")
+    if args.pad_to_multiple_of is not None:  # (ignored: rows were packed to max_length, unpadded)
+        raise ValueError(f"SFTConfig.pad_to_multiple_of={args.pad_to_multiple_of} is not applied: DistCASFTTrainer's "
+                         "rows are padding-free (max_length tokens of documents per rank); leave it unset")
     if args.eval_packing is False:
         raise ValueError("DistCASFTTrainer packs evaluation rows too (one row per rank, documents spanning ranks); "
                          "leave eval_packing unset or True")
