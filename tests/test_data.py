@@ -452,9 +452,11 @@ def test_document_errors_are_one_line_that_names_the_flag(tmp_path, monkeypatch)
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer .*got str 'gpt2'"):
         load_documents(texts, "gpt2", text_column="body", add_eos=False)
     encode = lambda t, **_: {"input_ids": [[1] for _ in t]}
-    for bad in (-1, "2", 2.0, True):
+    for bad in (-1, "2", 2.0, True, 2**40):
         with pytest.raises(ValueError, match="eos_token_id must be a token id"):
             load_documents(texts, encode, text_column="body", eos_token_id=bad)
+    with pytest.raises(ValueError, match="eos_token_id=-1 is appended only with add_eos=True"):  # (ignored before)
+        load_documents(texts, encode, text_column="body", add_eos=False, eos_token_id=-1)
     with pytest.raises(TypeError, match="add_eos must be True or False, got 'no'"):
         load_documents(texts, encode, text_column="body", add_eos="no", eos_token_id=2)
     with pytest.raises(DocumentSourceError, match="--text_column body: every document must be text, got NoneType None"):

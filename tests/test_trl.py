@@ -394,6 +394,18 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
 
     config = PackingConfig(tokens_per_rank=ROW)
     rows = PackedDataset([[5, 6, 7]], config)
+    with pytest.raises(TypeError, match=r"SFTPackedDataset\(labels=...\) must be a distca_hf.PackedDataset or None, "
+                                        "got list"):
+        SFTPackedDataset(rows, [[5, 6, 7]])
+    with pytest.raises(TypeError, match=r"SFTPackedDataset\(rows=...\) must be a distca_hf.PackedDataset, got list"):
+        SFTPackedDataset([[5, 6, 7]])
+    from distca_hf.training.trl import SFTPackedCollator
+
+    item = {"input_ids": [[5, 6, 7]], "label_pieces": [[5, -100, 7]], "next_label": "x"}
+    with pytest.raises(ValueError, match="the last item's next_label must be a token id or -100, got 'x'"):
+        SFTPackedCollator()([item])
+    with pytest.raises(ValueError, match="label_pieces must be lists of integer labels"):
+        SFTPackedCollator()([{**item, "label_pieces": [[5, [6], 7]], "next_label": -100}])
     for labels, trains in (([5, -100, -100], False), ([5, -100, 7], True)):  # (labels travel as a datasets column)
         packed = PackedDataset(datasets.Dataset.from_dict({"input_ids": [labels]}), config)
         assert SFTPackedDataset(rows, packed).has_targets() is trains

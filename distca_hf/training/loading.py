@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..config import is_integer
+from ..config import INT32_MAX as MAX_COUNT, is_integer
 
 __all__ = ["DocumentSourceError", "MissingDocumentsError", "load_documents", "looks_like_hub_name", "open_dataset",
            "tokenize"]
@@ -187,8 +187,10 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = T
         if eos_token_id is None:
             raise DocumentSourceError("add_eos=True but the tokenizer has no eos_token_id; pass eos_token_id= or "
                                       "add_eos=False")
-    if add_eos and not (is_integer(eos_token_id) and eos_token_id >= 0):
-        raise ValueError(f"eos_token_id must be a token id (an integer >= 0), got {eos_token_id!r}")
+    if not add_eos and eos_token_id is not None:  # (ignored before)
+        raise ValueError(f"eos_token_id={eos_token_id!r} is appended only with add_eos=True; drop one of them")
+    if add_eos and not (is_integer(eos_token_id) and 0 <= eos_token_id <= MAX_COUNT):
+        raise ValueError(f"eos_token_id must be a token id (an integer from 0 to {MAX_COUNT}), got {eos_token_id!r}")
     encode = _batch_encoder(tokenizer)
     suffix = [int(eos_token_id)] if add_eos else []
 

@@ -46,6 +46,7 @@ from typing import ClassVar
 import torch
 from trl import SFTConfig, SFTTrainer
 
+from ..config import is_integer
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
@@ -69,6 +70,10 @@ class SFTPackedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, rows: PackedDataset, labels: PackedDataset | None = None):
+        for name, value in (("rows", rows), ("labels", labels)):  # (a list failed at the first item, or at once)
+            if not isinstance(value, PackedDataset) and not (name == "labels" and value is None):
+                raise TypeError(f"SFTPackedDataset({name}=...) must be a distca_hf.PackedDataset"
+                                f"{' or None' if name == 'labels' else ''}, got {type(value).__name__}")
         if labels is not None and (labels.rows != rows.rows or len(labels) != len(rows)):
             raise ValueError("the labels were packed into other rows than the input_ids: every document's labels "
                              "must have as many entries as its input_ids")
@@ -126,8 +131,12 @@ class SFTPackedCollator(PackedCollator):
         if not all("label_pieces" in item for item in items):
             raise ValueError("SFTPackedCollator: some items have label_pieces and some do not; pack every "
                              "dataset with SFTPackedDataset(rows, labels)")
-        targets = torch.tensor([label for item in items for piece in item["label_pieces"] for label in piece],
-                               dtype=torch.int64).unsqueeze(0)
+        try:
+            targets = torch.tensor([label for item in items for piece in item["label_pieces"] for label in piece],
+                                   dtype=torch.int64).unsqueeze(0)
+        except (TypeError, ValueError, RuntimeError):  # (ragged or non-integer label pieces failed inside torch)
+            raise ValueError("SFTPackedCollator: label_pieces must be lists of integer labels, one per token of the "
+                             "item's pieces (-100: no target)") from None
         if targets.shape != batch["input_ids"].shape:
             raise ValueError(f"SFTPackedCollator: the items' label_pieces hold {targets.shape[1]} labels for "
                              f"{batch['input_ids'].shape[1]} tokens; each document needs one label per token")
@@ -135,7 +144,11 @@ class SFTPackedCollator(PackedCollator):
         if not torch.equal(targets[trained], batch["input_ids"][trained]):  # (read as "trained" before)
             raise ValueError("SFTPackedCollator: a label is neither -100 nor its token's id; the labels of TRL's "
                              "datasets mask tokens (-100: no target), each token is trained on the next one")
-        next_trained = torch.tensor([[int(items[-1]["next_label"]) != IGNORE_INDEX]])
+        next_label = items[-1].get("next_label", IGNORE_INDEX)
+        if not is_integer(next_label):  # (int()'s bare ValueError before)
+            raise ValueError(f"SFTPackedCollator: the last item's next_label must be a token id or -100, got "
+                             f"{next_label!r}")
+        next_trained = torch.tensor([[int(next_label) != IGNORE_INDEX]])
         batch["labels"] = batch["labels"].masked_fill(~trained, IGNORE_INDEX)
         batch["shift_labels"] = batch["shift_labels"].masked_fill(
             ~torch.cat([trained[:, 1:], next_trained], dim=1), IGNORE_INDEX)
