@@ -278,6 +278,8 @@ def test_collator_refuses_padding_outside_the_item_and_non_integer_keys():
         PackedCollator()([{"input_ids": [[1, 2]], "first_position": "x"}])
     with pytest.raises(ValueError, match=r"item 0 has last_label=None"):
         PackedCollator()([{"input_ids": [[1, 2]], "last_label": None}])
+    with pytest.raises(ValueError, match="item 0's input_ids is one flat list of token ids"):  # (blamed a piece)
+        PackedCollator()([{"input_ids": np.array([1, 2, 3])}])
     for key in ("first_position", "last_label"):  # 10**30 was torch's bare OverflowError
         with pytest.raises(ValueError, match=r"item 0 has first_position=.*a position or a token id is at most 2147483647"):
             PackedCollator()([{"input_ids": [[1, 2]], key: 10**30}])
