@@ -169,6 +169,8 @@ def test_bench_rejects_bad_arguments(capsys, tmp_path):
                                  ("profile", ["--device", "tpu"], "--device must be"),
                                  ("profile", ["--device", "cpu:5"], "--device must be cpu, cuda or cuda:N, got 'cpu:5'"),
                                  ("profile", ["--device", ""], "--device must be cpu, cuda or cuda:N, got ''"),
+                                 ("bench", ["--workload", "demo", "--tokens", "1"], "--tokens must be at least 2 for "
+                                  "--workload demo"),
                                  # a segfault, a CUDA candidate dropped, outputs failing after the run, 0 read as
                                  # the default, a huge world spawned: before
                                  ("kernel-bench", ["--device", "cpu", "--threads", "100000"],
@@ -298,3 +300,15 @@ def test_ranks_agree_on_every_decision(tmp_path):
         assert report["generate_equal"]
         assert report["shifted_err"] < 1e-5
     assert r1["invalid"] == "DocumentBoundaryError" and r0["invalid"] == "DistCAPeerError"
+
+
+def test_allocation_failures_are_told_from_other_errors():
+    """profile and kernel-bench name their sizing flags when torch cannot allocate (a traceback before), and
+    only then: another RuntimeError stays what it is."""
+    from distca_hf.tools.machine_limits import out_of_memory
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to "
+                       "allocate 25600000000 bytes")
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert out_of_memory(cpu) and out_of_memory(cuda) and out_of_memory(MemoryError())
+    assert not out_of_memory(RuntimeError("shape '[2, 3]' is invalid for input of size 5"))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..kernels import available_backends, torch_cpu, varlen_causal_attention
 from ..planning import attention_flops, causal_pairs
-from .machine_limits import threads_problem
+from .machine_limits import out_of_memory, threads_problem
 from .output_paths import output_path_problem
 
 WORKLOADS = {
@@ -357,8 +357,14 @@ def main(argv=None) -> int:
     if sharded and "dense_packed_sdpa" in (args.candidate or ()):  # (an empty table's traceback)
         parser.error(f"--candidate dense_packed_sdpa masks whole documents only ({', '.join(whole)}); it cannot "
                      f"time {sharded[0]}")
-    results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
-                  list(args.candidate or CANDIDATES))
+    try:
+        results = run(heads, kv_heads, head_dim, dtype, args.repeats, args.flex, args.workload, args.threads,
+                      list(args.candidate or CANDIDATES))
+    except (RuntimeError, MemoryError) as e:  # (torch's allocator traceback before)
+        if not out_of_memory(e):
+            raise
+        parser.error(f"--heads {heads} --kv-heads {kv_heads} --head-dim {head_dim}: out of memory "
+                     f"({str(e).splitlines()[0][:160]}); lower them")
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     _write(args.out, {"device": "cpu", "torch": torch.__version__, "results": results})
     return 0

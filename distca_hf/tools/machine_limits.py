@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MAX_WORLD_PER_CPU", "world_problem", "threads_problem", "memory_problem", "machine_memory_bytes"]
+__all__ = ["MAX_WORLD_PER_CPU", "world_problem", "threads_problem", "memory_problem", "machine_memory_bytes",
+           "out_of_memory"]
 
 MAX_WORLD_PER_CPU = 8
 """``--world`` beyond this many processes per CPU core is refused (each process holds a model and a
@@ -58,3 +59,12 @@ def memory_problem(needs: int, processes: int, flags: str, device: str = "cpu") 
     where = f"{processes} processes: {needs * shared / GIB:.1f} GiB, " if shared > 1 else ""
     return (f"{flags}: the model needs at least {needs / GIB:.1f} GiB per process ({where}this machine's "
             f"{'GPU has' if device == 'cuda' else 'memory is'} {have / GIB:.1f} GiB); use smaller sizes")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed (Python's ``MemoryError``, torch's CPU allocator or
+    CUDA out of memory), which a command reports naming the flags that sized it."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error)
+    return "can't allocate memory" in text or "out of memory" in text.lower()

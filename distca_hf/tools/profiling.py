@@ -46,7 +46,7 @@ from ..runtime.comm import free_port
 from ..runtime.dispatch import build_dispatch
 from ..runtime.tables import LocalDocuments
 from .kernel_bench import median_seconds
-from .machine_limits import world_problem
+from .machine_limits import out_of_memory, world_problem
 from .output_paths import output_path_problem
 
 __all__ = ["profile", "build_parser", "main", "COMM_DOCUMENTS", "COMM_TINY_TOKENS", "CommPlans",
@@ -506,8 +506,14 @@ def main(argv=None) -> int:
             print(f"warning: {warning}", file=sys.stderr)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     counts = tuple(args.max_tokens // d for d in (8, 4, 2, 1))
-    model = profile(args.hidden, args.intermediate, args.heads, args.kv_heads, dtype, device, args.repeats, counts,
-                    world=args.world)
+    try:
+        model = profile(args.hidden, args.intermediate, args.heads, args.kv_heads, dtype, device, args.repeats, counts,
+                        world=args.world)
+    except (RuntimeError, MemoryError) as e:  # (torch's allocator traceback before)
+        if not out_of_memory(e):
+            raise
+        parser.error(f"--max-tokens {args.max_tokens} --hidden {args.hidden} --intermediate {args.intermediate} "
+                     f"--heads {args.heads}: out of memory on {device} ({str(e).splitlines()[0][:160]}); lower them")
     model.save(args.out, shape={"hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
                                 "kv_heads": args.kv_heads})
     keys = f", {model.task_key_s * 1e9:.3f} ns per task K/V token" if hasattr(model, "task_key_s") else ""

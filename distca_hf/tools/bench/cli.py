@@ -146,6 +146,8 @@ def _check_demo(args, parser) -> None:
         parser.error(f"--workload demo: {e}")
     from ...training.packing import pack_rows
 
+    if args.tokens < 2:  # (PackingConfig's own error, a traceback, before)
+        parser.error(f"--tokens must be at least 2 for --workload demo (a packed row of the demo), got {args.tokens}")
     _, report = pack_rows(args.demo_lengths, demo_packing_config(args.tokens, args.demo_pad_token_id),
                           group_size=args.world)
     args.demo_packing = str(report)
