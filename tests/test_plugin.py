@@ -117,6 +117,11 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
         DistCAPlugin(mode="colocated", tolerance=0.1, servers=[0])
     with pytest.warns(UserWarning, match="kv_relays set but mode='colocated' plans nothing .* it is ignored"):
         DistCAPlugin(file_settings={"mode": "colocated", "kv_relays": "off"})
+    with pytest.warns(UserWarning, match="memory_budget=0.2 set but backward='resend' keeps nothing on servers"):
+        DistCAPlugin(backward="resend", memory_budget=0.2)
+    with warnings.catch_warnings():  # an unbounded budget says nothing resend would ignore
+        warnings.simplefilter("error")
+        DistCAPlugin(file_settings={"backward": "resend", "memory_budget": None})
     # cad_1f1b pools over every rank: settings that pick servers inside a stage were refused at the first
     # step (servers) or ignored (server_group), and ping-pong's downgrade to wave was said only then
     cad = dict(pipeline_parallel_size=2, pipeline_schedule="cad_1f1b")

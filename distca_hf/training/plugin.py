@@ -146,16 +146,25 @@ class DistCAPlugin(_SettingFields):
         config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
         self._check_pipeline_settings(config)
-        self._check_colocated_settings(config)
+        self._check_ignored_settings(config)
 
-    def _check_colocated_settings(self, config: DistCAConfig) -> None:
-        """Planner settings said in code or the file under ``mode="colocated"``, which plans nothing
-        (every rank computes its own documents), are ignored: a warning, as for pipeline settings."""
-        said = [name for name in PLANNER_ONLY_SETTINGS if getattr(self, name) is not None or name in self.file_settings]
+    def _said(self, name: str) -> bool:
+        """Whether the setting ``name`` is said in code (this plugin's field) or in its file section."""
+        return getattr(self, name) is not None or name in self.file_settings
+
+    def _check_ignored_settings(self, config: DistCAConfig) -> None:
+        """Settings said in code or the file that the other settings make do nothing are warned about, as
+        pipeline settings without stages: planner settings under ``mode="colocated"``, which plans nothing
+        (every rank computes its own documents), and ``memory_budget`` under ``backward="resend"``, which
+        keeps nothing on servers for backward."""
+        said = [name for name in PLANNER_ONLY_SETTINGS if self._said(name)]
         if config.mode == "colocated" and said:
             warnings.warn(f"DistCAPlugin: {', '.join(said)} set but mode='colocated' plans nothing (every rank "
                           f"computes its own documents), so {'they are' if len(said) > 1 else 'it is'} ignored; "
                           "set mode='distca' to balance attention", stacklevel=4)
+        elif config.backward == "resend" and self._said("memory_budget") and config.memory_budget is not None:
+            warnings.warn(f"DistCAPlugin: memory_budget={config.memory_budget} set but backward='resend' keeps nothing "
+                          "on servers for backward, so it is ignored; it bounds backward='saved'", stacklevel=4)
 
     def _check_pipeline_settings(self, config: DistCAConfig) -> None:
         """Pipeline settings said in code or the file without stages do nothing (a warning: one file may
