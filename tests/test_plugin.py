@@ -89,7 +89,7 @@ def test_pipeline_stages_with_tensor_parallelism_are_refused_naming_the_source()
     assert DistCAPlugin(pipeline_parallel_size=2, tensor_parallel_size=1).topology(4).pipeline_parallel == 2
 
 
-def test_pipeline_settings_are_checked_where_the_plugin_is_made():
+def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path):
     """Too few micro-batches for 1f1b are refused by the plugin (not at the first step), naming the
     setting and both numbers; pipeline settings without stages warn that they do nothing."""
     from accelerate import ParallelismConfig
@@ -117,6 +117,12 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made():
         DistCAPlugin(mode="colocated", tolerance=0.1, servers=[0])
     with pytest.warns(UserWarning, match="kv_relays set but mode='colocated' plans nothing .* it is ignored"):
         DistCAPlugin(file_settings={"mode": "colocated", "kv_relays": "off"})
+    # a time-model file that passes the setting's shallow check failed at the first plan
+    bad = tmp_path / "model.json"
+    bad.write_text('{"linear_s_per_token": -1, "attn_s_per_pair": 1e-10}')
+    with pytest.raises(ValueError, match="the time_model setting's file is not a valid time model: .*linear_s_per_token "
+                                         "must be between 0"):
+        DistCAPlugin(time_model=str(bad))
     with pytest.warns(UserWarning, match="memory_budget=0.2 set but backward='resend' keeps nothing on servers"):
         DistCAPlugin(backward="resend", memory_budget=0.2)
     with warnings.catch_warnings():  # an unbounded budget says nothing resend would ignore
