@@ -79,7 +79,8 @@ class DataArguments:
                 "Needs --model_name_or_path (its tokenizer)."})
     dataset_split: str = field(default="train", metadata={"help": "The split of --dataset to train on."})
     text_column: str = field(default="text", metadata={
-        "help": "The column of --dataset holding the text (ignored when the data has input_ids already)."})
+        "help": "The column of --dataset holding the text (data with input_ids already is read as it is, and "
+                "another --text_column is refused)."})
     streaming: bool = field(default=False, metadata={
         "help": "Read --dataset lazily and pack it on the fly (no held-out evaluation documents)."})
     eval_documents: int = field(default=8, metadata={
@@ -251,10 +252,13 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
     import io
 
     from distca_hf import DistCATrainer, PackingConfig, StepTableCallback, prepare_training_arguments
+    from distca_hf.training.plugin import PLANNER_ONLY_SETTINGS
 
     tokenizer, documents, eval_documents, make_model = data
-    plugin = distca_args.plugin(mode=mode, **({"pipeline_parallel_size": pipeline_parallel_size}
-                                              if pipeline_parallel_size else {}))
+    # the colocated run of a comparison plans nothing: the planner's flags are the distca run's
+    unplanned = dict.fromkeys(PLANNER_ONLY_SETTINGS) if mode == "colocated" else {}
+    plugin = distca_args.plugin(mode=mode, **unplanned, **({"pipeline_parallel_size": pipeline_parallel_size}
+                                                           if pipeline_parallel_size else {}))
     # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
     # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
     prepare_training_arguments(training_args)

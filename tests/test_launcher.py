@@ -48,7 +48,7 @@ def test_bad_section_stops_before_launching(tmp_path):
     assert "backward" in result.stderr and "later" in result.stderr
 
 
-def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
+def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path, monkeypatch):
     from distca_hf.tools.launch import main
 
     for path, words in ((tmp_path, "is a folder; name the YAML file in it"), (tmp_path / "none.yaml", "does not exist")):
@@ -65,6 +65,12 @@ def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path):
     for argv in (["--config_file", str(good), f"--config-file={good}", "x.py"], ["--config_file=", "x.py"]):
         with pytest.raises(SystemExit, match=r"--config_file is (given twice; give it once|empty; name the accelerate)"):
             main(argv)
+    # a module's own --config_file is its own (not accelerate's): not refused as given twice
+    import subprocess
+
+    seen = []
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: seen.append(argv) or 0)
+    assert main(["--config_file", str(good), "-m", "mypkg.train", "--config_file", "model.yaml"]) == 0 and seen
 
 
 @pytest.mark.distributed

@@ -117,6 +117,9 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path):
         DistCAPlugin(mode="colocated", tolerance=0.1, servers=[0])
     with pytest.warns(UserWarning, match="kv_relays set but mode='colocated' plans nothing .* it is ignored"):
         DistCAPlugin(file_settings={"mode": "colocated", "kv_relays": "off"})
+    with warnings.catch_warnings():  # a recipe's planner settings serve both halves of a comparison: no word
+        warnings.simplefilter("error")
+        DistCAPlugin(mode="colocated", file_settings={"tolerance": "auto", "kv_relays": "off"})
     # a time-model file that passes the setting's shallow check failed at the first plan
     bad = tmp_path / "model.json"
     bad.write_text('{"linear_s_per_token": -1, "attn_s_per_pair": 1e-10}')

@@ -1004,10 +1004,12 @@ def test_collators_and_token_ids_are_checked_against_the_model(tmp_path):
     with pytest.raises(TypeError, match="data_collator=PackedCollator is a class; pass an instance"):
         DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
                       data_collator=PackedCollator)
-    with pytest.raises(ValueError, match=r"data_collator=PackedCollator\(vocab_size=1000\) but the model's vocab_size "
-                                         "is 96"):
+    with pytest.raises(ValueError, match=r"data_collator=PackedCollator\(vocab_size=1000\) is past the model's "
+                                         "vocab_size 96"):
         DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
                       data_collator=PackedCollator(vocab_size=1000))
+    DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path), train_dataset=documents, packing=packing,
+                  data_collator=PackedCollator(vocab_size=90))  # a tokenizer's vocabulary below a padded embedding
     with pytest.raises(ValueError, match="train_dataset's PackingConfig.pad_token_id=500 is not below the model's "
                                          "vocab_size 96"):
         DistCATrainer(model=tiny_model("llama"), args=_arguments(tmp_path),

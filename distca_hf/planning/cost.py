@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -460,17 +459,9 @@ def default_time_model(device_type: str, token_bytes: TokenBytes, dtype_bytes: i
 
 def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype_bytes: int) -> TimeModel:
     """The ``time_model`` setting as a ``TimeModel``: ``None`` -> ``default_time_model``; a path ->
-    ``TimeModel.load`` (used as measured: profile the model you train; a profile of another attention
-    width is warned about); a ``TimeModel`` as given."""
+    ``TimeModel.load`` (used as measured: profile the model you train); a ``TimeModel`` as given."""
     if setting is None:
         return default_time_model(device_type, token_bytes, dtype_bytes)
     if isinstance(setting, TimeModel):
         return setting
-    model, shape = TimeModel.load_profile(setting)
-    width = token_bytes.q // dtype_bytes  # heads x head_dim of the model planned
-    if shape and shape.get("hidden") and shape.get("heads") and \
-            shape["heads"] * (shape["hidden"] // shape["heads"]) != width:
-        warnings.warn(f"distca time_model {setting} was profiled on heads x head_dim = {shape['hidden']}, but this "
-                      f"model's attention is {width} wide: its plans are timed with another model's costs; profile "
-                      "this model (distca-hf profile --hidden --intermediate --heads --kv-heads)", stacklevel=2)
-    return model
+    return TimeModel.load(setting)

@@ -25,6 +25,9 @@ __all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
 
 CONFIG_FILE_VARIABLE = "DISTCA_CONFIG_FILE"
 
+SCRIPT_FLAGS = ("-m", "--module", "--no_python", "--no-python")
+"""accelerate launch's flags after which the job's own arguments may begin (a module, a program)."""
+
 
 def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
     """``(accelerate settings, distca section)`` of a YAML config file; the section is validated."""
@@ -49,6 +52,8 @@ def main(argv=None) -> int:
             if not path:  # (read as the current folder before)
                 raise SystemExit("distca-hf launch: error: --config_file is empty; name the accelerate config file")
             rest = argv[index + (1 if "=" in argv[index] else 2):]
+            script = next((i for i, arg in enumerate(rest) if arg in SCRIPT_FLAGS), len(rest))
+            rest = rest[:script]  # (a module's or a program's own arguments follow these, as a script's follow it)
             if find_flag(rest, "config_file") is not None:  # accelerate reads the last, distca read the first
                 raise SystemExit("distca-hf launch: error: --config_file is given twice; give it once")
             try:

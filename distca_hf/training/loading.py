@@ -128,15 +128,18 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
 
 
 def _check_one_split(dataset, split: str, where: str, flags) -> None:
-    """One dataset (no splits) read as ``split``: the default ``"train"`` (a dataset does not always say
-    which split it is), or the split it says it was made from (``load_dataset(..., split=)`` records it,
-    slices aside); another split was read as the whole set before."""
+    """One dataset (no splits) read as ``split``: refused when it cannot be that split, having no split
+    name (``Dataset.from_dict``, a single saved dataset) while another than the default ``"train"`` is
+    asked (that split was read as the whole set before), or when a slice is asked (it was ignored). A
+    dataset that records a split (``load_dataset(..., split=)``; ``train_test_split`` keeps its parent's)
+    is taken as the split asked."""
     own = getattr(dataset, "split", None)
-    if split == "train" or (own is not None and str(own).split("[")[0] == split.split("[")[0]):
-        return
-    made = f"the {str(own)!r} split" if own is not None else "no splits"
-    raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: {where} is a single dataset ({made}); drop "
-                              f"{_flag(flags, 'split')} or point the source at that split's own data")
+    if "[" in split:
+        raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: {where} is a single dataset, which load_documents "
+                                  "does not slice; slice it first (dataset.select(range(...)))")
+    if own is None and split != "train":
+        raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: {where} is a single dataset (no splits); drop "
+                                  f"{_flag(flags, 'split')} or point the source at that split's own data")
 
 
 def _refuse_load_kwargs(load_kwargs: dict, what: str) -> None:

@@ -161,10 +161,14 @@ class DistCAPlugin(_SettingFields):
 
     def _check_ignored_settings(self, config: DistCAConfig) -> None:
         """Settings said in code or the file that the other settings make do nothing are warned about, as
-        pipeline settings without stages: planner settings under ``mode="colocated"``, which plans nothing
-        (every rank computes its own documents), and ``memory_budget`` under ``backward="resend"``, which
-        keeps nothing on servers for backward."""
-        said = [name for name in PLANNER_ONLY_SETTINGS if self._said(name)]
+        pipeline settings without stages: planner settings said with ``mode="colocated"`` (in code, or in
+        the file), which plans nothing (every rank computes its own documents), and ``memory_budget``
+        under ``backward="resend"``, which keeps nothing on servers for backward."""
+        # (the mode and the planner settings said in one place: a file's settings may serve both modes,
+        # as a comparison's colocated half reads the recipe the distca half plans with)
+        in_code = [name for name in PLANNER_ONLY_SETTINGS if getattr(self, name) is not None]
+        in_file = [name for name in PLANNER_ONLY_SETTINGS if name in self.file_settings]
+        said = in_code if self.mode == "colocated" else in_file if self.file_settings.get("mode") == "colocated" else []
         if config.mode == "colocated" and said:
             warnings.warn(f"DistCAPlugin: {', '.join(said)} set but mode='colocated' plans nothing (every rank "
                           f"computes its own documents), so {'they are' if len(said) > 1 else 'it is'} ignored; "

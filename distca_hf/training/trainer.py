@@ -202,9 +202,9 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         collator = self.data_collator
         if self._own_collator:
             collator.vocab_size = vocab
-        elif collator.vocab_size is not None and collator.vocab_size != vocab:
+        elif collator.vocab_size is not None and collator.vocab_size > vocab:  # (a smaller one is only stricter)
             raise ValueError(f"DistCATrainer: data_collator={type(collator).__name__}(vocab_size={collator.vocab_size}) "
-                             f"but the model's vocab_size is {vocab}; give the collator the model's (or no data_collator)")
+                             f"is past the model's vocab_size {vocab}; give the collator the model's (or no data_collator)")
         for name, packed in self._packed_datasets.items():
             check_pad_token_id(packed.config.pad_token_id, vocab,
                                source=f"DistCATrainer: {_argument_name(name)}'s PackingConfig.pad_token_id")

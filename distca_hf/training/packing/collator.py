@@ -78,7 +78,7 @@ class PackedCollator:
                                  f"got {type(item['input_ids']).__name__}")
             flat = item["input_ids"]
             if (isinstance(flat, (list, tuple)) and flat and is_integer(flat[0])) or \
-                    (isinstance(flat, (torch.Tensor, np.ndarray)) and flat.ndim == 1):
+                    (isinstance(flat, (torch.Tensor, np.ndarray)) and flat.ndim == 1 and flat.dtype != object):
                 raise ValueError(f"PackedCollator: item {index}'s input_ids is one flat list of token ids; the "
                                  "collator reads the rows of PackedDataset / StreamingPackedDataset (input_ids: a list "
                                  "of pieces, each a token-id list): pack the documents with one of them first")

@@ -98,6 +98,8 @@ def mask_problem(row: Mapping) -> str | None:
     (``labels`` other than its ``input_ids``, an ``attention_mask`` with padding, ``position_ids`` other
     than ``0 .. n-1``: packing keeps ``input_ids`` alone), as the end of a sentence; None when nothing."""
     ids, labels, mask, positions = (row.get(c) for c in ("input_ids", *MASKING_COLUMNS))
+    if ids is None:  # (no document: tokens_of and the column checks name it)
+        return None
     if labels is not None and _as_list(labels) != _as_list(ids):
         return ("has 'labels' that differ from its 'input_ids' (a masked prompt, -100): packing keeps input_ids alone "
                 "and would train on every token. Use DistCASFTTrainer (TRL), which packs the labels with the "
@@ -116,22 +118,50 @@ def refuse_masks(documents, where: str) -> None:
     ``mask_problem``, naming ``where`` and the row; other sources are checked row by row as read
     (``tokens_of``). Only the masking columns are read."""
     columns = getattr(documents, "column_names", None)
-    if isinstance(columns, list):  # a datasets.Dataset
+    if isinstance(columns, list):  # a datasets.Dataset: read in Arrow, rows in Python only where one may mask
         wanted = [c for c in ("input_ids", *MASKING_COLUMNS) if c in columns]
         if len(wanted) > 1 and "input_ids" in wanted:
             start = 0
-            for batch in documents.select_columns(wanted).iter(batch_size=1024):
-                rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-                for offset, row in enumerate(rows):
-                    problem = mask_problem(row)
-                    if problem:
-                        raise ValueError(f"{where} row {start + offset} {problem}")
-                start += len(rows)
+            for batch in documents.select_columns(wanted).with_format("arrow").iter(batch_size=65536):
+                if _may_mask(batch):
+                    for offset, row in enumerate(batch.to_pylist()):
+                        problem = mask_problem(row)
+                        if problem:
+                            raise ValueError(f"{where} row {start + offset} {problem}")
+                start += batch.num_rows
     elif isinstance(documents, (list, tuple)):
         for i, row in enumerate(documents):
             problem = mask_problem(row) if isinstance(row, Mapping) else None
             if problem:
                 raise ValueError(f"{where} row {i} {problem}")
+
+
+def _may_mask(batch) -> bool:
+    """Whether a ``pyarrow.Table`` of ``input_ids`` and masking columns may hold a row with a
+    ``mask_problem`` (vectorised; a row may be flagged that ``mask_problem`` then passes, never missed)."""
+    import pyarrow.compute as pc
+
+    ids = batch.column("input_ids").combine_chunks()
+    if ids.null_count:
+        return True
+    flat_ids = ids.flatten().to_numpy(zero_copy_only=False)
+    for name in MASKING_COLUMNS:
+        if name not in batch.column_names:
+            continue
+        column = batch.column(name).combine_chunks()
+        if column.null_count or not pc.all(pc.equal(pc.list_value_length(column), pc.list_value_length(ids))).as_py():
+            return True
+        values = column.flatten().to_numpy(zero_copy_only=False)
+        if name == "labels" and not np.array_equal(values, flat_ids):
+            return True
+        if name == "attention_mask" and (values == 0).any():
+            return True
+        if name == "position_ids":
+            offsets = ids.offsets.to_numpy()
+            within = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], np.diff(offsets))
+            if not np.array_equal(values, within):
+                return True
+    return False
 
 
 def _as_list(values) -> list:
