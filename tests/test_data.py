@@ -790,6 +790,8 @@ def test_load_documents_refuses_arguments_it_would_ignore(tmp_path):
                                                   "token ids"):
         load_documents(tokenized, text_column="body", eos_token_id=5)
     assert isinstance(load_documents(tokenized, streaming=True), datasets.IterableDataset)
+    assert isinstance(load_documents(datasets.DatasetDict({"train": tokenized}), streaming=True),
+                      datasets.IterableDataset)
 
 
 def test_rank_counts_and_seeds_at_their_bounds():

@@ -93,7 +93,8 @@ def open_dataset(source, *, split: str = "train", streaming: bool = False, flags
         if split not in source:
             raise DocumentSourceError(f"{_flag(flags, 'split')} {split}: no such split in the dataset (splits: "
                                       f"{sorted(source)})")
-        return source[split]
+        chosen = source[split]  # (streaming=True returned it map-style before)
+        return chosen.to_iterable_dataset() if streaming and isinstance(chosen, datasets.Dataset) else chosen
     if not isinstance(source, (str, Path)):
         raise TypeError(f"source must be a datasets dataset, a path or a dataset name, got {type(source).__name__}")
     path = Path(source).expanduser()
