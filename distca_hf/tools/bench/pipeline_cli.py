@@ -61,7 +61,11 @@ def check_pipeline_arguments(args, parser) -> None:
     if args.layers % p:
         parser.error(f"--layers {args.layers} must be a multiple of --pipeline-parallel {p}: every stage holds the "
                      "same number of decoder layers")
-    if args.micro_batches < p:  # (runtime.pipeline_schedules.check_micro_batches' rule, in the flags' names)
+    from ...runtime.pipeline_schedules import check_micro_batches
+
+    try:  # the baseline runs torch's 1F1B (the rule's one home; its fix names settings, so said in the flags')
+        check_micro_batches("1f1b", args.micro_batches, p, setting="--micro-batches")
+    except ValueError:
         parser.error(f"--micro-batches {args.micro_batches}: the baseline runs torch's 1F1B, which needs at least one "
                      f"micro-batch per stage (--pipeline-parallel {p})")
     if args.hidden % args.heads or args.heads % args.kv_heads:
