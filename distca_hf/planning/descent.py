@@ -71,6 +71,7 @@ from .carving import Plan, PlannerConfig, colocated_plan, server_pool
 from .cost import causal_pairs, key_start, start_with_pairs
 from .pieces import DocumentPieces
 from .rank_time import other_seconds, plan_loads
+from .ranges import lexsort_ints
 from .transfers import BackwardMemory, backward_memory, kv_received, kv_transfers, memory_limit
 from .baselines import kv_cap_tokens
 
@@ -135,7 +136,7 @@ class DescentStart:
             self.doc_servers[doc].add(rank)
         # each rank's own query intervals (pieces), latest end first (tails move first)
         longest = int(pieces.end.max(initial=0))
-        order = _sort_order((pieces.doc, longest - pieces.end, pieces.rank))
+        order = lexsort_ints((pieces.doc, longest - pieces.end, pieces.rank))
         by_rank = order[pieces.end[order] > pieces.start[order]]
         self.rank_start = np.searchsorted(pieces.rank[by_rank], np.arange(n + 1)).tolist()
         # ... as (doc, piece start, end, piece) tuples, made once for all the batch's descents
@@ -589,22 +590,9 @@ class _Descent:
         table = np.asarray(self.rows, dtype=np.int64).reshape(-1, 5)
         source, server, doc, q_start, q_end = (np.concatenate((column, extra)) for column, extra in zip(
             (p.rank[keep], p.rank[keep], p.doc[keep], p.start[keep], q_end[keep]), table.T))
-        order = _sort_order((q_start, doc, source, server))
+        order = lexsort_ints((q_start, doc, source, server))
         return Plan(source[order], server[order], doc[order], q_start[order], q_end[order], self.n,
                     self.servers, self.window)
-
-
-def _sort_order(keys) -> np.ndarray:
-    """``np.lexsort(keys)`` (the last key sorts first) of non-negative int64 arrays whose rows are
-    distinct, as one argsort of their mixed-radix combination when it fits in int64 (several times
-    faster on the ~70k pieces of a 512-rank batch)."""
-    spans = [int(k.max(initial=0)) + 1 for k in keys]
-    if math.prod(spans) >= 2**62:
-        return np.lexsort(keys)
-    combined = np.zeros(keys[0].size, dtype=np.int64)
-    for key, span in zip(reversed(keys), reversed(spans)):
-        combined = combined * span + key
-    return np.argsort(combined)
 
 
 def descend(pieces: DocumentPieces, config: PlannerConfig, *, backward: str | None = None,
