@@ -12,11 +12,21 @@ PYTEST_ARGS ?=
 LOCK   ?= constraints.txt
 # Extra pip flags for the package install (test-latest: upgrade what an older run installed).
 PIP_INSTALL_FLAGS ?=
+# OFFLINE=1 (with TORCH=): no package index, as on a lent GPU machine. Every package the machine has
+# is kept and only this one is installed (--no-deps, --no-build-isolation; editable, because
+# patches/ becomes distca_hf.patches only through the install); tests whose extras are missing skip.
+#   make gpu-check TORCH= OFFLINE=1
+OFFLINE ?=
+ifneq ($(OFFLINE),)
+ifneq ($(TORCH),)
+$(error OFFLINE=1 keeps the machine's torch: pass TORCH= (empty) too)
+endif
+endif
 
 BIN   := $(VENV)/bin
 comma := ,
 # One stamp per (torch, extras) choice, so changing either reinstalls.
-STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)-$(or $(LOCK),latest)))))
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst $(comma),_,$(subst $() ,_,$(TORCH)-$(EXTRAS)-$(or $(LOCK),latest)$(if $(OFFLINE),-offline)))))
 
 .PHONY: setup test test-fast test-latest lock gpu-check demo demo-single kernel-bench bench-sim env docs clean-venv
 
@@ -24,6 +34,9 @@ setup: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml Makefile $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
+ifneq ($(OFFLINE),)
+	$(BIN)/python -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
+else
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
 	# TORCH= (empty): the torch already installed is kept (pip then finds `torch>=2.4` satisfied).
@@ -35,6 +48,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile $(LOCK)
 	# PyPI's newest torch, a CUDA build of several GB.
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet $(PIP_INSTALL_FLAGS) $(if $(LOCK),-c $(LOCK)) \
 		"$(or $(TORCH),torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)'))" -e ".[$(EXTRAS)]"
+endif
 	rm -f $(VENV)/.installed-*
 	touch $@
 

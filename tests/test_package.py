@@ -67,6 +67,24 @@ def test_patches_ship_in_the_wheel(tmp_path):
     assert "distca-hf = distca_hf.tools.cli:main" in entry_points
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_offline_installs_only_the_package(tmp_path):
+    """``make gpu-check TORCH= OFFLINE=1`` (a lent GPU machine has no package index) installs only
+    this package, without its dependencies and with no pip upgrade; OFFLINE=1 with a torch to install
+    is refused naming TORCH=. (A dry run: ``make -n`` prints the recipe.)"""
+    venv = f"VENV={tmp_path / 'venv'}"
+    dry = subprocess.run(["make", "-n", "-C", str(REPO), "gpu-check", "TORCH=", "OFFLINE=1", venv],
+                         capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    installs = [line for line in dry.stdout.splitlines() if "pip install" in line]
+    assert installs and all("--no-index" in line and "--no-deps" in line for line in installs), installs
+    assert "-m gpu" in dry.stdout and "--system-site-packages" in dry.stdout
+    online = subprocess.run(["make", "-n", "-C", str(REPO), "gpu-check", "TORCH=", venv], capture_output=True, text=True)
+    assert "--upgrade pip" in online.stdout and "--no-index" not in online.stdout
+    refused = subprocess.run(["make", "-n", "-C", str(REPO), "gpu-check", "OFFLINE=1", venv], capture_output=True, text=True)
+    assert refused.returncode != 0 and "pass TORCH= (empty) too" in refused.stderr
+
+
 def test_patches_importable_from_the_package():
     from distca_hf.patches import TESTED_MODEL_TYPES, is_llama_family
 
