@@ -151,14 +151,21 @@ def test_without_world_the_json_says_the_communication_terms_are_built_in(tmp_pa
 
 
 @pytest.mark.distributed
-def test_world_two_measures_positive_communication_terms(tmp_path):
+def test_world_two_measures_the_communication_terms(tmp_path):
+    """The plumbing of ``--world 2``: the processes run, the JSON is a valid time model whose source
+    says what was measured. Whether the timings resolve both terms depends on the machine's load (a
+    busy machine's fit may keep the built-in bytes_per_s, which the source then says): the fit itself
+    is tested above on made-up timings."""
     out = tmp_path / "tm.json"
     code, stdout, err = _profile_cli("--world", "2", "--out", str(out), "--hidden", "64", "--intermediate", "128",
                                      "--heads", "2", "--kv-heads", "1", "--max-tokens", "128", "--repeats", "1",
                                      "--device", "cpu")
     assert code == 0, err
     model = TimeModel.load(out)
-    assert 0 < model.bytes_per_s < math.inf and 0 < model.collective_s < math.inf
+    assert 0 < model.bytes_per_s < math.inf and 0 <= model.collective_s < math.inf
     assert "measured through the dispatch on 2 gloo processes" in model.source
+    builtin = default_time_model("cpu", TokenBytes.for_model(64, 2, 1, 4), 4)
+    if model.bytes_per_s == builtin.bytes_per_s:  # not resolved under load: said, not hidden
+        assert "kept the built-in" in model.source + stdout + err
     line = stdout.strip().splitlines()[-1]
     assert line.startswith("communication on 2 processes: bytes_per_s") and "collective_s" in line
