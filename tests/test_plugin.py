@@ -23,6 +23,7 @@ from distca_hf import DistCAPlugin, ParallelTopology
 from distca_hf.runtime import processes
 from distca_hf.training import launch_checks as launch_module
 from distca_hf.config import reset_config
+from distca_hf.state import reset_state
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -411,6 +412,22 @@ def test_launched_world_size_reads_the_accelerate_command(monkeypatch, tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(launch_module.LaunchError, match=r"asked for 4 processes \(WORLD_SIZE\) but the process group has 2"):
         launch_module.check_world_size(2)
+
+
+def test_processes_joined_but_accelerate_set_up_alone_are_stopped(monkeypatch):
+    """A plain Trainer on CPU processes without use_cpu=True: torch.distributed joins them, Accelerate
+    counts one, so each would train alone on the same examples; the first distca forward stops it,
+    naming the flag. Accelerate set up for every process, or not at all (a loop of one's own), passes."""
+    from accelerate.state import PartialState
+
+    monkeypatch.setattr(PartialState, "_shared_state", {"num_processes": 1, "distributed_type": "NO"})
+    with pytest.raises(launch_module.LaunchError, match=r"runs 2 processes but Accelerate .*\(use_cpu=True\)"):
+        processes.refuse_accelerate_alone(2)
+    processes.refuse_accelerate_alone(2)  # checked once per process: the forward calls it every time
+    for shared, world in (({"num_processes": 2}, 2), ({}, 2), ({"num_processes": 1}, 1)):
+        reset_state()
+        monkeypatch.setattr(PartialState, "_shared_state", shared)
+        processes.refuse_accelerate_alone(world)
 
 
 @pytest.mark.distributed

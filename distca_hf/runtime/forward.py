@@ -51,7 +51,7 @@ from .agree import PATH_PLAIN, agree
 from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
                       plan_stats_of)
 from .dispatch import Dispatch, build_dispatch
-from .processes import warn_if_fsdp_dropped, warn_if_launched_alone
+from .processes import refuse_accelerate_alone, warn_if_fsdp_dropped, warn_if_launched_alone
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
@@ -219,6 +219,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
             _refuse_continuations(call, docs, number)
         return _local_context(number, call_key, inputs, docs, query.device, int(docs.lengths.max(initial=0)))
     warn_if_fsdp_dropped(module)
+    refuse_accelerate_alone(dist.get_world_size())
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,

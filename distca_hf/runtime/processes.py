@@ -5,7 +5,9 @@
 what the launch asked for (``WORLD_SIZE``, or the parent ``accelerate launch`` command line and its
 config file), so ``DistCATrainer`` / ``DistCAAccelerator`` can stop (``training.launch_checks``) and
 the attention function can warn a plain ``Trainer``'s user (``warn_if_launched_alone``), as it does
-when the job's FSDP request was dropped on CPU processes (``warn_if_fsdp_dropped``).
+when the job's FSDP request was dropped on CPU processes (``warn_if_fsdp_dropped``), and stop one
+whose processes run torch.distributed but each set Accelerate up alone (``refuse_accelerate_alone``:
+``use_cpu=True`` missing on CPU).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import LaunchError
 from ..state import STATE, warn_once
 
 __all__ = ["FIX", "launched_world_size", "parent_command", "find_flag", "warn_if_launched_alone",
-           "warn_if_fsdp_dropped"]
+           "warn_if_fsdp_dropped", "refuse_accelerate_alone"]
 
 FIX = ("To start N CPU processes use `accelerate launch --config_file recipes/cpu-2proc.yaml SCRIPT` (a "
        "multi-process config, distributed_type: MULTI_GPU, num_processes: N; distca_hf switches the processes to "
@@ -73,6 +76,29 @@ def warn_if_launched_alone() -> None:
         warn_once("launched-alone", f"distca: the launch asked for {asked} processes ({source}) but this process runs "
                   f"alone (torch.distributed is not initialised), so nothing is balanced across ranks. {FIX}",
                   stacklevel=5)
+
+
+def refuse_accelerate_alone(world: int) -> None:
+    """Raise ``LaunchError`` (checked once per process) when torch.distributed runs ``world`` > 1
+    processes but Accelerate set itself up for one: the CPU launch trap of a plain ``Trainer`` (or
+    TRL's) without ``use_cpu=True``. Each process then trains alone on the same examples (every one
+    is rank 0 to the Trainer, nothing averages the gradients, each saves the same checkpoint files)
+    while the attention still pools the ranks' documents, so nothing fails on its own. Every rank
+    meets it in the same forward, before the first collective of the step."""
+    if "accelerate-checked" in STATE.warned:
+        return
+    STATE.warned.add("accelerate-checked")
+    import sys
+
+    accelerate_state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(accelerate_state, "PartialState", None), "_shared_state", None) or {}
+    if world > 1 and shared.get("num_processes") == 1:
+        raise LaunchError(
+            f"distca: torch.distributed runs {world} processes but Accelerate (and so the Trainer) set itself up "
+            "for one process: on a machine without GPU a multi-process launch needs TrainingArguments(use_cpu=True) "
+            "(SFTConfig(use_cpu=True) with TRL) or ACCELERATE_USE_CPU=1 in the environment; without it every process "
+            "trains alone on the same examples, no gradient is averaged and each saves as rank 0. DistCATrainer and "
+            "DistCASFTTrainer set it themselves.")
 
 
 def warn_if_fsdp_dropped(module) -> None:
