@@ -73,6 +73,7 @@ def test_help_shows_defaults_and_whole_sentences():
         assert flag in text
     assert "The token budget of one rank's packed row per forward (the micro-batch). (default: 8192)" in text
     assert "(default: out/finetune_long_context)" in text and "(default: constant)" in text
+    assert "else on when the server group has more than one rank (DistCATrainer's" in text  # not the setting's False
     assert "``" not in text
 
 

@@ -288,6 +288,8 @@ def test_formula_is_what_the_dispatch_keeps(tmp_path):
             if run["budget"] is None and run["backward"] == "saved":
                 assert stats["backward"] == "saved" and any(stats["memory_bytes_per_layer"])
                 assert stats["memory_imbalance"] > 1.0
+            if stats["backward"] == "resend":  # servers keep nothing of what they received
+                assert not any(stats["kv_tokens_kept_per_layer"]), run
             if run["budget"] == 0.0:  # the saved plan adds memory on the server: this step ran in resend mode
                 assert stats["backward"] == "resend" and added == 0 and stats["memory_imbalance"] == 1.0
                 assert run["logit_err"] < 1e-5 and run["grad_excess"] < 1e-5

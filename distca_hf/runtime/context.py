@@ -51,7 +51,7 @@ class PlanStats:
             ``_mean``: over the servers.
         kv_tokens_kept_per_layer: ``[ranks]`` distinct K/V tokens each server keeps for backward in
             ``saved`` mode, each once however many waves brought it (``planning.kv_kept``; the memory
-            a plan adds on a server besides the queries).
+            a plan adds on a server besides the queries); 0 for a plan in ``resend`` mode.
         memory_bytes_per_layer: ``[ranks]`` bytes the plan makes each rank hold for attention's
             backward in one layer beyond its own tokens' activations (``planning.backward_memory``;
             signed: in ``saved`` mode a rank whose queries are served elsewhere keeps less). Own
@@ -142,7 +142,9 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
     queries = sum(int(b.pieces.tokens().sum()) for b in batches)
     ranks = batches[0].pieces.num_ranks
     received = sum((b.kv_received for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
-    kept_kv = sum((b.kv_tokens_kept for b in planned if b.kv_received is not None), np.zeros(ranks, dtype=np.int64))
+    # (a plan in resend mode keeps nothing on its servers: what it receives is dropped after the forward)
+    kept_kv = sum((b.kv_tokens_kept for b in planned if b.kv_received is not None and b.plan.backward == "saved"),
+                  np.zeros(ranks, dtype=np.int64))
     sent = 0
     if planned:
         # queries out and outputs back, K/V, as the waves really send them; in resend mode and with

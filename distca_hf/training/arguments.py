@@ -48,11 +48,17 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
+_TRAINER_DEFAULTS = {"span_ranks": "on when the server group has more than one rank (DistCATrainer's and "
+                                    "DistCASFTTrainer's choice; False elsewhere)"}
+"""Settings whose default the trainers choose themselves (``global_batches``), said in the flag's help."""
+
+
 def _flag_help(name: str, setting) -> str:
     variable = setting.metadata["env"]
     unset = f"{variable}, else " if variable else ""
     # a None default means something per setting (block: by device; time_model: built-in), said in its help
     default = "the setting's own None (see above)" if setting.default is None else repr(setting.default)
+    default = _TRAINER_DEFAULTS.get(name, default)
     return (f"{_sentence(setting.metadata['help'])} Left out (None): {unset}the distca: section of "
             f"--distca_config, else {default}.")
 
