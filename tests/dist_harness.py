@@ -18,7 +18,7 @@ from pathlib import Path
 
 from distca_hf.runtime.comm import free_port
 
-PEER_WAIT_S = 30.0  # how long rank 0 keeps the rendezvous store up for peers still running
+PEER_WAIT_S = 60.0  # how long rank 0 keeps the rendezvous store up for peers still running
 
 
 def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo", peer_wait_s=PEER_WAIT_S):

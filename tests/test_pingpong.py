@@ -230,7 +230,7 @@ def _mixed_stacks_worker(rank, world):
 def test_ranks_running_different_stacks_stop_together(tmp_path):
     # tolerance 0.02: every forward dispatches (under "auto" a forward that moves nothing runs locally
     # and reports no overlap)
-    results = run_ranks(_mixed_stacks_worker, 2, tmp_path, env={"DISTCA_TIMEOUT_S": "20", "DISTCA_TOLERANCE": "0.02"},
+    results = run_ranks(_mixed_stacks_worker, 2, tmp_path, env={"DISTCA_TIMEOUT_S": "90", "DISTCA_TOLERANCE": "0.02"},
                         deadline_s=200)
     for r in results:
         assert r["ok"], r.get("traceback", r["error"])

@@ -52,7 +52,7 @@ def test_spanning_documents_are_exact(tmp_path, case):
 @pytest.mark.parametrize("claimed", [15, 3])
 def test_a_continuation_the_previous_rank_does_not_hold_stops_every_rank(tmp_path, claimed):
     """Rank 0's last document holds 6 tokens: rank 1 may only continue at position 6."""
-    results = run_ranks(span_refusal_worker, 2, tmp_path, claimed, env={"DISTCA_TIMEOUT_S": "20"})
+    results = run_ranks(span_refusal_worker, 2, tmp_path, claimed, env={"DISTCA_TIMEOUT_S": "90"}, deadline_s=300)
     for rank, result in enumerate(results):
         assert result["ok"], result.get("traceback")
         assert result["value"]["raised"] == "DocumentBoundaryError", (rank, result["value"])

@@ -516,7 +516,7 @@ def test_rank_zero_generates_alone_after_training(tmp_path):
     cache, a user's own decoding loop) computes on rank 0 and equals an eager copy of the trained
     weights; a forward that waited for rank 1 would raise DistCATimeoutError after 30 s."""
     results = run_ranks(_generate_after_training_worker, 2, tmp_path, str(tmp_path),
-                        env={"DISTCA_TIMEOUT_S": "30"}, deadline_s=300)
+                        env={"DISTCA_TIMEOUT_S": "90"}, deadline_s=300)
     for r in results:
         assert r["ok"], r.get("traceback", r["error"])
     values = [r["value"] for r in results]
