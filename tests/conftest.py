@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # No per-example deadline: hypothesis's default (200 ms) fails a test whose example met a stall of a
-# loaded machine, not a bug (every @given here that times anything sets deadline=None already).
+# loaded machine, not a bug (all but one @given here said deadline=None themselves).
 settings.register_profile("distca", deadline=None)
 settings.load_profile("distca")
 
