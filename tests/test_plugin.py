@@ -428,6 +428,13 @@ def test_processes_joined_but_accelerate_set_up_alone_are_stopped(monkeypatch):
         reset_state()
         monkeypatch.setattr(PartialState, "_shared_state", shared)
         processes.refuse_accelerate_alone(world)
+    # a forward before Accelerate is set up (the Trainer made later) leaves the check to the next one
+    reset_state()
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    processes.refuse_accelerate_alone(2)
+    monkeypatch.setattr(PartialState, "_shared_state", {"num_processes": 1})
+    with pytest.raises(launch_module.LaunchError):
+        processes.refuse_accelerate_alone(2)
 
 
 @pytest.mark.distributed

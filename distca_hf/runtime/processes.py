@@ -87,11 +87,13 @@ def refuse_accelerate_alone(world: int) -> None:
     meets it in the same forward, before the first collective of the step."""
     if "accelerate-checked" in STATE.warned:
         return
-    STATE.warned.add("accelerate-checked")
     import sys
 
     accelerate_state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(accelerate_state, "PartialState", None), "_shared_state", None) or {}
+    if not shared:  # Accelerate not set up (yet: a forward before the Trainer is made): look again next time
+        return
+    STATE.warned.add("accelerate-checked")
     if world > 1 and shared.get("num_processes") == 1:
         raise LaunchError(
             f"distca: torch.distributed runs {world} processes but Accelerate (and so the Trainer) set itself up "
