@@ -340,6 +340,14 @@ def _trigger_refusal(what: str):
             tiny_model("llama")(input_ids=ids, position_ids=pos)
         finally:
             modeling_llama.LlamaAttention.forward = forward
+    elif what.startswith("packed documents in decoders whose positions count along the row"):
+        from transformers import BartConfig
+
+        config = BartConfig(vocab_size=VOCAB, d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4,
+                            encoder_attention_heads=4, decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=64)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="distca")
+        model(input_ids=ids)  # one document per row: exact, accepted
+        model(input_ids=ids, position_ids=pos)
     elif what.startswith("packed documents in models with Mamba"):
         from transformers import Lfm2Config
 
@@ -381,6 +389,27 @@ def _trigger_refusal(what: str):
             model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
     else:
         raise AssertionError(f"no trigger for the refusal {what!r}: add one here")
+
+
+def test_recurrent_families_and_layers_that_drop_cu_seq_lens_are_refused_packed():
+    """xLSTM (recurrent blocks, no layer_types) packed, and StableLM given its documents by cu_seq_lens
+    alone (its layers pass on only position_ids, which run along the row), were silent wrong answers;
+    StableLM with restarting position_ids still runs."""
+    from transformers import AutoConfig
+
+    ids, pos = _packed([4, 6])
+    xlstm = AutoModelForCausalLM.from_config(AutoConfig.for_model("xlstm", vocab_size=VOCAB, hidden_size=64,
+                                                                  num_blocks=2, num_heads=8),
+                                             attn_implementation="distca")
+    with pytest.raises(UnsupportedAttentionError, match="carry state along a packed row"):
+        xlstm(input_ids=ids, position_ids=pos)
+    stablelm = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "stablelm", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, partial_rotary_factor=0.25), attn_implementation="distca")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    stablelm(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    with pytest.raises(UnsupportedAttentionError, match="by cu_seq_lens alone.*could not keep the documents apart"):
+        stablelm(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
 
 
 def test_every_refusal_in_the_table_is_raised_by_the_code_it_names():

@@ -27,7 +27,12 @@ The guard: a model forward given packed documents (``position_ids`` that fall ba
 ``cu_seq_lens``) during which some distca attention call got no document argument at all (a family
 whose layers pass on neither ``position_ids`` nor their ``**kwargs``) raises
 ``UnsupportedAttentionError`` naming the model when it returns, instead of returning rows whose
-documents attended to each other. Models with Mamba, linear-attention or convolution layers
+documents attended to each other; so does one given its documents by ``cu_seq_lens`` alone during
+which some attention call got no ``cu_seq_lens`` (StableLM and Nemotron layers drop their
+``**kwargs`` and pass on only the model's own running ``position_ids``). Packed forwards of decoders
+whose positions count along the row whatever ``position_ids`` say (``ROW_POSITION_MODEL_TYPES``: the
+Bart family's ``ForCausalLM``) and of recurrent families without ``layer_types``
+(``ROW_STATE_MODEL_TYPES``: xLSTM) are refused before they run. Models with Mamba, linear-attention or convolution layers
 (``STATEFUL_LAYER_TYPES`` in ``config.layer_types``: Bamba, Jamba, LFM2, Granite hybrids, ...) are
 refused before a packed forward: those layers carry state from one packed document into the next
 (HF's own eager merges them too), which no attention function can undo; families whose
@@ -45,6 +50,7 @@ from ..errors import UnsupportedAttentionError
 from ..state import STATE
 
 __all__ = ["CU_SEQ_LENS_STATEFUL_MODEL_TYPES", "DOCUMENT_ARGUMENTS", "MODEL_DOCUMENTS", "STATEFUL_LAYER_TYPES",
+           "ROW_STATE_MODEL_TYPES", "ROW_POSITION_MODEL_TYPES",
            "ModelForward", "document_arguments", "watch_model_inputs"]
 
 DOCUMENT_ARGUMENTS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
@@ -113,6 +119,15 @@ def _rows(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+ROW_STATE_MODEL_TYPES = ("xlstm",)
+"""Families whose token mixers carry state along the row but whose configs list no ``layer_types``
+(xLSTM: recurrent blocks, no attention at all): refused packed, as ``STATEFUL_LAYER_TYPES``."""
+
+ROW_POSITION_MODEL_TYPES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart")
+"""Decoders (their ``...ForCausalLM``) whose learned absolute positions count along the row and
+ignore ``position_ids``: every packed document after the first would get the wrong positions,
+whatever the attention implementation; refused packed."""
+
 CU_SEQ_LENS_STATEFUL_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid")
 """Families whose linear-attention layers (Gated DeltaNet) keep packed documents apart when given
 ``cu_seq_lens_q`` (transformers 5.24 hands them to flash-linear-attention, and raises without it);
@@ -123,10 +138,17 @@ def _refuse_stateful_layers_across_documents(model: torch.nn.Module, found: dict
     """Mamba, linear-attention and convolution layers run along the whole row: packed documents would
     reach each other through them, which no attention implementation can undo."""
     config = model.config
+    model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
+    if model_type in ROW_POSITION_MODEL_TYPES:
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} takes its positions from the row (learned absolute positions that ignore "
+            "position_ids), so every packed document after the first would get the wrong positions, whatever the "
+            f"attention; for {type(model).__name__}, give each row one document (pad instead of packing)")
     stateful = sorted({t for t in getattr(config, "layer_types", None) or [] if t in STATEFUL_LAYER_TYPES})
+    if not stateful and model_type in ROW_STATE_MODEL_TYPES:
+        stateful = ["recurrent"]
     if not stateful:
         return
-    model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
     if model_type in CU_SEQ_LENS_STATEFUL_MODEL_TYPES:
         if found["cu_seq_lens_q"] is not None:
             return
@@ -135,8 +157,9 @@ def _refuse_stateful_layers_across_documents(model: torch.nn.Module, found: dict
     else:
         hint = "give each row one document (pad instead of packing)"
     raise UnsupportedAttentionError(
-        f"{type(model).__name__} has {'/'.join(repr(t) for t in stateful)} layers (Mamba, linear attention or "
-        "convolutions: not attention), which carry state along a packed row from one document into the next; "
+        f"{type(model).__name__} has {'/'.join(repr(t) for t in stateful)} layers (Mamba, linear attention, "
+        "convolutions or recurrent blocks: not attention), which carry state along a packed row from one document "
+        "into the next; "
         "distca keeps documents apart only in attention layers, so packed documents would not equal each document "
         f"alone. For {type(model).__name__}, {hint}")
 
@@ -164,7 +187,10 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         packed = _packed(found, _rows(args, kwargs))
         if packed:
             _refuse_stateful_layers_across_documents(module, found)
-        open_calls.append((STATE.calls_without_documents, packed))
+        # documents said by cu_seq_lens alone: every attention call must get them (its own or ours)
+        cu_only = packed and (found["cu_seq_lens_q"] is not None or found["cu_seq_lens_k"] is not None) \
+            and not _restarts(found["position_ids"])
+        open_calls.append((STATE.calls_without_documents, STATE.calls_without_cu_seq_lens, packed, cu_only))
         if not takes_kwargs:
             return None
         return args, {**kwargs, MODEL_DOCUMENTS: ModelForward(*(found[name] for name in DOCUMENT_ARGUMENTS))}
@@ -173,7 +199,14 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         opened = open_calls.pop() if open_calls else None
         if opened is None or output is None:  # not distca, or the forward raised
             return
-        before_count, packed = opened
+        before_count, before_cu, packed, cu_only = opened
+        if cu_only and STATE.calls_without_cu_seq_lens > before_cu:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} was given packed documents by cu_seq_lens alone, but "
+                f"{STATE.calls_without_cu_seq_lens - before_cu} of its attention calls got neither cu_seq_lens nor the "
+                "model's keyword arguments (its layers do not pass them on) and no position_ids that restart, so "
+                "distca could not keep the documents apart; pass position_ids that restart at 0 at each document "
+                "(DataCollatorWithFlattening's default) as well")
         if packed and STATE.calls_without_documents > before_count:
             raise UnsupportedAttentionError(
                 f"{type(module).__name__} was given packed documents (position_ids that restart, or cu_seq_lens), but "
@@ -195,6 +228,9 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     ``UnsupportedAttentionError`` naming the layer, rather than merging its documents."""
     own = tuple(kwargs.get(name) for name in DOCUMENT_ARGUMENTS)
     given = kwargs.get(MODEL_DOCUMENTS)
+    if own[1] is None and own[2] is None and not _restarts(own[0]) and (
+            given is None or (given.cu_seq_lens_q is None and given.cu_seq_lens_k is None)):
+        STATE.calls_without_cu_seq_lens += 1  # (the guard reads it only where cu_seq_lens alone say the documents)
     if any(t is not None for t in own):
         return own
     if given is None or all(t is None for t in given.documents):

@@ -132,10 +132,16 @@ REFUSALS = (
             "(`from_pretrained`, `from_config`, `set_attn_implementation`)",
             "distca_hf.hf.model_check", "computes attention in its own code"),
     Refusal("a family whose layers pass on no document argument", "its attention calls could not keep packed "
-            "documents apart; refused when the model's forward returns, naming the model",
+            "documents apart; refused when the model's forward returns, naming the model (so are StableLM and "
+            "Nemotron given documents by `cu_seq_lens` alone: their layers pass on only `position_ids`, which "
+            "then run along the row; with `position_ids` that restart they are exact)",
             "distca_hf.hf.model_inputs", "could not keep the documents apart"),
-    Refusal("packed documents in models with Mamba, linear-attention or convolution layers (Bamba, Jamba, LFM2, "
-            "Granite hybrids, Qwen3-Next without `cu_seq_lens`, ...)", "those layers carry state from one packed "
+    Refusal("packed documents in decoders whose positions count along the row (the Bart family's `ForCausalLM`: "
+            "Bart, mBART, Marian, Pegasus, Blenderbot)", "their learned absolute positions ignore `position_ids`, so "
+            "every document after the first would get the wrong positions whatever the attention; one document per "
+            "row is fine", "distca_hf.hf.model_inputs", "takes its positions from the row"),
+    Refusal("packed documents in models with Mamba, linear-attention, convolution or recurrent layers (Bamba, "
+            "Jamba, LFM2, Granite hybrids, xLSTM, Qwen3-Next without `cu_seq_lens`, ...)", "those layers carry state from one packed "
             "document into the next (HF's own eager merges them too), which no attention function can undo; one "
             "document per row is fine, and Qwen3-Next, Qwen3.5 and OLMo hybrid may pack given `cu_seq_lens` (their "
             "linear attention keeps documents apart with flash-linear-attention)", "distca_hf.hf.model_inputs",
