@@ -32,9 +32,10 @@ which some attention call got no ``cu_seq_lens`` (StableLM and Nemotron layers d
 ``**kwargs`` and pass on only the model's own running ``position_ids``). Packed forwards of decoders
 whose positions count along the row whatever ``position_ids`` say (``ROW_POSITION_MODEL_TYPES``: the
 Bart family's ``ForCausalLM``) and of recurrent families without ``layer_types``
-(``ROW_STATE_MODEL_TYPES``: xLSTM) are refused before they run. Models with Mamba, linear-attention or convolution layers
-(``STATEFUL_LAYER_TYPES`` in ``config.layer_types``: Bamba, Jamba, LFM2, Granite hybrids, ...) are
-refused before a packed forward: those layers carry state from one packed document into the next
+(``ROW_STATE_MODEL_TYPES``: xLSTM) are refused before they run. Models with Mamba,
+linear-attention or convolution layers (``STATEFUL_LAYER_TYPES`` in ``config.layer_types``: Bamba,
+Jamba, LFM2, Granite hybrids, ...) are refused before a packed forward: those layers carry state
+from one packed document into the next
 (HF's own eager merges them too), which no attention function can undo; families whose
 linear-attention layers take ``cu_seq_lens`` (``CU_SEQ_LENS_STATEFUL_MODEL_TYPES``: Qwen3-Next,
 Qwen3.5, OLMo hybrid) are allowed packed forwards given them.
@@ -134,9 +135,10 @@ CU_SEQ_LENS_STATEFUL_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwe
 packed forwards of other stateful families are refused whatever they are given."""
 
 
-def _refuse_stateful_layers_across_documents(model: torch.nn.Module, found: dict) -> None:
-    """Mamba, linear-attention and convolution layers run along the whole row: packed documents would
-    reach each other through them, which no attention implementation can undo."""
+def _refuse_what_merges_packed_documents(model: torch.nn.Module, found: dict) -> None:
+    """Mamba, linear-attention, convolution and recurrent layers run along the whole row, and some
+    decoders' positions count along it: packed documents would reach each other through them, or get
+    the wrong positions, which no attention implementation can undo."""
     config = model.config
     model_type = str(getattr(config, "model_type", "")).removesuffix("_text")
     if model_type in ROW_POSITION_MODEL_TYPES:
@@ -186,7 +188,7 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
                 found[name] = value
         packed = _packed(found, _rows(args, kwargs))
         if packed:
-            _refuse_stateful_layers_across_documents(module, found)
+            _refuse_what_merges_packed_documents(module, found)
         # documents said by cu_seq_lens alone: every attention call must get them (its own or ours)
         cu_only = packed and (found["cu_seq_lens_q"] is not None or found["cu_seq_lens_k"] is not None) \
             and not _restarts(found["position_ids"])
