@@ -152,8 +152,10 @@ def _check_mask(attention_mask, batch_size: int, kv_len: int) -> np.ndarray | No
         )
     if attention_mask.dim() != 2:
         raise DocumentBoundaryError(
-            f"attention_mask must be a 2D padding mask [batch, seq], got shape {tuple(attention_mask.shape)}; "
-            "distca builds the causal document mask itself (custom 4D masks are not supported)"
+            f"attention_mask must be a 2D padding mask [batch, seq], got shape {tuple(attention_mask.shape)}: a "
+            "custom 4D mask given to the model, or one a model family builds in its own code (Doge's) instead of "
+            "through transformers' mask functions; distca builds the causal document mask itself (custom 4D "
+            "masks are not supported)"
         )
     if attention_mask.shape[0] != batch_size or attention_mask.shape[1] < kv_len:
         raise DocumentBoundaryError(
