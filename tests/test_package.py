@@ -67,6 +67,7 @@ def test_patches_ship_in_the_wheel(tmp_path):
     assert "distca-hf = distca_hf.tools.cli:main" in entry_points
 
 
+@pytest.mark.distributed  # spawns make
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_offline_installs_only_the_package(tmp_path):
     """``make gpu-check TORCH= OFFLINE=1`` (a lent GPU machine has no package index) installs only
