@@ -32,11 +32,9 @@ class DistCAState:
         forwards_started: forwards numbered so far (a forward's number is its ``plan_stats()["step"]``).
         last_layer_idx: layer index of the last attention call; an index that does not grow marks
             the start of a new forward.
-        calls_without_documents: attention calls so far that got no document argument at all (own
-            or their model's); ``hf.model_inputs`` refuses a packed model forward during which it grew.
-        calls_without_cu_seq_lens: attention calls so far that got no ``cu_seq_lens`` (own or their
-            model's) and no ``position_ids`` that restart; ``hf.model_inputs`` refuses a model forward
-            given its documents by ``cu_seq_lens`` alone during which it grew.
+        calls_without_documents: attention calls so far whose document arguments (own or their
+            model's) showed no boundary: no ``cu_seq_lens``, no ``position_ids`` that restart;
+            ``hf.model_inputs`` refuses a packed model forward during which it grew.
         decoding: what decodes right now (a ``generate()`` call, a model forward given a KV cache),
             innermost last; forwards opened meanwhile compute on this rank alone
             (``runtime.forward.decoding``).
@@ -58,7 +56,6 @@ class DistCAState:
     forwards_started: int = 0
     last_layer_idx: int | None = None
     calls_without_documents: int = 0
-    calls_without_cu_seq_lens: int = 0
     decoding: list = field(default_factory=list)
     warned: set = field(default_factory=set)
     timeline_on: bool = False

@@ -24,12 +24,12 @@ whatever forwards ran since (``runtime.forward.context_for_call``). A model forw
 ``**kwargs`` gets nothing added.
 
 The guard: a model forward given packed documents (``position_ids`` that fall back, or
-``cu_seq_lens``) during which some distca attention call got no document argument at all (a family
-whose layers pass on neither ``position_ids`` nor their ``**kwargs``) raises
-``UnsupportedAttentionError`` naming the model when it returns, instead of returning rows whose
-documents attended to each other; so does one given its documents by ``cu_seq_lens`` alone during
-which some attention call got no ``cu_seq_lens`` (StableLM and Nemotron layers drop their
-``**kwargs`` and pass on only the model's own running ``position_ids``). Packed forwards of decoders
+``cu_seq_lens``) during which some distca attention call saw no document boundary (neither
+``cu_seq_lens`` nor ``position_ids`` that restart, its own or its model's: a family whose layers
+pass on neither ``position_ids`` nor their ``**kwargs``, or StableLM and Nemotron given
+``cu_seq_lens`` alone, whose layers drop their ``**kwargs`` and pass on only the model's running
+``position_ids``) raises ``UnsupportedAttentionError`` naming the model when it returns, instead of
+returning rows whose documents attended to each other. Packed forwards of decoders
 whose positions count along the row whatever ``position_ids`` say (``ROW_POSITION_MODEL_TYPES``: the
 Bart family's ``ForCausalLM``) and of recurrent families without ``layer_types``
 (``ROW_STATE_MODEL_TYPES``: xLSTM) are refused before they run. Models with Mamba,
@@ -189,10 +189,8 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         packed = _packed(found, _rows(args, kwargs))
         if packed:
             _refuse_what_merges_packed_documents(module, found)
-        # documents said by cu_seq_lens alone: every attention call must get them (its own or ours)
-        cu_only = packed and (found["cu_seq_lens_q"] is not None or found["cu_seq_lens_k"] is not None) \
-            and not _restarts(found["position_ids"])
-        open_calls.append((STATE.calls_without_documents, STATE.calls_without_cu_seq_lens, packed, cu_only))
+        cu_only = packed and not _restarts(found["position_ids"])  # (packed, so by cu_seq_lens alone)
+        open_calls.append((STATE.calls_without_documents, packed, cu_only))
         if not takes_kwargs:
             return None
         return args, {**kwargs, MODEL_DOCUMENTS: ModelForward(*(found[name] for name in DOCUMENT_ARGUMENTS))}
@@ -201,21 +199,16 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
         opened = open_calls.pop() if open_calls else None
         if opened is None or output is None:  # not distca, or the forward raised
             return
-        before_count, before_cu, packed, cu_only = opened
-        if cu_only and STATE.calls_without_cu_seq_lens > before_cu:
-            raise UnsupportedAttentionError(
-                f"{type(module).__name__} was given packed documents by cu_seq_lens alone, but "
-                f"{STATE.calls_without_cu_seq_lens - before_cu} of its attention calls got neither cu_seq_lens nor the "
-                "model's keyword arguments (its layers do not pass them on) and no position_ids that restart, so "
-                "distca could not keep the documents apart; pass position_ids that restart at 0 at each document "
-                "(DataCollatorWithFlattening's default) as well")
+        before_count, packed, cu_only = opened
         if packed and STATE.calls_without_documents > before_count:
+            fix = ("pass position_ids that restart at 0 at each document (DataCollatorWithFlattening's default) as well"
+                   if cu_only else "use another attn_implementation for it, or give each row one document")
             raise UnsupportedAttentionError(
-                f"{type(module).__name__} was given packed documents (position_ids that restart, or cu_seq_lens), but "
-                f"{STATE.calls_without_documents - before_count} of its attention calls got neither position_ids, "
-                "cu_seq_lens nor the model's keyword arguments, so distca could not keep the documents apart; this "
-                "model family's layers do not pass them on. Use another attn_implementation for it, or give each "
-                "row one document")
+                f"{type(module).__name__} was given packed documents "
+                f"({'by cu_seq_lens alone' if cu_only else 'position_ids that restart, or cu_seq_lens'}), but "
+                f"{STATE.calls_without_documents - before_count} of its attention calls got neither cu_seq_lens nor "
+                "position_ids that restart, their own or in the model's keyword arguments (this model family's "
+                f"layers do not pass them on), so distca could not keep the documents apart; {fix}")
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True, always_call=True)
@@ -227,16 +220,22 @@ def document_arguments(module: torch.nn.Module, query: torch.Tensor, kwargs: dic
     any, else those its model's forward was given (``MODEL_DOCUMENTS``, see the module docstring).
     query ``[batch, heads, seq, head_dim]``. A model given packed position_ids (2D, restarting) that
     this call cannot use (another row length: the call sees part of the row) raises
-    ``UnsupportedAttentionError`` naming the layer, rather than merging its documents."""
+    ``UnsupportedAttentionError`` naming the layer, rather than merging its documents. A call whose
+    arguments show no document boundary (no ``cu_seq_lens``, no ``position_ids`` that restart) counts
+    in ``STATE.calls_without_documents``, which the guard reads (module docstring)."""
+    found = _call_documents(module, query, kwargs)
+    if found[1] is None and found[2] is None and not _restarts(found[0]):
+        STATE.calls_without_documents += 1
+    return found
+
+
+def _call_documents(module: torch.nn.Module, query: torch.Tensor, kwargs: dict):
+    """``document_arguments``' choice, before it is counted."""
     own = tuple(kwargs.get(name) for name in DOCUMENT_ARGUMENTS)
     given = kwargs.get(MODEL_DOCUMENTS)
-    if own[1] is None and own[2] is None and not _restarts(own[0]) and (
-            given is None or (given.cu_seq_lens_q is None and given.cu_seq_lens_k is None)):
-        STATE.calls_without_cu_seq_lens += 1  # (the guard reads it only where cu_seq_lens alone say the documents)
     if any(t is not None for t in own):
         return own
     if given is None or all(t is None for t in given.documents):
-        STATE.calls_without_documents += 1
         return own
     positions, cu_seq_lens_q, cu_seq_lens_k = given.documents
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
