@@ -181,8 +181,7 @@ class DistCAPlugin(_SettingFields):
         """Pipeline settings said in code or the file without stages do nothing (a warning: one file may
         serve runs with and without stages); with stages, too few micro-batches for the schedule are
         refused here rather than at the first step."""
-        said = [name for name in ("pipeline_schedule", "pipeline_micro_batches")
-                if getattr(self, name) is not None or name in self.file_settings]
+        said = [name for name in ("pipeline_schedule", "pipeline_micro_batches") if self._said(name)]
         if self.pipeline_parallel_size == 1 and said:
             warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
