@@ -5,6 +5,7 @@ compare are derived; precedence code > ``DISTCA_*`` > file > default."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 from pathlib import Path
@@ -341,3 +342,21 @@ def test_ranks_agree_on_the_time_model_contents_not_its_path(tmp_path):
     in_code = DistCAConfig(time_model=TimeModel(1e-6, 2e-10))
     assert settings_fingerprint(in_code) == settings_fingerprint(DistCAConfig(time_model=TimeModel(1e-6, 2e-10)))
     assert settings_fingerprint(in_code) != settings_fingerprint(DistCAConfig(time_model=TimeModel(1e-6, 4e-10)))
+
+
+def test_a_time_model_file_is_read_once_per_version(tmp_path, monkeypatch):
+    from distca_hf.planning import TokenBytes, resolve_time_model
+
+    path, reads = tmp_path / "model.json", []
+    load = TimeModel.load.__func__
+    monkeypatch.setattr(TimeModel, "load", classmethod(lambda cls, p: reads.append(p) or load(cls, p)))
+    TimeModel(1e-6, 2e-10).save(path)
+    resolve = lambda: resolve_time_model(str(path), "cpu", TokenBytes(q=64, kv=64, o=64), 4)  # noqa: E731
+    first = resolve()
+    assert resolve() is first and len(reads) == 1  # every planned forward resolves it: one read
+    TimeModel(1e-6, 3e-10).save(path)  # rewritten (same size): read again
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert resolve().attn_s_per_pair == 3e-10 and len(reads) == 2
+    with pytest.raises(ValueError, match="model.json: cannot read"):  # gone: the file's error, not a stale model
+        path.unlink() or resolve()

@@ -8,8 +8,10 @@ measures its constants on a device.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -464,4 +466,15 @@ def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype
         return default_time_model(device_type, token_bytes, dtype_bytes)
     if isinstance(setting, TimeModel):
         return setting
-    return TimeModel.load(setting)
+    try:  # a training run resolves the setting at every planned forward: the file is read once per version
+        stat = os.stat(setting)
+    except (OSError, TypeError, ValueError):
+        return TimeModel.load(setting)  # (its ValueError names the file)
+    return _load_time_model_file(os.fspath(setting), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_time_model_file(path: str, mtime_ns: int, size: int) -> TimeModel:
+    """``TimeModel.load(path)`` cached by the file's path, modification time and size (a rewritten file
+    is read again; ``TimeModel`` is frozen, so sharing one is safe)."""
+    return TimeModel.load(path)
