@@ -36,7 +36,7 @@ that no import, at module level or inside a function, closes a circle):
                tolerance="auto" whose bytes do not grow with the document's prefix
     by_time    tolerance="auto": the plan the time model predicts fastest (colocated, the descent, the
                fixed-tolerance carvings, the CP-shaped plan, the tile grid) within the memory budget
-    planner    ``plan_tasks``, the entry point: by time, or a fixed tolerance, within the memory budget
+    planner    ``plan_tasks``, the entry point: by time (its candidates one by one), or a fixed tolerance, within the memory budget
     splits     a plan's waves and a micro-batch's two ping-pong nano-batches
     pipeline   the lockstep 1F1B schedule of ``pipeline_schedule="cad_1f1b"`` as a table of ticks, and the
                event models timing a step of it and of torch's stock 1F1B
@@ -52,7 +52,7 @@ from .cost import (LLAMA3_8B_BYTES, LLAMA3_8B_H100, TimeModel, TokenBytes, atten
                    tile_pairs)
 from .documents import DocumentBoundaryError, PackedDocuments, find_documents
 from .pieces import DocumentPieces, RankDocuments, rank_documents, stitch_rank_documents
-from .planner import Plan, PlannerConfig, colocated_plan, plan_tasks
+from .planner import Plan, PlannerConfig, auto_candidates, chosen_candidate, colocated_plan, plan_candidate, plan_tasks
 from .ranges import concat_ranges
 from .key_split import check_tiles, full_tiles, with_key_ranges
 from .splits import NanoAssignment, NanoSplit, assign_nano_batches, check_splittable, split_nano_batches, wave_plans
@@ -73,6 +73,7 @@ __all__ = [
     "LLAMA3_8B_H100", "NanoAssignment", "NanoSplit", "PackedDocuments", "Plan", "PlannerConfig", "RankDocuments", "TimeModel", "TokenBytes",
     "assign_nano_batches", "attention_flops", "causal_pairs", "check_splittable", "colocated_plan", "comm_bytes", "concat_ranges", "default_time_model", "document_pairs", "find_documents", "resolve_time_model", "key_start",
     "fuse_tasks", "fused_batch", "imbalance", "kv_received", "kv_transfers", "plan_by_time", "plan_tasks",
+    "auto_candidates", "plan_candidate", "chosen_candidate",
     "rank_seconds", "step_seconds", "loads_seconds", "plan_loads", "other_seconds", "rank_documents", "split_document", "split_nano_batches",
     "start_with_pairs", "stitch_rank_documents", "wave_plans", "whole_document_tasks",
     "check_tiles", "full_tiles", "with_key_ranges", "tile_pairs", "QuerySends", "query_sends",

@@ -2,6 +2,7 @@
 
     comm           collectives with distca's timeout (uneven all-to-all, all-gathers)
     agree          the collective that opens a forward: every rank takes the same decision
+    shared_planning  ``tolerance="auto"``'s candidates planned on different ranks, one plan kept on all
     forward        opening a forward: documents -> agreement -> plan -> dispatch (decoding: local)
     context        the per-forward context every layer reuses, ``PlanStats``, ``plan_stats()``
     tables         one wave's index tables (which rows go where)

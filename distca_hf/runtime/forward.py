@@ -52,6 +52,7 @@ from .context import (BatchPlan, ForwardContext, begin_forward, current_forward,
                       plan_stats_of)
 from .dispatch import Dispatch, build_dispatch
 from .processes import refuse_accelerate_alone, warn_if_fsdp_dropped, warn_if_launched_alone
+from .shared_planning import plan_across_ranks
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
@@ -373,11 +374,15 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     else:
         dtype_bytes = dtype_bytes or (2 if device.type == "cuda" else 4)
         time_model = resolve_time_model(config.time_model, device.type, token_bytes, dtype_bytes)
-        plan = planner(pieces, PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
-                                                time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
-                                                backward=config.backward, memory_budget=config.memory_budget,
-                                                key_split=key_split, kv_cap=config.kv_cap,
-                                                kv_relays=config.kv_relays))
+        planning = PlannerConfig(config.tolerance, block, servers, token_bytes, window=kv_window,
+                                 time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
+                                 backward=config.backward, memory_budget=config.memory_budget,
+                                 key_split=key_split, kv_cap=config.kv_cap, kv_relays=config.kv_relays)
+        if planner is plan_tasks:  # its candidates planned on different ranks at once, the same plan kept
+            plan = plan_across_ranks(pieces, planning, group=group, device=device, timeout_s=config.timeout_s,
+                                     what=f"distca forward {number}")
+        else:
+            plan = planner(pieces, planning)
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
         return None, BatchPlan(pieces, window=plan.window)

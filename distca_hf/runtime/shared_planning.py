@@ -1,0 +1,85 @@
+"""``tolerance="auto"``'s candidates planned on different ranks at once, the same plan kept on all.
+
+Every rank of the server group holds the same documents after the forward's first collective
+(``agree``) and used to plan the same thing. Under ``kv_relays="auto"`` that plan weighs up to
+``planning.auto_candidates`` candidates one after the other (the planned plan, then descents as if
+bytes were cheaper), each depending only on the documents and the settings. Here rank ``r`` plans
+candidates ``r``, ``r + world``, ...; one all-reduce of ``[2, candidates]`` float64 (each candidate's
+predicted seconds, and whether it raised) lets every rank replay ``planning.chosen_candidate``, the
+rule ``plan_tasks`` follows, and the rank that planned the chosen candidate broadcasts it (pickled,
+size first). The plan is ``plan_tasks``' own, on every rank, and the plan time is the slowest rank's
+candidates instead of their sum (``examples/plan_time.py`` measures both).
+
+A candidate that raises is an error only where ``plan_tasks`` would have planned it (the rule still
+weighed it): then its rank raises its own error and the others ``DistCAPeerError`` naming it, with
+no hang; every collective waits with distca's timeout (``comm.CommHandle``).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import DistCAPeerError
+from ..planning import DocumentPieces, Plan, PlannerConfig, auto_candidates, chosen_candidate, plan_candidate, plan_tasks
+from .comm import CommHandle
+
+__all__ = ["plan_across_ranks", "candidate_owner"]
+
+
+def candidate_owner(index: int, world: int) -> int:
+    """The rank of a ``world``-rank group that plans candidate ``index``."""
+    return index % world
+
+
+def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, device, timeout_s: float,
+                      what: str) -> Plan:
+    """``planning.plan_tasks(pieces, config)``, its candidates planned on different ranks of ``group``
+    (module docstring). Every rank of ``group`` calls it with the same ``pieces`` and ``config``.
+    ``device``: where NCCL's tensors live (gloo's stay on the CPU); ``what``: the forward, for errors."""
+    count = auto_candidates(pieces, config)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if count == 1 or world == 1:
+        return plan_tasks(pieces, config)
+    plans, errors, start = {}, {}, None
+    table = np.zeros((2, count))  # [seconds; 1 where the candidate raised], this rank's candidates only
+    for index in range(rank, count, world):
+        try:
+            table[0, index], plans[index], start = plan_candidate(pieces, config, index, start=start)
+        except Exception as e:  # raised below only where plan_tasks would have met it, on every rank
+            errors[index], table[1, index] = e, 1.0
+    gather_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    summed = torch.from_numpy(table).to(gather_device)
+    CommHandle(dist.all_reduce(summed, group=group, async_op=True), None, timeout_s,
+               f"{what} (all-reduce of the planning candidates' seconds)").wait()
+    seconds, failed = summed.cpu().numpy()
+    first_failed = next((i for i in range(count) if failed[i]), count)
+    if first_failed < count:
+        reached = first_failed == 0 or chosen_candidate(seconds[:first_failed].tolist())[1]
+        if reached:  # plan_tasks would have planned the failed candidate: the same error on every rank
+            owner = candidate_owner(first_failed, world)
+            if owner == rank:
+                raise errors[first_failed]
+            raise DistCAPeerError(f"{what}: planning candidate {first_failed} failed on rank {owner} of the server "
+                                  "group (see its error); every rank stops this forward")
+    chosen = chosen_candidate(seconds[:first_failed].tolist())[0]
+    return _broadcast_plan(plans.get(chosen), candidate_owner(chosen, world), group, gather_device, timeout_s,
+                           f"{what} (broadcast of planning candidate {chosen})")
+
+
+def _broadcast_plan(plan: Plan | None, owner: int, group, device, timeout_s: float, what: str) -> Plan:
+    """``plan`` as ``owner`` (a rank of ``group``) holds it, on every rank: its pickle's size, then its
+    bytes (``uint8``), each broadcast waited on with the timeout."""
+    source = dist.get_global_rank(group, owner)
+    mine = dist.get_rank(group) == owner
+    payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    CommHandle(dist.broadcast(size, src=source, group=group, async_op=True), None, timeout_s, what).wait()
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    CommHandle(dist.broadcast(data, src=source, group=group, async_op=True), None, timeout_s, what).wait()
+    return plan if mine else pickle.loads(data.cpu().numpy().tobytes())
+

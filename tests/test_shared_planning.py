@@ -1,0 +1,149 @@
+"""``tolerance="auto"``'s candidates: ``chosen_candidate`` replays ``plan_tasks``' search exactly,
+every candidate is the same planned alone, and ``runtime.shared_planning`` gives every rank
+``plan_tasks``' own plan when its ranks plan different candidates (a candidate that raises stops
+every rank only where ``plan_tasks`` would have planned it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from distca_hf.planning import auto_candidates, chosen_candidate, plan_candidate, plan_tasks
+from distca_hf.planning.baselines import pack_pieces
+from distca_hf.planning.planner import RELAY_BYTE_DISCOUNTS, RELAY_DISCOUNT_PATIENCE
+from distca_hf.tools.simulate import default_planner_config
+from dist_harness import run_ranks
+
+AUTO = dataclasses.replace(default_planner_config(), tolerance="auto")
+
+
+def one_long_document(seed: int, ranks: int = 8, tokens: int = 16384):
+    """``ranks x tokens`` of short documents (200 to 4000 tokens) and one of 20k to 100k, shuffled: the
+    long one spans ranks, so the relay candidates compete (the seeds below keep 0, 1 and 3)."""
+    rng = np.random.default_rng(seed)
+    docs = np.concatenate([[int(rng.integers(20000, 100000))], rng.integers(200, 4000, size=200)])
+    rng.shuffle(docs)
+    docs = docs[np.cumsum(docs) <= ranks * tokens]
+    return pack_pieces(np.append(docs, ranks * tokens - docs.sum()), ranks, tokens)
+
+
+KEEPS = {0: 1, 1: 0, 28: 3}  # seed -> the candidate plan_tasks keeps (1: stops before the last one)
+
+
+def _sequential_search(seconds):
+    """The search as ``plan_tasks`` ran it before it had candidates (stop 37's ``_with_relays``), over
+    given seconds: ``(kept, whether it would weigh one more)``."""
+    best, best_seconds, misses = 0, seconds[0], 0
+    for index in range(1, len(seconds)):
+        if not np.isfinite(seconds[index]):
+            return best, False
+        if seconds[index] >= best_seconds:
+            misses += 1
+            if misses >= RELAY_DISCOUNT_PATIENCE:
+                return best, False
+            continue
+        best, best_seconds, misses = index, seconds[index], 0
+    return best, True
+
+
+@given(st.lists(st.one_of(st.floats(0.5, 2.0), st.sampled_from([1.0, math.inf])), min_size=1, max_size=8))
+def test_chosen_candidate_is_the_sequential_search(seconds):
+    assert chosen_candidate(seconds) == _sequential_search(seconds)
+    kept, _ = chosen_candidate(seconds)
+    assert all(earlier > seconds[kept] for earlier in seconds[:kept])  # strictly faster than every one before
+
+
+def test_chosen_candidate_refuses_no_seconds():
+    with pytest.raises(ValueError, match="candidate 0 at least"):
+        chosen_candidate([])
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if dataclasses.is_dataclass(a):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("seed", sorted(KEEPS))
+def test_each_candidate_planned_alone_gives_plan_tasks_plan(seed):
+    pieces = one_long_document(seed)
+    count = auto_candidates(pieces, AUTO)
+    assert count == 1 + len(RELAY_BYTE_DISCOUNTS)
+    alone = [plan_candidate(pieces, AUTO, index) for index in range(count)]  # each with its own DescentStart
+    kept, _ = chosen_candidate([seconds for seconds, _, _ in alone])
+    assert kept == KEEPS[seed]
+    assert _same(plan_tasks(pieces, AUTO), alone[kept][1])
+    start = alone[0][2]  # a later candidate with the start the planned one shared: the same plan
+    assert start is not None and all(_same(plan_candidate(pieces, AUTO, i, start=start)[1], alone[i][1])
+                                     for i in range(1, count))
+
+
+def test_candidates_are_counted_and_bounded():
+    pieces = one_long_document(0)
+    assert auto_candidates(pieces, dataclasses.replace(AUTO, kv_relays="off")) == 1
+    assert auto_candidates(pieces, dataclasses.replace(AUTO, tolerance=0.1)) == 1
+    assert auto_candidates(pack_pieces(np.array([300, 200]), 2, 250), AUTO) == 1  # a tree needs 3 ranks
+    for index in (-1, auto_candidates(pieces, AUTO), 1.0):
+        with pytest.raises(ValueError, match="index must be a candidate from 0 to 3"):
+            plan_candidate(pieces, AUTO, index)
+
+
+def _folder(tmp_path, name):
+    (tmp_path / name).mkdir()
+    return tmp_path / name
+
+
+def _shared_worker(rank, world, seed, failing):
+    """``plan_across_ranks`` over the gloo group; candidate ``failing`` (if any) raises on its rank."""
+    import torch.distributed as dist
+
+    from distca_hf.runtime import shared_planning
+
+    pieces = one_long_document(seed)
+    if failing is not None and shared_planning.candidate_owner(failing, world) == rank:
+        planned = shared_planning.plan_candidate
+
+        def plan_candidate(pieces, config, index, *, start=None):
+            if index == failing:
+                raise RuntimeError(f"candidate {index} failed here")
+            return planned(pieces, config, index, start=start)
+
+        shared_planning.plan_candidate = plan_candidate
+    try:
+        plan = shared_planning.plan_across_ranks(pieces, AUTO, group=dist.group.WORLD, device="cpu", timeout_s=60,
+                                                 what="test forward")
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None, "same": _same(plan, plan_tasks(pieces, AUTO)), "relays": plan.relays is not None}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_planning_different_candidates_keep_plan_tasks_plan(tmp_path, world):
+    for seed in sorted(KEEPS):
+        results = run_ranks(_shared_worker, world, _folder(tmp_path, f"{seed}"), seed, None, deadline_s=240)
+        assert all(r["ok"] for r in results), results
+        assert all(r["value"]["error"] is None and r["value"]["same"] for r in results), (seed, results)
+
+
+@pytest.mark.distributed
+def test_a_failing_candidate_stops_every_rank_only_where_plan_tasks_plans_it(tmp_path):
+    # seed 1 stops after two candidates that lose: the last one is never planned by plan_tasks
+    results = run_ranks(_shared_worker, 2, _folder(tmp_path, "unreached"), 1, 3, deadline_s=240)
+    assert all(r["ok"] and r["value"]["error"] is None and r["value"]["same"] for r in results), results
+    # seed 28 weighs every candidate: the last one failing on rank 1 stops both ranks, no hang
+    results = run_ranks(_shared_worker, 2, _folder(tmp_path, "reached"), 28, 3, deadline_s=240)
+    errors = [r["value"] for r in results]
+    assert errors[1] == {"error": "RuntimeError", "message": "candidate 3 failed here"}, errors
+    assert errors[0]["error"] == "DistCAPeerError" and "candidate 3 failed on rank 1" in errors[0]["message"]
