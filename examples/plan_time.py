@@ -1,5 +1,7 @@
 """Plan time of ``tolerance="auto"`` beside the fixed tolerance 0.02, ``auto`` without a memory
-budget and ``auto`` without K/V relays (``kv_relays="off"``), side by side in one process.
+budget, ``auto`` without K/V relays (``kv_relays="off"``) and ``auto`` with its candidates planned on
+different ranks (``runtime.shared_planning``: the slowest candidate, each planned alone, as a group of
+at least ``auto_candidates`` ranks plans them), side by side in one process.
 
 Batches are drawn and packed the way ``distca-hf simulate`` does (``draw_batch``, ``pack_pieces``)
 from the shared length samples; every batch is planned with both configs, alternating, ``--repeats``
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, colocated_plan, plan_tasks
+from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, auto_candidates, colocated_plan, plan_candidate, plan_tasks
 from distca_hf.tools.simulate import default_planner_config, draw_batch, load_lengths, pack_pieces
 
 HERE = Path(__file__).resolve().parent
@@ -46,13 +48,14 @@ def _chosen(plan, pieces, config: PlannerConfig) -> str:
 
 
 def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats: int, seed: int = 1):
-    """``(auto ms, fixed ms, auto without a memory budget ms, auto without relays ms, chosen)``: medians
-    over every batch and repeat, and a count of the candidates ``auto`` chose."""
+    """``(auto ms, fixed ms, auto without a memory budget ms, auto without relays ms, auto with its candidates
+    on different ranks ms, chosen)``: medians over every batch and repeat, and a count of the candidates
+    ``auto`` chose."""
     rng = np.random.default_rng(seed)
     auto = dataclasses.replace(default_planner_config(), tolerance="auto")
     configs = {"auto": auto, "fixed": dataclasses.replace(auto, tolerance=AUTO_TOLERANCES[0]),
                "unbounded": dataclasses.replace(auto, memory_budget=None),
-               "no relays": dataclasses.replace(auto, kv_relays="off")}
+               "no relays": dataclasses.replace(auto, kv_relays="off"), "shared": auto}
     times = {name: [] for name in configs}
     chosen = Counter()
     for _ in range(batches):
@@ -61,12 +64,28 @@ def measure(lengths: np.ndarray, ranks: int, tokens: int, batches: int, repeats:
             # rotate which goes first, so none always meets a warm (or a cold) cache
             order = list(configs.items())
             for name, config in order[i % len(order):] + order[: i % len(order)]:
+                if name == "shared":
+                    times[name].append(_slowest_candidate_ms(pieces, config))
+                    continue
                 start = time.perf_counter()
                 plan = plan_tasks(pieces, config)
                 times[name].append((time.perf_counter() - start) * 1e3)
                 if name == "auto" and i == 0:
                     chosen[_chosen(plan, pieces, auto)] += 1
     return *(statistics.median(times[name]) for name in configs), chosen
+
+
+def _slowest_candidate_ms(pieces, config: PlannerConfig) -> float:
+    """The plan time of ``auto`` with its candidates on different ranks (``runtime.shared_planning``, a
+    group of at least ``auto_candidates`` ranks): each candidate planned alone, as its rank plans it
+    (its own ``DescentStart``), and the slowest one's ms; the all-reduce of their seconds and the
+    broadcast of the chosen plan are not counted."""
+    slowest = 0.0
+    for index in range(auto_candidates(pieces, config)):
+        start = time.perf_counter()
+        plan_candidate(pieces, config, index)
+        slowest = max(slowest, (time.perf_counter() - start) * 1e3)
+    return slowest
 
 
 def main(argv=None) -> int:
@@ -82,16 +101,17 @@ def main(argv=None) -> int:
     gc.collect()
     gc.freeze()
     print("| sample | ranks x tokens/rank | auto ms (median) | fixed 0.02 ms (median) | auto / fixed | auto without "
-          "a memory budget ms | auto without K/V relays ms | budget ms | auto chose |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "a memory budget ms | auto without K/V relays ms | auto, candidates on different ranks ms | budget ms | "
+          "auto chose |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in ("prolong", "wlbllm"):
         lengths = load_lengths(args.data / f"doc_lengths_{name}.json")
         for ranks, tokens, budget in SHAPES:
-            auto_ms, fixed_ms, unbounded_ms, direct_ms, chosen = measure(lengths, ranks, tokens, args.batches,
-                                                                         args.repeats)
+            auto_ms, fixed_ms, unbounded_ms, direct_ms, shared_ms, chosen = measure(lengths, ranks, tokens,
+                                                                                    args.batches, args.repeats)
             picks = ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
             print(f"| {name} | {ranks} x {tokens // 1024}k | {auto_ms:.1f} | {fixed_ms:.1f} | {auto_ms / fixed_ms:.2f} "
-                  f"| {unbounded_ms:.1f} | {direct_ms:.1f} | {budget:g} | {picks} |", flush=True)
+                  f"| {unbounded_ms:.1f} | {direct_ms:.1f} | {shared_ms:.1f} | {budget:g} | {picks} |", flush=True)
     return 0
 
 

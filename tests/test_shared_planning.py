@@ -121,8 +121,9 @@ def _shared_worker(rank, world, seed, failing):
 
         shared_planning.plan_candidate = plan_candidate
     try:
-        plan = shared_planning.plan_across_ranks(pieces, AUTO, group=dist.group.WORLD, device="cpu", timeout_s=60,
-                                                 what="test forward")
+        # (group None: the default group, as the group setting's default passes it)
+        plan = shared_planning.plan_across_ranks(pieces, AUTO, group=None if world == 2 else dist.group.WORLD,
+                                                 device="cpu", timeout_s=60, what="test forward")
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None, "same": _same(plan, plan_tasks(pieces, AUTO)), "relays": plan.relays is not None}
@@ -147,3 +148,16 @@ def test_a_failing_candidate_stops_every_rank_only_where_plan_tasks_plans_it(tmp
     errors = [r["value"] for r in results]
     assert errors[1] == {"error": "RuntimeError", "message": "candidate 3 failed here"}, errors
     assert errors[0]["error"] == "DistCAPeerError" and "candidate 3 failed on rank 1" in errors[0]["message"]
+
+
+@pytest.mark.distributed
+def test_a_model_planned_on_three_ranks_is_exact(tmp_path):
+    """Every ``"auto"`` forward on 3 ranks under ``kv_relays="auto"`` plans its candidates on different
+    ranks (the group setting's default, ``None``: the default group): logits and gradients still match each
+    document alone, and every rank runs the same plan."""
+    from workers import exact_runs, exactness_worker
+
+    results = run_ranks(exactness_worker, 3, tmp_path, "llama", env={"DISTCA_TOLERANCE": "auto"})
+    exact_runs(results, 8)
+    for i in range(len(results[0]["value"]) - 1):
+        assert len({str(r["value"][i]["stats"]["attn_pairs_served"]) for r in results}) == 1

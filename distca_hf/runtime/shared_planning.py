@@ -73,7 +73,7 @@ def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, d
 def _broadcast_plan(plan: Plan | None, owner: int, group, device, timeout_s: float, what: str) -> Plan:
     """``plan`` as ``owner`` (a rank of ``group``) holds it, on every rank: its pickle's size, then its
     bytes (``uint8``), each broadcast waited on with the timeout."""
-    source = dist.get_global_rank(group, owner)
+    source = dist.get_global_rank(group if group is not None else dist.group.WORLD, owner)
     mine = dist.get_rank(group) == owner
     payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
