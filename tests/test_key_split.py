@@ -472,6 +472,7 @@ def key_split_model_worker(rank, world, cases):
     from distca_hf.config import current_config
     from distca_hf.planning import plan_tasks
     from distca_hf.runtime import forward as runtime_forward
+    from distca_hf.runtime import shared_planning
     from workers import span_workers
 
     made = {}  # overlap -> [plans, key-split plans]
@@ -483,8 +484,10 @@ def key_split_model_worker(rank, world, cases):
         count[1] += int(plan.splits_keys)
         return plan
 
-    # plan_batch weighs tiles with its default planner only: this counting one stands in for it
+    # plan_batch weighs tiles with its default planner only: this counting one stands in for it (on 2
+    # ranks shared_planning plans with plan_tasks alone: one candidate without a third rank for trees)
     runtime_forward.plan_batch.__kwdefaults__["planner"] = runtime_forward.plan_tasks = planner
+    shared_planning.plan_tasks = planner
     return {"reports": span_workers(rank, world, cases), "made": made}
 
 

@@ -99,18 +99,37 @@ def test_candidates_are_counted_and_bounded():
             plan_candidate(pieces, AUTO, index)
 
 
-def _folder(tmp_path, name):
-    (tmp_path / name).mkdir()
-    return tmp_path / name
+def _digest(plan) -> str:
+    """A digest of every field of ``plan`` (arrays by dtype, shape and bytes): equal plans, equal digests."""
+    import hashlib
+
+    def parts(value):
+        if isinstance(value, np.ndarray):
+            yield f"{value.dtype}{value.shape}".encode()
+            yield np.ascontiguousarray(value).tobytes()
+        elif dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                yield f.name.encode()
+                yield from parts(getattr(value, f.name))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from parts(item)
+        else:
+            yield repr(value).encode()
+
+    digest = hashlib.sha256()
+    for part in parts(plan):
+        digest.update(part)
+    return digest.hexdigest()
 
 
-def _shared_worker(rank, world, seed, failing):
-    """``plan_across_ranks`` over the gloo group; candidate ``failing`` (if any) raises on its rank."""
+def _shared_worker(rank, world, seeds, failing):
+    """``plan_across_ranks`` over the gloo group for each seed's batch (rank 0 also plans ``plan_tasks``
+    alone, the reference); candidate ``failing`` (if any) raises on its rank."""
     import torch.distributed as dist
 
     from distca_hf.runtime import shared_planning
 
-    pieces = one_long_document(seed)
     if failing is not None and shared_planning.candidate_owner(failing, world) == rank:
         planned = shared_planning.plan_candidate
 
@@ -120,34 +139,44 @@ def _shared_worker(rank, world, seed, failing):
             return planned(pieces, config, index, start=start)
 
         shared_planning.plan_candidate = plan_candidate
-    try:
-        # (group None: the default group, as the group setting's default passes it)
-        plan = shared_planning.plan_across_ranks(pieces, AUTO, group=None if world == 2 else dist.group.WORLD,
-                                                 device="cpu", timeout_s=60, what="test forward")
-    except Exception as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    return {"error": None, "same": _same(plan, plan_tasks(pieces, AUTO)), "relays": plan.relays is not None}
+    reports = []
+    for seed in seeds:
+        pieces = one_long_document(seed)
+        try:
+            # (group None: the default group, as the group setting's default passes it)
+            plan = shared_planning.plan_across_ranks(pieces, AUTO, group=None if world == 2 else dist.group.WORLD,
+                                                     device="cpu", timeout_s=60, what="test forward")
+        except Exception as e:
+            reports.append({"error": type(e).__name__, "message": str(e)})
+            continue
+        reports.append({"error": None, "plan": _digest(plan),
+                        "reference": _digest(plan_tasks(pieces, AUTO)) if rank == 0 else None})
+    return reports
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_planning_different_candidates_keep_plan_tasks_plan(tmp_path, world):
-    for seed in sorted(KEEPS):
-        results = run_ranks(_shared_worker, world, _folder(tmp_path, f"{seed}"), seed, None, deadline_s=240)
-        assert all(r["ok"] for r in results), results
-        assert all(r["value"]["error"] is None and r["value"]["same"] for r in results), (seed, results)
+    seeds = sorted(KEEPS)  # kept candidates 1, 0 and 3: planned on ranks 1, 0 and 1 (world 2) or 0 (world 3)
+    results = run_ranks(_shared_worker, world, tmp_path, seeds, None, deadline_s=240)
+    assert all(r["ok"] for r in results), results
+    for i, seed in enumerate(seeds):
+        reports = [r["value"][i] for r in results]
+        assert all(report["error"] is None for report in reports), (seed, reports)
+        assert {report["plan"] for report in reports} == {reports[0]["reference"]}, (seed, reports)
 
 
 @pytest.mark.distributed
 def test_a_failing_candidate_stops_every_rank_only_where_plan_tasks_plans_it(tmp_path):
-    # seed 1 stops after two candidates that lose: the last one is never planned by plan_tasks
-    results = run_ranks(_shared_worker, 2, _folder(tmp_path, "unreached"), 1, 3, deadline_s=240)
-    assert all(r["ok"] and r["value"]["error"] is None and r["value"]["same"] for r in results), results
-    # seed 28 weighs every candidate: the last one failing on rank 1 stops both ranks, no hang
-    results = run_ranks(_shared_worker, 2, _folder(tmp_path, "reached"), 28, 3, deadline_s=240)
-    errors = [r["value"] for r in results]
-    assert errors[1] == {"error": "RuntimeError", "message": "candidate 3 failed here"}, errors
-    assert errors[0]["error"] == "DistCAPeerError" and "candidate 3 failed on rank 1" in errors[0]["message"]
+    # seed 1 stops after two candidates that lose: the last one is never planned by plan_tasks; seed 28
+    # weighs every candidate: the last one failing on rank 1 stops both ranks, no hang
+    results = run_ranks(_shared_worker, 2, tmp_path, [1, 28], 3, deadline_s=240)
+    assert all(r["ok"] for r in results), results
+    unreached, reached = zip(*(r["value"] for r in results))
+    assert all(report["error"] is None for report in unreached) and unreached[0]["plan"] == unreached[0]["reference"]
+    assert unreached[1]["plan"] == unreached[0]["plan"]
+    assert reached[1] == {"error": "RuntimeError", "message": "candidate 3 failed here"}, reached
+    assert reached[0]["error"] == "DistCAPeerError" and "candidate 3 failed on rank 1" in reached[0]["message"]
 
 
 @pytest.mark.distributed

@@ -38,7 +38,8 @@ from .relay import timed_relays
 from .transfers import fit_memory_budget, kv_transfers
 
 __all__ = ["plan_tasks", "auto_candidates", "plan_candidate", "chosen_candidate", "PlannerConfig", "Plan",
-           "colocated_plan", "tolerance_plans", "CarvingProgress", "PLANNING_MARGIN", "DocumentPieces", "RELAY_BYTE_DISCOUNTS", "RELAY_DISCOUNT_PATIENCE"]
+           "colocated_plan", "tolerance_plans", "CarvingProgress", "PLANNING_MARGIN", "DocumentPieces",
+           "RELAY_BYTE_DISCOUNTS", "RELAY_DISCOUNT_PATIENCE"]
 
 RELAY_BYTE_DISCOUNTS = (4.0, 8.0, 16.0)
 """Under ``tolerance="auto"`` and ``kv_relays="auto"``, the descent is also run as if bytes cost these
