@@ -459,7 +459,7 @@ def test_document_errors_are_one_line_that_names_the_flag(tmp_path, monkeypatch)
             load_documents(texts, encode, text_column="body", eos_token_id=bad)
     with pytest.raises(ValueError, match="eos_token_id=-1 is appended only with add_eos=True"):  # (ignored before)
         load_documents(texts, encode, text_column="body", add_eos=False, eos_token_id=-1)
-    with pytest.raises(TypeError, match="add_eos must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match=r"add_eos must be True, False or None \(True for text\), got 'no'"):
         load_documents(texts, encode, text_column="body", add_eos="no", eos_token_id=2)
     with pytest.raises(DocumentSourceError, match="--text_column body: every document must be text, got NoneType None"):
         load_documents(datasets.Dataset.from_dict({"body": ["alpha", None]}), encode, text_column="body", eos_token_id=2,
@@ -789,6 +789,9 @@ def test_load_documents_refuses_arguments_it_would_ignore(tmp_path):
     with pytest.raises(DocumentSourceError, match=r"text_column= body and eos_token_id=5: the documents already hold "
                                                   "token ids"):
         load_documents(tokenized, text_column="body", eos_token_id=5)
+    with pytest.raises(DocumentSourceError, match=r"add_eos=True: the documents already hold token ids"):  # (ignored)
+        load_documents(tokenized, add_eos=True)
+    assert load_documents(tokenized, add_eos=False)["input_ids"] == load_documents(tokenized)["input_ids"] == [[1, 2, 3]] * 3
     assert isinstance(load_documents(tokenized, streaming=True), datasets.IterableDataset)
     assert isinstance(load_documents(datasets.DatasetDict({"train": tokenized}), streaming=True),
                       datasets.IterableDataset)

@@ -41,7 +41,7 @@ def looks_like_hub_name(source: str) -> bool:
 
 
 def load_documents(source, tokenizer=None, *, split: str = "train", text_column: str = "text",
-                   streaming: bool = False, add_eos: bool = True, eos_token_id: int | None = None,
+                   streaming: bool = False, add_eos: bool | None = None, eos_token_id: int | None = None,
                    flags: dict | None = None, **load_kwargs):
     """Token-id documents as a ``datasets`` dataset with a single ``input_ids`` column.
 
@@ -53,8 +53,9 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
             already has ``input_ids``.
         text_column: the text to tokenize.
         streaming: read lazily (an ``IterableDataset``; pack it with ``StreamingPackedDataset``).
-        add_eos: append the end-of-sequence token to every document (text only: documents given as
-            token ids are kept as they are, and ``text_column`` or ``eos_token_id`` given with them is refused).
+        add_eos: append the end-of-sequence token to every document (``None``: yes for text). Text only:
+            documents given as token ids are kept as they are, and ``add_eos=True``, ``text_column`` or
+            ``eos_token_id`` given with them is refused.
         eos_token_id: that token (default: the tokenizer's ``eos_token_id``).
         flags: how the caller's users set these arguments, for the errors: ``{"source": "--dataset",
             "text_column": "--text_column", "split": "--dataset_split", "tokenizer": "--model_name_or_path"}``
@@ -70,6 +71,7 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
     if columns is not None and "input_ids" in columns:
         # (ignored before: the documents came back as they were, without the asked-for column or token)
         given = [f"{_flag(flags, 'text_column')} {text_column}" if text_column != "text" else None,
+                 "add_eos=True" if add_eos is True else None,
                  f"eos_token_id={eos_token_id}" if eos_token_id is not None else None]
         given = [g for g in given if g]
         if given:
@@ -170,10 +172,10 @@ def _require_documents(dataset, source, flags) -> None:
         raise DocumentSourceError(f"{where} holds no documents")
 
 
-def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = True, eos_token_id: int | None = None,
-             flags: dict | None = None):
+def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool | None = None,
+             eos_token_id: int | None = None, flags: dict | None = None):
     """``dataset``'s ``text_column`` as token ids (one ``input_ids`` column), with an end-of-sequence
-    token appended when ``add_eos``. ``flags``: as for ``load_documents``."""
+    token appended when ``add_eos`` (``None``: True). ``flags``: as for ``load_documents``."""
     columns = dataset.column_names
     if columns is not None and text_column not in columns:
         raise DocumentSourceError(f"{_flag(flags, 'text_column')} {text_column}: no such column in the documents "
@@ -184,8 +186,10 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool = T
     if not (hasattr(tokenizer, "encode_batch") or callable(tokenizer)):  # a model name: a str is not callable
         raise TypeError(f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(name)) or a "
                         f"tokenizers.Tokenizer, got {type(tokenizer).__name__} {tokenizer!r}")
+    if add_eos is None:
+        add_eos = True
     if not isinstance(add_eos, bool):
-        raise TypeError(f"add_eos must be True or False, got {add_eos!r}")
+        raise TypeError(f"add_eos must be True, False or None (True for text), got {add_eos!r}")
     if add_eos and eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if eos_token_id is None:
