@@ -99,6 +99,18 @@ def test_candidates_are_counted_and_bounded():
             plan_candidate(pieces, AUTO, index)
 
 
+def test_every_candidate_has_one_owner_and_the_planned_plan_is_alone_on_rank_0():
+    from distca_hf.runtime.shared_planning import candidate_owner
+
+    for world in range(1, 9):
+        owners = [candidate_owner(i, world) for i in range(4)]
+        assert owners[0] == 0 and all(0 <= o < world for o in owners)
+        if world > 1:
+            assert 0 not in owners[1:]  # candidate 0 alone
+        if world >= 4:
+            assert len(set(owners)) == 4  # one candidate per rank
+
+
 def _digest(plan) -> str:
     """A digest of every field of ``plan`` (arrays by dtype, shape and bytes): equal plans, equal digests."""
     import hashlib
@@ -157,7 +169,7 @@ def _shared_worker(rank, world, seeds, failing):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_planning_different_candidates_keep_plan_tasks_plan(tmp_path, world):
-    seeds = sorted(KEEPS)  # kept candidates 1, 0 and 3: planned on ranks 1, 0 and 1 (world 2) or 0 (world 3)
+    seeds = sorted(KEEPS)  # kept candidates 1, 0 and 3: planned on ranks 1, 0 and 1 (2 or 3 ranks)
     results = run_ranks(_shared_worker, world, tmp_path, seeds, None, deadline_s=240)
     assert all(r["ok"] for r in results), results
     for i, seed in enumerate(seeds):

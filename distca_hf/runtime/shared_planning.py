@@ -3,8 +3,8 @@
 Every rank of the server group holds the same documents after the forward's first collective
 (``agree``) and used to plan the same thing. Under ``kv_relays="auto"`` that plan weighs up to
 ``planning.auto_candidates`` candidates one after the other (the planned plan, then descents as if
-bytes were cheaper), each depending only on the documents and the settings. Here rank ``r`` plans
-candidates ``r``, ``r + world``, ...; one all-reduce of ``[2, candidates]`` float64 (each candidate's
+bytes were cheaper), each depending only on the documents and the settings. Here rank 0 plans the
+planned plan and the others the rest in turn (``candidate_owner``); one all-reduce of ``[2, candidates]`` float64 (each candidate's
 predicted seconds, and whether it raised) lets every rank replay ``planning.chosen_candidate``, the
 rule ``plan_tasks`` follows, and the rank that planned the chosen candidate broadcasts it (pickled,
 size first). The plan is ``plan_tasks``' own, on every rank, and the plan time is the slowest rank's
@@ -31,8 +31,12 @@ __all__ = ["plan_across_ranks", "candidate_owner"]
 
 
 def candidate_owner(index: int, world: int) -> int:
-    """The rank of a ``world``-rank group that plans candidate ``index``."""
-    return index % world
+    """The rank of a ``world``-rank group that plans candidate ``index``: the planned plan (0, usually
+    the longest) alone on rank 0, the others in turn on ranks 1 .. world - 1 (on 4 ranks or more, one
+    candidate per rank)."""
+    if index == 0 or world == 1:
+        return 0
+    return 1 + (index - 1) % (world - 1)
 
 
 def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, device, timeout_s: float,
@@ -46,7 +50,7 @@ def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, d
         return plan_tasks(pieces, config)
     plans, errors, start = {}, {}, None
     table = np.zeros((2, count))  # [seconds; 1 where the candidate raised], this rank's candidates only
-    for index in range(rank, count, world):
+    for index in (i for i in range(count) if candidate_owner(i, world) == rank):
         try:
             table[0, index], plans[index], start = plan_candidate(pieces, config, index, start=start)
         except Exception as e:  # raised below only where plan_tasks would have met it, on every rank
