@@ -131,7 +131,7 @@ def test_step_table_keeps_the_progress_bar_and_tensorboard_gets_the_imbalance(tm
     (run,) = [p.parent for p in (tmp_path / "runs").rglob("events.out.tfevents.*")]  # output_dir/runs/...
     events = EventAccumulator(str(run))
     events.Reload()
-    for key in ("attn_imbalance_before", "attn_imbalance_after", "tokens_per_s", "step_time_s", "loss"):
+    for key in ("attn_imbalance_before", "attn_imbalance_after", "tokens_per_s", "step_time_s", "plan_time_s", "loss"):
         scalars = events.Scalars(f"train/{key}")
         assert [s.step for s in scalars] == [1, 2, 3]
         assert [s.value for s in scalars] == pytest.approx([h[key] for h in logged], rel=1e-6)

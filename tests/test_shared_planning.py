@@ -199,6 +199,18 @@ def test_a_model_planned_on_three_ranks_is_exact(tmp_path):
     from workers import exact_runs, exactness_worker
 
     results = run_ranks(exactness_worker, 3, tmp_path, "llama", env={"DISTCA_TOLERANCE": "auto"})
-    exact_runs(results, 8)
+    for _, runs in exact_runs(results, 8):
+        assert all(run["stats"]["plan_seconds"] > 0 for run in runs)  # what the trainers log as plan_time_s
     for i in range(len(results[0]["value"]) - 1):
         assert len({str(r["value"][i]["stats"]["attn_pairs_served"]) for r in results}) == 1
+
+
+def test_plan_seconds_add_up_over_nano_batches():
+    from distca_hf.planning import TokenBytes, colocated_plan
+    from distca_hf.runtime.context import BatchPlan, plan_stats_of
+
+    pieces = one_long_document(0)
+    halves = [BatchPlan(pieces, colocated_plan(pieces), plan_seconds=seconds) for seconds in (0.25, 0.5)]
+    stats = plan_stats_of(3, halves, token_bytes=TokenBytes(q=64, kv=32, o=64), num_heads=2)
+    assert stats.plan_seconds == 0.75 and [n.plan_seconds for n in stats.nano_batches] == [0.25, 0.5]
+    assert stats.as_dict()["plan_seconds"] == 0.75

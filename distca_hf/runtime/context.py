@@ -62,6 +62,10 @@ class PlanStats:
         kv_exchange_rounds: K/V exchanges per layer's forward, over the waves and nano-batches: 1
             when holders send K/V to servers directly, more when the plan relays K/V along trees
             (``Plan.relays``, the ``kv_relays`` setting: one more round per tree level).
+        plan_seconds: wall seconds this rank spent planning the forward (the planner; under
+            ``tolerance="auto"`` on 3 ranks or more, its candidates planned across ranks with their
+            all-reduce and broadcast, ``runtime.shared_planning``), summed over ping-pong's nano-batches;
+            the documents' all-gather and building the dispatch are not counted.
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
     """
 
@@ -82,6 +86,7 @@ class PlanStats:
     memory_bytes_per_layer: list = field(default_factory=list)
     memory_imbalance: float = 1.0
     kv_exchange_rounds: int = 1
+    plan_seconds: float = 0.0
     nano_batches: tuple = ()
 
     def as_dict(self) -> dict:
@@ -108,6 +113,7 @@ class BatchPlan:
         kv_kept: ``[ranks]`` distinct K/V tokens each server keeps for backward (``Dispatch.kv_kept``:
             a prefix several waves bring is kept once); ``None``: ``kv_received`` (one wave).
         kv_rounds: K/V exchange rounds of a layer's forward (``Dispatch.kv_rounds``; 1: no relays).
+        plan_seconds: wall seconds spent planning it on this rank (``PlanStats.plan_seconds``).
     """
 
     pieces: DocumentPieces
@@ -118,6 +124,7 @@ class BatchPlan:
     queries_sent: int | None = None
     kv_kept: np.ndarray | None = None
     kv_rounds: int = 1
+    plan_seconds: float = 0.0
 
     @property
     def kv_tokens_kept(self) -> np.ndarray | None:
@@ -180,7 +187,8 @@ def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: Tok
         kv_tokens_received_mean=float(received[servers].mean()) if servers else 0.0,
         kv_tokens_kept_per_layer=np.asarray(kept_kv, dtype=np.int64).tolist(),
         memory_bytes_per_layer=added.tolist(), memory_imbalance=imbalance(held),
-        kv_exchange_rounds=max((b.kv_rounds for b in planned), default=1), nano_batches=per_batch)
+        kv_exchange_rounds=max((b.kv_rounds for b in planned), default=1),
+        plan_seconds=float(sum(b.plan_seconds for b in batches)), nano_batches=per_batch)
 
 
 @dataclass(eq=False)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -369,6 +370,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     pieces = ranks.pieces
     device = torch.device(device)
     block = block_for_device(config.block, device.type)
+    planning_started = time.perf_counter()
     if config.mode == "colocated":  # every rank computes its own queries; only spanning prefixes travel
         plan = dataclasses.replace(colocated_plan(pieces, window=kv_window), backward=config.backward)
     else:
@@ -383,13 +385,14 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
                                      what=f"distca forward {number}")
         else:
             plan = planner(pieces, planning)
+    plan_seconds = time.perf_counter() - planning_started
     if (local_when_colocated and docs.num_docs and plan.moved_queries() == 0
             and kv_transfers(plan, pieces).tokens() == 0):
-        return None, BatchPlan(pieces, window=plan.window)
+        return None, BatchPlan(pieces, window=plan.window, plan_seconds=plan_seconds)
     local = LocalDocuments(docs, ranks.global_ids[rank], ranks.offsets[rank])
     dispatch = build_dispatch(plan, pieces, local, rank, device, overlap=overlap, counters=counters,
                               block=block, group=group, timeout_s=config.timeout_s,
                               backward_mode=plan.backward, forward_number=number)
     return dispatch, BatchPlan(pieces, plan, dispatch.kv_received, len(dispatch.waves),
                                queries_sent=dispatch.queries_sent, kv_kept=dispatch.kv_kept,
-                               kv_rounds=dispatch.kv_rounds)
+                               kv_rounds=dispatch.kv_rounds, plan_seconds=plan_seconds)

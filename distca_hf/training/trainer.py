@@ -341,9 +341,10 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         self._window["before"].append(imbalance(before))
         self._window["after"].append(imbalance(after))
         self._window["tokens"] += int(everyone[:, 0].sum()) // self._ranks_per_batch  # tensor-parallel peers: once
+        self._window["plan_s"] += float(stats.get("plan_seconds", 0.0))
 
     def _reset_window(self) -> None:
-        self._window = {"before": [], "after": [], "tokens": 0, "first_step": 0}
+        self._window = {"before": [], "after": [], "tokens": 0, "plan_s": 0.0, "first_step": 0}
         self._window_start = None
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
@@ -352,7 +353,9 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             logs["attn_imbalance_before"] = sum(self._window["before"]) / len(self._window["before"])
             logs["attn_imbalance_after"] = sum(self._window["after"]) / len(self._window["after"])
             logs["tokens_per_s"] = self._window["tokens"] / elapsed if elapsed > 0 else 0.0
-            logs["step_time_s"] = elapsed / max(1, self.state.global_step - self._window["first_step"])
+            steps = max(1, self.state.global_step - self._window["first_step"])
+            logs["step_time_s"] = elapsed / steps
+            logs["plan_time_s"] = self._window["plan_s"] / steps  # this rank's, summed over a step's micro-batches
             self._reset_window()
         super().log(logs, start_time)
 
