@@ -791,6 +791,8 @@ def test_load_documents_refuses_arguments_it_would_ignore(tmp_path):
         load_documents(tokenized, text_column="body", eos_token_id=5)
     with pytest.raises(DocumentSourceError, match=r"add_eos=True: the documents already hold token ids"):  # (ignored)
         load_documents(tokenized, add_eos=True)
+    with pytest.raises(TypeError, match=r"add_eos must be True, False or None \(True for text\), got 'yes'"):
+        load_documents(tokenized, add_eos="yes")
     assert load_documents(tokenized, add_eos=False)["input_ids"] == load_documents(tokenized)["input_ids"] == [[1, 2, 3]] * 3
     assert isinstance(load_documents(tokenized, streaming=True), datasets.IterableDataset)
     assert isinstance(load_documents(datasets.DatasetDict({"train": tokenized}), streaming=True),

@@ -94,9 +94,10 @@ def test_candidates_are_counted_and_bounded():
     assert auto_candidates(pieces, dataclasses.replace(AUTO, kv_relays="off")) == 1
     assert auto_candidates(pieces, dataclasses.replace(AUTO, tolerance=0.1)) == 1
     assert auto_candidates(pack_pieces(np.array([300, 200]), 2, 250), AUTO) == 1  # a tree needs 3 ranks
-    for index in (-1, auto_candidates(pieces, AUTO), 1.0):
+    for index in (-1, auto_candidates(pieces, AUTO), 1.0, True):
         with pytest.raises(ValueError, match="index must be a candidate from 0 to 3"):
             plan_candidate(pieces, AUTO, index)
+    assert plan_candidate(pieces, AUTO, np.int64(0))[0] == plan_candidate(pieces, AUTO, 0)[0]
 
 
 def test_every_candidate_has_one_owner_and_the_planned_plan_is_alone_on_rank_0():
@@ -189,6 +190,12 @@ def test_a_failing_candidate_stops_every_rank_only_where_plan_tasks_plans_it(tmp
     assert unreached[1]["plan"] == unreached[0]["plan"]
     assert reached[1] == {"error": "RuntimeError", "message": "candidate 3 failed here"}, reached
     assert reached[0]["error"] == "DistCAPeerError" and "candidate 3 failed on rank 1" in reached[0]["message"]
+    # the planned plan (candidate 0, rank 0) is always planned: its failure stops every rank, on 3 ranks
+    (tmp_path / "first").mkdir()
+    results = run_ranks(_shared_worker, 3, tmp_path / "first", [0], 0, deadline_s=240)
+    first = [r["value"][0] for r in results]
+    assert first[0] == {"error": "RuntimeError", "message": "candidate 0 failed here"}, first
+    assert all(f["error"] == "DistCAPeerError" and "candidate 0 failed on rank 0" in f["message"] for f in first[1:])
 
 
 @pytest.mark.distributed

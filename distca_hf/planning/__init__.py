@@ -1,7 +1,8 @@
 """Planning: pure functions from document lengths to where every CA-task runs and what it moves.
 
-No torch.distributed here; every function is deterministic, so every rank computes the same plan
-from the same all-gathered lengths, and all of it is tested without processes. The modules, in
+No torch.distributed here; every function is deterministic, so any rank computes the same plan
+from the same all-gathered lengths (``runtime.shared_planning`` spreads ``"auto"``'s candidates over
+the ranks and shares the one kept), and all of it is tested without processes. The modules, in
 data-path order; each imports only modules above it (``tests/test_structure.py`` checks it, and
 that no import, at module level or inside a function, closes a circle):
 

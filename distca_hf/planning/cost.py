@@ -470,11 +470,13 @@ def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype
         stat = os.stat(setting)
     except (OSError, TypeError, ValueError):
         return TimeModel.load(setting)  # (its ValueError names the file)
-    return _load_time_model_file(os.fspath(setting), stat.st_mtime_ns, stat.st_size)
+    return _load_time_model_file(os.fspath(setting), os.path.realpath(setting),
+                                 (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
 
 
 @functools.lru_cache(maxsize=8)
-def _load_time_model_file(path: str, mtime_ns: int, size: int) -> TimeModel:
-    """``TimeModel.load(path)`` cached by the file's path, modification time and size (a rewritten file
-    is read again; ``TimeModel`` is frozen, so sharing one is safe)."""
+def _load_time_model_file(path: str, real_path: str, version: tuple) -> TimeModel:
+    """``TimeModel.load(path)`` cached by the file (its real path) and its version (inode, size,
+    modification and change times: a file rewritten or replaced is read again); ``TimeModel`` is frozen,
+    so sharing one is safe."""
     return TimeModel.load(path)

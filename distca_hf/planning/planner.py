@@ -12,8 +12,9 @@ Pure numpy; no torch, no torch.distributed.
   bytes were cheaper (``RELAY_BYTE_DISCOUNTS``), spreading long documents over more servers whose
   K/V the trees then carry, and the fastest predicted is kept.
 
-The plan says which backward mode it runs in (``Plan.backward``); every rank computes the same plan,
-mode included, from the same lengths and settings. This module sits at the top of the planning
+The plan says which backward mode it runs in (``Plan.backward``); any rank computes the same plan,
+mode included, from the same lengths and settings (in training the ranks plan ``"auto"``'s candidates
+each their own and share the kept plan: ``runtime.shared_planning``). This module sits at the top of the planning
 room: it imports the carving, the transfers (bytes and memory), the descent, the relays and planning
 by time, and none of them imports it. ``Plan``, ``PlannerConfig``, ``colocated_plan`` and the carving's names are
 re-exported here, where they lived before the carving had its own module.
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..config import kv_cap_pairing_problem
+from ..config import is_integer, kv_cap_pairing_problem
 from .by_time import judged, plan_and_start
 from .carving import PLANNING_MARGIN, CarvingProgress, Plan, PlannerConfig, colocated_plan, tolerance_plans
 from .descent import DescentStart, descend
@@ -116,8 +117,9 @@ def plan_candidate(pieces: DocumentPieces, config: PlannerConfig, index: int, *,
     ``start``: a ``DescentStart`` an earlier candidate returned for the same pieces and config (a start
     does not read ``bytes_per_s``: the candidates share one; the plans are the same without it)."""
     count = auto_candidates(pieces, config)
-    if not (isinstance(index, int) and 0 <= index < count):
+    if not (is_integer(index) and 0 <= index < count):  # (np.int64 from numpy; no bool)
         raise ValueError(f"index must be a candidate from 0 to {count - 1} (auto_candidates), got {index!r}")
+    index = int(index)
     if index == 0:
         plan, seconds, start = _planned(pieces, config)
         if seconds is None:
@@ -139,7 +141,7 @@ def plan_candidate(pieces: DocumentPieces, config: PlannerConfig, index: int, *,
 def chosen_candidate(seconds: Sequence[float]) -> tuple[int, bool]:
     """``(the candidate kept, whether the next one is still weighed)`` from the predicted step seconds of
     candidates ``0 .. len(seconds) - 1``: a candidate replaces the kept one only when strictly faster
-    (ties keep the planned one); the search stops at an infinite one (past ``kv_cap``: wider ones need
+    (ties keep the earlier); the search stops at an infinite one (past ``kv_cap``: wider ones need
     more K/V) and after ``RELAY_DISCOUNT_PATIENCE`` in a row that do not win. The one home of the rule
     for ``plan_tasks`` and ``runtime.shared_planning``, which replays it on every candidate's seconds."""
     if not seconds:

@@ -63,8 +63,9 @@ class PlanStats:
             when holders send K/V to servers directly, more when the plan relays K/V along trees
             (``Plan.relays``, the ``kv_relays`` setting: one more round per tree level).
         plan_seconds: wall seconds this rank spent planning the forward (the planner; under
-            ``tolerance="auto"`` on 3 ranks or more, its candidates planned across ranks with their
-            all-reduce and broadcast, ``runtime.shared_planning``), summed over ping-pong's nano-batches;
+            ``tolerance="auto"`` and ``kv_relays="auto"`` on 3 ranks or more, its candidates planned
+            across ranks with their all-reduce and broadcast, ``runtime.shared_planning``), summed over
+            ping-pong's nano-batches;
             the documents' all-gather and building the dispatch are not counted.
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
     """

@@ -24,7 +24,9 @@ backward recomputing checkpointed layers, with padding on some ranks only, stop 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
 collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
 otherwise all run the same plan. ``plan_batch`` turns every rank's documents into this rank's
-``Dispatch`` and the plan's ``BatchPlan``.
+``Dispatch`` and the plan's ``BatchPlan``; with ``planning.plan_tasks`` it is a collective too
+(``shared_planning``: the ranks plan ``tolerance="auto"``'s candidates each their own), so every rank
+of the server group calls it together.
 
 A forward that decodes is not a collective: one whose keys go beyond its queries (a KV cache holds
 earlier tokens), or one opened while ``decoding()`` (``generate()``, a model forward given a cache:
@@ -359,7 +361,9 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     real token. ``planning_overlap``: the overlap whose exposure ``"auto"`` plans with, when it is not
     the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves). ``planner``:
     ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
-    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``). ``key_split``: ``tolerance="auto"`` may weigh
+    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``); ``plan_tasks`` is planned across the ranks
+    (``shared_planning.plan_across_ranks``, collectives under ``tolerance="auto"`` and
+    ``kv_relays="auto"`` on 3 ranks or more): every rank of ``config.group`` must call it together. ``key_split``: ``tolerance="auto"`` may weigh
     key-split tiles (``PlannerConfig.key_split``), for models whose every layer runs ``kv_window`` and
     no attention chunks (``tiles_hold_for``; a ``cad_1f1b`` tick: ``LockstepCAD1F1B._tiles_hold``)."""
     group = config.group

@@ -11,8 +11,10 @@ size first). The plan is ``plan_tasks``' own, on every rank, and the plan time i
 candidates instead of their sum (``examples/plan_time.py`` measures both).
 
 A candidate that raises is an error only where ``plan_tasks`` would have planned it (the rule still
-weighed it): then its rank raises its own error and the others ``DistCAPeerError`` naming it, with
-no hang; every collective waits with distca's timeout (``comm.CommHandle``).
+weighed it): then a rank whose own candidate raised raises that error and the others
+``DistCAPeerError`` naming the rank, with no hang; every collective waits with distca's timeout
+(``comm.CommHandle``), which also covers the wait for the slowest rank's candidates (rank 0's planned
+plan, usually).
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, d
     first_failed = next((i for i in range(count) if failed[i]), count)
     if first_failed < count:
         reached = first_failed == 0 or chosen_candidate(seconds[:first_failed].tolist())[1]
-        if reached:  # plan_tasks would have planned the failed candidate: the same error on every rank
+        if reached:  # plan_tasks would have planned the failed candidate: every rank stops
             owner = candidate_owner(first_failed, world)
-            if owner == rank:
-                raise errors[first_failed]
+            if errors:  # this rank's own error (the same one, when every candidate meets it): the most telling
+                raise errors[min(errors)]
             raise DistCAPeerError(f"{what}: planning candidate {first_failed} failed on rank {owner} of the server "
                                   "group (see its error); every rank stops this forward")
     chosen = chosen_candidate(seconds[:first_failed].tolist())[0]
@@ -75,15 +77,25 @@ def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, d
 
 
 def _broadcast_plan(plan: Plan | None, owner: int, group, device, timeout_s: float, what: str) -> Plan:
-    """``plan`` as ``owner`` (a rank of ``group``) holds it, on every rank: its pickle's size, then its
-    bytes (``uint8``), each broadcast waited on with the timeout."""
+    """``plan`` as ``owner`` (a rank of ``group``) holds it, on every rank: its pickle's size (-1 when
+    the owner could not pickle it: every rank raises), then its bytes (``uint8``), each broadcast waited
+    on with the timeout."""
     source = dist.get_global_rank(group if group is not None else dist.group.WORLD, owner)
     mine = dist.get_rank(group) == owner
-    payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if mine else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    payload, failure = b"", None
+    if mine:
+        try:
+            payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # said to the others through the size, so that none waits for bytes
+            failure = e
+    size = torch.tensor([-1 if failure else len(payload)], dtype=torch.int64, device=device)
     CommHandle(dist.broadcast(size, src=source, group=group, async_op=True), None, timeout_s, what).wait()
+    if failure is not None:
+        raise failure
+    if int(size.item()) < 0:
+        raise DistCAPeerError(f"{what}: rank {owner} of the server group could not send its plan (see its error); "
+                              "every rank stops this forward")
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
             else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
     CommHandle(dist.broadcast(data, src=source, group=group, async_op=True), None, timeout_s, what).wait()
     return plan if mine else pickle.loads(data.cpu().numpy().tobytes())
-

@@ -65,6 +65,8 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
         MissingDocumentsError: ``source`` is a path that does not exist (and not an ``owner/name``).
         DocumentSourceError: no such split or column, no documents, no tokenizer for text.
     """
+    if add_eos is not None and not isinstance(add_eos, bool):
+        raise TypeError(f"add_eos must be True, False or None (True for text), got {add_eos!r}")
     dataset = open_dataset(source, split=split, streaming=streaming, flags=flags, **load_kwargs)
     _require_documents(dataset, source, flags)
     columns = dataset.column_names

@@ -25,9 +25,11 @@ What it adds to the stock Trainer:
 - the evaluation loss is the exact token-weighted mean over the whole evaluation set;
 - each logged step carries ``attn_imbalance_before`` / ``attn_imbalance_after`` (max/mean of
   per-rank attention pairs without and with the plan, averaged over the micro-batches since the
-  last log), ``tokens_per_s`` (all ranks) and ``step_time_s`` (wall seconds per optimizer step),
+  last log), ``tokens_per_s`` (all ranks), ``step_time_s`` (wall seconds per optimizer step) and
+  ``plan_time_s`` (of it, this rank's planning: ``plan_stats()["plan_seconds"]`` of each micro-batch),
   added in ``Trainer.log``, so the progress bar, ``report_to`` (TensorBoard, W&B, ...) and
-  ``state.log_history`` all get them; ``StepTableCallback`` shows them as a table above the bar;
+  ``state.log_history`` all get them; ``StepTableCallback`` shows the balance and step time as a table
+  above the bar;
 - the launch checks of ``DistCAAccelerator`` (CPU traps, process count) and the plugin's process
   groups and settings.
 
