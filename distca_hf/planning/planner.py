@@ -13,9 +13,9 @@ Pure numpy; no torch, no torch.distributed.
   K/V the trees then carry, and the fastest predicted is kept.
 
 The plan says which backward mode it runs in (``Plan.backward``); any rank computes the same plan,
-mode included, from the same lengths and settings (in training the ranks plan ``"auto"``'s candidates
-each their own and share the kept plan: ``runtime.shared_planning``). This module sits at the top of the planning
-room: it imports the carving, the transfers (bytes and memory), the descent, the relays and planning
+mode included, from the same lengths and settings (in training the ranks plan ``"auto"``'s
+candidates each their own and share the kept plan: ``runtime.shared_planning``). This module sits at
+the top of the planning room: it imports the carving, the transfers (bytes and memory), the descent, the relays and planning
 by time, and none of them imports it. ``Plan``, ``PlannerConfig``, ``colocated_plan`` and the carving's names are
 re-exported here, where they lived before the carving had its own module.
 """

@@ -363,9 +363,10 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
     ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``); ``plan_tasks`` is planned across the ranks
     (``shared_planning.plan_across_ranks``, collectives under ``tolerance="auto"`` and
-    ``kv_relays="auto"`` on 3 ranks or more): every rank of ``config.group`` must call it together. ``key_split``: ``tolerance="auto"`` may weigh
-    key-split tiles (``PlannerConfig.key_split``), for models whose every layer runs ``kv_window`` and
-    no attention chunks (``tiles_hold_for``; a ``cad_1f1b`` tick: ``LockstepCAD1F1B._tiles_hold``)."""
+    ``kv_relays="auto"`` on 3 ranks or more): every rank of ``config.group`` must call it together.
+    ``key_split``: ``tolerance="auto"`` may weigh key-split tiles (``PlannerConfig.key_split``), for
+    models whose every layer runs ``kv_window`` and no attention chunks (``tiles_hold_for``; a
+    ``cad_1f1b`` tick: ``LockstepCAD1F1B._tiles_hold``)."""
     group = config.group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     servers = config.servers

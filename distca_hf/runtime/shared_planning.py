@@ -4,9 +4,9 @@ Every rank of the server group holds the same documents after the forward's firs
 (``agree``) and used to plan the same thing. Under ``kv_relays="auto"`` that plan weighs up to
 ``planning.auto_candidates`` candidates one after the other (the planned plan, then descents as if
 bytes were cheaper), each depending only on the documents and the settings. Here rank 0 plans the
-planned plan and the others the rest in turn (``candidate_owner``); one all-reduce of ``[2, candidates]`` float64 (each candidate's
-predicted seconds, and whether it raised) lets every rank replay ``planning.chosen_candidate``, the
-rule ``plan_tasks`` follows, and the rank that planned the chosen candidate broadcasts it (pickled,
+planned plan and the others the rest in turn (``candidate_owner``); one all-reduce of
+``[2, candidates]`` float64 (each candidate's predicted seconds, and whether it raised) lets every
+rank replay ``planning.chosen_candidate``, the rule ``plan_tasks`` follows, and the rank that planned the chosen candidate broadcasts it (pickled,
 size first). The plan is ``plan_tasks``' own, on every rank, and the plan time is the slowest rank's
 candidates instead of their sum (``examples/plan_time.py`` measures both).
 
