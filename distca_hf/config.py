@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from .state import STATE
 
 __all__ = ["DistCAConfig", "SETTINGS", "configure", "configured", "current_config", "reset_config", "resolve",
-           "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number",
+           "setting_problem", "none_is_a_value", "stands_for_none", "read_setting_text", "is_integer", "is_number", "file_version",
            "plain_number", "FLAG_WORDS", "settings_fingerprint", "block_for_device", "DEVICE_BLOCKS",
            "apply_file_settings", "agreed_setting_names", "BACKWARD_MODES", "OVERLAP_MODES", "MODES", "KERNELS",
            "PIPELINE_SCHEDULES", "INT32_MAX", "PINGPONG_AS_WAVE",
@@ -172,20 +172,28 @@ def block_for_device(block, device_type: str) -> int:
     return block if block is not None else DEVICE_BLOCKS.get(device_type, 1)
 
 
+def file_version(path) -> tuple:
+    """``(real path, inode, size, modification and change times)`` of the file at ``path``: what a cache
+    of what the file holds is keyed by (a file rewritten or replaced gets another); ``OSError`` when it
+    cannot be read."""
+    stat = os.stat(path)
+    return os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
 def _time_model_file_problem(path) -> str | None:
     """What is wrong with a time-model file, before ``TimeModel.load`` reads it in full. Settings are
     checked whenever they are resolved (every kernel call asks for the ``kernel`` setting), so the file
-    is read again only when it changed."""
+    is read again only when it changed (``file_version``)."""
     try:
-        stat = os.stat(path)
+        version = file_version(path)
     except OSError as e:
         return f"must be a readable `distca-hf profile` JSON file, got {str(path)!r} ({e.strerror or e})"
-    return _time_model_contents_problem(str(path), stat.st_mtime_ns, stat.st_size)
+    return _time_model_contents_problem(str(path), version)
 
 
 @functools.lru_cache(maxsize=8)
-def _time_model_contents_problem(path: str, mtime_ns: int, size: int) -> str | None:
-    """``_time_model_file_problem`` of the file as it is at ``(mtime_ns, size)``."""
+def _time_model_contents_problem(path: str, version: tuple) -> str | None:
+    """``_time_model_file_problem`` of the file as it is at ``version`` (``file_version``)."""
     try:
         data = json.loads(open(path).read())
     except OSError as e:

@@ -471,7 +471,6 @@ def key_split_model_worker(rank, world, cases):
     plans made and those that came back with key-split tiles."""
     from distca_hf.config import current_config
     from distca_hf.planning import plan_tasks
-    from distca_hf.runtime import forward as runtime_forward
     from distca_hf.runtime import shared_planning
     from workers import span_workers
 
@@ -484,9 +483,8 @@ def key_split_model_worker(rank, world, cases):
         count[1] += int(plan.splits_keys)
         return plan
 
-    # plan_batch weighs tiles with its default planner only: this counting one stands in for it (on 2
-    # ranks shared_planning plans with plan_tasks alone: one candidate without a third rank for trees)
-    runtime_forward.plan_batch.__kwdefaults__["planner"] = runtime_forward.plan_tasks = planner
+    # plan_batch's default planner: plan_tasks through shared_planning, which on 2 ranks calls it alone (one
+    # candidate without a third rank for trees); this counting one stands in for it there
     shared_planning.plan_tasks = planner
     return {"reports": span_workers(rank, world, cases), "made": made}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import is_integer, is_number
+from ..config import file_version, is_integer, is_number
 
 __all__ = ["causal_pairs", "document_pairs", "key_start", "tile_pairs", "start_with_pairs", "end_with_pairs", "imbalance", "attention_flops", "TokenBytes",
            "LLAMA3_8B_BYTES", "COMM_PASSES", "TimeModel", "LLAMA3_8B_H100", "LLAMA3_8B_SHAPE", "H100_MEASURED",
@@ -467,16 +467,14 @@ def resolve_time_model(setting, device_type: str, token_bytes: TokenBytes, dtype
     if isinstance(setting, TimeModel):
         return setting
     try:  # a training run resolves the setting at every planned forward: the file is read once per version
-        stat = os.stat(setting)
+        version = file_version(setting)
     except (OSError, TypeError, ValueError):
         return TimeModel.load(setting)  # (its ValueError names the file)
-    return _load_time_model_file(os.fspath(setting), os.path.realpath(setting),
-                                 (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+    return _load_time_model_file(os.fspath(setting), version)
 
 
 @functools.lru_cache(maxsize=8)
-def _load_time_model_file(path: str, real_path: str, version: tuple) -> TimeModel:
-    """``TimeModel.load(path)`` cached by the file (its real path) and its version (inode, size,
-    modification and change times: a file rewritten or replaced is read again); ``TimeModel`` is frozen,
-    so sharing one is safe."""
+def _load_time_model_file(path: str, version: tuple) -> TimeModel:
+    """``TimeModel.load(path)`` cached by the file's ``config.file_version`` (a file rewritten or
+    replaced is read again); ``TimeModel`` is frozen, so sharing one is safe."""
     return TimeModel.load(path)

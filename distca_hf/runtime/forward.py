@@ -24,7 +24,7 @@ backward recomputing checkpointed layers, with padding on some ranks only, stop 
 Under ``torch.distributed`` with more than one rank in the server group, opening a forward is a
 collective (``agree``): all raise if one rank's inputs are invalid or settings differ, and
 otherwise all run the same plan. ``plan_batch`` turns every rank's documents into this rank's
-``Dispatch`` and the plan's ``BatchPlan``; with ``planning.plan_tasks`` it is a collective too
+``Dispatch`` and the plan's ``BatchPlan``; with its default planner it is a collective too
 (``shared_planning``: the ranks plan ``tolerance="auto"``'s candidates each their own), so every rank
 of the server group calls it together.
 
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..config import DistCAConfig, block_for_device, current_config
 from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
-                        TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers, plan_tasks,
+                        TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers,
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
@@ -349,7 +349,7 @@ def tiles_hold_for(module) -> bool:
 def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig, token_bytes: TokenBytes, device,
                number: int, overlap: str, counters: DispatchCounters | None = None, *,
                kv_window: int | None = None, dtype_bytes: int | None = None,
-               local_when_colocated: bool = False, planning_overlap: str | None = None, planner=plan_tasks,
+               local_when_colocated: bool = False, planning_overlap: str | None = None, planner=None,
                key_split: bool = False) -> tuple[Dispatch | None, BatchPlan]:
     """Plan one micro- (or nano-) batch from every rank's documents (``ranks``, stitched across
     ranks) and build this rank's dispatch; ``docs`` are this rank's own; ``kv_window``: see
@@ -360,10 +360,10 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
     dispatch to build, no per-layer exchange), as ``mode="colocated"`` does; ``docs`` must then hold a
     real token. ``planning_overlap``: the overlap whose exposure ``"auto"`` plans with, when it is not
     the dispatch's own ``overlap`` (ping-pong's nano-batches dispatch without waves). ``planner``:
-    ``(pieces, PlannerConfig) -> Plan``, ``planning.plan_tasks`` unless the caller plans otherwise (a
-    ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``); ``plan_tasks`` is planned across the ranks
-    (``shared_planning.plan_across_ranks``, collectives under ``tolerance="auto"`` and
-    ``kv_relays="auto"`` on 3 ranks or more): every rank of ``config.group`` must call it together.
+    ``None``: ``planning.plan_tasks``, planned across the ranks (``shared_planning.plan_across_ranks``:
+    collectives under ``tolerance="auto"`` and ``kv_relays="auto"`` on 3 ranks or more, so every rank
+    of ``config.group`` calls it together); else ``(pieces, PlannerConfig) -> Plan``, run by each rank
+    (a ``cad_1f1b`` tick: ``planning.plan_lockstep_tick``).
     ``key_split``: ``tolerance="auto"`` may weigh key-split tiles (``PlannerConfig.key_split``), for
     models whose every layer runs ``kv_window`` and no attention chunks (``tiles_hold_for``; a
     ``cad_1f1b`` tick: ``LockstepCAD1F1B._tiles_hold``)."""
@@ -385,7 +385,7 @@ def plan_batch(docs: PackedDocuments, ranks: RankDocuments, config: DistCAConfig
                                  time_model=time_model, exposed_comm=EXPOSED_COMM[planning_overlap or overlap],
                                  backward=config.backward, memory_budget=config.memory_budget,
                                  key_split=key_split, kv_cap=config.kv_cap, kv_relays=config.kv_relays)
-        if planner is plan_tasks:  # its candidates planned on different ranks at once, the same plan kept
+        if planner is None:  # plan_tasks, its candidates planned on different ranks at once
             plan = plan_across_ranks(pieces, planning, group=group, device=device, timeout_s=config.timeout_s,
                                      what=f"distca forward {number}")
         else:

@@ -63,15 +63,15 @@ def plan_across_ranks(pieces: DocumentPieces, config: PlannerConfig, *, group, d
                f"{what} (all-reduce of the planning candidates' seconds)").wait()
     seconds, failed = summed.cpu().numpy()
     first_failed = next((i for i in range(count) if failed[i]), count)
-    if first_failed < count:
-        reached = first_failed == 0 or chosen_candidate(seconds[:first_failed].tolist())[1]
-        if reached:  # plan_tasks would have planned the failed candidate: every rank stops
-            owner = candidate_owner(first_failed, world)
-            if errors:  # this rank's own error (the same one, when every candidate meets it): the most telling
-                raise errors[min(errors)]
-            raise DistCAPeerError(f"{what}: planning candidate {first_failed} failed on rank {owner} of the server "
-                                  "group (see its error); every rank stops this forward")
-    chosen = chosen_candidate(seconds[:first_failed].tolist())[0]
+    planned = seconds[:first_failed].tolist()  # the candidates before the first that raised
+    # plan_tasks would have planned the failed candidate (the rule still weighs one more): every rank stops
+    if first_failed < count and (not planned or chosen_candidate(planned)[1]):
+        if errors:  # this rank's own error (the same one, when every candidate meets it): the most telling
+            raise errors[min(errors)]
+        raise DistCAPeerError(f"{what}: planning candidate {first_failed} failed on rank "
+                              f"{candidate_owner(first_failed, world)} of the server group (see its error); every "
+                              "rank stops this forward")
+    chosen = chosen_candidate(planned)[0]
     return _broadcast_plan(plans.get(chosen), candidate_owner(chosen, world), group, gather_device, timeout_s,
                            f"{what} (broadcast of planning candidate {chosen})")
 

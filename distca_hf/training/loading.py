@@ -65,8 +65,7 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
         MissingDocumentsError: ``source`` is a path that does not exist (and not an ``owner/name``).
         DocumentSourceError: no such split or column, no documents, no tokenizer for text.
     """
-    if add_eos is not None and not isinstance(add_eos, bool):
-        raise TypeError(f"add_eos must be True, False or None (True for text), got {add_eos!r}")
+    _check_add_eos(add_eos)
     dataset = open_dataset(source, split=split, streaming=streaming, flags=flags, **load_kwargs)
     _require_documents(dataset, source, flags)
     columns = dataset.column_names
@@ -174,6 +173,11 @@ def _require_documents(dataset, source, flags) -> None:
         raise DocumentSourceError(f"{where} holds no documents")
 
 
+def _check_add_eos(add_eos) -> None:
+    if add_eos is not None and not isinstance(add_eos, bool):
+        raise TypeError(f"add_eos must be True, False or None (True for text), got {add_eos!r}")
+
+
 def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool | None = None,
              eos_token_id: int | None = None, flags: dict | None = None):
     """``dataset``'s ``text_column`` as token ids (one ``input_ids`` column), with an end-of-sequence
@@ -188,10 +192,8 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool | N
     if not (hasattr(tokenizer, "encode_batch") or callable(tokenizer)):  # a model name: a str is not callable
         raise TypeError(f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(name)) or a "
                         f"tokenizers.Tokenizer, got {type(tokenizer).__name__} {tokenizer!r}")
-    if add_eos is None:
-        add_eos = True
-    if not isinstance(add_eos, bool):
-        raise TypeError(f"add_eos must be True, False or None (True for text), got {add_eos!r}")
+    _check_add_eos(add_eos)
+    add_eos = add_eos is not False
     if add_eos and eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if eos_token_id is None:
