@@ -655,3 +655,17 @@ def test_bench_pipeline_cli_json():
     assert out["moved_query_fraction"]["colocated_1f1b"] == 0
     assert out["micro_batch_attn_imbalance"] > 1.3  # skewed: a long document in micro-batches 0 and 2
     assert "target" not in out  # not the default sizes
+
+
+def test_pipeline_stages_on_cuda_need_a_gpu_per_rank(monkeypatch, capsys):
+    """On one H200, 2 pipeline ranks aborted in gloo ("writev ... Bad address") sending CUDA activations
+    between stages (NCCL refuses two ranks on one GPU): refused, naming the flags."""
+    from distca_hf.tools.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        main(["bench", "--pipeline-parallel", "2", "--world", "2", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert "--pipeline-parallel on CUDA needs one GPU per rank" in err and "--world 2 on 1 GPU(s)" in err

@@ -87,7 +87,10 @@ def test_cuda_backends_match_math_in_fp32(heads, kv_heads, head_dim, window):
         torch.testing.assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, msg=lambda m: f"{name}: {m}")
         for got, want, t in zip(grads, ref_grads, (q, k, v)):
             assert got.shape == t.shape and got.dtype == t.dtype, name
-            assert _rel(got, want) < 2e-2, name
+            if window == 1 and t is not v:  # one key per query: softmax is 1 whatever the scores, so dq = dk = 0
+                assert float(got.abs().max()) <= 1e-4 * float(ref_grads[2].abs().max()), name  # (rounding noise)
+            else:
+                assert _rel(got, want) < 2e-2, name
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
@@ -238,12 +241,21 @@ def gpu_dispatch_worker(rank, world, family, overlaps, one_gpu):
                 weights = [torch.randn(len(d), VOCAB, generator=torch.Generator().manual_seed(7 * step + i)).to(device)
                            for i, d in enumerate(docs)]
                 ref_logits, ref_grads = _per_document(model, docs, weights, "eager")
+
+                def excess(grads):  # like torch.testing: |got - want| <= atol + rtol |want|, the worst excess
+                    return max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
+                               for n in ref_grads)
+
+                # the same kernel on each rank's own documents: CUDA's fp32 rounding against eager, which the
+                # dispatch may not add to (seen on an H200: 2.7e-5 colocated and dispatched alike)
+                distca_hf.configure(mode="colocated")
+                colocated = excess(_packed(model, docs, weights)[1])
+                distca_hf.configure(mode="distca")
                 logits, grads = _packed(model, docs, weights)
                 report.append({
                     "overlap": overlap, "backward": backward, "step": step,
                     "logit_err": float((logits - ref_logits).abs().max()),
-                    "grad_excess": max(float(((grads[n] - ref_grads[n]).abs() - 1e-4 * ref_grads[n].abs()).max())
-                                       for n in ref_grads),
+                    "grad_excess": excess(grads), "colocated_grad_excess": colocated,
                     "same_grad_keys": sorted(grads) == sorted(ref_grads),
                 })
     distca_hf.configure(backward="saved", overlap="none")
@@ -262,7 +274,7 @@ def _check_dispatch(results, runs):
         for run in fp32_runs:
             assert run["same_grad_keys"], run
             assert run["logit_err"] < 5e-5, (rank, run)
-            assert run["grad_excess"] < 1e-5, (rank, run)
+            assert run["grad_excess"] < max(1e-5, 2 * run["colocated_grad_excess"]), (rank, run)
         assert_bf16_like_sdpa(bf16["bf16"])
 
 

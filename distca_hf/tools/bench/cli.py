@@ -172,6 +172,11 @@ def run_cli(args, parser) -> int:
         parser.error("--device cuda: no CUDA device is available")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.pipeline_parallel is not None:  # pipeline stages: their own methods and sizes
+        if args.device == "cuda" and args.world > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
+            # (seen on one H200: gloo aborts sending a stage's CUDA activations, "writev ... Bad address")
+            parser.error(f"--pipeline-parallel on CUDA needs one GPU per rank (NCCL; gloo cannot send CUDA "
+                         f"activations between stages): --world {args.world} on {torch.cuda.device_count()} GPU(s); "
+                         "use --device cpu, or as many GPUs as ranks")
         return run_pipeline_cli(args, parser)
     if args.micro_batches is not None:
         parser.error("--micro-batches is for --pipeline-parallel")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 
 
 def launch(worker, args):
@@ -41,9 +42,13 @@ def init_process(rank: int, world: int, args, port: int):
     os.environ.setdefault("MASTER_PORT", str(port))
     use_cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); gloo moves CUDA tensors too, slower
+    backend = "nccl" if use_cuda and world <= torch.cuda.device_count() else "gloo"
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "gloo" and rank == 0:
+            print(f"distca-hf bench: {world} ranks on {torch.cuda.device_count()} GPU(s): NCCL needs one GPU per rank, "
+                  "so the ranks talk over gloo (communication times are gloo's)", file=sys.stderr)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     return torch.device("cuda" if use_cuda else "cpu")
