@@ -143,3 +143,35 @@ def assert_trained_like_reference(rank_losses: list, trained: dict, losses: list
     assert trained.keys() == params.keys()
     for name in params:
         torch.testing.assert_close(trained[name], params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ---- transformers renamed gradient checkpointing to activation checkpointing (5.24); a lent GPU machine
+# has 5.17, so the tests say it through these (the package itself accepts both names) ----
+
+def checkpointing_enable(model, **checkpoint_kwargs) -> None:
+    """Activation checkpointing on an HF model (or a pipeline stage) under the installed name;
+    ``checkpoint_kwargs`` go to ``torch.utils.checkpoint`` (``use_reentrant=False``...)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=checkpoint_kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs or None)
+
+
+def checkpointing_disable(model) -> None:
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def is_checkpointing(model) -> bool:
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
+def checkpointing_argument(enabled: bool) -> dict:
+    """``TrainingArguments`` keyword that turns activation checkpointing on (5.24) or its older name."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}

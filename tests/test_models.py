@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
 from distca_hf.patches import TESTED_MODEL_TYPES
-from helpers import FAMILIES, VOCAB, assert_grads_close, objective_weights, param_grads, per_document_reference, tiny_model
+from helpers import (FAMILIES, VOCAB, assert_grads_close, checkpointing_disable, checkpointing_enable, is_checkpointing,
+                     objective_weights, param_grads, per_document_reference, tiny_model)
 
 DOC_LENGTHS = [13, 1, 29, 6, 17]  # odd lengths and a one-token document
 
@@ -135,8 +136,8 @@ def test_packed_and_padded_rows():
 
 def test_gradient_checkpointing():
     model = tiny_model("llama")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    assert model.is_activation_checkpointing
+    checkpointing_enable(model, use_reentrant=False)
+    assert is_checkpointing(model)
     docs = _documents(DOC_LENGTHS, seed=6)
     position_ids = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), position_ids=position_ids), False)
@@ -147,7 +148,7 @@ def test_checkpointed_forwards_sharing_position_ids_recompute_with_their_own_pad
     checkpointed layers of the first forward are recomputed after the second forward ran, and must
     find the first forward's documents (its mask), not the second's."""
     model = tiny_model("llama")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model, use_reentrant=False)
     first, second = _documents([12, 12], seed=21)
     docs = [first[3:], second[:9]]
     weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
@@ -159,7 +160,7 @@ def test_checkpointed_forwards_sharing_position_ids_recompute_with_their_own_pad
     logits_a = model(input_ids=first[None], attention_mask=masks[0], position_ids=positions, use_cache=False).logits
     logits_b = model(input_ids=second[None], attention_mask=masks[1], position_ids=positions, use_cache=False).logits
     ((logits_a[0, 3:] * weights[0]).sum() + (logits_b[0, :9] * weights[1]).sum()).backward()
-    model.activation_checkpointing_disable()
+    checkpointing_disable(model)
     torch.testing.assert_close(logits_b[0, :9], ref_logits[1], atol=1e-5, rtol=1e-4)
     assert_grads_close(param_grads(model), ref_grads)
 
@@ -397,7 +398,7 @@ def test_llama4_gradient_checkpointing_and_cu_seq_lens():
     forward of other documents: they must find their own documents again (from the arguments their
     decoder layer is called with); cu_seq_lens alone describe documents too."""
     model = tiny_model_of("llama4_text")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model, use_reentrant=False)
     docs = _documents([13, 1, 7, 12], seed=13)
     weights = [objective_weights((len(d), VOCAB), seed=i) for i, d in enumerate(docs)]
     ref_logits, ref_grads = per_document_reference(model, docs, weights)
@@ -408,7 +409,7 @@ def test_llama4_gradient_checkpointing_and_cu_seq_lens():
     (logits * torch.cat(weights)).sum().backward()
     torch.testing.assert_close(logits, torch.cat(ref_logits), atol=1e-5, rtol=1e-4)
     assert_grads_close(param_grads(model), ref_grads)
-    model.activation_checkpointing_disable()
+    checkpointing_disable(model)
     cu = torch.tensor([0, 13, 14, 21, 33], dtype=torch.int32)
     _check_packed(model, docs, dict(input_ids=torch.cat(docs).unsqueeze(0), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                                     max_length_q=13, max_length_k=13), True)
@@ -464,7 +465,7 @@ def _shared_positions_worker(rank, world):
 
     distca_hf.configure(timeout_s=90.0)  # ranks that disagree on a recomputation's forward stop here
     model = tiny_model("llama")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model, use_reentrant=False)
     first, second = _documents([32, 32], seed=30 + rank)
     positions = torch.arange(32).unsqueeze(0)  # one tensor, both forwards, both ranks
     if rank == 0:

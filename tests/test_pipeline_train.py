@@ -214,7 +214,7 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
     from transformers import TrainingArguments
 
     from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
-    from helpers import tiny_model
+    from helpers import checkpointing_argument, is_checkpointing, tiny_model
 
     class RecordingTrainer(DistCATrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -235,7 +235,7 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
         weight_decay=0.0,
         max_grad_norm=MAX_NORM, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, eval_strategy="no",
-        dataloader_pin_memory=False, activation_checkpointing=case.get("checkpointing", False))
+        dataloader_pin_memory=False, **checkpointing_argument(case.get("checkpointing", False)))
     plugin = DistCAPlugin(pipeline_parallel_size=case["pp"], pipeline_schedule=case["schedule"],
                           pipeline_micro_batches=MICRO_BATCHES, timeout_s=60.0)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_documents(),
@@ -249,7 +249,7 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
               "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
               "recorded": trainer.recorded, "initial": initial, "trainer": trainer,
               "balanced_steps": trainer.packing_reports["train"].balanced_steps,
-              "checkpointed": trainer.model.is_activation_checkpointing}
+              "checkpointed": is_checkpointing(trainer.model)}
     if evaluate:
         result["eval"] = trainer.evaluate()
         result["evaluated"] = trainer.evaluated

@@ -288,20 +288,23 @@ def test_llama4_chunked_layers_under_a_cache_that_dropped_keys():
     (chunk 5: a 2-token prompt and one step), from chunk - 1 cached tokens on it raises."""
     from transformers import DynamicCache
 
+    from distca_hf.patches import cache_argument
+
     model = _llama4()
+    name = cache_argument(model)  # "cache" from transformers 5.24, "past_key_values" before
     ids = torch.randint(0, VOCAB, (1, 6))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :2], use_cache=True, cache=cache)
-        step = model(input_ids=ids[:, 2:3], use_cache=True, cache=cache).logits
+        model(input_ids=ids[:, :2], use_cache=True, **{name: cache})
+        step = model(input_ids=ids[:, 2:3], use_cache=True, **{name: cache}).logits
         model.set_attn_implementation("eager")
         torch.testing.assert_close(step, model(input_ids=ids[:, :3]).logits[:, 2:], atol=1e-5, rtol=1e-4)
         model.set_attn_implementation("distca")
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :5], use_cache=True, cache=cache)
+        model(input_ids=ids[:, :5], use_cache=True, **{name: cache})
         with pytest.raises(UnsupportedAttentionError, match=r"chunked attention \(attention_chunk_size=5\) with a KV "
                                                             r"cache of 4 past keys"):
-            model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
+            model(input_ids=ids[:, 5:6], use_cache=True, **{name: cache})
 
 
 # ---- the docs' "Supported models and features" section is generated from the code that refuses ----
@@ -385,8 +388,8 @@ def _trigger_refusal(what: str):
         model = _llama4()
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(input_ids=ids[:, :5], use_cache=True, cache=cache)
-            model(input_ids=ids[:, 5:6], use_cache=True, cache=cache)
+            model(input_ids=ids[:, :5], use_cache=True, **{cache_argument(model): cache})
+            model(input_ids=ids[:, 5:6], use_cache=True, **{cache_argument(model): cache})
     else:
         raise AssertionError(f"no trigger for the refusal {what!r}: add one here")
 
@@ -440,6 +443,22 @@ def test_sparse_key_indices_given_to_the_attention_call():
     q = torch.zeros(1, 4, 6, 8)
     with pytest.raises(UnsupportedAttentionError, match="does not support sparse attention"):
         distca_attention_forward(attention, q, q[:, :2], q[:, :2], None, indices=torch.zeros(1, 6, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layer_type", ["indexed_attention", "deepseek_sparse_attention", "qwen_sparse_attention",
+                                        "compressed_sparse_attention"])
+def test_sparse_layer_types_of_every_transformers_release_are_refused(layer_type):
+    """A model whose layers attend to a selection of their keys is refused under the layer type names of
+    transformers 5.24 and of the releases before it (5.17 named DeepSeek-V3.2's and GLM-MoE-DSA's
+    indexer layers "deepseek_sparse_attention"); a dense model beside them is not."""
+    from distca_hf.hf.model_check import refuse_sparse_attention
+
+    model = tiny_model("llama")
+    model.config.layer_types = ["full_attention", layer_type]
+    with pytest.raises(UnsupportedAttentionError, match=f"has sparse attention layers \\('{layer_type}'"):
+        refuse_sparse_attention(model)
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    refuse_sparse_attention(model)
 
 
 def test_linear_attention_families_may_pack_with_cu_seq_lens_only():

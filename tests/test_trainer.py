@@ -106,7 +106,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
 
     import distca_hf
     from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
-    from helpers import tiny_model
+    from helpers import checkpointing_argument, tiny_model
 
     class RecordingTrainer(DistCATrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -130,7 +130,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         optim=case.get("optim", "sgd"), lr_scheduler_type=case.get("scheduler", "constant"), weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 500,
-        activation_checkpointing=case.get("checkpointing", False), deepspeed=deepspeed,
+        **checkpointing_argument(case.get("checkpointing", False)), deepspeed=deepspeed,
         eval_strategy="no", dataloader_pin_memory=False, **case.get("arguments", {}),
     )
     train_dataset = _documents(LENGTHS, 0)
@@ -443,6 +443,7 @@ def _generate_after_training_worker(rank, world, out_dir):
 
     import distca_hf
     from distca_hf import DistCATrainer, PackingConfig
+    from distca_hf.patches import cache_argument
     from helpers import tiny_model
 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -478,9 +479,9 @@ def _generate_after_training_worker(rank, world, out_dir):
         with torch.no_grad():  # a decoding loop of the user's: a prefill given a cache, then one step
             logits = []
             for m in (model, eager):
-                cache = DynamicCache(config=m.config)
-                first = m(input_ids=prompts[:1], cache=cache, use_cache=True).logits
-                step = m(input_ids=first[:, -1:].argmax(-1), cache=cache, use_cache=True).logits
+                cache = {cache_argument(m): DynamicCache(config=m.config)}  # (5.24's name, or the older one)
+                first = m(input_ids=prompts[:1], use_cache=True, **cache).logits
+                step = m(input_ids=first[:, -1:].argmax(-1), use_cache=True, **cache).logits
                 logits.append(torch.cat([first, step], dim=1))
         result["loop_err"] = float((logits[0] - logits[1]).abs().max())
         # span_ranks=True asked for explicitly: rows that start their documents still generate alone; a row
@@ -492,7 +493,7 @@ def _generate_after_training_worker(rank, world, out_dir):
         try:
             with torch.no_grad():
                 model(input_ids=prompts[:1], position_ids=torch.arange(5, 12)[None],
-                      cache=DynamicCache(config=model.config))
+                      **{cache_argument(model): DynamicCache(config=model.config)})
             result["continuation"] = "computed"
         except ValueError as e:
             result["continuation"] = f"{type(e).__name__}: {e}"

@@ -21,7 +21,8 @@ def exactness_worker(rank, world, family, overlap="none"):
     """Logits and parameter gradients against each document alone, both backward modes, with and
     without checkpointing, two different batches, then evaluation; ``plan_stats`` of every run."""
     import distca_hf
-    from helpers import objective_weights, param_grads, per_document_reference, tiny_model
+    from helpers import (checkpointing_disable, checkpointing_enable, objective_weights, param_grads,
+                         per_document_reference, tiny_model)
 
     model = tiny_model(family)
     report = []
@@ -30,9 +31,9 @@ def exactness_worker(rank, world, family, overlap="none"):
             # unbounded memory: each run checks the backward mode it configured (the budget may pick resend)
             distca_hf.configure(backward=backward, overlap=overlap, memory_budget=None)
             if checkpointing:
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                checkpointing_enable(model, use_reentrant=False)
             else:
-                model.activation_checkpointing_disable()
+                checkpointing_disable(model)
             for step in (0, 1):
                 docs = documents_for(rank, world, step)
                 weights = [objective_weights((len(d), 96), seed=7 * step + i) for i, d in enumerate(docs)]
@@ -96,7 +97,7 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
     import torch.distributed as dist
 
     import distca_hf
-    from helpers import param_grads, per_document_reference, tiny_model
+    from helpers import checkpointing_disable, checkpointing_enable, param_grads, per_document_reference, tiny_model
 
     tokens, positions, weights = global_stream(doc_lengths)
     lo = sum(slice_lengths[:rank])
@@ -115,9 +116,9 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
     for mode, overlap, backward, checkpointing in runs + [("colocated", "none", "saved", False)]:
         distca_hf.configure(span_ranks=True, mode=mode, overlap=overlap, backward=backward)
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_enable(model, use_reentrant=False)
         else:
-            model.activation_checkpointing_disable()
+            checkpointing_disable(model)
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, position_ids=pos).logits[0]
         (logits * weights[lo:hi]).sum().backward()
@@ -133,7 +134,7 @@ def span_worker(rank, world, family, doc_lengths, slice_lengths, overlaps=("none
             "stats": distca_hf.plan_stats(),
         })
     distca_hf.configure(mode="distca")
-    model.activation_checkpointing_disable()
+    checkpointing_disable(model)
     with torch.no_grad():
         model.eval()
         evaluated = model(input_ids=ids, position_ids=pos).logits[0]

@@ -35,9 +35,11 @@ def uses_attention_interface(model_class) -> bool:
 
 
 SPARSE_ATTENTION_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                                "minimax_m3_sparse")
+                                "minimax_m3_sparse", "deepseek_sparse_attention", "qwen_sparse_attention")
 """``config.layer_types`` of attention that attends to a selection of the keys (DeepSeek-V3.2's top-k
-indexer, DeepSeek-V4's compressed attention, ...): distca computes every key of the causal prefix."""
+indexer, DeepSeek-V4's compressed attention, ...): distca computes every key of the causal prefix.
+Before transformers 5.24 the indexer's layers were ``"deepseek_sparse_attention"`` (DeepSeek-V3.2,
+GLM-MoE-DSA, ...) and ``"qwen_sparse_attention"``; 5.24 calls both ``"indexed_attention"``."""
 
 
 def refuse_sparse_attention(model) -> None:
