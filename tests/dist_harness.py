@@ -19,6 +19,7 @@ from pathlib import Path
 from distca_hf.runtime.comm import free_port
 
 PEER_WAIT_S = 60.0  # how long rank 0 keeps the rendezvous store up for peers still running
+FAILED_PEERS_S = 180.0  # after a rank failed, how long the others may still take (the suite's timeouts are <= 90 s)
 
 
 def _entry(fn, rank, world, port, out_dir, env, args, backend="gloo", peer_wait_s=PEER_WAIT_S):
@@ -53,6 +54,14 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.ll
            "transformers.models.qwen3.modeling_qwen3", "transformers.trainer", "accelerate", "distca_hf",
            "distca_hf.runtime.dispatch", "distca_hf.training.trainer", "helpers")
 """What the fork server imports once for every rank it forks (a module that fails to import is skipped)."""
+
+
+def _failed(path: Path) -> bool:
+    """Whether the result at ``path`` is a failure (no result yet, or one still being written: no)."""
+    try:
+        return json.loads(path.read_text()).get("ok") is False
+    except (OSError, ValueError):
+        return False
 
 
 def start_method() -> str:
@@ -94,8 +103,16 @@ def run_ranks(fn, world: int, tmp_path, *args, env=None, deadline_s: float = 300
                                               peer_wait_s)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(deadline_s)
+    # one deadline for all ranks (joined one after the other, each had its own: up to world x deadline_s), and
+    # once a rank has failed, FAILED_PEERS_S more for the others to report (their timeouts, DistCAPeerError)
+    # rather than the whole deadline: a rank that died before a collective leaves its peers waiting in it
+    deadline, failed_since = time.monotonic() + deadline_s, None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_since is None and any(_failed(Path(tmp_path, f"rank{r}.json")) for r in range(world)):
+            failed_since = time.monotonic()
+        if failed_since is not None and time.monotonic() > failed_since + FAILED_PEERS_S:
+            break
+        time.sleep(0.1)
     for p in procs:
         if p.is_alive():
             p.kill()

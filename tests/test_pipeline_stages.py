@@ -73,9 +73,20 @@ def run_stages(stages, input_ids, position_ids):
     return out
 
 
+def skip_unsplittable_release(family: str) -> None:
+    """Gemma splits only where its embedding scales by sqrt(hidden_size) itself (transformers 5.24 does,
+    5.0 does not): there the split is refused, naming the release (checked), and the test skips."""
+    model = stage_model(family, "eager")
+    if family.startswith("gemma") and not hasattr(model.model.embed_tokens, "embed_scale"):
+        with pytest.raises(ValueError, match="with this transformers version: its embedding"):
+            ps.build_stage_module(model, stage_index=0, num_stages=2)
+        pytest.skip(f"{family}'s embedding does not scale itself in this transformers release (refused, checked)")
+
+
 @pytest.mark.parametrize("num_stages", [2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stages_compose_to_the_whole_model(family, num_stages):
+    skip_unsplittable_release(family)
     docs, input_ids, position_ids = packed_row()
     weights = objective_weights((1, sum(LENGTHS), VOCAB))
     for attn in ("eager", "distca"):
@@ -168,6 +179,7 @@ def test_tied_embedding_copies_sum_to_the_whole_models_gradient():
 
 @pytest.mark.parametrize("family, tied", [("gemma", True), ("qwen3", False)])
 def test_single_stage_saves_an_ordinary_folder(tmp_path, family, tied):
+    skip_unsplittable_release(family)
     model = stage_model(family, tie_word_embeddings=tied)
     stage = ps.build_stage_module(model, stage_index=0, num_stages=1)
     ps.save_pipeline_model(stage, tmp_path, pipeline_group=None)

@@ -290,7 +290,10 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
         reference = tiny_model("llama", num_hidden_layers=2 * case["pp"])
         reference.set_attn_implementation("eager")
         reference.load_state_dict(full["initial"])
-        optimizer = torch.optim.SGD(reference.parameters(), lr=TRAINER_LR, momentum=0.9)
+        # optim_args="momentum=0.9" as the Trainer honours it (transformers 5.0's "sgd" drops optim_args: 0)
+        momentum = trainer.optimizer.param_groups[0]["momentum"]
+        assert momentum in (0.0, 0.9), momentum
+        optimizer = torch.optim.SGD(reference.parameters(), lr=TRAINER_LR, momentum=momentum)
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (4 - step) / 4)  # HF linear decay
         reference_losses, reference_norms = [], []
         for step in range(4):

@@ -510,9 +510,14 @@ def test_a_tensor_parallel_model_says_its_size():
     (``from_pretrained(distributed_config=DistributedConfig(tp_size=..))``); a model not sharded says nothing."""
     from types import SimpleNamespace
 
+    import inspect
+
     from transformers.distributed import DistributedConfig
 
     from distca_hf.training.plugin import ParallelSizes, model_parallel_sizes
+
+    if "tp_size" not in inspect.signature(DistributedConfig).parameters:
+        pytest.skip("this transformers release's DistributedConfig has no tp_size")
 
     from helpers import tiny_model
 

@@ -165,6 +165,12 @@ def _reference_training(steps):
 
 @pytest.mark.distributed
 def test_tensor_parallel_2_by_data_parallel_2_is_exact(tmp_path):
+    import inspect
+
+    from transformers.distributed import DistributedConfig
+
+    if "tp_size" not in inspect.signature(DistributedConfig).parameters:
+        pytest.skip("this transformers release's DistributedConfig has no tp_size (5.0)")
     model = tiny_model("llama", attn="eager")
     model.save_pretrained(tmp_path / "model")
     results = run_ranks(_tp_worker, 4, tmp_path, str(tmp_path / "model"), str(tmp_path))

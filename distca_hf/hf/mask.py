@@ -17,17 +17,25 @@ __all__ = ["distca_mask"]
 
 def distca_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
     q_offset: int = 0,
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: torch.Tensor | None = None,
+    cache_position: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
     """Mask function for ``AttentionMaskInterface``: the 2D padding mask ``[batch, kv_length]``
     (bool) when some token is padding, else ``None``. Causality, documents and sliding windows are
-    handled by the attention function itself."""
+    handled by the attention function itself. Transformers' early 5.x releases give the queries'
+    positions (``cache_position``, ``[q_length]``) instead of ``q_length`` and ``q_offset``."""
+    if q_length is None:
+        if cache_position is None or kv_length is None:
+            raise TypeError("distca_mask needs kv_length and either q_length (transformers' current mask interface) "
+                            "or cache_position (its earlier one)")
+        q_length = int(cache_position.shape[0])
+        q_offset = int(cache_position[0]) if q_length else 0
     filled = int(q_offset) + q_length
     if filled < kv_length:
         _refuse_unfilled_keys(kv_length, filled, attention_mask)

@@ -179,6 +179,24 @@ class PipelineTrainerMixin:
             return super()._clip_grad_norm(model)
         return self._pipeline.clip_grad_norm_(self.args.max_grad_norm)  # the norm over every stage's parameters
 
+    def create_accelerator_and_postprocess(self):
+        # transformers before 5.3 has no _clip_grad_norm hook: its training loop calls
+        # accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) itself, which would clip each stage by
+        # its own norm (a silent wrong update); the accelerator's clipping of a stage goes to the runner instead
+        result = super().create_accelerator_and_postprocess()
+        if not hasattr(super(), "_clip_grad_norm"):
+            plain = self.accelerator.clip_grad_norm_
+
+            def clip_grad_norm_(parameters, max_norm, norm_type=2):
+                if self._pipeline is None:
+                    return plain(parameters, max_norm, norm_type)
+                if norm_type != 2:
+                    raise ValueError(f"pipeline stages clip by the 2-norm over every stage, got norm_type={norm_type}")
+                return self._pipeline.clip_grad_norm_(max_norm)
+
+            self.accelerator.clip_grad_norm_ = clip_grad_norm_
+        return result
+
     def _get_grad_norm(self, model, grad_norm=None):
         if self._pipeline is None:
             return super()._get_grad_norm(model, grad_norm)
