@@ -86,6 +86,25 @@ def test_make_gpu_check_offline_installs_only_the_package(tmp_path):
     assert refused.returncode != 0 and "pass TORCH= (empty) too" in refused.stderr
 
 
+def test_make_test_oldest_pins_the_lower_bounds_setup_cfg_states():
+    """``make test-oldest`` installs the oldest transformers and accelerate that ``setup.cfg`` allows: when a
+    lower bound moves, the target's pins must move with it (else the stated range goes unchecked)."""
+    import configparser
+    import re
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    bounds = dict(re.match(r"\s*([A-Za-z_.-]+)>=([0-9.]+)", line).groups()
+                  for line in config["options"]["install_requires"].strip().splitlines() if ">=" in line)
+    makefile = (REPO / "Makefile").read_text()
+    pins = dict(re.findall(r"([a-z_-]+)==([0-9.]+)", re.search(r"^OLDEST \?= (.*)$", makefile, re.M).group(1)))
+    assert set(pins) == {"transformers", "accelerate"}
+    for name, pinned in pins.items():
+        lower = tuple(int(x) for x in bounds[name].split("."))
+        version = tuple(int(x) for x in pinned.split("."))
+        assert version[:len(lower)] == lower, (name, bounds[name], pinned)  # 5.0 -> 5.0.x, 1.10 -> 1.10.x
+
+
 def test_patches_importable_from_the_package():
     from distca_hf.patches import TESTED_MODEL_TYPES, is_llama_family
 

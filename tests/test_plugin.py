@@ -477,8 +477,13 @@ def test_parallelism_config_gives_the_sizes():
     (dict(dp_shard_size=2, sp_size=2), r"sp_size=2: sequence parallelism \(DeepSpeed ALST/Ulysses\)"),
 ])
 def test_context_and_sequence_parallelism_are_refused_pointing_at_span_ranks(sizes, message):
+    import dataclasses
+
     from accelerate import ParallelismConfig
 
+    missing = sorted(set(sizes) - {f.name for f in dataclasses.fields(ParallelismConfig)})
+    if missing:  # (accelerate 1.10 has no sp_size)
+        pytest.skip(f"this accelerate release's ParallelismConfig has no {', '.join(missing)}")
     with pytest.raises(ValueError, match=message) as error:
         DistCAPlugin.from_parallelism_config(ParallelismConfig(**sizes))
     assert "DistCAPlugin(span_ranks=True), DISTCA_SPAN_RANKS=1 or span_ranks: true" in str(error.value)
@@ -543,3 +548,21 @@ def test_parallelism_config_is_not_a_yaml_key(tmp_path):
     path.write_text("distca:\n  parallelism_config: {tp_size: 2}\n")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['parallelism_config'\]"):
         DistCAPlugin.from_accelerate_config(path)
+
+
+def test_the_cpu_copy_of_a_parallelism_config_keeps_every_field_of_the_installed_accelerate():
+    """``parallelism_config_for_cpu`` copies the config field by field: it read a fixed list of 1.15's
+    fields (``cp_backend``, ``sp_size``...), and on accelerate 1.10, which has fewer, every tensor-parallel
+    run on CPU processes failed with AttributeError."""
+    import dataclasses
+
+    from accelerate import ParallelismConfig
+
+    from distca_hf.training.accelerator import CPUParallelismConfig, parallelism_config_for_cpu
+
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    copy = parallelism_config_for_cpu(config)
+    assert isinstance(copy, CPUParallelismConfig)
+    assert {f.name: getattr(copy, f.name) for f in dataclasses.fields(config) if f.init} == \
+        {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    assert parallelism_config_for_cpu(config, tp_size=4).tp_size == 4  # sizes given beside it win

@@ -13,6 +13,7 @@ which a plain ``Trainer``'s user calls on the trainer).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -246,9 +247,9 @@ def parallelism_config_for_cpu(parallelism_config, **sizes) -> CPUParallelismCon
     if parallelism_config is not None and not isinstance(parallelism_config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be an accelerate.ParallelismConfig, got "
                         f"{type(parallelism_config).__name__}")
-    names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
-             "tp_handler", "cp_handler", "sp_handler")
-    values = {name: getattr(parallelism_config, name) for name in names} if parallelism_config is not None else {}
+    # every field the installed Accelerate has (1.10 has no cp_backend nor sp_*: a fixed list failed there)
+    values = ({f.name: getattr(parallelism_config, f.name) for f in dataclasses.fields(parallelism_config) if f.init}
+              if parallelism_config is not None else {})
     return CPUParallelismConfig(**{**values, **sizes})
 
 
