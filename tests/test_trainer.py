@@ -1035,3 +1035,55 @@ def test_collators_and_token_ids_are_checked_against_the_model(tmp_path):
                          train_dataset=[[1, 2, 200]] * 4, packing=packing)
     with pytest.raises(ValueError, match="token id 200 is not below the model's vocab_size 96"):
         late.train()
+
+
+def test_resuming_works_around_what_transformers_before_5_3_and_5_24_lack(tmp_path):
+    """Two things the resume tests met on older transformers, checked here on any release: before 5.24 the
+    Trainer restores a multi-process CPU run's optimizer to "cpu:0", which torch.load refuses (the
+    optimizer's load runs with plain "cpu" instead); before 5.3 there is no Trainer._run_epoch, so the
+    GlobalBatchSampler's epoch is given by a callback at each epoch's start (else a run resumed in a later
+    epoch read the first epoch's order: 5.0's two-rank spanning resume failed without it)."""
+    from types import SimpleNamespace
+
+    from distca_hf.training.global_batches import GlobalBatchTrainerMixin, _SamplerEpoch, _torch_load_to_plain_cpu
+    from distca_hf.training.packing import GlobalBatchSampler
+
+    path = tmp_path / "state.pt"
+    torch.save({"momentum": torch.ones(3)}, path)
+    with pytest.raises(RuntimeError, match="cpu:0"):
+        torch.load(path, map_location=torch.device("cpu", 0), weights_only=True)
+    load = torch.load
+    with _torch_load_to_plain_cpu():
+        assert torch.equal(torch.load(path, map_location=torch.device("cpu", 0), weights_only=True)["momentum"],
+                           torch.ones(3))
+    assert torch.load is load
+
+    sampler = GlobalBatchSampler(8, 2, shuffle=True, seed=0)
+    orders = {}
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        orders[epoch] = list(sampler)
+    assert orders[0] != orders[1]
+    trainer = SimpleNamespace(_global_batch_sampler=sampler)
+    for state_epoch, epoch in ((0.0, 0), (1.0, 1), (1.0714, 1), (None, 0)):  # (a resumed run: mid-epoch 1)
+        sampler.set_epoch(5)
+        _SamplerEpoch(trainer).on_epoch_begin(None, SimpleNamespace(epoch=state_epoch), None)
+        assert list(sampler) == orders[epoch]
+
+    def trainer_class(with_run_epoch: bool):
+        class Base:
+            callbacks = None
+
+            def add_callback(self, callback):
+                self.callbacks = (self.callbacks or []) + [callback]
+
+            def train(self):
+                return "trained"
+
+        if with_run_epoch:
+            Base._run_epoch = lambda self, *args, **kwargs: None
+        return type("Trainer", (GlobalBatchTrainerMixin, Base), {})
+
+    old, new = trainer_class(with_run_epoch=False)(), trainer_class(with_run_epoch=True)()
+    assert old.train() == old.train() == "trained" and [type(c) for c in old.callbacks] == [_SamplerEpoch]  # once
+    assert new.train() == "trained" and new.callbacks is None

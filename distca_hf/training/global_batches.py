@@ -23,10 +23,12 @@ and ``distca`` (``DistCAPlugin.attach``'s groups) before calling ``_choose_span_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
 import torch
+from transformers import TrainerCallback
 
 from ..config import SETTINGS, configured
 from .packing import GlobalBatchSampler, PackedCollator
@@ -65,6 +67,40 @@ def check_has_documents(packed, argument: str, *, trainer: str, training: bool) 
                          "has two tokens or more, so no token has a next token to predict")
 
 
+class _SamplerEpoch(TrainerCallback):
+    """A callback that gives the ``GlobalBatchSampler`` the epoch at each epoch's start, where transformers before 5.3 has no
+    ``_run_epoch`` to do it in: a run resumed mid-epoch in a later epoch read the first epoch's order
+    (Accelerate's ``set_epoch`` does not reach a sampler behind ``skip_first_batches``). ``state.epoch``
+    is the whole epochs done at an epoch's start (and the checkpoint's, within the epoch, when resumed)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = getattr(self.trainer, "_global_batch_sampler", None)
+        if sampler is not None:
+            sampler.set_epoch(int(state.epoch or 0))
+        return control
+
+
+@contextlib.contextmanager
+def _torch_load_to_plain_cpu():
+    """``torch.load`` with an indexed CPU ``map_location`` (``"cpu:0"``) restoring to plain ``"cpu"``, for
+    the ``with`` block only."""
+    load = torch.load
+
+    def plain_cpu_load(*args, map_location=None, **kwargs):
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cpu":
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    torch.load = plain_cpu_load
+    try:
+        yield
+    finally:
+        torch.load = load
+
+
 class GlobalBatchTrainerMixin:
     """Mixed in before ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``).
 
@@ -98,6 +134,10 @@ class GlobalBatchTrainerMixin:
     # -- the settings in force while the trainer runs -------------------------------------------------
 
     def train(self, *args, **kwargs):
+        if not hasattr(super(), "_run_epoch") and not getattr(self, "_epoch_callback_added", False):
+            # transformers before 5.3 runs its epochs inline, where the _run_epoch below never runs
+            self.add_callback(_SamplerEpoch(self))
+            self._epoch_callback_added = True
         with configured(**getattr(self, "_forced_settings", {})):
             return super().train(*args, **kwargs)
 
@@ -144,6 +184,15 @@ class GlobalBatchTrainerMixin:
         if sampler is not None and "epoch" in kwargs:
             sampler.set_epoch(kwargs["epoch"])
         return super()._run_epoch(*args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        device = self.args.device
+        if checkpoint is None or device.type != "cpu" or device.index is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # transformers before 5.24 restores the optimizer of a multi-process run to args.device, here an indexed
+        # CPU device ("cpu:0"), which torch.load cannot restore to: every resume of a CPU job failed there
+        with _torch_load_to_plain_cpu():
+            return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _get_collator_with_removed_columns(self, data_collator, description=None):
         # Packed items are PackedCollator's own format: its keys (first_position, last_label, label_pieces)
