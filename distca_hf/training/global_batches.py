@@ -68,10 +68,11 @@ def check_has_documents(packed, argument: str, *, trainer: str, training: bool) 
 
 
 class _SamplerEpoch(TrainerCallback):
-    """A callback that gives the ``GlobalBatchSampler`` the epoch at each epoch's start, where transformers before 5.3 has no
-    ``_run_epoch`` to do it in: a run resumed mid-epoch in a later epoch read the first epoch's order
-    (Accelerate's ``set_epoch`` does not reach a sampler behind ``skip_first_batches``). ``state.epoch``
-    is the whole epochs done at an epoch's start (and the checkpoint's, within the epoch, when resumed)."""
+    """Gives the ``GlobalBatchSampler`` the epoch at each epoch's start, where transformers before 5.3
+    has no ``_run_epoch`` to do it in: a run resumed mid-epoch in a later epoch read the first epoch's
+    order (Accelerate's ``set_epoch`` does not reach a sampler behind ``skip_first_batches``).
+    ``state.epoch`` is the whole epochs done at an epoch's start (and the checkpoint's, within the
+    epoch, when resumed)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
