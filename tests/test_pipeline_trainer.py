@@ -101,28 +101,21 @@ def test_resuming_from_another_pipeline_size_names_what_the_checkpoint_holds(tmp
     assert host._checkpoint_file(str(tmp_path), "model") == str(tmp_path / "model-pipeline-stage-1-of-4.pt")
 
 
-def test_stages_clip_by_the_norm_over_every_stage_on_releases_without_the_clipping_hook():
-    """transformers before 5.3 has no ``Trainer._clip_grad_norm``: its loop calls
-    ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``, which clipped each stage by its own
-    norm (on 5.0 the two stages logged 1.40 and 1.39 for a norm of 1.97, and trained otherwise than one
-    process). There the accelerator's clipping goes to the runner; with the hook it is left alone."""
-    def trainer_class(with_hook: bool):
-        class Base:
-            def create_accelerator_and_postprocess(self):
-                self.accelerator = SimpleNamespace(clip_grad_norm_=lambda parameters, max_norm, norm_type=2: "plain")
+def test_stages_clip_by_the_norm_over_every_stage_whatever_calls_the_accelerator():
+    """transformers clips through ``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``: from
+    5.3 inside ``Trainer._clip_grad_norm`` / ``_get_grad_norm``, before that in the training loop itself,
+    where a stage clipped by its own norm (on 5.0 the two stages logged 1.40 and 1.39 for a norm of 1.97,
+    and trained otherwise than one process). A stage's call goes to the runner's norm over every stage;
+    without stages the accelerator's own runs."""
+    class Base:
+        def create_accelerator_and_postprocess(self):
+            self.accelerator = SimpleNamespace(clip_grad_norm_=lambda parameters, max_norm, norm_type=2: "plain")
 
-        if with_hook:
-            Base._clip_grad_norm = lambda self, model: "hook"
-        return type("Trainer", (PipelineTrainerMixin, Base), {})
-
-    old = trainer_class(with_hook=False)()
-    old.create_accelerator_and_postprocess()
-    assert old.accelerator.clip_grad_norm_([], 1.0) == "plain"  # no stages: the accelerator's own
-    old._pipeline = SimpleNamespace(clip_grad_norm_=lambda max_norm: ("every stage", max_norm))
-    assert old.accelerator.clip_grad_norm_([], 0.5) == ("every stage", 0.5)
+    trainer = type("Trainer", (PipelineTrainerMixin, Base), {})()
+    trainer.create_accelerator_and_postprocess()
+    assert trainer.accelerator.clip_grad_norm_([], 1.0) == "plain"  # no stages: the accelerator's own
+    trainer._pipeline = SimpleNamespace(clip_grad_norm_=lambda max_norm: ("every stage", max_norm))
+    assert trainer.accelerator.clip_grad_norm_([], 0.5) == ("every stage", 0.5)
+    assert trainer.accelerator.clip_grad_norm_([], float("inf")) == ("every stage", float("inf"))  # the norm alone
     with pytest.raises(ValueError, match="norm_type=1"):
-        old.accelerator.clip_grad_norm_([], 0.5, norm_type=1)
-    new = trainer_class(with_hook=True)()
-    new.create_accelerator_and_postprocess()
-    new._pipeline = old._pipeline
-    assert new.accelerator.clip_grad_norm_([], 0.5) == "plain"  # the hook (_clip_grad_norm) clips there
+        trainer.accelerator.clip_grad_norm_([], 0.5, norm_type=1)

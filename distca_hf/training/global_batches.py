@@ -68,11 +68,11 @@ def check_has_documents(packed, argument: str, *, trainer: str, training: bool) 
 
 
 class _SamplerEpoch(TrainerCallback):
-    """Gives the ``GlobalBatchSampler`` the epoch at each epoch's start, where transformers before 5.3
-    has no ``_run_epoch`` to do it in: a run resumed mid-epoch in a later epoch read the first epoch's
-    order (Accelerate's ``set_epoch`` does not reach a sampler behind ``skip_first_batches``).
-    ``state.epoch`` is the whole epochs done at an epoch's start (and the checkpoint's, within the
-    epoch, when resumed)."""
+    """Gives the ``GlobalBatchSampler`` the epoch at each epoch's start (every transformers release calls
+    ``on_epoch_begin`` right before the epoch's batches are drawn; 5.0-5.2 have no ``Trainer._run_epoch``
+    to hook): Accelerate's ``set_epoch`` does not reach a sampler behind ``skip_first_batches``, so a run
+    resumed mid-epoch in a later epoch read the first epoch's order. ``state.epoch`` is the whole epochs
+    done at an epoch's start (the checkpoint's, within the epoch, when resumed)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -135,10 +135,8 @@ class GlobalBatchTrainerMixin:
     # -- the settings in force while the trainer runs -------------------------------------------------
 
     def train(self, *args, **kwargs):
-        if not hasattr(super(), "_run_epoch") and not getattr(self, "_epoch_callback_added", False):
-            # transformers before 5.3 runs its epochs inline, where the _run_epoch below never runs
+        if not any(isinstance(callback, _SamplerEpoch) for callback in self.callback_handler.callbacks):
             self.add_callback(_SamplerEpoch(self))
-            self._epoch_callback_added = True
         with configured(**getattr(self, "_forced_settings", {})):
             return super().train(*args, **kwargs)
 
@@ -177,14 +175,6 @@ class GlobalBatchTrainerMixin:
         if self._lays_out_global_batches(eval_dataset):
             return GlobalBatchSampler(len(eval_dataset), eval_dataset.world_size, shuffle=False)
         return super()._get_eval_sampler(eval_dataset)
-
-    def _run_epoch(self, *args, **kwargs):
-        # Accelerate's DataLoaderShard.set_epoch does not reach a sampler behind skip_first_batches
-        # (a run resumed mid-epoch), so the sampler would shuffle with epoch 0: set it here.
-        sampler = getattr(self, "_global_batch_sampler", None)
-        if sampler is not None and "epoch" in kwargs:
-            sampler.set_epoch(kwargs["epoch"])
-        return super()._run_epoch(*args, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         device = self.args.device

@@ -174,33 +174,24 @@ class PipelineTrainerMixin:
             return super()._wrap_model(model, training, dataloader)
         return self._pipeline_handle  # no DDP: the runner sums the gradients over the stage's data-parallel copies
 
-    def _clip_grad_norm(self, model):
-        if self._pipeline is None:
-            return super()._clip_grad_norm(model)
-        return self._pipeline.clip_grad_norm_(self.args.max_grad_norm)  # the norm over every stage's parameters
-
     def create_accelerator_and_postprocess(self):
-        # transformers before 5.3 has no _clip_grad_norm hook: its training loop calls
-        # accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) itself, which would clip each stage by
-        # its own norm (a silent wrong update); the accelerator's clipping of a stage goes to the runner instead
+        # Every transformers release clips (and, with max_grad_norm=0, measures) through
+        # accelerator.clip_grad_norm_(model.parameters(), ...): from 5.3 inside Trainer._clip_grad_norm /
+        # _get_grad_norm, before that inline in the training loop. On a stage that would be the norm of its own
+        # parameters (each stage clipped by its own norm: a silent wrong update), so a stage's goes to the
+        # runner's norm over every stage.
         result = super().create_accelerator_and_postprocess()
-        if not hasattr(super(), "_clip_grad_norm"):
-            plain = self.accelerator.clip_grad_norm_
+        plain = self.accelerator.clip_grad_norm_
 
-            def clip_grad_norm_(parameters, max_norm, norm_type=2):
-                if self._pipeline is None:
-                    return plain(parameters, max_norm, norm_type)
-                if norm_type != 2:
-                    raise ValueError(f"pipeline stages clip by the 2-norm over every stage, got norm_type={norm_type}")
-                return self._pipeline.clip_grad_norm_(max_norm)
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            if self._pipeline is None:
+                return plain(parameters, max_norm, norm_type)
+            if norm_type != 2:
+                raise ValueError(f"pipeline stages clip by the 2-norm over every stage, got norm_type={norm_type}")
+            return self._pipeline.clip_grad_norm_(max_norm)  # (max_norm inf: the norm alone)
 
-            self.accelerator.clip_grad_norm_ = clip_grad_norm_
+        self.accelerator.clip_grad_norm_ = clip_grad_norm_
         return result
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if self._pipeline is None:
-            return super()._get_grad_norm(model, grad_norm)
-        return float(grad_norm if grad_norm is not None else self._pipeline.grad_norm())
 
     # -- checkpoints: one weights and one optimizer file per stage; save_model: one whole-model folder -
 
