@@ -253,6 +253,8 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
     if evaluate:
         result["eval"] = trainer.evaluate()
         result["evaluated"] = trainer.evaluated
+        # the same documents given to evaluate() afterwards: packed again, read alike by both stages
+        result["eval_later"] = trainer.evaluate(eval_dataset=_documents(7)[:len(EVAL_LENGTHS)])
     return result
 
 
@@ -320,6 +322,7 @@ def _trainer_worker(rank, world, schedules, out_dir, resume_and_save=True):
                 per_rank = [_rows_of(everyone[d][1]) for d in range(data_parallel)]
                 eval_loss = _reference_loss(reference, [list(micro_batch) for micro_batch in zip(*per_rank)])
             result["eval_loss"], result["reference_eval_loss"] = full["eval"]["eval_loss"], eval_loss.item()
+            result["eval_later_loss"] = full["eval_later"]["eval_loss"]
         if first and resume_and_save:
             checkpoint = os.path.join(out_dir, schedule, "checkpoint-2")
             resumed = _trainer_run(out_dir, case, max_steps=4, resume_from=checkpoint, run=schedule + "-resumed")
@@ -360,6 +363,7 @@ def test_trainer_in_two_stages_trains_resumes_evaluates_and_saves_like_one_proce
             assert asked == checkpointed == (schedule == "cad_1f1b"), (schedule, got["checkpointed"])
             if index == 0:
                 assert abs(got["eval_loss"] - got["reference_eval_loss"]) < 1e-5, got
+                assert abs(got["eval_later_loss"] - got["reference_eval_loss"]) < 1e-5, got
                 torch.testing.assert_close(torch.tensor(got["resumed_losses"]), torch.tensor(got["full_losses_after_2"]),
                                            rtol=1e-6, atol=1e-7)
                 if rank == 0:
@@ -425,6 +429,9 @@ def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
     plugin = DistCAPlugin(pipeline_parallel_size=2)
     documents = _documents()
     refused = [({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor"),
+               ({"neftune_noise_alpha": 5.0}, {}, "neftune_noise_alpha"),
+               ({}, {"compute_metrics": lambda prediction: {}}, "compute_metrics"),
+               ({}, {"preprocess_logits_for_metrics": lambda logits, labels: logits}, "preprocess_logits_for_metrics"),
                ({}, {"train_dataset": datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()},
                 "streaming dataset"),
                ({}, {}, r"world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1")]

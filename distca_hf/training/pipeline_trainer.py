@@ -68,11 +68,12 @@ class PipelineTrainerMixin:
 
     # -- set-up: before the Trainer (the stage), after packing (the runner) ---------------------------
 
-    def _prepare_pipeline_stage(self, model, args, *, compute_loss_func, streaming: list[str]):
+    def _prepare_pipeline_stage(self, model, args, *, trainer_kwargs: dict, streaming: list[str]):
         """This rank's stage of ``model``, the whole HF model (before ``Trainer.__init__``).
 
         Refuses what pipeline stages cannot run, naming it; ``streaming``: the trainer arguments that
-        hold streaming datasets (``train_dataset``, ``eval_dataset['x']``, ...). Sets the micro-batches
+        hold streaming datasets (``train_dataset``, ``eval_dataset['x']``, ...); ``trainer_kwargs``: the other
+        keyword arguments given to the Trainer (``compute_loss_func``, ``compute_metrics``, ...). Sets the micro-batches
         of one optimizer step as ``args.gradient_accumulation_steps`` (the Trainer then hands over that
         many rows per step)."""
         plugin = self.distca_plugin
@@ -81,7 +82,9 @@ class PipelineTrainerMixin:
         if model is None or args is None:
             raise ValueError(f"{where} needs model= (the whole HF model, split here into stages) and args=; "
                              "model_init is not supported")
-        for setting, used in _refused_settings(args, compute_loss_func=compute_loss_func).items():
+        refused = _refused_settings(args, **{name: trainer_kwargs.get(name) for name in (
+            "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics")})
+        for setting, used in refused.items():
             if used:
                 raise ValueError(f"{where}: {setting} is not supported with pipeline stages; set {_WITHOUT_STAGES} "
                                  "to use it")
@@ -138,6 +141,19 @@ class PipelineTrainerMixin:
         else:
             rows["eval"] = self.eval_dataset
         self._packed_datasets.update({name: d for name, d in rows.items() if d is not None and name in self._packed_datasets})
+
+    def _pipeline_rows_later(self, packed: PackedDataset, name: str):
+        """A dataset given to ``evaluate()`` / ``predict()`` after construction (``packed`` for the
+        data-parallel ranks), as every stage of a pipeline reads it; its rows must have the shape the
+        stages exchange."""
+        tokens = self._pipeline.tokens_per_micro_batch
+        if packed.config.tokens_per_rank != tokens:
+            raise ValueError(f"the {name} dataset is packed with tokens_per_rank={packed.config.tokens_per_rank}, but "
+                             f"the pipeline stages exchange rows of {tokens} tokens (the constructor's datasets' "
+                             f"packing); pack it with PackingConfig(tokens_per_rank={tokens}) or pass the documents")
+        rows = _PipelineRows.of(packed, self.distca.topology, 1)
+        self._packed_datasets[name] = rows
+        return rows
 
     def _lays_out_global_batches(self, dataset) -> bool:
         # a pipeline's stages read the same rows in the same step: global-batch blocks, even without span_ranks
@@ -265,7 +281,7 @@ def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int
     return f"{kind}-pipeline-stage-{stage_index}-of-{num_stages}.pt"
 
 
-def _refused_settings(args, *, compute_loss_func) -> dict[str, bool]:
+def _refused_settings(args, *, compute_loss_func, compute_metrics, preprocess_logits_for_metrics) -> dict[str, bool]:
     """The settings pipeline stages refuse, each named as the user gives it, with whether it is on."""
     return {
         "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
@@ -279,6 +295,12 @@ def _refused_settings(args, *, compute_loss_func) -> dict[str, bool]:
         # the stages' loss is PipelineRunner's plain token-weighted cross-entropy: it would be ignored
         "label_smoothing_factor": bool(args.label_smoothing_factor),
         "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)": compute_loss_func is not None,
+        # NEFTune hooks the input embeddings of a whole model; a stage holds them on the first stage only
+        "neftune_noise_alpha (TrainingArguments.neftune_noise_alpha)": args.neftune_noise_alpha is not None,
+        # evaluation in stages returns the loss only (the logits stay on the last stage): metrics would never run
+        "compute_metrics (evaluation in stages gives the loss only)": compute_metrics is not None,
+        "preprocess_logits_for_metrics (evaluation in stages gives the loss only)":
+            preprocess_logits_for_metrics is not None,
     }
 
 

@@ -135,8 +135,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             _check_packable(dataset, packing, name)
         if pipelined:  # the Trainer's model is this rank's stage, its optimizer holds the stage's parameters
             streaming = [_argument_name(name) for name, dataset in named.items() if is_streaming(dataset)]
-            model = self._prepare_pipeline_stage(model, args, compute_loss_func=kwargs.get("compute_loss_func"),
-                                                 streaming=streaming)
+            model = self._prepare_pipeline_stage(model, args, trainer_kwargs=kwargs, streaming=streaming)
         if any(is_streaming(d) for d in named.values()) and args is not None:
             # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
             # would concatenate rows of different lengths.
@@ -292,7 +291,9 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         packed = isinstance(dataset, (PackedDataset, StreamingPackedDataset))  # (its own packing config holds)
         _check_packable(dataset, None if packed else self._packing, name)
         packed = self._packed(dataset, self._packing, self._layout, name)
-        if self.model is not None and self._pipeline is None:
+        if self._pipeline is not None:  # every stage of a pipeline reads the same rows (PipelineTrainerMixin)
+            return self._pipeline_rows_later(packed, name)
+        if self.model is not None:
             self._check_vocabulary(model_vocab_size(hf_model_of(self.model)))
         return packed
 
