@@ -508,3 +508,40 @@ def test_accelerator_prepares_a_stage_without_ddp_and_refuses_the_whole_model(tm
         refused, unwrapped = result["value"]
         assert "prepare this rank's stage" in refused and "apply_pipeline_parallel" in refused
         assert unwrapped  # no DDP: the runner sums the gradients over the data-parallel copies itself
+
+
+def _bookkeeping_worker(rank, world, out_dir):
+    import os
+
+    from transformers import TrainingArguments
+
+    from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    def trainer(max_steps: int, **arguments):
+        args = TrainingArguments(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=1,
+                                 max_steps=max_steps, report_to=[], disable_tqdm=True, dataloader_pin_memory=False,
+                                 logging_steps=1, include_num_input_tokens_seen=True, **arguments)
+        made = DistCATrainer(model=tiny_model("llama", num_hidden_layers=2), args=args, train_dataset=_documents(),
+                             packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0),
+                             distca_plugin=DistCAPlugin(pipeline_parallel_size=2, pipeline_micro_batches=2,
+                                                        timeout_s=60.0))
+        return made, args
+
+    first, args = trainer(1, save_strategy="steps", save_steps=1, save_only_model=True)
+    first.train()
+    resumed, _ = trainer(2, save_strategy="no")
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, "run", "checkpoint-1"))
+    return {"accumulation_left": args.gradient_accumulation_steps, "seen": [first.state.num_input_tokens_seen,
+                                                                           resumed.state.num_input_tokens_seen]}
+
+
+@pytest.mark.distributed
+def test_stages_count_input_tokens_once_keep_the_callers_arguments_and_resume_weights_only(tmp_path):
+    """Two stages, one pipeline of 2 micro-batches a step: ``num_input_tokens_seen`` counts each row once
+    (both stages read it); the caller's ``gradient_accumulation_steps`` stays 1; a ``save_only_model``
+    checkpoint resumes (the weights; the optimizer starts afresh, as the Trainer's does)."""
+    results = run_ranks(_bookkeeping_worker, 2, tmp_path, str(tmp_path), deadline_s=300)
+    for result in results:
+        assert result["ok"], result.get("traceback", result.get("error"))
+        assert result["value"] == {"accumulation_left": 1, "seen": [2 * TOKENS_PER_RANK, 4 * TOKENS_PER_RANK]}, result

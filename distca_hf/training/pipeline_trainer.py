@@ -18,9 +18,13 @@ differs lives here:
   (``pipeline_schedule``) by one ``PipelineRunner.train_step``: the loss is token-weighted over the
   step, gradients are summed over the stage's copies and clipped over all stages
   (``PipelineRunner.clip_grad_norm_``); evaluation runs each row forward through the stages
-  (``PipelineRunner.eval_step``, the loss only);
+  (``PipelineRunner.eval_step``, the loss only: ``compute_metrics`` is refused), a dataset given to
+  ``evaluate()`` later included; ``num_input_tokens_seen`` counts each row once, not once per stage
+  (``_InputTokensOncePerPipeline``); the caller's ``TrainingArguments`` are left as given (the Trainer
+  gets a copy with the step's micro-batches as ``gradient_accumulation_steps``);
 - **checkpoints**: one weights file and one optimizer file per stage (written by the stage's first
-  data-parallel copy), resumed with the same pipeline size; ``save_model()`` writes one ordinary
+  data-parallel copy), resumed with the same pipeline size (a ``save_only_model`` checkpoint resumes
+  the weights, the optimizer afresh, as the Trainer does); ``save_model()`` writes one ordinary
   ``save_pretrained`` folder of the whole model (a gather over each pipeline);
 - **activation checkpointing** (``activation_checkpointing=True``): the Trainer enables it on the stage
   (``PipelineStageModule.activation_checkpointing_enable``: the stage's own layers, ``every_n_layers``
@@ -39,11 +43,13 @@ host calls ``_prepare_pipeline_stage`` before ``Trainer.__init__``, packs its da
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import os
 
 import torch
+from transformers import TrainerCallback
 
 from ..runtime.pipeline_schedules import check_micro_batches
 from .accelerator import hf_model_of
@@ -69,13 +75,14 @@ class PipelineTrainerMixin:
     # -- set-up: before the Trainer (the stage), after packing (the runner) ---------------------------
 
     def _prepare_pipeline_stage(self, model, args, *, trainer_kwargs: dict, streaming: list[str]):
-        """This rank's stage of ``model``, the whole HF model (before ``Trainer.__init__``).
+        """``(this rank's stage of model, the arguments the Trainer gets)``, ``model`` the whole HF model
+        (before ``Trainer.__init__``).
 
         Refuses what pipeline stages cannot run, naming it; ``streaming``: the trainer arguments that
         hold streaming datasets (``train_dataset``, ``eval_dataset['x']``, ...); ``trainer_kwargs``: the other
-        keyword arguments given to the Trainer (``compute_loss_func``, ``compute_metrics``, ...). Sets the micro-batches
-        of one optimizer step as ``args.gradient_accumulation_steps`` (the Trainer then hands over that
-        many rows per step)."""
+        keyword arguments given to the Trainer (``compute_loss_func``, ``compute_metrics``, ...). The
+        arguments returned are a copy of ``args`` whose ``gradient_accumulation_steps`` is the micro-batches
+        of one optimizer step (the Trainer then hands over that many rows per step); ``args`` is unchanged."""
         plugin = self.distca_plugin
         stages = plugin.pipeline_parallel_size
         where = f"DistCATrainer with pipeline_parallel_size={stages}"
@@ -100,9 +107,12 @@ class PipelineTrainerMixin:
         self._pipeline_micro_batches = _micro_batches_per_step(
             config.pipeline_micro_batches, args.gradient_accumulation_steps, stages=stages,
             schedule=config.pipeline_schedule, where=where)
+        # on a copy: the caller's arguments keep what they said (a second trainer built from them, with or
+        # without stages, sees the user's gradient_accumulation_steps)
+        args = copy.copy(args)
         args.gradient_accumulation_steps = self._pipeline_micro_batches
         return build_stage_module(hf_model_of(model), stage_index=topology.coordinates(args.process_index)[1],
-                                  num_stages=stages)
+                                  num_stages=stages), args
 
     def _pipeline_packing_layout(self) -> dict:
         """What ``PackedDataset.with_layout`` gets besides the ranks: every row exactly ``tokens_per_rank``
@@ -128,6 +138,7 @@ class PipelineTrainerMixin:
                                         tokens_per_micro_batch=next(iter(tokens.values())),
                                         device=self.args.device, timeout_s=config.timeout_s)
         self._pipeline_pending = []  # the rows of the optimizer step being collected
+        self.add_callback(_InputTokensOncePerPipeline(topology.pipeline_parallel))
         self._pipeline_handle = _PipelineStageHandle(self.model)
         self.train_dataset = _PipelineRows.of(self.train_dataset, topology, self._pipeline_micro_batches)
         if isinstance(self.eval_dataset, dict):
@@ -254,6 +265,10 @@ class PipelineTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if self._pipeline is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if (os.path.isfile(os.path.join(checkpoint, self._stage_file("model")))
+                and not os.path.isfile(os.path.join(checkpoint, self._stage_file("optimizer")))
+                and not os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
+            return  # saved with save_only_model=True: the weights resume, the optimizer starts afresh (as the Trainer's)
         path = self._checkpoint_file(checkpoint, "optimizer")
         # the plain "cpu": torch.load cannot restore to an indexed CPU device ("cpu:0"), which a process's may be
         device = self.args.device if self.args.device.type != "cpu" else "cpu"
@@ -273,6 +288,27 @@ class PipelineTrainerMixin:
             f"resume_from_checkpoint={checkpoint!r} has no {self._stage_file(kind)} ({holds}): it was not saved by "
             f"DistCATrainer with pipeline_parallel_size={self._pipeline.num_stages} (a checkpoint holds one file per "
             "stage); resume with the pipeline size it was saved with")
+
+
+class _InputTokensOncePerPipeline(TrainerCallback):
+    """``include_num_input_tokens_seen``: the Trainer sums every rank's input tokens, but all ``stages``
+    of a pipeline read the same rows, so it counts each row ``stages`` times. At every step's end the
+    step's increment is divided by ``stages`` (exact: every stage added the same count), before the
+    step's logs read it."""
+
+    def __init__(self, stages: int):
+        self.stages = stages
+        self.counted = None  # num_input_tokens_seen once corrected (None: not yet read this run)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.counted = state.num_input_tokens_seen  # a resumed run's is the checkpoint's, corrected then
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.counted is not None and state.num_input_tokens_seen != self.counted:
+            state.num_input_tokens_seen = self.counted + (state.num_input_tokens_seen - self.counted) // self.stages
+            self.counted = state.num_input_tokens_seen
+        return control
 
 
 def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int | str) -> str:

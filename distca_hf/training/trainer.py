@@ -135,7 +135,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             _check_packable(dataset, packing, name)
         if pipelined:  # the Trainer's model is this rank's stage, its optimizer holds the stage's parameters
             streaming = [_argument_name(name) for name, dataset in named.items() if is_streaming(dataset)]
-            model = self._prepare_pipeline_stage(model, args, trainer_kwargs=kwargs, streaming=streaming)
+            model, args = self._prepare_pipeline_stage(model, args, trainer_kwargs=kwargs, streaming=streaming)
         if any(is_streaming(d) for d in named.values()) and args is not None:
             # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
             # would concatenate rows of different lengths.
