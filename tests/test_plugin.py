@@ -90,7 +90,7 @@ def test_pipeline_stages_with_tensor_parallelism_are_refused_naming_the_source()
     assert DistCAPlugin(pipeline_parallel_size=2, tensor_parallel_size=1).topology(4).pipeline_parallel == 2
 
 
-def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path):
+def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path, monkeypatch):
     """Too few micro-batches for 1f1b are refused by the plugin (not at the first step), naming the
     setting and both numbers; pipeline settings without stages warn that they do nothing."""
     from accelerate import ParallelismConfig
@@ -108,6 +108,10 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path):
     assert joined.parallelism_config is not None and joined.pipeline_schedule == "cad_1f1b"
     with pytest.warns(UserWarning, match="pipeline_micro_batches set but pipeline_parallel_size is 1"):
         DistCAPlugin(file_settings={"pipeline_micro_batches": 8})
+    with monkeypatch.context() as environment:  # a variable left set for a pipelined run: said too
+        environment.setenv("DISTCA_PIPELINE_SCHEDULE", "cad_1f1b")
+        with pytest.warns(UserWarning, match="DISTCA_PIPELINE_SCHEDULE set but pipeline_parallel_size is 1"):
+            DistCAPlugin()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="gpipe")

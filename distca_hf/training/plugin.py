@@ -178,10 +178,13 @@ class DistCAPlugin(_SettingFields):
                           "on servers for backward, so it is ignored; it bounds backward='saved'", stacklevel=4)
 
     def _check_pipeline_settings(self, config: DistCAConfig) -> None:
-        """Pipeline settings said in code or the file without stages do nothing (a warning: one file may
-        serve runs with and without stages); with stages, too few micro-batches for the schedule are
+        """Pipeline settings said in code, the file or the environment (``DISTCA_PIPELINE_*``) without
+        stages do nothing (a warning: one file may serve runs with and without stages); with stages, too few micro-batches for the schedule are
         refused here rather than at the first step."""
         said = [name for name in ("pipeline_schedule", "pipeline_micro_batches") if self._said(name)]
+        # (and the environment's: a variable set for a pipelined run, left in a shell that runs without stages)
+        said += [SETTINGS[name].metadata["env"] for name in ("pipeline_schedule", "pipeline_micro_batches")
+                 if name not in said and os.environ.get(SETTINGS[name].metadata["env"])]
         if self.pipeline_parallel_size == 1 and said:
             warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
