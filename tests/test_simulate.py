@@ -136,6 +136,19 @@ def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match
         simulate_pipeline(lengths, max(ranks, 1) * 2 if ranks else 0, tokens, stages=2, micro_batches=2, batches=1)
 
 
+def test_simulate_from_python_names_a_bad_argument():
+    """The Python API checks what the CLI's flags check (a ZeroDivisionError, numbers from an impossible
+    head split, numpy's seed error and a dataclasses TypeError before)."""
+    for kwargs, error, match in (({"heads": 0, "kv_heads": 0}, ValueError, "heads and kv_heads must be integers >= 1"),
+                                 ({"heads": 32, "kv_heads": 3}, ValueError, "heads a multiple of kv_heads"),
+                                 ({"seed": -1}, ValueError, "seed must be an integer >= 0, got -1"),
+                                 ({"config": {"tolerance": 0.1}}, TypeError, "config must be a .*PlannerConfig")):
+        with pytest.raises(error, match=match):
+            simulate([100], 2, 128, batches=1, **kwargs)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        simulate_pipeline([100], 4, 128, stages=2, micro_batches=2, batches=1, seed=-2)
+
+
 def test_simulate_bad_arguments(lengths_file, tmp_path):
     (tmp_path / "empty.json").write_text("{}")  # a TypeError from TimeModel's constructor before
     # a profile of another model's shape was mixed with the flags' bytes without a word

@@ -177,7 +177,10 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
-    config = config or default_planner_config()
+    config = _checked_run(config, seed)
+    if not all(is_integer(h) and h >= 1 for h in (heads, kv_heads)) or heads % kv_heads:
+        raise ValueError(f"heads and kv_heads must be integers >= 1, heads a multiple of kv_heads, got heads={heads!r}, "
+                         f"kv_heads={kv_heads!r}")
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
@@ -292,7 +295,7 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     backward), the speedups are ratios of those means. Activations between stages are ``hidden x
     dtype_bytes`` bytes per token. Both CAD methods plan with ``config.kv_relays`` (a lockstep tick's
     plan and each stage's carry relay trees where they help; their rounds and waits are timed)."""
-    config = config or default_planner_config()
+    config = _checked_run(config, seed)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     _check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches, stages=stages,
@@ -412,6 +415,17 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
 MAX_DRAWS = 10_000
 """The most batches (``batches``, times ``micro_batches`` under a pipeline) one simulation draws and
 plans: each takes 0.01-1 s here, so more would run for hours (a huge count read as a hang)."""
+
+
+def _checked_run(config, seed) -> PlannerConfig:
+    """``simulate``'s and ``simulate_pipeline``'s ``config`` (``None``: ``default_planner_config()``), after
+    checking it and ``seed`` (the CLI's ``--seed`` checks are its own), naming the argument."""
+    if config is not None and not isinstance(config, PlannerConfig):
+        raise TypeError(f"config must be a distca_hf.planning.PlannerConfig or None (the simulator's defaults), got "
+                        f"{type(config).__name__}")
+    if not is_integer(seed) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    return config or default_planner_config()
 
 
 def _check_sizes(**sizes) -> None:
