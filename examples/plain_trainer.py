@@ -46,6 +46,10 @@ def main(argv=None):
     parser.add_argument("--output_dir", "--output-dir", default="out/plain_trainer",
                         help="The Trainer's output directory (nothing is saved).")
     args = parser.parse_args(argv)
+    for flag, value in (("--max_steps", args.max_steps), ("--per_device_train_batch_size",
+                                                          args.per_device_train_batch_size), ("--max_tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
 
     import torch
     from transformers import (AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, Trainer,

@@ -19,13 +19,14 @@ topics under the BPE tokenizer of ``finetune_long_context.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import numpy as np
 
 from distca_hf.training import PackingConfig, pack_lengths
 from distca_hf.planning import DocumentPieces, PlannerConfig, imbalance, plan_tasks
+from distca_hf.tools.length_samples import load_lengths
+from distca_hf.tools.output_paths import output_path_problem
 
 
 def rank_pieces(lengths: list[int], ranks: int, tokens_per_rank: int, seed: int) -> DocumentPieces:
@@ -114,15 +115,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.tokens_per_rank < 2 or args.block < 1:
         parser.error("--ranks, --block must be >= 1 and --tokens-per-rank >= 2")
+    problem = output_path_problem("--out", args.out, suffixes=(".png",))  # before planning, not after it
+    if problem:
+        parser.error(problem)
+    try:
+        planner = PlannerConfig(tolerance=args.tolerance, block=args.block)
+    except ValueError as e:
+        parser.error(f"--{e}")  # (PlannerConfig names its field: the flag's name)
     if args.lengths:
-        with open(args.lengths) as f:
-            lengths = json.load(f)
-        if not isinstance(lengths, list) or not lengths or not all(isinstance(n, int) and n > 0 for n in lengths):
-            parser.error(f"{args.lengths}: expected a JSON list of positive document lengths")
+        try:
+            lengths = load_lengths(args.lengths).tolist()
+        except ValueError as e:
+            parser.error(str(e))
     else:
         lengths = default_lengths()
     pieces = rank_pieces(lengths, args.ranks, args.tokens_per_rank, args.seed)
-    plan = plan_tasks(pieces, PlannerConfig(tolerance=args.tolerance, block=args.block))
+    plan = plan_tasks(pieces, planner)
     before, after = pieces.local_pairs(), plan.server_pairs()
     print(f"{args.ranks} ranks x {args.tokens_per_rank} tokens; documents per rank: "
           f"{np.bincount(pieces.rank, minlength=args.ranks).tolist()}")

@@ -11,7 +11,6 @@ CA-task is a shard plus the K/V prefix it needs, and can run on any attention se
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Polygon  # noqa: E402
 
 from distca_hf.planning import causal_pairs, document_pairs  # noqa: E402
+from distca_hf.tools.length_samples import load_lengths  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,14 +44,24 @@ def pack_ranks(lengths, ranks: int, tokens_per_rank: int, seed: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=Path, default=HERE.parent.parent / "shared/data/doc_lengths_prolong.json")
+    parser.add_argument("--lengths", type=Path, default=None,
+                        help="JSON list of document lengths (default: ../shared/data/doc_lengths_prolong.json, else a "
+                             "synthetic lognormal sample)")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--tokens-per-rank", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "figures/cad_overview.png")
     args = parser.parse_args(argv)
-    if args.lengths.exists():
-        lengths, source = json.loads(args.lengths.read_text()), args.lengths.name
+    for flag, value in (("--ranks", args.ranks), ("--tokens-per-rank", args.tokens_per_rank)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    default = HERE.parent.parent / "shared/data/doc_lengths_prolong.json"
+    path = args.lengths or (default if default.exists() else None)  # a path given must exist: no silent fallback
+    if path is not None:
+        try:
+            lengths, source = load_lengths(path).tolist(), path.name
+        except ValueError as e:
+            parser.error(str(e))
     else:  # offline fallback: a long-tailed synthetic sample
         rng = random.Random(0)
         lengths, source = [max(1, int(rng.lognormvariate(7.5, 1.2))) for _ in range(5000)], "synthetic lognormal"

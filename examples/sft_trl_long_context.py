@@ -42,6 +42,10 @@ def main(argv=None):
     parser.add_argument("--output_dir", "--output-dir", default="out/sft_trl_long_context",
                         help="The trainer's output directory (nothing is saved).")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--max_steps", args.max_steps, 1), ("--max_length", args.max_length, 2),
+                               ("--examples", args.examples, 1)):
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
