@@ -51,6 +51,7 @@ def clean_environment(monkeypatch):
     ("servers", [], r"DistCAPlugin.servers must be a non-empty list"),
     ("servers", [0, 0], r"DistCAPlugin.servers must be a non-empty list of distinct ranks"),
     ("servers", 3, r"DistCAPlugin.servers must be a list of ranks"),
+    ("servers", {0: 1}, r"DistCAPlugin.servers must be a list of ranks, got \{0: 1\}"),  # (read as its keys before)
     ("server_group", "rack", r"DistCAPlugin.server_group must be one of \['data_parallel', 'node'\]"),
     ("tensor_parallel_size", 0, r"DistCAPlugin.tensor_parallel_size must be an integer >= 1"),
     ("data_parallel_size", 1.5, r"DistCAPlugin.data_parallel_size must be an integer >= 1"),

@@ -132,7 +132,7 @@ class DistCAPlugin(_SettingFields):
 
     def __post_init__(self):
         if self.servers is not None:
-            if isinstance(self.servers, (str, bytes)) or not hasattr(self.servers, "__iter__"):
+            if isinstance(self.servers, (str, bytes, Mapping)) or not hasattr(self.servers, "__iter__"):
                 raise ValueError(f"DistCAPlugin.servers must be a list of ranks, got {self.servers!r}")
             self.servers = tuple(plain_number(r) for r in self.servers)
         for f in _checked_fields():  # numpy numbers (np.int64(2) from a computed size) as Python's
