@@ -586,6 +586,9 @@ def test_pipeline_row_marks_documents_and_their_first_labels():
     (["--pipeline-parallel", "2", "--workload", "long"], "does not run --workload long"),
     (["--pipeline-parallel", "2", "--overlap", "pingpong"], "--pipeline-parallel runs one distca setting"),
     (["--micro-batches", "4"], "--micro-batches is for --pipeline-parallel"),
+    # rounds without a bound: a typo ran for days
+    (["--steps", "100000000"], "--steps must be at most 10000 rounds"),
+    (["--pipeline-parallel", "2", "--warmup", "100000000"], "--warmup must be at most 10000 rounds"),
 ])
 def test_pipeline_bench_arguments_are_checked(capsys, argv, message):
     with pytest.raises(SystemExit):

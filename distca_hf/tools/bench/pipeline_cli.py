@@ -17,6 +17,10 @@ from .pipeline_worker import run_pipeline_rank
 from .workloads import check_workload_names
 
 
+MAX_ROUNDS = 10_000
+"""The most ``--steps`` (and ``--warmup``) rounds a benchmark takes, as ``simulate`` caps its draws."""
+
+
 def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
     """The benchmark's sizes (and ``extra`` flags) are integers >= 1, and ``--world x --tokens``
     positions fit the pair counts; ``parser.error`` names the flag."""
@@ -24,6 +28,9 @@ def check_sizes(args, parser, *, extra: tuple[str, ...] = ()) -> None:
                  "kv_heads", "vocab", *extra):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("steps", "warmup"):  # (each round is a real step of every method: a typo would run for days)
+        if getattr(args, name) > MAX_ROUNDS:
+            parser.error(f"--{name} must be at most {MAX_ROUNDS} rounds, got {getattr(args, name)}")
     problem = batch_tokens_problem(args.world, args.tokens, ("--world", "--tokens")) or threads_problem(args.threads)
     under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if not problem and not under_torchrun:  # spawned here, not by torchrun
