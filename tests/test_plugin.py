@@ -129,8 +129,8 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path, monkey
     # a time-model file that passes the setting's shallow check failed at the first plan
     bad = tmp_path / "model.json"
     bad.write_text('{"linear_s_per_token": -1, "attn_s_per_pair": 1e-10}')
-    with pytest.raises(ValueError, match="DistCAPlugin.time_model must be a valid `distca-hf profile` JSON file .*"
-                                         "linear_s_per_token must be between 0"):
+    with pytest.raises(ValueError, match="the time_model setting's file is not a valid time model: .*linear_s_per_token "
+                                         "must be between 0"):
         DistCAPlugin(time_model=str(bad))
     with pytest.warns(UserWarning, match="memory_budget=0.2 set but backward='resend' keeps nothing on servers"):
         DistCAPlugin(backward="resend", memory_budget=0.2)

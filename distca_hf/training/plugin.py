@@ -143,7 +143,14 @@ class DistCAPlugin(_SettingFields):
                              f"{self.file_settings!r}")
         self.file_settings = dict(self.file_settings)
         _validate(self.file_settings, source="DistCAPlugin.file_settings", names=SETTINGS)  # (settings only)
-        config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable (a time model too)
+        config = self.resolved()  # an invalid DISTCA_* variable fails here, naming the variable
+        if isinstance(config.time_model, (str, os.PathLike)):  # the planner's checks now, not at the first plan
+            from ..planning import TimeModel
+
+            try:
+                TimeModel.load(config.time_model)
+            except ValueError as e:
+                raise ValueError(f"DistCAPlugin: the time_model setting's file is not a valid time model: {e}") from None
         self.parallel_sizes()  # a refused or conflicting ParallelismConfig fails here, naming both sides
         self._check_pipeline_settings(config)
         self._check_ignored_settings(config)
