@@ -286,7 +286,7 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
               f"{_ranks(trainer.distca.topology.world_size)}", flush=True)
         if plugin.pipeline_parallel_size > 1:
             print(f"pipeline: {plugin.pipeline_parallel_size} stages x {trainer.distca.topology.data_parallel} "
-                  f"data-parallel, schedule {config.pipeline_schedule}, {training_args.gradient_accumulation_steps} "
+                  f"data-parallel, schedule {config.pipeline_schedule}, {trainer.args.gradient_accumulation_steps} "
                   "micro-batches per step", flush=True)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if repeat:

@@ -76,6 +76,7 @@ from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .length_samples import check_lengths, load_lengths, span_problem
 from .output_paths import output_path_problem
+from .simulate_checks import check_sizes, draws_problem
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
@@ -179,13 +180,12 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
     config = _checked_run(config, seed)
     if not all(is_integer(h) and h >= 1 for h in (heads, kv_heads)) or heads % kv_heads:
-        raise ValueError(f"heads and kv_heads must be integers >= 1, heads a multiple of kv_heads, got heads={heads!r}, "
-                         f"kv_heads={kv_heads!r}")
+        raise ValueError(f"heads and kv_heads must be integers >= 1, heads a multiple of kv_heads, got {heads!r}, {kv_heads!r}")
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:
         raise ValueError(f"auto_planner must be one of {sorted(AUTO_PLANNERS)}, got {auto_planner!r}")
-    _check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches)
+    check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches)
     lengths = check_lengths(lengths)
     threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
     longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
@@ -298,7 +298,7 @@ def simulate_pipeline(lengths, ranks: int, tokens_per_rank: int, *, stages: int,
     config = _checked_run(config, seed)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
-    _check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches, stages=stages,
+    check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches, stages=stages,
                  micro_batches=micro_batches)
     if ranks % stages:
         raise ValueError(f"ranks ({ranks}) must be divisible by the pipeline stages ({stages}): every stage has "
@@ -412,42 +412,13 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     }
 
 
-MAX_DRAWS = 10_000
-"""The most batches (``batches``, times ``micro_batches`` under a pipeline) one simulation draws and
-plans: each takes 0.01-1 s here, so more would run for hours (a huge count read as a hang)."""
-
-
 def _checked_run(config, seed) -> PlannerConfig:
-    """``simulate``'s and ``simulate_pipeline``'s ``config`` (``None``: ``default_planner_config()``), after
-    checking it and ``seed`` (the CLI's ``--seed`` checks are its own), naming the argument."""
+    """``config`` (``None``: the defaults) of ``simulate`` / ``simulate_pipeline``, it and ``seed`` checked."""
     if config is not None and not isinstance(config, PlannerConfig):
-        raise TypeError(f"config must be a distca_hf.planning.PlannerConfig or None (the simulator's defaults), got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a distca_hf.planning.PlannerConfig or None, got {type(config).__name__}")
     if not is_integer(seed) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     return config or default_planner_config()
-
-
-def _check_sizes(**sizes) -> None:
-    """``simulate``'s and ``simulate_pipeline``'s sizes: integers >= 1, naming the argument; a batch
-    of ``ranks x tokens_per_rank`` tokens within ``cost.MAX_POSITION``; at most ``MAX_DRAWS`` draws."""
-    for name, value in sizes.items():
-        if not is_integer(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    problem = batch_tokens_problem(sizes["ranks"], sizes["tokens_per_rank"]) or \
-        _draws_problem(sizes["batches"], sizes.get("micro_batches"))
-    if problem:
-        raise ValueError(problem)
-
-
-def _draws_problem(batches: int, micro_batches: int | None, names=("batches", "micro_batches")) -> str | None:
-    """Why ``batches`` (times ``micro_batches`` under a pipeline) is more than ``MAX_DRAWS`` draws, in
-    ``names`` (the arguments' or the flags'); None when it is not."""
-    draws = batches * (micro_batches or 1)
-    if draws <= MAX_DRAWS:
-        return None
-    named = f"{names[0]} x {names[1]}" if micro_batches else names[0]
-    return f"{named} = {draws}: a simulation draws and plans at most {MAX_DRAWS} batches (each takes up to a second)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -597,7 +568,7 @@ def run_cli(args, parser) -> int:
         if layers % stages:
             parser.error(f"--layers ({layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
                          "every stage holds the same number of layers")
-    problem = _draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
+    problem = draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
     if problem:
         parser.error(problem)
     if args.auto_planner is not None and args.tolerance != "auto":
