@@ -158,6 +158,9 @@ class PipelineTrainerMixin:
         data-parallel ranks), as every stage of a pipeline reads it; its rows must have the shape the
         stages exchange."""
         tokens = self._pipeline.tokens_per_micro_batch
+        if not isinstance(packed, PackedDataset):
+            raise ValueError(f"the {name} dataset is a streaming dataset; pipeline stages read map-style datasets "
+                             "(every stage of a pipeline reads the same rows); load it whole")
         if packed.config.tokens_per_rank != tokens:
             raise ValueError(f"the {name} dataset is packed with tokens_per_rank={packed.config.tokens_per_rank}, but "
                              f"the pipeline stages exchange rows of {tokens} tokens (the constructor's datasets' "

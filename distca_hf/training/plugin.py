@@ -179,8 +179,8 @@ class DistCAPlugin(_SettingFields):
 
     def _check_pipeline_settings(self, config: DistCAConfig) -> None:
         """Pipeline settings said in code, the file or the environment (``DISTCA_PIPELINE_*``) without
-        stages do nothing (a warning: one file may serve runs with and without stages); with stages, too few micro-batches for the schedule are
-        refused here rather than at the first step."""
+        stages do nothing (a warning: one file may serve runs with and without stages); with stages, too
+        few micro-batches for the schedule are refused here rather than at the first step."""
         said = [name for name in ("pipeline_schedule", "pipeline_micro_batches") if self._said(name)]
         # (and the environment's: a variable set for a pipelined run, left in a shell that runs without stages)
         said += [SETTINGS[name].metadata["env"] for name in ("pipeline_schedule", "pipeline_micro_batches")
