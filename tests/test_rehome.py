@@ -31,7 +31,7 @@ def _check_rehomed(plan, rehomed, pieces, config, ceiling=None):
     once, from its own rank); only tasks of servers over the limit, whole groups (server, document),
     each to a server that neither held nor served its document; the budget fits and the total memory
     stays; the servers that took groups end within ``ceiling`` (default: the plan's step in ``saved``
-    mode), those that gave them are faster, every other rank's predicted time is unchanged."""
+    mode), those that only gave them are faster, every other rank's predicted time is unchanged."""
     saved = dataclasses.replace(plan, backward="saved")
     assert rehomed.backward == "saved"
     for name in ("source", "doc", "q_start", "q_end"):
@@ -54,7 +54,9 @@ def _check_rehomed(plan, rehomed, pieces, config, ceiling=None):
     ceiling = times_before.max() if ceiling is None else ceiling
     gave, took = np.unique(saved.server[moved]), np.unique(rehomed.server[moved])
     assert (times_after[took] <= ceiling * (1 + 1e-9)).all()
-    assert (times_after[gave] < times_before[gave]).all()
+    # (a server brought within the limit may take another's group afterwards: the ceiling above bounds it)
+    only_gave = np.setdiff1d(gave, took)
+    assert (times_after[only_gave] < times_before[only_gave]).all()
     untouched = np.ones(pieces.num_ranks, dtype=bool)
     untouched[gave] = untouched[took] = False
     np.testing.assert_allclose(times_after[untouched], times_before[untouched], rtol=1e-12)
