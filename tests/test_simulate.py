@@ -139,8 +139,10 @@ def test_simulate_refuses_what_it_cannot_draw_from(lengths, ranks, tokens, match
 def test_simulate_from_python_names_a_bad_argument():
     """The Python API checks what the CLI's flags check (a ZeroDivisionError, numbers from an impossible
     head split, numpy's seed error and a dataclasses TypeError before)."""
-    for kwargs, error, match in (({"heads": 0, "kv_heads": 0}, ValueError, "heads and kv_heads must be integers >= 1"),
-                                 ({"heads": 32, "kv_heads": 3}, ValueError, "heads a multiple of kv_heads"),
+    for kwargs, error, match in (({"heads": 0, "kv_heads": 0}, ValueError,
+                                  r"heads must be an integer from 1 to \d+, got 0"),
+                                 ({"heads": 32, "kv_heads": 3}, ValueError,
+                                  r"heads \(32\) must be a positive multiple of kv_heads \(3\)"),
                                  ({"seed": -1}, ValueError, "seed must be an integer >= 0, got -1"),
                                  ({"config": {"tolerance": 0.1}}, TypeError, "config must be a .*PlannerConfig")):
         with pytest.raises(error, match=match):

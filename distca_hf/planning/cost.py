@@ -219,17 +219,29 @@ class TokenBytes:
         """The bytes of a model of ``hidden`` elements per token, ``heads`` query and ``kv_heads`` key/value
         heads of ``head_dim`` elements (default ``hidden // heads``), ``dtype_bytes`` each; each of them
         an integer from 1 to ``MAX_MODEL_WIDTH``."""
-        for name, value in (("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads), ("dtype_bytes", dtype_bytes),
+        problem = head_split_problem(heads, kv_heads)
+        if problem:
+            raise ValueError(problem)
+        for name, value in (("hidden", hidden), ("dtype_bytes", dtype_bytes),
                             ("head_dim", 1 if head_dim is None else head_dim)):
             if not (is_integer(value) and 1 <= value <= MAX_MODEL_WIDTH):
                 raise ValueError(f"{name} must be an integer from 1 to {MAX_MODEL_WIDTH}, got {value!r}")
-        if heads % kv_heads:
-            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
         head_dim = head_dim or hidden // heads
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive (hidden={hidden}, heads={heads})")
         q = heads * head_dim * dtype_bytes
         return cls(q=q, kv=2 * kv_heads * head_dim * dtype_bytes, o=q, lse=4 * heads)
+
+
+def head_split_problem(heads, kv_heads) -> str | None:
+    """Why ``heads`` query and ``kv_heads`` key/value heads are not a model's head split (each an integer
+    from 1 to ``MAX_MODEL_WIDTH``, ``heads`` a multiple of ``kv_heads``), or ``None``."""
+    for name, value in (("heads", heads), ("kv_heads", kv_heads)):
+        if not (is_integer(value) and 1 <= value <= MAX_MODEL_WIDTH):
+            return f"{name} must be an integer from 1 to {MAX_MODEL_WIDTH}, got {value!r}"
+    if heads % kv_heads:
+        return f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})"
+    return None
 
 
 LLAMA3_8B_BYTES = TokenBytes.for_model(hidden=4096, heads=32, kv_heads=8)

@@ -71,7 +71,7 @@ from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
 from ..planning.transfers import long_document_servers
-from ..planning.cost import H100_MEASURED, batch_tokens_problem, default_time_model
+from ..planning.cost import H100_MEASURED, batch_tokens_problem, default_time_model, head_split_problem
 from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .length_samples import check_lengths, load_lengths, span_problem
@@ -179,8 +179,9 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
     packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
     config = _checked_run(config, seed)
-    if not all(is_integer(h) and h >= 1 for h in (heads, kv_heads)) or heads % kv_heads:
-        raise ValueError(f"heads and kv_heads must be integers >= 1, heads a multiple of kv_heads, got {heads!r}, {kv_heads!r}")
+    problem = head_split_problem(heads, kv_heads)
+    if problem:
+        raise ValueError(problem)
     if not 0.0 <= hidden_comm_fraction <= 1.0:
         raise ValueError(f"hidden_comm_fraction must be between 0 and 1, got {hidden_comm_fraction!r}")
     if auto_planner not in AUTO_PLANNERS:

@@ -89,15 +89,12 @@ class PipelineTrainerMixin:
         if model is None or args is None:
             raise ValueError(f"{where} needs model= (the whole HF model, split here into stages) and args=; "
                              "model_init is not supported")
-        refused = _refused_settings(args, **{name: trainer_kwargs.get(name) for name in (
-            "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics")})
-        for setting, used in refused.items():
+        for setting, used in _refused_settings(args, trainer_kwargs).items():
             if used:
                 raise ValueError(f"{where}: {setting} is not supported with pipeline stages; set {_WITHOUT_STAGES} "
                                  "to use it")
         if streaming:
-            raise ValueError(f"{where}: {streaming[0]} is a streaming dataset; pipeline stages read map-style "
-                             "datasets (every stage of a pipeline reads the same rows); load it whole")
+            raise ValueError(f"{where}: {_streaming_refused(streaming[0])}")
         topology = plugin.topology(args.world_size, model=hf_model_of(model))
         if topology.tensor_parallel != 1:
             raise ValueError(f"{where}: tensor_parallel_size={topology.tensor_parallel} with pipeline stages is not "
@@ -159,8 +156,7 @@ class PipelineTrainerMixin:
         stages exchange."""
         tokens = self._pipeline.tokens_per_micro_batch
         if not isinstance(packed, PackedDataset):
-            raise ValueError(f"the {name} dataset is a streaming dataset; pipeline stages read map-style datasets "
-                             "(every stage of a pipeline reads the same rows); load it whole")
+            raise ValueError(_streaming_refused(f"the {name} dataset"))
         if packed.config.tokens_per_rank != tokens:
             raise ValueError(f"the {name} dataset is packed with tokens_per_rank={packed.config.tokens_per_rank}, but "
                              f"the pipeline stages exchange rows of {tokens} tokens (the constructor's datasets' "
@@ -268,10 +264,11 @@ class PipelineTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if self._pipeline is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if (os.path.isfile(os.path.join(checkpoint, self._stage_file("model")))
-                and not os.path.isfile(os.path.join(checkpoint, self._stage_file("optimizer")))
-                and not os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
-            return  # saved with save_only_model=True: the weights resume, the optimizer starts afresh (as the Trainer's)
+        # saved with save_only_model=True (no optimizer file, no scheduler): the weights resumed (this stage's file,
+        # _load_from_checkpoint), the optimizer starts afresh, as the Trainer's does
+        if not any(os.path.isfile(os.path.join(checkpoint, name)) for name in (self._stage_file("optimizer"),
+                                                                               "scheduler.pt")):
+            return
         path = self._checkpoint_file(checkpoint, "optimizer")
         # the plain "cpu": torch.load cannot restore to an indexed CPU device ("cpu:0"), which a process's may be
         device = self.args.device if self.args.device.type != "cpu" else "cpu"
@@ -301,17 +298,22 @@ class _InputTokensOncePerPipeline(TrainerCallback):
 
     def __init__(self, stages: int):
         self.stages = stages
-        self.counted = None  # num_input_tokens_seen once corrected (None: not yet read this run)
+        self.counted = 0  # num_input_tokens_seen once corrected
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.counted = state.num_input_tokens_seen  # a resumed run's is the checkpoint's, corrected then
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.counted is not None and state.num_input_tokens_seen != self.counted:
-            state.num_input_tokens_seen = self.counted + (state.num_input_tokens_seen - self.counted) // self.stages
-            self.counted = state.num_input_tokens_seen
+        state.num_input_tokens_seen = self.counted + (state.num_input_tokens_seen - self.counted) // self.stages
+        self.counted = state.num_input_tokens_seen
         return control
+
+
+def _streaming_refused(what: str) -> str:
+    """Why ``what`` (a dataset, named as the user gave it), a streaming one, cannot run in stages."""
+    return (f"{what} is a streaming dataset; pipeline stages read map-style datasets (every stage of a pipeline "
+            "reads the same rows); load it whole")
 
 
 def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int | str) -> str:
@@ -320,8 +322,9 @@ def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int
     return f"{kind}-pipeline-stage-{stage_index}-of-{num_stages}.pt"
 
 
-def _refused_settings(args, *, compute_loss_func, compute_metrics, preprocess_logits_for_metrics) -> dict[str, bool]:
-    """The settings pipeline stages refuse, each named as the user gives it, with whether it is on."""
+def _refused_settings(args, trainer_kwargs: dict) -> dict[str, bool]:
+    """The settings pipeline stages refuse, each named as the user gives it, with whether it is on
+    (``args``: the ``TrainingArguments``; ``trainer_kwargs``: the Trainer's other keyword arguments)."""
     return {
         "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
         "FSDP (TrainingArguments.fsdp)": bool(args.fsdp),
@@ -333,13 +336,14 @@ def _refused_settings(args, *, compute_loss_func, compute_metrics, preprocess_lo
         "load_best_model_at_end": bool(args.load_best_model_at_end),
         # the stages' loss is PipelineRunner's plain token-weighted cross-entropy: it would be ignored
         "label_smoothing_factor": bool(args.label_smoothing_factor),
-        "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)": compute_loss_func is not None,
+        "compute_loss_func (the stages' loss is distca's token-weighted cross-entropy)":
+            trainer_kwargs.get("compute_loss_func") is not None,
         # NEFTune hooks the input embeddings of a whole model; a stage holds them on the first stage only
         "neftune_noise_alpha (TrainingArguments.neftune_noise_alpha)": args.neftune_noise_alpha is not None,
         # evaluation in stages returns the loss only (the logits stay on the last stage): metrics would never run
-        "compute_metrics (evaluation in stages gives the loss only)": compute_metrics is not None,
+        "compute_metrics (evaluation in stages gives the loss only)": trainer_kwargs.get("compute_metrics") is not None,
         "preprocess_logits_for_metrics (evaluation in stages gives the loss only)":
-            preprocess_logits_for_metrics is not None,
+            trainer_kwargs.get("preprocess_logits_for_metrics") is not None,
     }
 
 

@@ -155,9 +155,14 @@ class DistCAPlugin(_SettingFields):
         self._check_pipeline_settings(config)
         self._check_ignored_settings(config)
 
-    def _said(self, name: str) -> bool:
-        """Whether the setting ``name`` is said in code (this plugin's field) or in its file section."""
-        return getattr(self, name) is not None or name in self.file_settings
+    def _said(self, name: str) -> str | None:
+        """Where the setting ``name`` is said, as a warning names it: ``name`` in code (this plugin's field)
+        or in its file section, its ``DISTCA_*`` variable in the environment (a variable left set in a
+        shell); ``None`` when nowhere."""
+        if getattr(self, name) is not None or name in self.file_settings:
+            return name
+        variable = SETTINGS[name].metadata["env"]
+        return variable if variable in os.environ else None
 
     def _check_ignored_settings(self, config: DistCAConfig) -> None:
         """Settings said in code or the file that the other settings make do nothing are warned about, as
@@ -181,10 +186,7 @@ class DistCAPlugin(_SettingFields):
         """Pipeline settings said in code, the file or the environment (``DISTCA_PIPELINE_*``) without
         stages do nothing (a warning: one file may serve runs with and without stages); with stages, too
         few micro-batches for the schedule are refused here rather than at the first step."""
-        said = [name for name in ("pipeline_schedule", "pipeline_micro_batches") if self._said(name)]
-        # (and the environment's: a variable set for a pipelined run, left in a shell that runs without stages)
-        said += [SETTINGS[name].metadata["env"] for name in ("pipeline_schedule", "pipeline_micro_batches")
-                 if name not in said and os.environ.get(SETTINGS[name].metadata["env"])]
+        said = [where for where in map(self._said, ("pipeline_schedule", "pipeline_micro_batches")) if where]
         if self.pipeline_parallel_size == 1 and said:
             warnings.warn(f"DistCAPlugin: {' and '.join(said)} set but pipeline_parallel_size is 1, so no pipeline "
                           f"runs and {'they are' if len(said) > 1 else 'it is'} ignored; set pipeline_parallel_size > 1 "
