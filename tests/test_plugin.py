@@ -113,6 +113,10 @@ def test_pipeline_settings_are_checked_where_the_plugin_is_made(tmp_path, monkey
         environment.setenv("DISTCA_PIPELINE_SCHEDULE", "cad_1f1b")
         with pytest.warns(UserWarning, match="DISTCA_PIPELINE_SCHEDULE set but pipeline_parallel_size is 1"):
             DistCAPlugin()
+    with monkeypatch.context() as environment:  # every "said but ignored" warning reads the variables alike
+        environment.setenv("DISTCA_MEMORY_BUDGET", "0.2")
+        with pytest.warns(UserWarning, match="memory_budget=0.2 set but backward='resend' keeps nothing on servers"):
+            DistCAPlugin(backward="resend")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="gpipe")
