@@ -520,7 +520,7 @@ def _bookkeeping_worker(rank, world, out_dir):
 
     def trainer(max_steps: int, **arguments):
         args = TrainingArguments(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=1,
-                                 max_steps=max_steps, report_to=[], disable_tqdm=True, dataloader_pin_memory=False,
+                                 per_device_eval_batch_size=1, max_steps=max_steps, report_to=[], disable_tqdm=True, dataloader_pin_memory=False,
                                  logging_steps=1, include_num_input_tokens_seen=True, **arguments)
         made = DistCATrainer(model=tiny_model("llama", num_hidden_layers=2), args=args, train_dataset=_documents(),
                              packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0),
@@ -529,19 +529,25 @@ def _bookkeeping_worker(rank, world, out_dir):
         return made, args
 
     first, args = trainer(1, save_strategy="steps", save_steps=1, save_only_model=True)
-    first.train()
+    trained = first.train().metrics
+    evaluated = first.evaluate(eval_dataset=_documents())
     resumed, _ = trainer(2, save_strategy="no")
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, "run", "checkpoint-1"))
     return {"accumulation_left": args.gradient_accumulation_steps, "seen": [first.state.num_input_tokens_seen,
-                                                                           resumed.state.num_input_tokens_seen]}
+                                                                           resumed.state.num_input_tokens_seen],
+            "rows_per_step": first.get_total_train_batch_size(first.args),
+            # samples / steps per second: rows per step as timed (both from one runtime, rounded to 3 decimals)
+            "timed_rows_per_step": [round(trained["train_samples_per_second"] / trained["train_steps_per_second"], 1),
+                                    round(evaluated["eval_samples_per_second"] / evaluated["eval_steps_per_second"], 1)]}
 
 
 @pytest.mark.distributed
 def test_stages_count_input_tokens_once_keep_the_callers_arguments_and_resume_weights_only(tmp_path):
-    """Two stages, one pipeline of 2 micro-batches a step: ``num_input_tokens_seen`` counts each row once
-    (both stages read it); the caller's ``gradient_accumulation_steps`` stays 1; a ``save_only_model``
+    """Two stages, one pipeline of 2 micro-batches a step: ``num_input_tokens_seen`` and the rows timed
+    per second (training's and evaluation's) count each row once (both stages read it); the caller's ``gradient_accumulation_steps`` stays 1; a ``save_only_model``
     checkpoint resumes (the weights; the optimizer starts afresh, as the Trainer's does)."""
     results = run_ranks(_bookkeeping_worker, 2, tmp_path, str(tmp_path), deadline_s=300)
     for result in results:
         assert result["ok"], result.get("traceback", result.get("error"))
-        assert result["value"] == {"accumulation_left": 1, "seen": [2 * TOKENS_PER_RANK, 4 * TOKENS_PER_RANK]}, result
+        assert result["value"] == {"accumulation_left": 1, "seen": [2 * TOKENS_PER_RANK, 4 * TOKENS_PER_RANK],
+                                   "rows_per_step": 2, "timed_rows_per_step": [2.0, 1.0]}, result

@@ -20,7 +20,8 @@ differs lives here:
   (``PipelineRunner.clip_grad_norm_``); evaluation runs each row forward through the stages
   (``PipelineRunner.eval_step``, the loss only: ``compute_metrics`` is refused), a dataset given to
   ``evaluate()`` later included; ``num_input_tokens_seen`` counts each row once, not once per stage
-  (``_InputTokensOncePerPipeline``); the caller's ``TrainingArguments`` are left as given (the Trainer
+  (``_InputTokensOncePerPipeline``), as do the rows per step and per second the Trainer reports
+  (``get_total_train_batch_size``, ``num_examples``, ``log``); the caller's ``TrainingArguments`` are left as given (the Trainer
   gets a copy with the step's micro-batches as ``gradient_accumulation_steps``);
 - **checkpoints**: one weights file and one optimizer file per stage (written by the stage's first
   data-parallel copy), resumed with the same pipeline size (a ``save_only_model`` checkpoint resumes
@@ -168,6 +169,32 @@ class PipelineTrainerMixin:
     def _lays_out_global_batches(self, dataset) -> bool:
         # a pipeline's stages read the same rows in the same step: global-batch blocks, even without span_ranks
         return isinstance(dataset, _PipelineRows) or super()._lays_out_global_batches(dataset)
+
+    # -- counts: every stage of a pipeline reads the same rows, so the Trainer's per-rank sums count each P times
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Rows one optimizer step trains (``train_samples_per_second``, the "Total train batch size" log):
+        the Trainer's micro-batch x accumulation x ranks, counted once per pipeline, not once per stage."""
+        total = super().get_total_train_batch_size(args)
+        return total if self._pipeline is None else total // self.distca.topology.pipeline_parallel
+
+    def num_examples(self, dataloader) -> int:
+        """Rows in ``dataloader``'s dataset, once per pipeline (``_PipelineRows`` holds one copy per stage)."""
+        rows = super().num_examples(dataloader)
+        if self._pipeline is None or not isinstance(getattr(dataloader, "dataset", None), _PipelineRows):
+            return rows
+        return rows // self.distca.topology.pipeline_parallel
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """``evaluate()`` / ``predict()`` time rows from ``len(eval_dataset)``, which holds one copy per
+        stage: their ``*_samples_per_second`` are divided by the stages here, in place, before any callback
+        reads them (their steps per second are right: each rank ran its copy's batches). Training's are
+        counted right at the source (``get_total_train_batch_size``)."""
+        if self._pipeline is not None:
+            stages = self.distca.topology.pipeline_parallel
+            for key in [k for k in logs if k.endswith("_samples_per_second") and k != "train_samples_per_second"]:
+                logs[key] = round(logs[key] / stages, 3)  # (speed_metrics rounds to 3 decimals too)
+        return super().log(logs, *args, **kwargs)
 
     # -- a step: its micro-batches through the stages ---------------------------------------------------
 
