@@ -496,6 +496,27 @@ def test_streaming_refuses_what_it_would_ignore_or_lose():
     assert [item["input_ids"] for item in again] == [item["input_ids"] for item in again] != []
 
 
+def test_streams_split_per_rank_are_refused_and_ranks_compare_their_first_documents():
+    """Every rank reads a stream whole and keeps its share: a stream split per rank
+    (``split_dataset_by_node``) would train 1 / world of it, silently; ``stream_head_crc`` (what the
+    trainer's ranks compare) tells streams read in another order apart, and leaves a generator unread."""
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    from distca_hf.training.packing import stream_head_crc
+
+    documents = [[d + 1] * (3 + d % 5) for d in range(40)]
+    stream = datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset(num_shards=2)
+    with pytest.raises(ValueError, match="already split per rank .* Pass the stream before split_dataset_by_node"):
+        StreamingPackedDataset(split_dataset_by_node(stream, rank=1, world_size=2), PackingConfig(tokens_per_rank=16))
+    assert stream_head_crc(stream) == stream_head_crc(stream) == stream_head_crc(documents)
+    assert stream_head_crc(stream.shuffle(seed=1, buffer_size=8)) == stream_head_crc(stream.shuffle(seed=1, buffer_size=8))
+    assert stream_head_crc(stream.shuffle(seed=1, buffer_size=8)) != stream_head_crc(stream.shuffle(seed=2, buffer_size=8))
+    assert stream_head_crc(documents[1:]) != stream_head_crc(documents)
+    generator = (d for d in documents)
+    assert stream_head_crc(generator) is None and len(list(generator)) == 40  # nothing read from it
+
+
 # -- documents spanning ranks ------------------------------------------------------------------------
 
 

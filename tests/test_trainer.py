@@ -388,6 +388,50 @@ def test_streaming_dataset_on_two_ranks_matches_single_process(tmp_path, packing
         assert not (mine[0] & mine[1])  # the ranks train different micro-batches
 
 
+def _stream_worker(rank, world, out_dir):
+    """A stream given to evaluate() later, and streams the ranks read alike or not."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import datasets
+    from transformers import TrainingArguments
+
+    from distca_hf import DistCATrainer, PackingConfig
+    from helpers import tiny_model
+
+    def stream(documents, seed=None):
+        made = datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()
+        return made if seed is None else made.shuffle(seed=seed, buffer_size=8)
+
+    def trainer(train_dataset):
+        args = TrainingArguments(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=1,
+                                 per_device_eval_batch_size=1, max_steps=1, report_to=[], disable_tqdm=True,
+                                 dataloader_pin_memory=False)
+        return DistCATrainer(model=tiny_model("llama"), args=args, train_dataset=train_dataset,
+                             packing=PackingConfig(tokens_per_rank=BUDGET, seed=0))
+
+    made = trainer(_documents(LENGTHS, 0))
+    evaluation = _documents(EVAL_LENGTHS, 1)
+    losses = [made.evaluate(eval_dataset=evaluation)["eval_loss"], made.evaluate(eval_dataset=stream(evaluation))["eval_loss"]]
+    trainer(stream(_documents(LENGTHS, 0), seed=3))  # one seed on every rank: one stream
+    try:
+        trainer(stream(_documents(LENGTHS, 0), seed=rank))  # a seed per rank (as an unseeded shuffle draws)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"losses": losses, "refused": refused}
+
+
+@pytest.mark.distributed
+def test_streams_are_evaluated_later_and_must_be_read_alike_by_every_rank(tmp_path):
+    """A stream given to ``evaluate()`` after construction gives the loss the same documents give as a
+    list (accelerate dispatched its batches from rank 0, whose rows it could not concatenate); a
+    stream the ranks read in different orders (shuffled with a seed per rank) is refused on every rank
+    (each rank reads it whole and keeps its share: documents trained twice and never, silently)."""
+    values = _check_ranks(run_ranks(_stream_worker, 2, tmp_path, str(tmp_path)))
+    for value in values:
+        assert value["losses"][1] == pytest.approx(value["losses"][0], rel=1e-6)
+        assert value["refused"] is not None and "the ranks read different streams in train_dataset" in value["refused"]
+
+
 def _layout_worker(rank, world, tensor_parallel):
     """One epoch of the trainer's train dataloader (no forward): what this rank reads, step by step."""
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))

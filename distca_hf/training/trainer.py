@@ -73,7 +73,8 @@ from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cp
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
-from .packing import PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming, refuse_masks
+from .packing import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming, refuse_masks,
+                      STREAM_HEAD_DOCUMENTS, stream_head_crc)
 from .pipeline import pipeline_targets
 from .pipeline_trainer import PipelineTrainerMixin
 from .plugin import DistCAPlugin, model_parallel_sizes
@@ -136,10 +137,6 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         if pipelined:  # the Trainer's model is this rank's stage, its optimizer holds the stage's parameters
             streaming = [_argument_name(name) for name, dataset in named.items() if is_streaming(dataset)]
             model, args = self._prepare_pipeline_stage(model, args, trainer_kwargs=kwargs, streaming=streaming)
-        if any(is_streaming(d) for d in named.values()) and args is not None:
-            # Every rank reads the stream itself and keeps its share; dispatching batches from rank 0
-            # would concatenate rows of different lengths.
-            args.accelerator_config.dispatch_batches = False
         # The datasets are packed once the server groups exist (below): how many ranks share a
         # global batch decides the packing.
         vocab = model_vocab_size(model)
@@ -148,6 +145,10 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          **kwargs)
         _check_arguments(self.args, evaluating=eval_dataset is not None)
+        # Every rank reads its own rows (a stream: reads it whole and keeps its share); batches dispatched
+        # from rank 0 would concatenate rows of different lengths. Accelerate dispatches by default for a
+        # stream, and one given to evaluate() later meets the Accelerator built here: off for every dataset.
+        self.accelerator.dataloader_config.dispatch_batches = False
         check_world_size(self.accelerator.num_processes)
         if self.args.world_size != world:
             raise RuntimeError(f"the world size changed from {world} to {self.args.world_size} while the Trainer was "
@@ -258,6 +259,8 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             packed = StreamingPackedDataset(dataset, packing, **layout)
         else:
             packed = PackedDataset(dataset, packing, **layout)
+        if isinstance(packed, StreamingPackedDataset):
+            self._check_ranks_read_one_stream(packed.documents, name)
         if isinstance(packed, PackedDataset):
             check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
             report = packed.report
@@ -274,6 +277,22 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
                               "them whole", stacklevel=3)
         self._packed_datasets[name] = packed
         return packed
+
+    def _check_ranks_read_one_stream(self, documents, name: str) -> None:
+        """Every rank reads a stream whole and keeps its share of each block: refused on every rank (a
+        collective, so none trains on) when the ranks' first documents differ (``stream_head_crc``)."""
+        if self.accelerator.num_processes == 1:
+            return
+        from accelerate.utils import gather_object
+
+        heads = gather_object([stream_head_crc(documents)])
+        if len(set(heads)) > 1:
+            raise ValueError(
+                f"DistCATrainer: the ranks read different streams in {_argument_name(name)} (their first "
+                f"{STREAM_HEAD_DOCUMENTS} documents differ); every rank reads the whole stream and keeps its own rows "
+                "of each block, so all must see the same documents in the same order. Shuffle it with the same seed "
+                "on every rank (IterableDataset.shuffle(seed=..., buffer_size=...): without one, datasets draws an "
+                "order per process) and do not split it per rank")
 
     def get_eval_dataloader(self, eval_dataset=None):
         return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
@@ -494,6 +513,9 @@ def _check_arguments(args, *, evaluating: bool) -> None:
         )
     if evaluating:
         _check_eval_batch_size(args)
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError("DistCATrainer: every rank reads its own packed rows; accelerator_config.dispatch_batches=True "
+                         "would send rank 0's batches to every rank. Leave it unset (or False)")
     if not args.average_tokens_across_devices:
         raise ValueError("DistCATrainer normalises the loss by the label tokens of all ranks; "
                          "average_tokens_across_devices=False would weight each rank's tokens differently")

@@ -42,7 +42,8 @@ The files (each imports only files above it):
     rows          documents' lengths -> packed rows, pure: PackingConfig, PackedRow, PackingReport, pack_rows
     layout        RankLayout: which rank trains which row of which global batch
     dataset       PackedDataset (map-style, packed once), tokens_of, refuse_masks (columns packing would drop)
-    streaming     StreamingPackedDataset (packed as the stream is read) and is_streaming
+    streaming     StreamingPackedDataset (packed as the stream is read), is_streaming, stream_head_crc (what
+                  ranks compare to learn that they read one stream)
     sampler       GlobalBatchSampler: whole global batches shuffled, never the rows inside them
     collator      PackedCollator: a row's items -> the model inputs
 """
@@ -53,8 +54,9 @@ from .layout import RankLayout
 from .rows import (IGNORE_INDEX, PADDING, PADDING_DOCUMENT_TOKENS, PackedRow, PackingConfig, PackingReport, Piece,
                    pack_lengths, pack_rows)
 from .sampler import GlobalBatchSampler
-from .streaming import StreamingPackedDataset, is_streaming
+from .streaming import STREAM_HEAD_DOCUMENTS, StreamingPackedDataset, is_streaming, stream_head_crc
 
 __all__ = ["PackingConfig", "PackingReport", "Piece", "PackedRow", "RankLayout", "PackedDataset", "StreamingPackedDataset",
            "GlobalBatchSampler", "PackedCollator", "pack_rows", "pack_lengths", "tokens_of", "refuse_masks", "arrow_columns",
-           "MASKING_COLUMNS", "is_streaming", "IGNORE_INDEX", "PADDING", "PADDING_DOCUMENT_TOKENS"]
+           "MASKING_COLUMNS", "is_streaming", "stream_head_crc", "STREAM_HEAD_DOCUMENTS", "IGNORE_INDEX", "PADDING",
+           "PADDING_DOCUMENT_TOKENS"]

@@ -4,9 +4,12 @@ and ``is_streaming``: whether a dataset is read as a stream rather than by index
 
 from __future__ import annotations
 
+import itertools
+import zlib
 from collections.abc import Iterable
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .dataset import refuse_columns, row_item, tokens_of
@@ -22,8 +25,11 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
     items ``r, r + W, ...``, its own row of each block. At the end of the stream fillers complete
     the last block. ``report`` is filled as the stream is read (in the process that iterates: keep
     ``dataloader_num_workers=0`` to read it). ``config.shuffle`` does not apply: a stream is read in
-    order (shuffle the source, e.g. ``IterableDataset.shuffle(buffer_size=...)``). Arguments as
-    ``PackedDataset``.
+    order (shuffle the source with a seed, the same on every rank: ``IterableDataset.shuffle(seed=...,
+    buffer_size=...)``; without one, ``datasets`` draws a different order in each process). Every rank
+    must read the same stream, whole: a stream split per rank (``split_dataset_by_node``) is refused,
+    and ``DistCATrainer`` compares the ranks' first documents (``stream_head_crc``) before training.
+    Arguments as ``PackedDataset``.
     """
 
     def __init__(self, documents: Iterable, config: PackingConfig, world_size: int = 1, *,
@@ -34,6 +40,11 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             raise TypeError(f"documents must be an iterable of token-id documents (a datasets.IterableDataset, a list, "
                             f"a generator), got {type(documents).__name__}")
         refuse_columns(documents)
+        split = getattr(documents, "_distributed", None)  # what datasets.distributed.split_dataset_by_node sets
+        if split is not None:
+            raise ValueError(f"the stream is already split per rank ({split}: split_dataset_by_node); every rank reads "
+                             "the whole stream and keeps its own rows of each block, so a split one would train 1 / "
+                             "world of it. Pass the stream before split_dataset_by_node")
         if config.balance_micro_batches:  # (it was ignored)
             raise ValueError("PackingConfig(balance_micro_batches=True) needs the step's documents before packing "
                              "them; a stream is packed as it is read. Use PackedDataset, or leave it False")
@@ -95,6 +106,25 @@ class StreamingPackedDataset(torch.utils.data.IterableDataset):
             group, position = self.layout.slot(rank)
             row = block[group][position] if group < len(block) else PackedRow()
             yield row_item(row, lambda tokens: tokens, self.config.pad_token_id)
+
+
+STREAM_HEAD_DOCUMENTS = 8
+"""Documents at a stream's start that ``stream_head_crc`` reads."""
+
+
+def stream_head_crc(documents, *, count: int = STREAM_HEAD_DOCUMENTS) -> int | None:
+    """A CRC32 of the first ``count`` documents of the stream ``documents`` (their token ids and lengths, in
+    order), read from a fresh iterator: what ranks compare to learn that they read one stream
+    (``StreamingPackedDataset``: each reads it whole and keeps its share, so all must read the same
+    documents in the same order). ``None`` for a one-shot iterator (a generator), which reading would
+    consume. A shuffled ``datasets`` stream fills its shuffle buffer to give its first document."""
+    if iter(documents) is documents:
+        return None
+    crc = 0
+    for index, document in enumerate(itertools.islice(documents, count)):
+        tokens = np.asarray(tokens_of(document, what=f"document {index} of the stream"), dtype=np.int64)
+        crc = zlib.crc32(tokens.tobytes(), zlib.crc32(np.int64(tokens.size).tobytes(), crc))
+    return crc
 
 
 def is_streaming(dataset) -> bool:
