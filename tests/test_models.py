@@ -337,7 +337,11 @@ SPREAD_FIELDS = {  # model_type -> config fields beyond the common tiny ones
     "gpt_neox": dict(rotary_pct=0.5),
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0),
     "mixtral": dict(num_local_experts=2),
-    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # its layers hand the attention no sliding_window=: the window (layer 0's) is read from the module
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    # nor do PhiMoE's: every layer slides (no layer_types), as its mask says
+    "phimoe": dict(num_local_experts=2, sliding_window=4, router_jitter_noise=0.0, input_jitter_noise=0.0),
     "exaone4": dict(sliding_window=4),
     "glm": dict(head_dim=8),
 }

@@ -394,6 +394,17 @@ def _trigger_refusal(what: str):
         model = tiny_model("llama")
         model.model.layers[0].self_attn.is_causal = False
         model(input_ids=ids)
+    elif what.startswith("masks that let tokens attend beyond causal order"):
+        model, inputs = _gemma3_with_an_image()
+        model(**inputs)
+    elif what.startswith("a `config.sliding_window` that the layers do not use"):
+        from transformers import MistralConfig
+        from transformers.masking_utils import causal_mask_function
+
+        from distca_hf.hf.mask import distca_mask
+
+        distca_mask(1, q_length=4, kv_length=4, mask_function=causal_mask_function,
+                    config=MistralConfig(sliding_window=4))
     elif what.startswith("custom 4D masks"):
         tiny_model("llama")(input_ids=ids, attention_mask=torch.zeros(1, 1, 10, 10))
     elif what.startswith("static (pre-allocated) KV caches"):
@@ -410,6 +421,66 @@ def _trigger_refusal(what: str):
             model(input_ids=ids[:, 5:6], use_cache=True, **{cache_argument(model): cache})
     else:
         raise AssertionError(f"no trigger for the refusal {what!r}: add one here")
+
+
+def _gemma3_with_an_image():
+    """A tiny Gemma 3 VLM, its text model on distca, its vision tower on eager, and one row holding an
+    image of 4 tokens (``token_type_ids`` 1), which HF's mask lets attend to each other both ways."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=64,
+                            max_position_embeddings=256, pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=16, patch_size=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                        image_token_index=90, boi_token_index=91,
+                                                        eoi_token_index=92)).eval()
+    model.set_attn_implementation({"text_config": "distca", "vision_config": "eager", "": "eager"})
+    ids = torch.tensor([[5, 6, 91, 90, 90, 90, 90, 92, 7, 8, 9]])
+    return model, dict(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), token_type_ids=(ids == 90).long(),
+                       attention_mask=torch.ones_like(ids))
+
+
+def test_mask_functions_are_read_for_what_distca_applies_itself_and_refused_beyond_it():
+    """``mask_shape`` reads transformers' composed mask functions: causal, a sliding window, chunks,
+    padding and packed documents are what distca applies itself; image blocks that attend both ways
+    are refused (they were computed causally, silently), blocks of none (all -1: text) are not, a
+    pattern of a model's own is refused, never dropped, and a bidirectional mask is left to the layers
+    (the Bart family's ``ForCausalLM`` builds one for its cross-attention)."""
+    from transformers import masking_utils as hf
+
+    from distca_hf.hf.mask import mask_shape
+
+    padding = hf.padding_mask_function(torch.ones(1, 8, dtype=torch.bool))
+    assert mask_shape(hf.causal_mask_function) == (None, None)
+    assert mask_shape(hf.and_masks(hf.sliding_window_causal_mask_function(4), padding)) == (4, None)
+    assert mask_shape(hf.chunked_causal_mask_function(5, torch.zeros(1, dtype=torch.long))) == (None, 5)
+    if hasattr(hf, "blockwise_overlay"):  # (transformers 5.24; 5.0 gives image tokens as a function of its own)
+        text = hf.blockwise_overlay(torch.full((1, 8), -1))
+        assert mask_shape(hf.or_masks(hf.causal_mask_function, text)) == (None, None)
+        image = hf.blockwise_overlay(torch.tensor([[-1, -1, 0, 0, 0, -1, -1, -1]]))
+        with pytest.raises(UnsupportedAttentionError, match="attend beyond causal order"):
+            mask_shape(hf.and_masks(hf.or_masks(hf.causal_mask_function, image), padding))
+    with pytest.raises(UnsupportedAttentionError, match="attend beyond causal order"):
+        mask_shape(hf.or_masks(hf.causal_mask_function, lambda b, h, q, kv: q >= 0))
+    with pytest.raises(UnsupportedAttentionError, match="a pattern distca does not know"):
+        mask_shape(hf.and_masks(hf.causal_mask_function, lambda b, h, q, kv: kv > 0))
+    assert mask_shape(hf.bidirectional_mask_function) is None  # an encoder's: refused where a layer runs it
+
+
+def test_gemma3_text_rows_are_exact_and_rows_with_an_image_refused():
+    """The text model of a Gemma 3 VLM on distca: a row without an image equals eager; a row with one
+    is refused (its image tokens attend to each other both ways in HF's mask)."""
+    model, inputs = _gemma3_with_an_image()
+    with pytest.raises(UnsupportedAttentionError, match="attend beyond causal order"):
+        model(**inputs)
+    text = dict(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]))
+    with torch.no_grad():
+        ours = model(**text).logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(ours, model(**text).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_recurrent_families_and_layers_that_drop_cu_seq_lens_are_refused_packed():

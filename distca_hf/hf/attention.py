@@ -23,7 +23,7 @@ import torch
 
 from ..errors import UnsupportedAttentionError
 from ..kernels import AttentionVariant, varlen_causal_attention
-from ..runtime import context_for_call, dispatched_attention
+from ..runtime import context_for_call, dispatched_attention, layer_window
 from ..state import warn_once
 from .model_inputs import MODEL_DOCUMENTS, document_arguments
 
@@ -220,7 +220,8 @@ def distca_attention_forward(
     context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
                                kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim,
                                model_contexts=model_forward.contexts if model_forward is not None else None)
-    variant = AttentionVariant(kwargs.get("sliding_window"), kwargs.get("softcap"), chunk)
+    # the window the model hands the interface, else the one its mask applies (PhiMoE, Qwen2-MoE hand none)
+    variant = AttentionVariant(kwargs.get("sliding_window") or layer_window(module), kwargs.get("softcap"), chunk)
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, value_dim)

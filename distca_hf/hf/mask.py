@@ -3,6 +3,14 @@
 Without one, transformers passes ``attention_mask=None`` even for padded batches. Ours hands the 2D
 padding mask through untouched, because the document structure is found by the attention function,
 not in a dense ``[seq, seq]`` mask.
+
+What transformers asks for is read from the ``mask_function`` it composes (``masking_utils``'
+``and_masks`` / ``or_masks`` of causal, sliding-window, chunked, padding and packed-sequence
+functions), because distca applies causality, windows and chunks itself and must not drop anything
+else: ``mask_shape`` refuses a mask that lets some tokens attend beyond causal order (Gemma 3's
+bidirectional image tokens, a prefix-LM's prefix) or restricts attention in a way distca does not
+know, and a plain causal mask built for a model whose ``config.sliding_window`` distca would apply to
+every layer (Moshi keeps a ``sliding_window`` its layers do not use).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import torch
 from ..errors import DocumentBoundaryError
 from .attention import UnsupportedAttentionError
 
-__all__ = ["distca_mask"]
+__all__ = ["distca_mask", "mask_shape"]
 
 
 def distca_mask(
@@ -30,6 +38,8 @@ def distca_mask(
     (bool) when some token is padding, else ``None``. Causality, documents and sliding windows are
     handled by the attention function itself. Transformers' early 5.x releases give the queries'
     positions (``cache_position``, ``[q_length]``) instead of ``q_length`` and ``q_offset``."""
+    if mask_function is not None:
+        _check_mask_function(mask_function, kwargs.get("config"))
     if q_length is None:
         if cache_position is None or kv_length is None:
             raise TypeError("distca_mask needs kv_length and either q_length (transformers' current mask interface) "
@@ -61,3 +71,117 @@ def _refuse_unfilled_keys(kv_length: int, filled: int, attention_mask) -> None:
         f"distca does not support static (pre-allocated) KV caches: the cache holds {kv_length} slots "
         f"but only {filled} are filled; use the default dynamic cache (no cache_implementation='static')"
     )
+
+
+# masking_utils' composers and leaves, by the name of the function that made them (``<name>.<locals>``)
+_COMBINED = {"and_masks": all, "or_masks": any}
+_WRAPPERS = ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function")  # q/kv index changes only
+_DOCUMENTS_AND_PADDING = ("padding_mask_function", "packed_sequence_mask_function")  # distca finds both itself
+
+
+def _maker(function) -> str:
+    name = getattr(function, "__qualname__", "") or ""
+    return name.split(".<locals>", 1)[0]
+
+
+def _cell(function, name: str):
+    """The value of the free variable ``name`` of a closure (what its factory was given)."""
+    names = function.__code__.co_freevars
+    return function.__closure__[names.index(name)].cell_contents
+
+
+def mask_shape(mask_function) -> tuple[int | None, int | None] | None:
+    """``(sliding window, chunk size)`` (``None``: none) of a transformers ``mask_function`` that is
+    causal attention, restricted only by a sliding window, attention chunks, padding and packed
+    documents (what distca applies itself); ``None`` for a mask that is not causal at all (a
+    bidirectional one, built for an encoder or a cross-attention: distca refuses non-causal layers
+    where they run, ``is_causal=False``); an ``UnsupportedAttentionError`` naming what else it
+    holds: attention beyond causal order (an ``or_masks`` that adds pairs: image tokens attending to
+    each other both ways, a bidirectional prefix) or an unknown restriction."""
+    shape = _read(mask_function)
+    if shape["adds"]:
+        raise UnsupportedAttentionError(
+            f"distca computes causal attention only, but this model's mask lets some tokens attend beyond causal order "
+            f"({shape['adds']}: bidirectional attention among image tokens or a prefix, token_type_ids / "
+            "block_sequence_ids); train with attn_implementation='sdpa' or 'eager', or without those tokens")
+    if not shape["causal"]:  # (an encoder's or a cross-attention's: distca refuses the layers that would use it)
+        return None
+    return shape["window"], shape["chunk"]
+
+
+def _read(function) -> dict:
+    """What ``function`` allows: ``causal`` (at most causal pairs), the ``window`` / ``chunk`` that restrict
+    it, ``adds`` (a description of pairs it allows beyond causal order, or ``None``)."""
+    import transformers.masking_utils as hf
+
+    maker = _maker(function)
+    if function is hf.causal_mask_function:
+        return {"causal": True, "window": None, "chunk": None, "adds": None, "neutral": False}
+    if function is hf.bidirectional_mask_function:  # every pair: restricted by nothing causal, it is not causal
+        return {"causal": False, "window": None, "chunk": None, "adds": None, "neutral": False}
+    if maker in _COMBINED:
+        if maker == "or_masks":  # a pattern of the model's own in a union (transformers 5.0's token types) adds pairs
+            parts = [_read_or_adds(f) for f in _cell(function, "mask_functions")]
+        else:
+            parts = [_read(f) for f in _cell(function, "mask_functions")]
+        if maker == "or_masks":  # a union: pairs that add nothing beyond causal order (no image block) drop out
+            parts = [p for p in parts if not p["neutral"]] or parts[:1]
+            if len(parts) > 1:
+                return {"causal": True, "window": None, "chunk": None, "neutral": False,
+                        "adds": next((p["adds"] for p in parts if p["adds"]), "or_masks of several patterns")}
+            return parts[0]
+        causal = [p for p in parts if p["causal"]]  # an intersection with plain causal attention adds nothing
+        plain = any(not p["adds"] for p in causal)
+        return {"causal": bool(causal), "window": _narrowest(p["window"] for p in parts),
+                "chunk": next((p["chunk"] for p in parts if p["chunk"]), None), "neutral": False,
+                "adds": None if plain else next((p["adds"] for p in parts if p["adds"]), None)}
+    if maker in _WRAPPERS:
+        return _read(_cell(function, "mask_function"))
+    if maker == "sliding_window_overlay":
+        return {"causal": False, "window": int(_cell(function, "sliding_window")), "chunk": None, "adds": None,
+                "neutral": False}
+    if maker == "chunked_overlay":
+        return {"causal": False, "window": None, "chunk": int(_cell(function, "chunk_size")), "adds": None,
+                "neutral": False}
+    if maker in _DOCUMENTS_AND_PADDING:
+        return {"causal": False, "window": None, "chunk": None, "adds": None, "neutral": False}
+    if maker == "blockwise_overlay":  # image blocks attend to themselves both ways; -1: text, causal
+        blocks = _cell(function, "block_sequence_ids")
+        if not bool((blocks >= 0).any()):
+            return {"causal": True, "window": None, "chunk": None, "adds": None, "neutral": True}
+        return {"causal": True, "window": None, "chunk": None, "adds": "blockwise_overlay of image blocks",
+                "neutral": False}
+    raise UnsupportedAttentionError(
+        f"this model's attention mask holds a pattern distca does not know ({maker or function!r}); distca applies "
+        "causality, sliding windows and chunks itself and would drop it: use attn_implementation='sdpa' or 'eager'")
+
+
+def _read_or_adds(function) -> dict:
+    try:
+        return _read(function)
+    except UnsupportedAttentionError:
+        return {"causal": True, "window": None, "chunk": None, "adds": _maker(function) or repr(function),
+                "neutral": False}
+
+
+def _narrowest(windows) -> int | None:
+    windows = [w for w in windows if w]
+    return min(windows) if windows else None
+
+
+def _check_mask_function(mask_function, config) -> None:
+    """``mask_shape``'s refusals, and a plain causal mask for a model whose ``config.sliding_window``
+    distca would apply to every layer (``widest_window``: no ``layer_types``), which its layers then
+    do not use."""
+    from .attention import widest_window
+
+    shape = mask_shape(mask_function)
+    if shape is None:
+        return
+    window, chunk = shape
+    if window is None and chunk is None and config is not None and not getattr(config, "layer_types", None) \
+            and widest_window(config) is not None:
+        raise UnsupportedAttentionError(
+            f"{type(config).__name__} sets sliding_window={config.sliding_window}, "
+            "but the model builds full causal masks for its layers: distca would slide every layer. Set config.sliding_window=None (or "
+            "config.layer_types to what each layer uses)")

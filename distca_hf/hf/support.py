@@ -38,7 +38,8 @@ TESTED_MODEL_TYPES = {
     "phi3": "exact (fused qkv projection)",
     "glm": "exact (partial rotary)",
     "mixtral": "exact (MoE)",
-    "qwen2_moe": "exact (MoE with shared expert)",
+    "qwen2_moe": "exact (MoE with shared expert; sliding and full layers, its window given by its mask)",
+    "phimoe": "exact (MoE; a sliding window on every layer, given by its mask)",
     "exaone4": "exact (sliding and full layers)",
 }
 
@@ -156,6 +157,12 @@ REFUSALS = (
             "servers; fine at evaluation", "distca_hf.hf.attention", "does not support attention dropout"),
     Refusal("non-causal attention (encoders, `is_causal=False`)", "CA-tasks are defined by the causal prefix",
             "distca_hf.hf.attention", "computes causal attention only"),
+    Refusal("masks that let tokens attend beyond causal order (Gemma 3's image tokens, which attend to each "
+            "other both ways; bidirectional prefixes)", "distca computes the causal prefix of every query; "
+            "text-only rows of those models are exact", "distca_hf.hf.mask", "attend beyond causal order"),
+    Refusal("a `config.sliding_window` that the layers do not use (Moshi)", "distca would slide every layer of a "
+            "config without `layer_types`, while the model builds full causal masks; set `sliding_window=None`",
+            "distca_hf.hf.mask", "but the model builds full causal masks"),
     Refusal("custom 4D masks, block masks", "pass `position_ids`, `cu_seq_lens` or a 2D padding mask",
             "distca_hf.planning.documents", "custom 4D"),
     Refusal("static (pre-allocated) KV caches", "unfilled slots cannot be told from keys; the default dynamic cache "

@@ -22,8 +22,9 @@
 from .agree import DistCAPeerError
 from .comm import DistCATimeoutError
 from .context import ForwardContext, PlanStats, pinned_forward, plan_stats
-from .forward import begin_decoding, context_for_call, decoding, end_decoding, is_decoding
+from .forward import begin_decoding, context_for_call, decoding, end_decoding, is_decoding, layer_window
 from .wave_schedule import dispatched_attention
 
 __all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "begin_decoding",
-           "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "pinned_forward", "plan_stats"]
+           "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "layer_window",
+           "pinned_forward", "plan_stats"]

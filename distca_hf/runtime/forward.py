@@ -59,7 +59,7 @@ from .shared_planning import plan_across_ranks
 from .tables import DispatchCounters, LocalDocuments
 from .timeline import in_backward
 
-__all__ = ["CallInputs", "context_for_call", "plan_batch", "distributed_group_size", "begin_decoding", "end_decoding",
+__all__ = ["CallInputs", "context_for_call", "layer_window", "plan_batch", "distributed_group_size", "begin_decoding", "end_decoding",
            "decoding", "is_decoding"]
 
 
@@ -335,6 +335,28 @@ EXPOSED_COMM = {"none": 1.0, "wave": 0.5, "pingpong": 0.5}
 """Fraction of the dispatch's communication time ``tolerance="auto"`` counts as not hidden, per
 overlap mode: all of it without overlap; half with ``wave`` or ``pingpong`` (a conservative guess
 below the overlap fractions ``distca-hf bench --overlap`` measures)."""
+
+
+def layer_window(module) -> int | None:
+    """The sliding window (keys per query, HF's ``sliding_window``) of an HF attention ``module``'s layer,
+    ``None`` for whole prefixes: ``module.sliding_window`` where the module has one (Mistral, Qwen2,
+    Gemma 2/3; Qwen2-MoE on its sliding layers only), else ``config.sliding_window`` when
+    ``config.layer_types`` calls the layer ``"sliding_attention"`` or lists no types (PhiMoE: its mask
+    windows every layer), as ``hf.widest_window`` reads the config. Families such as PhiMoE and
+    Qwen2-MoE never hand ``sliding_window=`` to the attention interface: their eager windows through the
+    mask (``create_sliding_window_causal_mask``), which distca replaces, so the window is read here."""
+    window = getattr(module, "sliding_window", None)
+    if window is not None or hasattr(module, "sliding_window"):
+        return int(window) if window else None
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_types and (index is None or index >= len(layer_types) or layer_types[index] != "sliding_attention"):
+        return None
+    return int(window)
 
 
 def tiles_hold_for(module) -> bool:

@@ -62,7 +62,7 @@ from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1
 from ..state import warn_once
 from .agree import PATH_PLAIN, agree
 from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
-from .forward import CallInputs, plan_batch, tiles_hold_for
+from .forward import CallInputs, layer_window, plan_batch, tiles_hold_for
 
 __all__ = ["PIPELINE_SCHEDULES", "LockstepCAD1F1B", "build_pipeline_schedule", "check_micro_batches"]
 
@@ -224,7 +224,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
             config = getattr(module, "config", None) or self._model_config()  # the whole model's (layer_idx is global)
             layer_types = getattr(config, "layer_types", None) or ()
             kind = layer_types[index] if index < len(layer_types) else "full_attention"
-            layout.append((kind, getattr(module, "scaling", None), getattr(module, "sliding_window", None),
+            layout.append((kind, getattr(module, "scaling", None), layer_window(module),
                            getattr(config, "attn_logit_softcapping", None), getattr(module, "head_dim", None),
                            getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)))
         return zlib.crc32(repr(layout).encode()) if len(layout) > 1 else -1
@@ -245,7 +245,7 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         ``kv_window``) and a key-split plan runs only at its own window (``phases.check_layer_window``).
         The same on every rank: the config is the whole model's, and the stages' windows are part of
         ``_attention_layout``, which ``_read_payloads`` requires equal."""
-        windows = [getattr(m, "sliding_window", None) for m in self._stage.submod.modules()
+        windows = [layer_window(m) for m in self._stage.submod.modules()
                    if getattr(m, "layer_idx", None) is not None and type(m).__name__.endswith("Attention")]
         return tiles_hold_for(types.SimpleNamespace(config=self._model_config())) and \
             all(w is None for w in windows)
