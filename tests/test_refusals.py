@@ -220,7 +220,7 @@ def test_the_mask_function_takes_both_of_transformers_mask_signatures():
 def test_models_that_ignore_the_attention_interface_are_refused_at_load():
     """Bloom computes attention in its own code: with "distca" its packed documents would attend to
     each other without a word, so choosing "distca" for it raises, naming the model (plain
-    transformers, no Trainer)."""
+    transformers, no Trainer); so does GIT, whose layers look the implementation up in a table."""
     from transformers import BloomConfig
 
     config = lambda: BloomConfig(n_layer=1, hidden_size=32, n_head=4, vocab_size=VOCAB)
@@ -228,6 +228,13 @@ def test_models_that_ignore_the_attention_interface_are_refused_at_load():
         AutoModelForCausalLM.from_config(config(), attn_implementation="distca")
     assert AutoModelForCausalLM.from_config(config()).config._attn_implementation == "eager"  # others unaffected
     assert tiny_model("llama").config._attn_implementation == "distca"
+    # GIT passes transformers' check but picks its attention class from a table of its own ("eager" only):
+    # a bare KeyError('distca') deep in its constructor before
+    from transformers import GitConfig
+
+    git = GitConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(UnsupportedAttentionError, match="GitForCausalLM computes attention in its own code"):
+        AutoModelForCausalLM.from_config(git, attn_implementation="distca")
 
 
 def test_dropout_hint_names_the_models_own_field():

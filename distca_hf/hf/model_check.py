@@ -56,6 +56,18 @@ def refuse_sparse_attention(model) -> None:
             f"prefix. Use another attn_implementation for {type(model).__name__}")
 
 
+def _attention_classes_by_name(model_class, implementation: str) -> bool:
+    """Whether ``model_class``'s modeling module picks its attention class from a table keyed by
+    implementation names (``GIT_SELF_ATTENTION_CLASSES = {"eager": ...}``) that lacks
+    ``implementation``: the model passes transformers' check, then fails building its layers with a
+    bare ``KeyError``."""
+    import sys
+
+    module = sys.modules.get(model_class.__module__)
+    return any(name.endswith("ATTENTION_CLASSES") and isinstance(table, dict) and "eager" in table
+               and implementation not in table for name, table in vars(module or object).items())
+
+
 def refuse_models_that_ignore_the_interface(implementation: str) -> None:
     """Wrap ``PreTrainedModel.get_correct_attn_implementation`` so that choosing ``implementation``
     for a model that does not use the attention interface raises ``UnsupportedAttentionError``
@@ -74,7 +86,8 @@ def refuse_models_that_ignore_the_interface(implementation: str) -> None:
             watch_decoding(self, implementation)  # a forward given a KV cache computes on its own rank
         if chosen == implementation:
             refuse_sparse_attention(self)
-        if chosen == implementation and not uses_attention_interface(type(self)):
+        if chosen == implementation and (not uses_attention_interface(type(self))
+                                         or _attention_classes_by_name(type(self), implementation)):
             name = type(self).__name__
             raise UnsupportedAttentionError(
                 f"{name} computes attention in its own code instead of through transformers' AttentionInterface, so "
