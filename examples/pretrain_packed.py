@@ -76,7 +76,9 @@ def main(argv=None) -> int:
     while step < args.max_steps:
         for batch in loader:
             start = time.perf_counter()
-            labels = batch["labels"][..., 1:].ne(-100).sum()
+            # every token's target (the collator's shift_labels: right also when a document goes on in the
+            # next rank's row, span_ranks=True, where labels[..., 1:] would miss the row's last target)
+            labels = batch["shift_labels"].ne(-100).sum()
             label_tokens = accelerator.reduce(labels, reduction="sum")  # all ranks' label tokens
             # HF's causal-LM loss with num_items_in_batch is sum / num_items_in_batch; times the world size
             # because DDP / DeepSpeed average gradients over ranks.
