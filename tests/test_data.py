@@ -391,6 +391,40 @@ def test_load_documents_from_files_and_streams(tmp_path):
         load_documents(str(bad), tokenizer)
 
 
+def test_load_documents_keeps_what_masks_and_adds_one_eos(tmp_path):
+    """Token ids whose labels mask a prompt (or whose attention_mask pads) are refused, not stripped to
+    input_ids and trained whole; a stream keeps those columns for packing to refuse as it reads. A
+    text that already ends with the end token gets no second one, and a tokenizers.Tokenizer adds no
+    special tokens of its post-processor, as a transformers tokenizer (add_special_tokens=False)."""
+    import datasets
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    masked = {"input_ids": [[5, 6, 7, 8]], "labels": [[-100, -100, 7, 8]]}
+    with pytest.raises(ValueError, match="row 0 has 'labels' that differ from its 'input_ids'"):
+        load_documents(datasets.Dataset.from_dict(masked))
+    with pytest.raises(ValueError, match="has an 'attention_mask' with padding"):
+        load_documents(datasets.Dataset.from_dict({"input_ids": [[5, 6, 0]], "attention_mask": [[1, 1, 0]]}))
+    assert load_documents(datasets.Dataset.from_dict({"input_ids": [[5, 6]], "labels": [[5, 6]]})).column_names == \
+        ["input_ids"]  # labels equal to the ids mask nothing
+    path = tmp_path / "masked.jsonl"
+    path.write_text(json.dumps({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}))
+    streamed = load_documents(str(path), streaming=True)
+    with pytest.raises(ValueError, match="has 'labels' that differ"):
+        list(StreamingPackedDataset(streamed, PackingConfig(tokens_per_rank=8)))
+
+    texts = ["alpha beta gamma", "delta<eos>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                             show_progress=False))
+    eos = tokenizer.token_to_id("<eos>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", eos)])
+    plain = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    assert plain[1][-1] == eos  # the second text ends with the token already
+    documents = load_documents(datasets.Dataset.from_dict({"text": texts}), tokenizer, eos_token_id=eos)
+    assert [d["input_ids"] for d in documents] == [plain[0] + [eos], plain[1]]
+
+
 def test_document_errors_are_one_line_that_names_the_flag(tmp_path, monkeypatch):
     import datasets
 

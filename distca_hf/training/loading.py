@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ..config import INT32_MAX as MAX_COUNT, is_integer
+from .packing import MASKING_COLUMNS, is_streaming, refuse_masks
 
 __all__ = ["DocumentSourceError", "MissingDocumentsError", "load_documents", "looks_like_hub_name", "open_dataset",
            "tokenize"]
@@ -43,7 +44,10 @@ def looks_like_hub_name(source: str) -> bool:
 def load_documents(source, tokenizer=None, *, split: str = "train", text_column: str = "text",
                    streaming: bool = False, add_eos: bool | None = None, eos_token_id: int | None = None,
                    flags: dict | None = None, **load_kwargs):
-    """Token-id documents as a ``datasets`` dataset with a single ``input_ids`` column.
+    """Token-id documents as a ``datasets`` dataset with a single ``input_ids`` column. Documents given
+    as token ids whose ``labels``, ``attention_mask`` or ``position_ids`` say something packing would
+    lose (a masked prompt, padding) are refused (``packing.refuse_masks``); a stream keeps those
+    columns, and packing refuses such a row as it reads it.
 
     Args:
         source: a ``datasets.Dataset`` / ``IterableDataset``; a local file (``.json``, ``.jsonl``,
@@ -53,7 +57,8 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
             already has ``input_ids``.
         text_column: the text to tokenize.
         streaming: read lazily (an ``IterableDataset``; pack it with ``StreamingPackedDataset``).
-        add_eos: append the end-of-sequence token to every document (``None``: yes for text). Text only:
+        add_eos: append the end-of-sequence token to every document that does not end with it already
+            (``None``: yes for text; a ``tokenizers.Tokenizer``'s post-processor adds nothing). Text only:
             documents given as token ids are kept as they are, and ``add_eos=True``, ``text_column`` or
             ``eos_token_id`` given with them is refused.
         eos_token_id: that token (default: the tokenizer's ``eos_token_id``).
@@ -78,7 +83,14 @@ def load_documents(source, tokenizer=None, *, split: str = "train", text_column:
         if given:
             raise DocumentSourceError(f"{' and '.join(given)}: the documents already hold token ids (an 'input_ids' "
                                       "column), which are kept as they are; these apply to text only: drop them")
-        return dataset.select_columns(["input_ids"])
+        # masked labels, padding or positions of their own would be dropped with the other columns and their
+        # tokens trained: refused now (a stream keeps those columns, whose rows packing checks as it reads)
+        masking = [c for c in MASKING_COLUMNS if c in columns]
+        if not is_streaming(dataset):
+            named = source if isinstance(source, (str, Path)) else type(source).__name__
+            refuse_masks(dataset, f"{_flag(flags, 'source')} {named}")
+            masking = []
+        return dataset.select_columns(["input_ids", *masking])
     return tokenize(dataset, tokenizer, text_column=text_column, add_eos=add_eos, eos_token_id=eos_token_id,
                     flags=flags)
 
@@ -212,12 +224,13 @@ def tokenize(dataset, tokenizer, *, text_column: str = "text", add_eos: bool | N
             if not isinstance(text, str):  # the tokenizer's own error named neither the row nor the column
                 raise DocumentSourceError(f"{_flag(flags, 'text_column')} {text_column}: every document must be text, "
                                           f"got {type(text).__name__} {text!r}")
-        return {"input_ids": [ids + suffix for ids in encode(texts)]}
+        # a text that already ends with the token keeps one (as TRL's add_eos)
+        return {"input_ids": [ids + suffix if ids[-1:] != suffix else ids for ids in encode(texts)]}
 
     return dataset.map(encode_batch, batched=True, remove_columns=columns)
 
 
 def _batch_encoder(tokenizer):
-    if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer
-        return lambda texts: [e.ids for e in tokenizer.encode_batch(texts)]
+    if hasattr(tokenizer, "encode_batch"):  # tokenizers.Tokenizer: no post-processor's tokens, as transformers' below
+        return lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
     return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
