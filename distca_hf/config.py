@@ -351,7 +351,7 @@ class DistCAConfig:
         help="seconds a distca collective may wait for a peer before raising DistCATimeoutError (from 0.001, torch's "
              "millisecond, to 1e9, about 31 years: longer waits overflow datetime.timedelta)")
     mode: str = setting(
-        "distca", parse=_choice(MODES), check=_one_of(MODES), agree=False,
+        "distca", parse=_choice(MODES), check=_one_of(MODES),
         help="'distca' redistributes attention; 'colocated' runs each rank's own documents with the same kernel "
              "and no communication (the baseline of distca-hf bench)")
     servers: tuple[int, ...] | None = setting(

@@ -243,9 +243,10 @@ def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def train_once(mode: str, data, packing_args, distca_args, training_args, *, repeat: int = 0,
+def train_once(mode: str | None, data, packing_args, distca_args, training_args, *, repeat: int = 0,
                pipeline_parallel_size: int | None = None):
-    """Train one run with ``mode``, then evaluate it and save it to ``training_args.output_dir``;
+    """Train one run with ``mode`` (``None``: as the distca settings say, ``--mode`` or a ``distca:``
+    section's ``mode:``, else ``distca``), then evaluate it and save it to ``training_args.output_dir``;
     ``repeat > 0``: a timing repeat of a run already made (its header names the repeat, its table
     and packing line are not printed, nothing is evaluated or saved). Returns ``(step table, eval
     metrics, trainer)``."""
@@ -257,7 +258,7 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
     tokenizer, documents, eval_documents, make_model = data
     # the colocated run of a comparison plans nothing: the planner's flags are the distca run's
     unplanned = dict.fromkeys(PLANNER_ONLY_SETTINGS) if mode == "colocated" else {}
-    plugin = distca_args.plugin(mode=mode, **unplanned, **({"pipeline_parallel_size": pipeline_parallel_size}
+    plugin = distca_args.plugin(**({"mode": mode} if mode else {}), **unplanned, **({"pipeline_parallel_size": pipeline_parallel_size}
                                                            if pipeline_parallel_size else {}))
     # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
     # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
@@ -267,7 +268,7 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
     main_process = training_args.process_index == 0
     if main_process:  # the run's header first, then what it is about to do
         again = f" (timing repeat {repeat + 1})" if repeat else ""
-        print(f"\n== {mode}{again}: {training_args.max_steps} steps on {_ranks(world)} ==", flush=True)
+        print(f"\n== {plugin.resolved().mode}{again}: {training_args.max_steps} steps on {_ranks(world)} ==", flush=True)
     trainer = DistCATrainer(
         model=make_model(world), args=training_args, train_dataset=documents, eval_dataset=eval_documents,
         processing_class=tokenizer, distca_plugin=plugin, callbacks=[table],
@@ -280,7 +281,7 @@ def train_once(mode: str, data, packing_args, distca_args, training_args, *, rep
         if not streaming:  # a stream's report fills as it is read: printed after training
             print(f"packing: {trainer.packing_reports['train']}", flush=True)
         config = trainer.distca.config
-        balance = ("colocated (no query moves)" if mode == "colocated"
+        balance = ("colocated (no query moves)" if config.mode == "colocated"
                    else f"{config.mode}, tolerance {config.tolerance}")
         print(f"distca: {balance}, overlap {config.overlap}, server group {list(trainer.distca.server_ranks)} of "
               f"{_ranks(trainer.distca.topology.world_size)}", flush=True)
@@ -377,8 +378,8 @@ def main(argv=None) -> int:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
         return 2
     if not comparison.compare_colocated:
-        mode = distca_args.mode or "distca"
-        train_once(mode, data, packing_args, distca_args, training_args,
+        # (the flag only when given: a distca: section's mode applies otherwise, as every setting's)
+        train_once(distca_args.mode, data, packing_args, distca_args, training_args,
                    pipeline_parallel_size=model_args.pipeline_parallel_size)
         return 0
     base = training_args.output_dir

@@ -269,6 +269,14 @@ def _agreement_worker(rank, world):
     distca_hf.configure(tolerance=0.3 if rank == 1 else 0.02)
     report["settings"] = outcome(lambda: mistral(input_ids=torch.arange(6)[None]))
     distca_hf.reset_config()
+    # d2. one rank colocated, the other distca, a document spanning both: their exchanges would not match
+    distca_hf.configure(mode="colocated" if rank == 0 else "distca", span_ranks=True)
+    try:
+        mistral(input_ids=torch.arange(6)[None], position_ids=torch.arange(6)[None] + 6 * rank)
+        report["modes"] = "ok"
+    except ValueError as e:  # (a gloo size mismatch that killed a rank, or a timeout, before)
+        report["modes"] = str(e)
+    distca_hf.reset_config()
     # e. generation on every rank, different prompts and lengths: each rank generates alone
     llama = tiny_model("llama").eval()
     prompt = torch.randint(1, 96, (1, 9 if rank == 0 else 4), generator=g)
@@ -309,6 +317,7 @@ def test_ranks_agree_on_every_decision(tmp_path):
         assert report["mixed_err"] < 1e-5
         assert report["window"] == "ok"
         assert report["settings"] == "ValueError"
+        assert "ranks use different settings" in report["modes"] and "mode" in report["modes"]
         assert report["generate_equal"]
         assert report["shifted_err"] < 1e-5
     assert r1["invalid"] == "DocumentBoundaryError" and r0["invalid"] == "DistCAPeerError"

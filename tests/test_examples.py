@@ -226,3 +226,17 @@ def test_pipeline_stages_need_a_multiple_of_the_stages_in_processes(tmp_path, ca
     assert example.main(["--output_dir", str(tmp_path), "--pipeline_parallel_size", "2"]) == 2
     err = capsys.readouterr().err
     assert "error: world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1" in err
+
+
+def test_a_distca_section_mode_is_the_runs_unless_the_flag_says_otherwise(tmp_path, capsys):
+    """``mode:`` in the ``--distca_config`` file applies (the example passed ``mode="distca"`` in code
+    whenever ``--mode`` was left out, which beat the file without a word)."""
+    settings = tmp_path / "distca.yaml"
+    settings.write_text("distca:\n  mode: colocated\n")
+    common = ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--tokens_per_rank", "256",
+              "--eval_documents", "0", "--save_strategy", "no", "--report_to", "none", "--distca_config", str(settings)]
+    assert example.main(common) == 0
+    out = capsys.readouterr().out
+    assert "== colocated: 1 steps on 1 rank ==" in out and "distca: colocated (no query moves)" in out
+    assert example.main([*common, "--mode", "distca"]) == 0  # the flag beats the file
+    assert "== distca: 1 steps on 1 rank ==" in capsys.readouterr().out
