@@ -69,8 +69,15 @@ def test_a_missing_or_folder_config_file_is_named_before_launching(tmp_path, mon
     import subprocess
 
     seen = []
-    monkeypatch.setattr(subprocess, "call", lambda argv, env: seen.append(argv) or 0)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: seen.append((argv, env)) or 0)
     assert main(["--config_file", str(good), "-m", "mypkg.train", "--config_file", "model.yaml"]) == 0 and seen
+    # ... nor taken for accelerate's when accelerate is given none: the module gets its file untouched and
+    # distca reads no settings from it (it was rewritten and read as the job's config file)
+    monkeypatch.delenv("DISTCA_CONFIG_FILE", raising=False)
+    seen.clear()
+    assert main(["--num_processes", "1", "-m", "mypkg.train", "--config_file", "model.yaml"]) == 0
+    (argv, env), = seen
+    assert argv[-4:] == ["-m", "mypkg.train", "--config_file", "model.yaml"] and "DISTCA_CONFIG_FILE" not in env
 
 
 @pytest.mark.distributed

@@ -25,8 +25,21 @@ __all__ = ["CONFIG_FILE_VARIABLE", "main", "split_config"]
 
 CONFIG_FILE_VARIABLE = "DISTCA_CONFIG_FILE"
 
-SCRIPT_FLAGS = ("-m", "--module", "--no_python", "--no-python")
-"""accelerate launch's flags after which the job's own arguments may begin (a module, a program)."""
+def launcher_arguments(argv: list[str]) -> list[str]:
+    """accelerate launch's own arguments in ``argv``: those before the job's script, module (``-m``) or
+    program (``--no_python``), as accelerate's parser reads them, so that a module's own
+    ``--config_file`` is left to it. All of ``argv`` when accelerate would refuse it (it then says why)."""
+    import contextlib
+    import io
+
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = launch_command_parser().parse_args(argv)
+    except SystemExit:
+        return argv
+    return argv[:len(argv) - len(parsed.training_script_args) - 1]
 
 
 def split_config(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -44,16 +57,15 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    found = find_flag(argv, "config_file")
+    own = launcher_arguments(argv)
+    found = find_flag(own, "config_file")
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="distca-launch-") as tmp:
         if found is not None:
             index, path = found
             if not path:  # (read as the current folder before)
                 raise SystemExit("distca-hf launch: error: --config_file is empty; name the accelerate config file")
-            rest = argv[index + (1 if "=" in argv[index] else 2):]
-            script = next((i for i, arg in enumerate(rest) if arg in SCRIPT_FLAGS), len(rest))
-            rest = rest[:script]  # (a module's or a program's own arguments follow these, as a script's follow it)
+            rest = own[index + (1 if "=" in own[index] else 2):]
             if find_flag(rest, "config_file") is not None:  # accelerate reads the last, distca read the first
                 raise SystemExit("distca-hf launch: error: --config_file is given twice; give it once")
             try:
