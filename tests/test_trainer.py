@@ -1127,3 +1127,28 @@ def test_resuming_works_around_what_transformers_before_5_3_and_5_24_lack(tmp_pa
     host = type("Trainer", (GlobalBatchTrainerMixin, Base), {})()
     assert host.train() == host.train() == "trained"
     assert [type(c) for c in host.callback_handler.callbacks] == [_SamplerEpoch]  # once, on every release
+
+
+def test_documents_longer_than_learned_positions_are_refused_by_name(tmp_path):
+    """GPT-2 learns a table of positions: a packed document past it failed with an IndexError inside the
+    embedding (on the rank holding its end; a timeout on the others). Refused with the numbers and the
+    setting to lower; rotary models have no table and are not limited."""
+    from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
+
+    from distca_hf import DistCATrainer, PackingConfig
+    from distca_hf.training.global_batches import check_positions_fit, learned_positions
+    from distca_hf.training.packing import PackingReport
+    from helpers import tiny_model
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32),
+                                            attn_implementation="distca")
+    assert learned_positions(gpt2) == 32 and learned_positions(tiny_model("llama")) is None
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=1, report_to=[],
+                             use_cpu=True, dataloader_pin_memory=False)
+    with pytest.raises(ValueError, match=r"a document of 40 tokens, but GPT2LMHeadModel learned positions for 32 tokens"
+                                         r".*Lower PackingConfig.tokens_per_rank to at most 32"):
+        DistCATrainer(model=gpt2, args=args, train_dataset=_documents([40, 5], 0), packing=PackingConfig(tokens_per_rank=48))
+    DistCATrainer(model=gpt2, args=args, train_dataset=_documents([40, 5], 0), packing=PackingConfig(tokens_per_rank=32))
+    spanning = PackingReport(tokens_per_rank=24, group_size=2, longest_document=40)  # 40 tokens over two ranks
+    with pytest.raises(ValueError, match="spanning up to 2 ranks of 24 tokens.*at most 16 .*span_ranks=False"):
+        check_positions_fit(gpt2, spanning, "train_dataset", trainer="DistCATrainer", shrink="PackingConfig.tokens_per_rank")

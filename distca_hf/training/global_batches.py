@@ -33,7 +33,8 @@ from transformers import TrainerCallback
 from ..config import SETTINGS, configured
 from .packing import GlobalBatchSampler, PackedCollator
 
-__all__ = ["GlobalBatchTrainerMixin", "model_vocab_size", "check_pad_token_id", "check_has_documents"]
+__all__ = ["GlobalBatchTrainerMixin", "model_vocab_size", "check_pad_token_id", "check_has_documents", "learned_positions",
+           "check_positions_fit"]
 
 
 # -- what both trainers check of the model and the packed data (one home, one wording) -------------
@@ -65,6 +66,47 @@ def check_has_documents(packed, argument: str, *, trainer: str, training: bool) 
     if training and packed.label_tokens() == 0:
         raise ValueError(f"{trainer}: {argument} has nothing to learn: none of its {report.documents} documents "
                          "has two tokens or more, so no token has a next token to predict")
+
+
+LEARNED_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+"""Names of a learned absolute position table beside a model's token embedding (GPT-2, GPT-Neo: ``wpe``;
+OPT, BioGPT: ``embed_positions``)."""
+
+
+def learned_positions(model) -> int | None:
+    """Positions the model's learned absolute position table holds (an ``nn.Embedding`` named as in
+    ``LEARNED_POSITION_TABLES`` beside its token embedding, less OPT's ``offset``), ``None`` for a model
+    without one (rotary, ALiBi, NoPE): a position past it fails inside the embedding."""
+    import torch
+
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    if inputs is None:
+        return None
+    for parent in model.modules():
+        if any(child is inputs for child in parent.children()):
+            for name in LEARNED_POSITION_TABLES:
+                table = getattr(parent, name, None)
+                if isinstance(table, torch.nn.Embedding):
+                    return table.num_embeddings - int(getattr(table, "offset", 0) or 0)
+            return None
+    return None
+
+
+def check_positions_fit(model, report, argument: str, *, trainer: str, shrink: str) -> None:
+    """Refuse a packed ``argument`` whose longest trained document (or chunk: at most ``group_size x
+    tokens_per_rank`` tokens, a document spanning the ranks of a group) has more positions than the
+    model learned (``learned_positions``): an ``IndexError`` deep in the embedding on the rank holding its
+    end otherwise, a timeout on the others. ``shrink``: the setting that sizes a row."""
+    table = learned_positions(model) if model is not None else None
+    longest = min(report.longest_document, report.group_size * report.tokens_per_rank)
+    if table is not None and longest > table:
+        spanning = (f", spanning up to {report.group_size} ranks of {report.tokens_per_rank} tokens"
+                    if report.group_size > 1 else "")
+        raise ValueError(
+            f"{trainer}: {argument} trains a document of {longest} tokens{spanning}, but {type(model).__name__} learned "
+            f"positions for {table} tokens (its position table, config.max_position_embeddings): positions past it "
+            f"would fail in the embedding. Lower {shrink} to at most {table // report.group_size}"
+            + (" (or span no ranks: span_ranks=False cuts documents at it)" if report.group_size > 1 else ""))
 
 
 class _SamplerEpoch(TrainerCallback):

@@ -72,7 +72,8 @@ from ..runtime import plan_stats
 from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cpu, prepare_training_arguments,
                           require_distca_model)
 from .launch_checks import check_world_size, has_gpu
-from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
+from .global_batches import (GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, check_positions_fit,
+                             model_vocab_size)
 from .packing import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming, refuse_masks,
                       STREAM_HEAD_DOCUMENTS, stream_head_crc)
 from .pipeline import pipeline_targets
@@ -263,6 +264,8 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             self._check_ranks_read_one_stream(packed.documents, name)
         if isinstance(packed, PackedDataset):
             check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
+            check_positions_fit(hf_model_of(self.model) if self.model is not None else None, packed.report,
+                                _argument_name(name), trainer="DistCATrainer", shrink="PackingConfig.tokens_per_rank")
             report = packed.report
             if name == "train" and packed.config.balance_micro_batches and packed.step_global_batches == 1:
                 warnings.warn(f"DistCATrainer: PackingConfig(balance_micro_batches=True) has nothing to balance in "

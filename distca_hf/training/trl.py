@@ -49,7 +49,8 @@ from trl import SFTConfig, SFTTrainer
 from ..config import is_integer
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
-from .global_batches import GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, model_vocab_size
+from .global_batches import (GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, check_positions_fit,
+                             model_vocab_size)
 from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, arrow_columns, is_streaming
 from .plugin import DistCAPlugin
 
@@ -277,6 +278,8 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         if "labels" in columns:
             labels = PackedDataset(prepared.select_columns(["labels"]).rename_column("labels", "input_ids"),
                                    self._packing, **self._layout)
+        check_positions_fit(hf_model_of(self.model) if self.model is not None else None, rows.report,
+                            f"the {name} dataset", trainer="DistCASFTTrainer", shrink="SFTConfig.max_length")
         packed = SFTPackedDataset(rows, labels)
         self._packed_datasets[name] = packed
         return packed
