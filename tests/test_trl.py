@@ -422,3 +422,24 @@ def test_distca_sft_trainer_refuses_what_it_cannot_train_exactly(tmp_path):
     mislabelled = trainer(wrong)
     with pytest.raises(ValueError, match="a label is neither -100 nor its token's id"):
         mislabelled.data_collator([mislabelled.train_dataset[0]])
+
+
+def test_datasets_given_to_evaluate_and_predict_later_are_packed_as_the_constructors(tmp_path):
+    """TRL prepares a dataset given to ``evaluate()`` but not to ``predict()``, and with
+    ``skip_prepare_dataset`` neither: their raw rows met the packed collator (a ValueError). Both now
+    give the loss of the same documents given to the constructor."""
+    from trl import SFTConfig
+
+    from distca_hf.training import DistCASFTTrainer
+
+    tokenizer = _tokenizer(_texts())
+    documents = _sft_documents(tokenizer)
+    for skip in (False, True):
+        arguments = {**_common_arguments(str(tmp_path)), "per_device_train_batch_size": 1,
+                     "per_device_eval_batch_size": 1, "packing": True, "max_length": ROW,
+                     **({"dataset_kwargs": {"skip_prepare_dataset": True}} if skip else {})}
+        trainer = DistCASFTTrainer(model=_model("distca", len(tokenizer)), args=SFTConfig(**arguments),
+                                   train_dataset=documents, eval_dataset=documents, processing_class=tokenizer)
+        expected = trainer.evaluate()["eval_loss"]
+        assert trainer.evaluate(eval_dataset=documents)["eval_loss"] == pytest.approx(expected, rel=1e-6)
+        assert trainer.predict(documents).metrics["test_loss"] == pytest.approx(expected, rel=1e-6)

@@ -266,6 +266,24 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         prepared = super()._prepare_dataset(dataset, processing_class, whole, False, formatting_func, dataset_name)
         return prepared if self._layout is None else self._pack(prepared, dataset_name)
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
+
+    def get_test_dataloader(self, test_dataset):
+        return super().get_test_dataloader(self._packed_later(test_dataset, "test"))
+
+    def _packed_later(self, dataset, name: str):
+        """A dataset given to ``evaluate()`` / ``predict()`` after construction, prepared (unless
+        ``dataset_kwargs={"skip_prepare_dataset": True}``) and packed as the constructor's: TRL prepares one
+        given to ``evaluate()`` only, and with ``skip_prepare_dataset`` not even that, so its raw rows met the
+        packed collator. Names and datasets packed already pass as they are."""
+        if dataset is None or isinstance(dataset, (str, SFTPackedDataset)) \
+                or any(dataset is d for d in self._packed_datasets.values()):
+            return dataset
+        if not getattr(self, "_skip_prepare_dataset", False):
+            return self._prepare_dataset(dataset, self.processing_class, self.args, False, None, name)
+        return self._pack(dataset, name)
+
     def _pack(self, prepared, name: str) -> SFTPackedDataset:
         if isinstance(prepared, SFTPackedDataset):
             return prepared
