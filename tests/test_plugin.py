@@ -575,3 +575,32 @@ def test_the_cpu_copy_of_a_parallelism_config_keeps_every_field_of_the_installed
     assert {f.name: getattr(copy, f.name) for f in dataclasses.fields(config) if f.init} == \
         {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     assert parallelism_config_for_cpu(config, tp_size=4).tp_size == 4  # sizes given beside it win
+
+
+def _unapplied_tensor_parallel_worker(rank, world):
+    import warnings
+
+    from accelerate import ParallelismConfig
+
+    from distca_hf import DistCAAccelerator
+    from helpers import tiny_model
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    accelerator = DistCAAccelerator(distca_plugin=DistCAPlugin.from_parallelism_config(ParallelismConfig(tp_size=2)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.prepare(tiny_model("llama"))
+    return {"server_ranks": list(accelerator.distca.server_ranks), "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_size_that_shards_nothing_is_warned_about(tmp_path):
+    """A tensor-parallel size given to distca alone: Accelerate runs plain data parallelism (the model is
+    whole on each rank) and distca's server groups hold one rank each here, so nothing is balanced; said,
+    naming where to give the size (silent before)."""
+    for result in run_ranks(_unapplied_tensor_parallel_worker, 2, tmp_path):
+        assert result["ok"], result.get("traceback", result.get("error"))
+        value = result["value"]
+        assert len(value["server_ranks"]) == 1
+        assert any("tensor_parallel=2, but neither the model nor the Accelerator is sharded so" in w
+                   for w in value["warnings"]), value["warnings"]

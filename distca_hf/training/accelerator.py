@@ -22,12 +22,13 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
+from ..state import warn_once
 from .launch_checks import (check_world_size, has_gpu, launched_world_size, prepare_cpu_launch, uses_deepspeed,
                             uses_fsdp)
 from .plugin import DistCAPlugin, model_parallel_sizes
 
-__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "hf_model_of", "parallelism_config_for_cpu", "prepare_training_arguments",
-           "require_distca_model"]
+__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "check_tensor_parallel_applies", "hf_model_of",
+           "parallelism_config_for_cpu", "prepare_training_arguments", "require_distca_model"]
 
 
 def _is_pipeline_stage(module) -> bool:
@@ -157,6 +158,27 @@ class DistCAAccelerator(Accelerator):
         if sizes.tensor_parallel is not None or sizes.data_parallel is not None:
             self.distca = self.distca_plugin.attach(model=inner)
             self._distca_attached_model = inner
+        check_tensor_parallel_applies(self.distca.topology, inner, getattr(self, "torch_device_mesh", None))
+
+
+def check_tensor_parallel_applies(topology, model, mesh) -> None:
+    """Warn when a tensor-parallel size in distca's topology shards nothing: neither transformers (the model
+    says its size, ``model_parallel_sizes``) nor the Accelerator (a ``tp`` dimension in its device mesh)
+    sharded ``model``. Given to distca alone (``DistCAPlugin(tensor_parallel_size=...)``,
+    ``from_parallelism_config``, the ``distca:`` section), Accelerate runs plain data parallelism: training
+    stays exact, but distca's server groups hold only the ranks of one tensor index (on 2 ranks with size 2,
+    one rank each: nothing is balanced)."""
+    if topology.tensor_parallel <= 1 or model_parallel_sizes(model).tensor_parallel is not None:
+        return
+    if "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return
+    warn_once("tensor_parallel_unapplied",
+              f"distca's topology has tensor_parallel={topology.tensor_parallel}, but neither the model nor the "
+              f"Accelerator is sharded so ({type(model).__name__} was loaded without tp_plan / distributed_config, and the "
+              "Accelerator has no parallelism_config with tp_size): every rank holds the whole model, and distca's "
+              f"server groups hold 1 / {topology.tensor_parallel} of the ranks they could. Give the same "
+              "ParallelismConfig(tp_size=...) to the Accelerator (or TrainingArguments(parallelism_config=...)), load "
+              "the model with tp_plan='auto', or drop tensor_parallel_size")
 
 
 def apply_cpu_fsdp(target, *, fsdp_plugin=None) -> bool:

@@ -69,8 +69,8 @@ from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArg
 from ..hf import widest_window
 from ..planning import causal_pairs, find_documents, imbalance
 from ..runtime import plan_stats
-from .accelerator import (apply_cpu_fsdp, hf_model_of, parallelism_config_for_cpu, prepare_training_arguments,
-                          require_distca_model)
+from .accelerator import (apply_cpu_fsdp, check_tensor_parallel_applies, hf_model_of, parallelism_config_for_cpu,
+                          prepare_training_arguments, require_distca_model)
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import (GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, check_positions_fit,
                              model_vocab_size)
@@ -166,6 +166,9 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             getattr(self.accelerator, "parallelism_config", None),
             source="the Trainer's Accelerator (TrainingArguments.parallelism_config or the model's tensor parallelism)")
         self.distca = self.distca_plugin.attach(model=hf_model_of(self.model) if self.model is not None else None)
+        if self.model is not None and not pipelined:
+            check_tensor_parallel_applies(self.distca.topology, hf_model_of(self.model),
+                                          getattr(self.accelerator, "torch_device_mesh", None))
         server_groups = self.distca.topology.server_groups(self.distca_plugin.server_group)
         self.span_ranks = self._choose_span_ranks(group_size=len(server_groups[0]))
         if self.span_ranks:
