@@ -604,3 +604,14 @@ def test_a_tensor_parallel_size_that_shards_nothing_is_warned_about(tmp_path):
         assert len(value["server_ranks"]) == 1
         assert any("tensor_parallel=2, but neither the model nor the Accelerator is sharded so" in w
                    for w in value["warnings"]), value["warnings"]
+
+
+def test_a_node_server_group_needs_a_local_world_size_that_divides_the_world(monkeypatch):
+    """``server_group='node'`` read a LOCAL_WORLD_SIZE that does not divide the world (or is no number) as
+    one node of the whole world, without a word."""
+    for bad in ("3", "two", "0"):  # one process: a world of 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=f"server_group='node' needs LOCAL_WORLD_SIZE .* got LOCAL_WORLD_SIZE='{bad}'"):
+            DistCAPlugin(server_group="node").attach()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert list(DistCAPlugin(server_group="node").attach().server_ranks) == [0]

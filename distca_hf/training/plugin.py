@@ -336,6 +336,14 @@ class DistCAPlugin(_SettingFields):
         ranks_per_node = int(local) if local and local.isdigit() and int(local) > 0 and world % int(local) == 0 \
             else None
         if self.server_group == "node" and ranks_per_node is None:
+            if local:  # (read as one node of the whole world before)
+                raise ValueError(f"server_group='node' needs LOCAL_WORLD_SIZE to be the processes per node, a divisor "
+                                 f"of the world size {world}; got LOCAL_WORLD_SIZE={local!r}")
+            if world > 1:
+                warn_once("node_without_local_world_size",
+                          f"server_group='node': LOCAL_WORLD_SIZE is not set (torchrun and accelerate launch set it; "
+                          f"under SLURM's srun export LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE), so the {world} ranks "
+                          "are taken for one node")
             ranks_per_node = world  # no launcher information: one node
         topology = self.topology(world, ranks_per_node, model=model)
         if distributed and model is not None:
