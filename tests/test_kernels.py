@@ -56,6 +56,31 @@ def test_cpu_kernel_low_precision(dtype, tol):
         torch.testing.assert_close(got.double(), want.double(), atol=5 * tol, rtol=5 * tol)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_inputs_whose_head_dim_is_strided_are_exact(backend, window):
+    """q, k, v (and dO) sliced every other element of a wider head dim: the aten CPU kernel read them as if
+    their head dim were contiguous (outputs off by about 4, silently); every backend now equals the same
+    values laid out contiguously, outputs and gradients, windowed too."""
+    cu_q, cu_k = cu_seqlens([s[0] for s in TASK_SHAPES]), cu_seqlens([s[1] for s in TASK_SHAPES])
+    wide = random_qkv(int(cu_q[-1]), int(cu_k[-1]), 4, 2, 32, torch.float32)
+    strided = [t.detach()[..., ::2].requires_grad_() for t in wide]
+    dense = [t.detach().contiguous().requires_grad_() for t in strided]
+    assert strided[0].stride(-1) == 2
+    outs = [varlen_causal_attention(*x, cu_q, cu_k, 6, 12, None, backend, window=window) for x in (strided, dense)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    dout = torch.randn(*outs[0].shape[:-1], 2 * outs[0].shape[-1])[..., ::2]
+    for got, want in zip(torch.autograd.grad(outs[0], strided, dout), torch.autograd.grad(outs[1], dense, dout)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_kernel_inputs_of_mixed_dtypes_are_refused_by_name():
+    cu = cu_seqlens([4])
+    q, k, v = random_qkv(4, 4, 2, 2, 8, torch.float32)
+    with pytest.raises(TypeError, match="q, k, v must share one dtype and device, got torch.float32 / torch.bfloat16"):
+        varlen_causal_attention(q, k.bfloat16(), v, cu, cu, 4, 4, None, "torch_cpu")
+
+
 @pytest.mark.parametrize("backend", ["torch_cpu", "math"])
 def test_kernel_rejects_a_task_with_more_queries_than_keys(backend):
     q, k, v = random_qkv(5, 3, 2, 2, 8, torch.float32)

@@ -148,6 +148,9 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k):
                          f"head_dim ({q.shape[2]}); v may have its own head_dim")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:  # (torch's bare error, or a cast)
+        raise TypeError(f"q, k, v must share one dtype and device, got {q.dtype} / {k.dtype} / {v.dtype} on "
+                        f"{q.device} / {k.device} / {v.device}; cast them first (HF's attention: to_compute_dtype)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not torch.is_tensor(cu) or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor (int32 offsets: 0, then each task's end), got "

@@ -140,8 +140,16 @@ def _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale):
     return dq, dk, dv
 
 
+def _unit_stride(*tensors):
+    """``tensors`` with stride 1 along their last dimension: the aten CPU kernel reads a row's head_dim
+    as if it had (a ``[..., ::2]`` slice gave wrong outputs and gradients, silently);
+    ``F.scaled_dot_product_attention`` copies such inputs before calling it too."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window=None,
             causal=True):
+    q, k, v = _unit_stride(q, k, v)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=accumulation_dtype(q.dtype), device=q.device)
     if not causal:  # the front door passes no window with full tasks: their keys are inside every window
@@ -169,6 +177,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
              window=None, causal=True):
+    dout, q, k, v, out = _unit_stride(dout, q, k, v, out)
     if not causal:
         return _full_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale)
     dq = torch.empty_like(q)
