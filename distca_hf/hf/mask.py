@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DocumentBoundaryError
-from .attention import UnsupportedAttentionError
+from .attention import UnsupportedAttentionError, widest_window
 
 __all__ = ["distca_mask", "mask_shape"]
 
@@ -74,7 +74,6 @@ def _refuse_unfilled_keys(kv_length: int, filled: int, attention_mask) -> None:
 
 
 # masking_utils' composers and leaves, by the name of the function that made them (``<name>.<locals>``)
-_COMBINED = {"and_masks": all, "or_masks": any}
 _WRAPPERS = ("remap_positions_for_packed_sequence", "add_offsets_to_mask_function")  # q/kv index changes only
 _DOCUMENTS_AND_PADDING = ("padding_mask_function", "packed_sequence_mask_function")  # distca finds both itself
 
@@ -109,59 +108,57 @@ def mask_shape(mask_function) -> tuple[int | None, int | None] | None:
     return shape["window"], shape["chunk"]
 
 
+def _pattern(*, causal: bool, window=None, chunk=None, adds=None, neutral: bool = False) -> dict:
+    """What a mask function allows: at most ``causal`` pairs, restricted by a ``window`` / ``chunk``;
+    ``adds``: a description of the pairs it allows beyond causal order; ``neutral``: a union's part that
+    adds no pair (image blocks of a row without images)."""
+    return {"causal": causal, "window": window, "chunk": chunk, "adds": adds, "neutral": neutral}
+
+
 def _read(function) -> dict:
-    """What ``function`` allows: ``causal`` (at most causal pairs), the ``window`` / ``chunk`` that restrict
-    it, ``adds`` (a description of pairs it allows beyond causal order, or ``None``)."""
+    """``_pattern`` of ``function``, read through ``masking_utils``' closures; an unknown one is refused."""
     import transformers.masking_utils as hf
 
     maker = _maker(function)
     if function is hf.causal_mask_function:
-        return {"causal": True, "window": None, "chunk": None, "adds": None, "neutral": False}
+        return _pattern(causal=True)
     if function is hf.bidirectional_mask_function:  # every pair: restricted by nothing causal, it is not causal
-        return {"causal": False, "window": None, "chunk": None, "adds": None, "neutral": False}
-    if maker in _COMBINED:
-        if maker == "or_masks":  # a pattern of the model's own in a union (transformers 5.0's token types) adds pairs
-            parts = [_read_or_adds(f) for f in _cell(function, "mask_functions")]
-        else:
-            parts = [_read(f) for f in _cell(function, "mask_functions")]
-        if maker == "or_masks":  # a union: pairs that add nothing beyond causal order (no image block) drop out
-            parts = [p for p in parts if not p["neutral"]] or parts[:1]
-            if len(parts) > 1:
-                return {"causal": True, "window": None, "chunk": None, "neutral": False,
-                        "adds": next((p["adds"] for p in parts if p["adds"]), "or_masks of several patterns")}
-            return parts[0]
-        causal = [p for p in parts if p["causal"]]  # an intersection with plain causal attention adds nothing
+        return _pattern(causal=False)
+    if maker == "or_masks":  # a union: parts that add no pair (no image block) drop out
+        parts = [p for p in map(_read_in_union, _cell(function, "mask_functions")) if not p["neutral"]]
+        if len(parts) > 1:
+            return _pattern(causal=True, adds=next((p["adds"] for p in parts if p["adds"]), "or_masks of patterns"))
+        return parts[0] if parts else _pattern(causal=True)
+    if maker == "and_masks":  # an intersection with plain causal attention adds nothing
+        parts = [_read(f) for f in _cell(function, "mask_functions")]
+        causal = [p for p in parts if p["causal"]]
         plain = any(not p["adds"] for p in causal)
-        return {"causal": bool(causal), "window": _narrowest(p["window"] for p in parts),
-                "chunk": next((p["chunk"] for p in parts if p["chunk"]), None), "neutral": False,
-                "adds": None if plain else next((p["adds"] for p in parts if p["adds"]), None)}
+        return _pattern(causal=bool(causal), window=_narrowest(p["window"] for p in parts),
+                        chunk=next((p["chunk"] for p in parts if p["chunk"]), None),
+                        adds=None if plain else next((p["adds"] for p in parts if p["adds"]), None))
     if maker in _WRAPPERS:
         return _read(_cell(function, "mask_function"))
     if maker == "sliding_window_overlay":
-        return {"causal": False, "window": int(_cell(function, "sliding_window")), "chunk": None, "adds": None,
-                "neutral": False}
+        return _pattern(causal=False, window=int(_cell(function, "sliding_window")))
     if maker == "chunked_overlay":
-        return {"causal": False, "window": None, "chunk": int(_cell(function, "chunk_size")), "adds": None,
-                "neutral": False}
+        return _pattern(causal=False, chunk=int(_cell(function, "chunk_size")))
     if maker in _DOCUMENTS_AND_PADDING:
-        return {"causal": False, "window": None, "chunk": None, "adds": None, "neutral": False}
+        return _pattern(causal=False)
     if maker == "blockwise_overlay":  # image blocks attend to themselves both ways; -1: text, causal
-        blocks = _cell(function, "block_sequence_ids")
-        if not bool((blocks >= 0).any()):
-            return {"causal": True, "window": None, "chunk": None, "adds": None, "neutral": True}
-        return {"causal": True, "window": None, "chunk": None, "adds": "blockwise_overlay of image blocks",
-                "neutral": False}
+        if not bool((_cell(function, "block_sequence_ids") >= 0).any()):
+            return _pattern(causal=True, neutral=True)
+        return _pattern(causal=True, adds="blockwise_overlay of image blocks")
     raise UnsupportedAttentionError(
         f"this model's attention mask holds a pattern distca does not know ({maker or function!r}); distca applies "
         "causality, sliding windows and chunks itself and would drop it: use attn_implementation='sdpa' or 'eager'")
 
 
-def _read_or_adds(function) -> dict:
+def _read_in_union(function) -> dict:
+    """``_read``, where a pattern of the model's own (transformers 5.0's token types) adds pairs."""
     try:
         return _read(function)
     except UnsupportedAttentionError:
-        return {"causal": True, "window": None, "chunk": None, "adds": _maker(function) or repr(function),
-                "neutral": False}
+        return _pattern(causal=True, adds=_maker(function) or repr(function))
 
 
 def _narrowest(windows) -> int | None:
@@ -173,15 +170,11 @@ def _check_mask_function(mask_function, config) -> None:
     """``mask_shape``'s refusals, and a plain causal mask for a model whose ``config.sliding_window``
     distca would apply to every layer (``widest_window``: no ``layer_types``), which its layers then
     do not use."""
-    from .attention import widest_window
-
     shape = mask_shape(mask_function)
-    if shape is None:
+    if shape is None or shape != (None, None) or config is None or getattr(config, "layer_types", None):
         return
-    window, chunk = shape
-    if window is None and chunk is None and config is not None and not getattr(config, "layer_types", None) \
-            and widest_window(config) is not None:
+    if widest_window(config) is not None:
         raise UnsupportedAttentionError(
             f"{type(config).__name__} sets sliding_window={config.sliding_window}, "
-            "but the model builds full causal masks for its layers: distca would slide every layer. Set config.sliding_window=None (or "
-            "config.layer_types to what each layer uses)")
+            "but the model builds full causal masks for its layers: distca would slide every layer. Set "
+            "config.sliding_window=None (or config.layer_types to what each layer uses)")
