@@ -12,10 +12,12 @@ ranks"). ``GlobalBatchTrainerMixin`` holds, once, what follows from that for the
   in the same step (training shuffles whole global batches from the seed and the epoch alone, so a
   run resumed mid-epoch reads what the uninterrupted one read; evaluation keeps the order);
 - packed items reach ``PackedCollator`` whole (their keys are not model arguments);
+- a dataset given to ``evaluate()`` / ``predict()`` after construction is packed as the constructor's
+  (the subclass's ``_packed_later`` says how);
 - the evaluation loss is the exact mean over every target token of the set, whatever rank holds it.
 
 Both trainers also check their model and packed data alike (``model_vocab_size``,
-``check_pad_token_id``, ``check_has_documents``: one wording for both).
+``check_pad_token_id``, ``check_has_documents``, ``check_positions_fit``: one wording for both).
 
 A subclass lists its packed dataset classes in ``packed_dataset_types`` and sets ``distca_plugin``
 and ``distca`` (``DistCAPlugin.attach``'s groups) before calling ``_choose_span_ranks``.
@@ -31,6 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..config import SETTINGS, configured
+from .accelerator import hf_model_of
 from .packing import GlobalBatchSampler, PackedCollator
 
 __all__ = ["GlobalBatchTrainerMixin", "model_vocab_size", "check_pad_token_id", "check_has_documents", "learned_positions",
@@ -77,8 +80,6 @@ def learned_positions(model) -> int | None:
     """Positions the model's learned absolute position table holds (an ``nn.Embedding`` named as in
     ``LEARNED_POSITION_TABLES`` beside its token embedding, less OPT's ``offset``), ``None`` for a model
     without one (rotary, ALiBi, NoPE): a position past it fails inside the embedding."""
-    import torch
-
     inputs = getattr(model, "get_input_embeddings", lambda: None)()
     if inputs is None:
         return None
@@ -96,7 +97,9 @@ def check_positions_fit(model, report, argument: str, *, trainer: str, shrink: s
     """Refuse a packed ``argument`` whose longest trained document (or chunk: at most ``group_size x
     tokens_per_rank`` tokens, a document spanning the ranks of a group) has more positions than the
     model learned (``learned_positions``): an ``IndexError`` deep in the embedding on the rank holding its
-    end otherwise, a timeout on the others. ``shrink``: the setting that sizes a row."""
+    end otherwise, a timeout on the others. ``model``: the trainer's (wrapped or not; ``None``: no model
+    yet); ``shrink``: the setting that sizes a row."""
+    model = hf_model_of(model) if model is not None else None
     table = learned_positions(model) if model is not None else None
     longest = min(report.longest_document, report.group_size * report.tokens_per_rank)
     if table is not None and longest > table:
@@ -189,6 +192,18 @@ class GlobalBatchTrainerMixin:
     def predict(self, *args, **kwargs):
         with configured(**getattr(self, "_forced_settings", {})):
             return super().predict(*args, **kwargs)
+
+    # -- datasets given to evaluate() / predict() after construction: packed as the constructor's -------
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
+
+    def get_test_dataloader(self, test_dataset):
+        return super().get_test_dataloader(self._packed_later(test_dataset, "test"))
+
+    def _packed_later(self, dataset, name: str):
+        """``dataset`` (given to ``evaluate()`` / ``predict()``) as the trainer packs it; each trainer says how."""
+        raise NotImplementedError
 
     # -- data order: the ranks of a server group read the slices of one global batch together --------
 

@@ -267,8 +267,8 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             self._check_ranks_read_one_stream(packed.documents, name)
         if isinstance(packed, PackedDataset):
             check_has_documents(packed, _argument_name(name), trainer="DistCATrainer", training=name == "train")
-            check_positions_fit(hf_model_of(self.model) if self.model is not None else None, packed.report,
-                                _argument_name(name), trainer="DistCATrainer", shrink="PackingConfig.tokens_per_rank")
+            check_positions_fit(self.model, packed.report, _argument_name(name), trainer="DistCATrainer",
+                                shrink="PackingConfig.tokens_per_rank")
             report = packed.report
             if name == "train" and packed.config.balance_micro_batches and packed.step_global_batches == 1:
                 warnings.warn(f"DistCATrainer: PackingConfig(balance_micro_batches=True) has nothing to balance in "
@@ -299,12 +299,6 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
                 "of each block, so all must see the same documents in the same order. Shuffle it with the same seed "
                 "on every rank (IterableDataset.shuffle(seed=..., buffer_size=...): without one, datasets draws an "
                 "order per process) and do not split it per rank")
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
-
-    def get_test_dataloader(self, test_dataset):
-        return super().get_test_dataloader(self._packed_later(test_dataset, "test"))
 
     def _packed_later(self, dataset, name: str):
         """A dataset given to ``evaluate()`` / ``predict()`` after construction, packed as the constructor

@@ -266,12 +266,6 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         prepared = super()._prepare_dataset(dataset, processing_class, whole, False, formatting_func, dataset_name)
         return prepared if self._layout is None else self._pack(prepared, dataset_name)
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        return super().get_eval_dataloader(self._packed_later(eval_dataset, "eval"))
-
-    def get_test_dataloader(self, test_dataset):
-        return super().get_test_dataloader(self._packed_later(test_dataset, "test"))
-
     def _packed_later(self, dataset, name: str):
         """A dataset given to ``evaluate()`` / ``predict()`` after construction, prepared (unless
         ``dataset_kwargs={"skip_prepare_dataset": True}``) and packed as the constructor's: TRL prepares one
@@ -296,8 +290,8 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         if "labels" in columns:
             labels = PackedDataset(prepared.select_columns(["labels"]).rename_column("labels", "input_ids"),
                                    self._packing, **self._layout)
-        check_positions_fit(hf_model_of(self.model) if self.model is not None else None, rows.report,
-                            f"the {name} dataset", trainer="DistCASFTTrainer", shrink="SFTConfig.max_length")
+        check_positions_fit(self.model, rows.report, f"the {name} dataset", trainer="DistCASFTTrainer",
+                            shrink="SFTConfig.max_length")
         packed = SFTPackedDataset(rows, labels)
         self._packed_datasets[name] = packed
         return packed
