@@ -258,8 +258,9 @@ def train_once(mode: str | None, data, packing_args, distca_args, training_args,
     tokenizer, documents, eval_documents, make_model = data
     # the colocated run of a comparison plans nothing: the planner's flags are the distca run's
     unplanned = dict.fromkeys(PLANNER_ONLY_SETTINGS) if mode == "colocated" else {}
-    plugin = distca_args.plugin(**({"mode": mode} if mode else {}), **unplanned, **({"pipeline_parallel_size": pipeline_parallel_size}
-                                                           if pipeline_parallel_size else {}))
+    given = {"mode": mode} if mode else {}
+    given.update({"pipeline_parallel_size": pipeline_parallel_size} if pipeline_parallel_size else {})
+    plugin = distca_args.plugin(**given, **unplanned)
     # Check (and on CPU with DeepSpeed given in code, repair) the process count before the model is
     # built: ZeRO-3's zero.Init partitions it using the arguments. DistCATrainer checks again.
     prepare_training_arguments(training_args)
