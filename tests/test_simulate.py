@@ -25,9 +25,10 @@ CONTRACT_KEYS = {
     "hidden_comm_fraction", "planner", "best_baseline", "speedup_vs_best_baseline", "speedup_vs_colocated",
     "tuned_baseline", "speedup_vs_tuned_baseline",
 }
-MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer"}  # contract "memory in plans": every method
+# contract "memory in plans" and "simulate additions" (per-server received K/V): every method
+MEMORY_KEYS = {"memory_imbalance", "memory_bytes_per_layer", "kv_received_tokens_per_layer"}
 DISTCA_KEYS = {"attn_imbalance", "worst_attn_imbalance", "moved_query_fraction", "comm_bytes_per_layer",
-               "plan_ms_median", "kv_received_tokens_per_layer", "step_time_s", "exposed_comm_s", "tasks_per_server",
+               "plan_ms_median", "step_time_s", "exposed_comm_s", "tasks_per_server",
                "smallest_shard_tokens", "worst_memory_imbalance", "resend_batch_fraction",
                "servers_per_long_document", "relayed_batch_fraction", "kv_exchange_rounds"} | MEMORY_KEYS
 
@@ -65,8 +66,7 @@ def test_simulate_json_contract(lengths_file, tmp_path):
     assert set(out["colocated"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
     assert set(out["wlb"]) == {"attn_imbalance", "step_time_s", "exposed_comm_s", "threshold_tokens",
                                "tokens_left_waiting"} | MEMORY_KEYS
-    assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "kv_received_tokens_per_layer",
-                                      "gathered_kv_tokens_per_layer", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
+    assert set(out["per_doc_cp"]) == {"degree", "attn_imbalance", "comm_bytes_per_layer", "gathered_kv_tokens_per_layer", "step_time_s", "exposed_comm_s"} | MEMORY_KEYS
     gathered, degree = out["per_doc_cp"]["gathered_kv_tokens_per_layer"], out["per_doc_cp"]["degree"]
     # a full batch: each rank gathers its group's tokens but its own (head-tail chunks: about 2048)
     assert gathered["mean"] == pytest.approx((degree - 1) * 2048) and gathered["max"] >= gathered["mean"]
@@ -76,7 +76,7 @@ def test_simulate_json_contract(lengths_file, tmp_path):
         memory = out[method]["memory_bytes_per_layer"]
         assert set(memory) == {"max", "mean"} and memory["mean"] <= memory["max"]
         assert out[method]["memory_imbalance"] >= 1.0
-    for method in ("distca", "per_doc_cp"):
+    for method in ("colocated", "wlb", "distca", "per_doc_cp", "ulysses"):
         received = out[method]["kv_received_tokens_per_layer"]
         assert set(received) == {"max", "mean"} and 0 <= received["mean"] <= received["max"]
     assert (out["ranks"], out["tokens_per_rank"], out["batches"]) == (8, 2048, 3)
@@ -149,6 +149,18 @@ def test_simulate_from_python_names_a_bad_argument():
             simulate([100], 2, 128, batches=1, **kwargs)
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         simulate_pipeline([100], 4, 128, stages=2, micro_batches=2, batches=1, seed=-2)
+
+
+def test_simulate_plot_without_matplotlib_is_refused_before_simulating(lengths_file, tmp_path, monkeypatch):
+    # (a traceback after the whole simulation before, with nothing printed, not even --json's object)
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", "--json",
+                  "--plot", str(tmp_path / "sim.png"))
+    assert result.returncode == 2 and "--plot needs matplotlib" in result.stderr and not result.stdout, result.stderr
+    assert not (tmp_path / "sim.png").exists()
 
 
 def test_simulate_bad_arguments(lengths_file, tmp_path):
@@ -353,6 +365,11 @@ def test_simulate_kv_received_hand_checked():
     # on rank 1 alone: rank 0 gathers 50, rank 1 gathers 100.
     result = simulate(np.array([150]), ranks=2, tokens_per_rank=100, batches=2, seed=0)
     assert result["per_doc_cp"]["kv_received_tokens_per_layer"] == {"max": 100.0, "mean": 75.0}
+    # packed as they are, rank 1's piece of doc 0 receives rank 0's 100 tokens of K/V, rank 0 nothing
+    assert result["colocated"]["kv_received_tokens_per_layer"] == {"max": 100.0, "mean": 50.0}
+    # Ulysses (2): each rank gets the other's 100 tokens for its half of the K/V heads (8 of them): 50
+    assert result["ulysses"]["degree"] == 2
+    assert result["ulysses"]["kv_received_tokens_per_layer"] == {"max": 50.0, "mean": 50.0}
     table = format_table(result)
     assert "K/V tokens received per layer, distca" in table
     assert "K/V tokens received per layer, CP of spanning documents" in table

@@ -47,7 +47,7 @@ from .ranges import concat_ranges
 from .transfers import kv_received, kv_transfers
 
 __all__ = ["RankLoads", "pack_pieces", "head_tail_chunks", "fitting_degrees", "smallest_degree", "ulysses_degree_ok",
-           "cp_loads", "ulysses_loads", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received", "group_documents",
+           "cp_loads", "ulysses_loads", "ulysses_kv_share", "ulysses_token_bytes", "wlb_steps", "per_doc_cp_kv_received", "group_documents",
            "kv_cap_tokens"]
 
 
@@ -201,8 +201,13 @@ def ulysses_token_bytes(degree: int, token_bytes: TokenBytes, kv_heads: int) -> 
     ``degree``: of each token's q and output all but ``1 / degree`` of the heads cross ranks, and of
     its K/V each of the other ``degree - 1`` ranks gets the K/V heads its query heads use
     (``kv_heads / degree`` of them, at least one, as DeepSpeed repeats K/V heads)."""
-    kv_share = max(1.0 / degree, 1.0 / kv_heads)
-    return (degree - 1) * ((token_bytes.q + token_bytes.o) / degree + token_bytes.kv * kv_share)
+    return (degree - 1) * ((token_bytes.q + token_bytes.o) / degree + token_bytes.kv * ulysses_kv_share(degree, kv_heads))
+
+
+def ulysses_kv_share(degree: int, kv_heads: int) -> float:
+    """The fraction of a token's K/V (all K/V heads) one rank of a Ulysses group of ``degree`` holds after
+    the all-to-all: ``kv_heads / degree`` of the heads, at least one (DeepSpeed repeats K/V heads)."""
+    return max(1.0 / degree, 1.0 / kv_heads)
 
 
 def ulysses_loads(docs: np.ndarray, ranks: int, tokens_per_rank: int, degree: int, token_bytes: TokenBytes,

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -66,7 +67,7 @@ from ..config import SETTINGS, is_integer, kv_cap_pairing_problem
 from ..planning import (DocumentPieces, Plan, PlannerConfig, TimeModel, TokenBytes, backward_memory, colocated_plan,
                         comm_bytes, imbalance, kv_received, kv_transfers, plan_tasks)
 from ..planning.baselines import (RankLoads, cp_loads, fitting_degrees, pack_pieces, per_doc_cp_kv_received,
-                                  smallest_degree, ulysses_degree_ok, ulysses_loads, wlb_steps)
+                                  smallest_degree, ulysses_degree_ok, ulysses_kv_share, ulysses_loads, wlb_steps)
 from ..planning.by_time import loads_seconds, plan_by_tolerances, plan_loads
 from ..planning.rank_time import sends_timing
 from ..planning.relay_trees import plan_kv_sends
@@ -147,8 +148,16 @@ def _memory(tokens: np.ndarray, added: np.ndarray, token_bytes: TokenBytes, pref
             f"{prefix}_mem_mean": float(added.mean())}
 
 
+def _kv_keys(received_tokens: np.ndarray, prefix: str) -> dict:
+    """``{prefix}_kv_max``, ``_kv_mean``: the most and the mean K/V tokens a server receives per layer."""
+    received_tokens = np.asarray(received_tokens, dtype=np.float64)
+    return {f"{prefix}_kv_max": float(received_tokens.max()), f"{prefix}_kv_mean": float(received_tokens.mean())}
+
+
 def _memory_keys(mean, prefix: str) -> dict:
-    return {"memory_imbalance": mean(f"{prefix}_mem_imb"),
+    """Every method's received K/V (tokens per layer) and memory keys (``_kv_keys``, ``_memory``)."""
+    return {"kv_received_tokens_per_layer": {"max": mean(f"{prefix}_kv_max"), "mean": mean(f"{prefix}_kv_mean")},
+            "memory_imbalance": mean(f"{prefix}_mem_imb"),
             "memory_bytes_per_layer": {"max": mean(f"{prefix}_mem_max"), "mean": mean(f"{prefix}_mem_mean")}}
 
 
@@ -197,12 +206,16 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     measured = [_measure_batch(docs, ranks, tokens_per_rank, config, time_model, hidden_comm_fraction, cp_degree,
                                sp_degree, kv_heads, auto_planner) for docs in drawn]
     wlb_packed, _ = wlb_steps(drawn, ranks, tokens_per_rank, threshold)
-    wlb = [{**_timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden_comm_fraction),
-            **_colocated_memory(pieces, config.token_bytes, "wlb")} for pieces, _ in wlb_packed]
+    wlb = []
+    for pieces, _ in wlb_packed:
+        loads = _pieces_loads(pieces, config.token_bytes)
+        wlb.append({**_timed(loads, time_model, hidden_comm_fraction), **_colocated_memory(pieces, config.token_bytes, "wlb"),
+                    **_kv_keys(loads.received / config.token_bytes.kv, "wlb")})
     # documents still queued at the end are missing from WLB's steps: its time per token, per batch
     wlb_tokens = sum(int(pieces.tokens().sum()) for pieces, _ in wlb_packed)
     acc = {k: [m[k] for m in measured] for k in measured[0] if not k.startswith("_")}
     mean = lambda k: float(np.mean(acc[k]))
+    wlb_mean = lambda k: float(np.mean([w[k] for w in wlb]))
     step = {"colocated": mean("colo_t"), "wlb": sum(w["t"] for w in wlb) * ranks * tokens_per_rank / max(wlb_tokens, 1),
             "per_doc_cp": mean("cp_t"), "ulysses": mean("sp_t") if sp_degree else None, "distca": mean("dca_t")}
     baselines = {k: v for k, v in step.items() if k != "distca" and v is not None}
@@ -236,14 +249,13 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         "wlb": {"attn_imbalance": float(np.mean([w["imb"] for w in wlb])), "step_time_s": step["wlb"],
                 "exposed_comm_s": float(np.mean([w["comm"] for w in wlb])), "threshold_tokens": threshold,
                 "tokens_left_waiting": batches * ranks * tokens_per_rank - wlb_tokens,
-                **_memory_keys(lambda k: float(np.mean([w[k] for w in wlb])), "wlb")},
+                **_memory_keys(wlb_mean, "wlb")},
         "distca": {
             "attn_imbalance": mean("dca_imb"),
             "worst_attn_imbalance": float(max(acc["dca_imb"])),
             "moved_query_fraction": mean("moved"),
             "comm_bytes_per_layer": mean("bytes"),
             "plan_ms_median": float(statistics.median(acc["plan_ms"])),
-            "kv_received_tokens_per_layer": {"max": mean("dca_kv_max"), "mean": mean("dca_kv_mean")},
             "step_time_s": step["distca"],
             "exposed_comm_s": mean("dca_comm"),
             "tasks_per_server": {"max": mean("tasks_max"), "mean": mean("tasks_mean")},
@@ -259,7 +271,6 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
             "degree": cp_degree,
             "attn_imbalance": mean("cp_imb"),
             "comm_bytes_per_layer": mean("cp_bytes"),
-            "kv_received_tokens_per_layer": {"max": mean("cp_kv_max"), "mean": mean("cp_kv_mean")},
             # what the baseline timed here receives: its group's K/V all-gathered (the key above: CP of only
             # the documents that span ranks in the packed layout, a stricter yardstick)
             "gathered_kv_tokens_per_layer": {"max": mean("cp_gather_max"), "mean": mean("cp_gather_mean")},
@@ -369,7 +380,8 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
     transfers = kv_transfers(plan, pieces)
     received = kv_received(transfers, ranks)[list(plan.servers)]  # only servers receive K/V
     cp_received = per_doc_cp_kv_received(pieces)
-    colo = _timed(_pieces_loads(pieces, config.token_bytes), time_model, hidden)
+    colo_loads = _pieces_loads(pieces, config.token_bytes)
+    colo = _timed(colo_loads, time_model, hidden)
     sends = plan_kv_sends(plan, pieces, transfers)  # along the plan's relay trees, if any
     rounds, wait = sends_timing(sends, config.token_bytes, time_model, 1.0 - hidden, plan.backward, ranks)
     dca_loads = plan_loads(plan, pieces, config.token_bytes, sends)
@@ -386,10 +398,14 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         sp = _timed(sp_rank_loads, time_model, hidden)
         # after the all-to-all a rank holds the group's tokens for 1 / degree of the heads: as many q, out and
         # log-sum-exp bytes as its own tokens', and K/V of max(1, degree / kv_heads) times its own (heads repeated)
-        repeated = sp_degree * max(1.0 / sp_degree, 1.0 / kv_heads) - 1.0
+        repeated = sp_degree * ulysses_kv_share(sp_degree, kv_heads) - 1.0
         memory.update(_memory(sp_rank_loads.tokens, sp_rank_loads.tokens * tb.kv * repeated, tb, "sp"))
+        # K/V of the other ranks' tokens for this rank's heads, in whole-token units (all K/V heads)
+        sp_kv = _kv_keys(np.full(ranks, (sp_degree - 1) * tokens_per_rank * ulysses_kv_share(sp_degree, kv_heads)),
+                         "sp")
     else:
         sp = {"t": 0.0, "comm": 0.0, "imb": 1.0, "bytes": 0.0}
+        sp_kv = _kv_keys(np.zeros(ranks), "sp")
     tasks = dca_loads.tasks[list(plan.servers)]
     shard = plan.source != plan.server  # the shards the planner sent away
     return {
@@ -399,8 +415,8 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         "moved": plan.moved_queries() / total,
         "bytes": comm_bytes(plan, pieces, config.token_bytes, transfers).total,
         "cp_bytes": cp["bytes"], "sp_bytes": sp["bytes"],
-        "dca_kv_max": received.max(), "dca_kv_mean": received.mean(),
-        "cp_kv_max": cp_received.max(), "cp_kv_mean": cp_received.mean(),
+        **_kv_keys(received, "dca"), **_kv_keys(cp_received, "cp"),
+        **_kv_keys(colo_loads.received / tb.kv, "colo"), **sp_kv,  # packed pieces receive only K/V
         **{f"cp_gather_{k}": (f(cp_rank_loads.received) / tb.kv if tb.kv else 0.0) for k, f in (("max", np.max),
                                                                                                  ("mean", np.mean))},
         "colo_t": colo["t"], "dca_t": dca["t"], "cp_t": cp["t"], "sp_t": sp["t"],
@@ -551,6 +567,8 @@ def run_cli(args, parser) -> int:
         problem = output_path_problem("--plot", args.plot, suffixes=PLOT_SUFFIXES)
         if problem:
             parser.error(problem)
+        if importlib.util.find_spec("matplotlib") is None:  # checked before the simulation, not after it
+            parser.error("--plot needs matplotlib, which is not installed: pip install 'distca-hf[plot]' (or matplotlib)")
     pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
     if args.layers is not None and not pipelined:
         parser.error("--layers is read by the pipeline model only (the layer model times one layer); give "
