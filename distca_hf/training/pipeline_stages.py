@@ -492,16 +492,27 @@ def gather_full_state_dict(stage, *, pipeline_group) -> dict[str, torch.Tensor] 
     return full if rank == 0 else None
 
 
-def save_pipeline_model(stage, output_dir, *, pipeline_group, **save_pretrained_kwargs) -> None:
+def save_pipeline_model(stage, output_dir, *, pipeline_group, peft_model=None, **save_pretrained_kwargs) -> None:
     """Save the whole model of a pipeline as one ordinary ``save_pretrained`` folder (HF key names,
     tied weights saved as HF does) that ``AutoModelForCausalLM.from_pretrained`` loads. Every stage of
     the pipeline calls it (``gather_full_state_dict``); the first stage writes, unless
     ``is_main_process=False`` is passed (with several data-parallel pipelines, pass
     ``is_main_process=(data_index == 0)``, or call it on one pipeline only). Other keyword arguments
-    go to ``save_pretrained`` (``safe_serialization``, ``max_shard_size``, ...)."""
+    go to ``save_pretrained`` (``safe_serialization``, ``max_shard_size``, ...).
+
+    ``peft_model``: the PEFT wrapper (``peft.PeftModel``) whose model the stages were split from, on
+    the writing rank; then its adapter folder is written instead, as the Trainer saves a PEFT model
+    (``PeftModel.save_pretrained``: adapter weights and ``modules_to_save``, loadable with
+    ``PeftModel.from_pretrained``), after every stage's weights are loaded into it: a stage shares its
+    parameters with its own rank's copy of the model only, so before this the wrapper on the first
+    stage holds the later stages' weights as they were before training."""
     inner = _unwrap(stage)
     full = gather_full_state_dict(inner, pipeline_group=pipeline_group)
     if full is None or not save_pretrained_kwargs.get("is_main_process", True):
+        return
+    if peft_model is not None:
+        peft_model.get_base_model().load_state_dict(full, strict=True)
+        peft_model.save_pretrained(output_dir, **save_pretrained_kwargs)
         return
     causal_lm = inner._causal_lm
     with torch.device("meta"):

@@ -26,7 +26,7 @@ differs lives here:
 - **checkpoints**: one weights file and one optimizer file per stage (written by the stage's first
   data-parallel copy), resumed with the same pipeline size (a ``save_only_model`` checkpoint resumes
   the weights, the optimizer afresh, as the Trainer does); ``save_model()`` writes one ordinary
-  ``save_pretrained`` folder of the whole model (a gather over each pipeline);
+  ``save_pretrained`` folder of the whole model (a gather over each pipeline; a PEFT model: its adapter folder);
 - **activation checkpointing** (``activation_checkpointing=True``): the Trainer enables it on the stage
   (``PipelineStageModule.activation_checkpointing_enable``: the stage's own layers, ``every_n_layers``
   counted from its first), for every schedule (``cad_1f1b``'s recomputations join its backward ticks);
@@ -63,15 +63,22 @@ __all__ = ["PipelineTrainerMixin"]
 _WITHOUT_STAGES = "pipeline_parallel_size=1 (DistCAPlugin, the distca: section or --pipeline_parallel_size)"
 
 
+def _is_peft_model(model) -> bool:
+    """Whether ``model`` is a PEFT wrapper (``peft.PeftModel``; peft itself is not a dependency)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
 class PipelineTrainerMixin:
     """Mixed in before ``GlobalBatchTrainerMixin`` and ``transformers.Trainer`` (see the module docstring).
 
     Attributes:
         _pipeline: this rank's ``PipelineRunner``, ``None`` without pipeline stages (a class default,
             so every override can test it, even while ``Trainer.__init__`` runs).
+        _pipeline_peft_model: the PEFT wrapper the model came in (``save_model`` writes its adapter), or ``None``.
     """
 
     _pipeline: PipelineRunner | None = None
+    _pipeline_peft_model = None
 
     # -- set-up: before the Trainer (the stage), after packing (the runner) ---------------------------
 
@@ -109,6 +116,8 @@ class PipelineTrainerMixin:
         # without stages, sees the user's gradient_accumulation_steps)
         args = copy.copy(args)
         args.gradient_accumulation_steps = self._pipeline_micro_batches
+        # a PEFT model: its stage is split from the model inside; save_model() writes the wrapper's adapter
+        self._pipeline_peft_model = model if _is_peft_model(model) else None
         return build_stage_module(hf_model_of(model), stage_index=topology.coordinates(args.process_index)[1],
                                   num_stages=stages), args
 
@@ -267,7 +276,7 @@ class PipelineTrainerMixin:
             return
         # every stage of every pipeline takes part (a gather over the pipeline); the first pipeline writes
         save_pipeline_model(self.model, output_dir, pipeline_group=self._pipeline.pipeline_group,
-                            is_main_process=self._writes_stage_files())
+                            peft_model=self._pipeline_peft_model, is_main_process=self._writes_stage_files())
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
