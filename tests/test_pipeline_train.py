@@ -238,8 +238,9 @@ def _trainer_run(out_dir: str, case: dict, *, max_steps: int, save_steps: int | 
         max_grad_norm=MAX_NORM, logging_steps=1, report_to=[], disable_tqdm=True, seed=0, data_seed=0,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, eval_strategy="no",
         dataloader_pin_memory=False, **checkpointing_argument(case.get("checkpointing", False)))
-    plugin = DistCAPlugin(pipeline_parallel_size=case["pp"], pipeline_schedule=case["schedule"],
-                          pipeline_micro_batches=MICRO_BATCHES, timeout_s=60.0)
+    stages = ({"pipeline_schedule": case["schedule"], "pipeline_micro_batches": MICRO_BATCHES} if case["pp"] > 1 else
+              {})  # (pp 1: DistCATrainer without stages, one row per rank a step)
+    plugin = DistCAPlugin(pipeline_parallel_size=case["pp"], timeout_s=60.0, **stages)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=_documents(),
                                eval_dataset=_documents(7)[:len(EVAL_LENGTHS)] if evaluate else None,
                                packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK, seed=0,
@@ -566,8 +567,9 @@ def test_stages_count_input_tokens_once_keep_the_callers_arguments_and_resume_we
 
 
 def _lora_worker(rank, world, out_dir):
-    """LoRA in two stages (1f1b, 2 steps): the adapter's weights and the losses equal one process's;
-    ``save_model`` writes one adapter folder that ``PeftModel.from_pretrained`` loads as trained."""
+    """LoRA, in two stages (1f1b) and without stages (two data-parallel ranks, documents spanning them), 2
+    steps each: the losses and the adapter's weights equal one process's; ``save_model`` writes one adapter
+    folder that ``PeftModel.from_pretrained`` loads as trained."""
     import os
 
     from peft import PeftModel
@@ -575,48 +577,54 @@ def _lora_worker(rank, world, out_dir):
     from helpers import tiny_model
 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    run = _trainer_run(out_dir, {"pp": 2, "schedule": "1f1b", "lora": True}, max_steps=2, run="lora")
-    everyone = [None] * world
-    torch.distributed.all_gather_object(everyone, run["recorded"])
-    reference = _with_lora(tiny_model("llama", attn="eager", num_hidden_layers=4))
-    reference.load_state_dict(run["initial"])
-    trainable = [p for p in reference.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=TRAINER_LR, momentum=run["trainer"].optimizer.param_groups[0]["momentum"])
-    decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (2 - step) / 2)
-    losses = []
-    for step in range(2):
-        rows = [[row] for row in _rows_of([r[1:] for r in everyone[0] if r[0] == step])]
-        optimizer.zero_grad(set_to_none=True)
-        loss = _reference_loss(reference, rows)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM)
-        optimizer.step()
-        decay.step()
-        losses.append(loss.item())
-    saved = os.path.join(out_dir, "adapter")
-    run["trainer"].save_model(saved)
-    torch.distributed.barrier()
-    result = {"losses": run["losses"], "reference_losses": losses}
-    if rank == 0:
-        expected = {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
-        loaded = PeftModel.from_pretrained(tiny_model("llama", attn="eager", num_hidden_layers=4), saved)
-        got = dict(loaded.named_parameters())
-        result["files"] = sorted(os.listdir(saved))
-        result["adapter_error"] = max(float((got[n] - e).abs().max()) for n, e in expected.items())
-        result["untrained"] = sum(int(torch.equal(got[n], run["initial"][n])) for n in expected)
-    return result
+    out = []
+    for stages in (2, 1):
+        run = _trainer_run(out_dir, {"pp": stages, "schedule": "1f1b", "lora": True}, max_steps=2, run=f"lora{stages}")
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, run["recorded"])
+        layers = 2 * stages
+        reference = _with_lora(tiny_model("llama", attn="eager", num_hidden_layers=layers))
+        reference.load_state_dict(run["initial"])
+        trainable = [p for p in reference.parameters() if p.requires_grad]
+        momentum = run["trainer"].optimizer.param_groups[0]["momentum"]
+        optimizer = torch.optim.SGD(trainable, lr=TRAINER_LR, momentum=momentum)
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (2 - step) / 2)
+        losses = []
+        for step in range(2):  # a micro-batch: the data-parallel ranks' rows (the first stage's, in stages)
+            per_rank = [_rows_of([r[1:] for r in everyone[d] if r[0] == step]) for d in range(world // stages)]
+            optimizer.zero_grad(set_to_none=True)
+            loss = _reference_loss(reference, [list(micro_batch) for micro_batch in zip(*per_rank)])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM)
+            optimizer.step()
+            decay.step()
+            losses.append(loss.item())
+        saved = os.path.join(out_dir, f"adapter{stages}")
+        run["trainer"].save_model(saved)
+        torch.distributed.barrier()
+        result = {"stages": stages, "losses": run["losses"], "reference_losses": losses}
+        if rank == 0:
+            expected = {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+            loaded = PeftModel.from_pretrained(tiny_model("llama", attn="eager", num_hidden_layers=layers), saved)
+            got = dict(loaded.named_parameters())
+            result["files"] = sorted(os.listdir(saved))
+            result["adapter_error"] = max(float((got[n] - e).abs().max()) for n, e in expected.items())
+            result["untrained"] = sum(int(torch.equal(got[n], run["initial"][n])) for n in expected)
+        out.append(result)
+    return out
 
 
 @pytest.mark.distributed
-def test_lora_in_two_stages_trains_like_one_process_and_saves_one_adapter(tmp_path):
+def test_lora_trains_like_one_process_and_saves_one_adapter_in_stages_and_without(tmp_path):
     pytest.importorskip("peft")
     results = run_ranks(_lora_worker, 2, tmp_path, str(tmp_path), deadline_s=300)
     for result in results:
         assert result["ok"], result.get("traceback", result.get("error"))
-        got = result["value"]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["reference_losses"]), rtol=1e-5,
-                                   atol=1e-6)
-    first = results[0]["value"]
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(first["files"]), first["files"]
-    # (before: save_model raised on the first stage only; the wrapper there held stage 1's adapter untrained)
-    assert first["adapter_error"] < 1e-5 and first["untrained"] == 0, first
+        for got in result["value"]:
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(got["reference_losses"]), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m: f"{got['stages']} stages: {m}")
+    for first in results[0]["value"]:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(first["files"]), first["files"]
+        # (in stages before: save_model raised on the first stage only; the wrapper there held stage 1's adapter
+        # untrained)
+        assert first["adapter_error"] < 1e-5 and first["untrained"] == 0, first
