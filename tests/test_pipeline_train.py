@@ -447,14 +447,16 @@ def test_pipeline_setups_it_cannot_run_are_refused_naming_them(tmp_path):
                ({}, {"preprocess_logits_for_metrics": lambda logits, labels: logits}, "preprocess_logits_for_metrics"),
                ({}, {"train_dataset": datasets.Dataset.from_dict({"input_ids": documents}).to_iterable_dataset()},
                 "streaming dataset"),
+               # (both ran the stages uncompiled without a word before)
+               ({"torch_compile": True, "torch_compile_backend": "eager"}, {}, r"torch_compile \(TrainingArguments"),
+               ({}, {"model": torch.compile(tiny_model("llama"), backend="eager")}, "a torch.compile'd model"),
                ({}, {}, r"world size 1 is not divisible by pipeline_parallel x tensor_parallel = 2 x 1")]
     for arguments, trainer_arguments, message in refused:
         args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, report_to=[],
                                  **arguments)
         with pytest.raises(ValueError, match=message):
-            DistCATrainer(model=tiny_model("llama"), args=args, distca_plugin=plugin,
-                          packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK),
-                          **{"train_dataset": documents, **trainer_arguments})
+            DistCATrainer(args=args, distca_plugin=plugin, packing=PackingConfig(tokens_per_rank=TOKENS_PER_RANK),
+                          **{"model": tiny_model("llama"), "train_dataset": documents, **trainer_arguments})
     with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
         DistCAPlugin(pipeline_parallel_size=2, pipeline_schedule="zero_bubble")
     from distca_hf.training.pipeline import PipelineRunner

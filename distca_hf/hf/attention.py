@@ -194,6 +194,11 @@ def _per_document_temperature(module, query: torch.Tensor, kv_len: int, document
     return query * ratio[:, None, :, None].to(query.dtype)
 
 
+# Under torch.compile (TrainingArguments(torch_compile=True), torch.compile(model)) the model's own layers are
+# compiled and each attention call runs as written: Dynamo stops at it (a graph break per layer). Traced, its
+# planning (numpy, Python objects, data-dependent shapes) and collectives broke the graph hundreds of times and
+# then failed in compiled code on two ranks.
+@torch.compiler.disable
 def distca_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

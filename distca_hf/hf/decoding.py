@@ -55,8 +55,9 @@ def watch_decoding(model: torch.nn.Module, implementation: str) -> None:
         if began and began.pop():
             end_decoding(module)
 
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+    # run as written under torch.compile (they mark this process as decoding), as the attention function
+    model.register_forward_pre_hook(torch.compiler.disable(before), with_kwargs=True)
+    model.register_forward_hook(torch.compiler.disable(after), with_kwargs=True, always_call=True)
     model._distca_watches_decoding = True
 
 

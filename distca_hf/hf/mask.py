@@ -23,6 +23,7 @@ from .attention import UnsupportedAttentionError, widest_window
 __all__ = ["distca_mask", "mask_shape"]
 
 
+@torch.compiler.disable  # run as written under torch.compile, as the attention function (attention.py)
 def distca_mask(
     batch_size: int,
     q_length: int | None = None,

@@ -210,8 +210,9 @@ def watch_model_inputs(model: torch.nn.Module, implementation: str) -> None:
                 "position_ids that restart, their own or in the model's keyword arguments (this model family's "
                 f"layers do not pass them on), so distca could not keep the documents apart; {fix}")
 
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+    # run as written under torch.compile (they count calls in STATE), as the attention function (attention.py)
+    model.register_forward_pre_hook(torch.compiler.disable(before), with_kwargs=True)
+    model.register_forward_hook(torch.compiler.disable(after), with_kwargs=True, always_call=True)
     model._distca_watches_inputs = True
 
 

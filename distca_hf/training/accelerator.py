@@ -64,9 +64,12 @@ def require_distca_model(model) -> None:
 
 
 def hf_model_of(model):
-    """The HF model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    """The HF model inside DDP / DeepSpeed (``.module``), PEFT (``get_base_model()``) and ``torch.compile``
+    (``_orig_mod``) wrappers."""
     for _ in range(8):
-        if hasattr(model, "get_base_model"):
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # before the others: it forwards attributes
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model"):
             model = model.get_base_model()
         elif hasattr(getattr(model, "config", None), "_attn_implementation"):
             return model

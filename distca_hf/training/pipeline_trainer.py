@@ -97,7 +97,7 @@ class PipelineTrainerMixin:
         if model is None or args is None:
             raise ValueError(f"{where} needs model= (the whole HF model, split here into stages) and args=; "
                              "model_init is not supported")
-        for setting, used in _refused_settings(args, trainer_kwargs).items():
+        for setting, used in _refused_settings(model, args, trainer_kwargs).items():
             if used:
                 raise ValueError(f"{where}: {setting} is not supported with pipeline stages; set {_WITHOUT_STAGES} "
                                  "to use it")
@@ -358,10 +358,15 @@ def _stage_checkpoint_file(kind: str, *, stage_index: int | str, num_stages: int
     return f"{kind}-pipeline-stage-{stage_index}-of-{num_stages}.pt"
 
 
-def _refused_settings(args, trainer_kwargs: dict) -> dict[str, bool]:
+def _refused_settings(model, args, trainer_kwargs: dict) -> dict[str, bool]:
     """The settings pipeline stages refuse, each named as the user gives it, with whether it is on
-    (``args``: the ``TrainingArguments``; ``trainer_kwargs``: the Trainer's other keyword arguments)."""
+    (``model``: the model given; ``args``: the ``TrainingArguments``; ``trainer_kwargs``: the Trainer's
+    other keyword arguments)."""
     return {
+        # PipelineRunner runs the stages as built: compiled, the Trainer's model would be left unused, silently
+        "torch_compile (TrainingArguments.torch_compile)": bool(args.torch_compile),
+        "a torch.compile'd model (the stages are split from the model inside, and would run uncompiled)":
+            isinstance(getattr(model, "_orig_mod", None), torch.nn.Module),
         "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
         "FSDP (TrainingArguments.fsdp)": bool(args.fsdp),
         # PipelineRunner runs the stages without the Trainer's autocast, and the activations they exchange are
