@@ -277,6 +277,21 @@ def _agreement_worker(rank, world):
     except ValueError as e:  # (a gloo size mismatch that killed a rank, or a timeout, before)
         report["modes"] = str(e)
     distca_hf.reset_config()
+    # d3. ranks in different dtypes of one element size, or one rank without gradients: every rank names it
+    # (the bfloat16 rank read the float16 rank's bytes as its own and got garbage, silently; the gradient-less
+    # rank left the other waiting in its backward until DISTCA_TIMEOUT_S)
+    half = tiny_model("llama").to(torch.float16 if rank == 0 else torch.bfloat16)
+    try:
+        half(input_ids=torch.arange(6)[None])
+        report["dtypes"] = "ok"
+    except ValueError as e:
+        report["dtypes"] = str(e)
+    try:
+        with torch.set_grad_enabled(rank == 1):
+            mistral(input_ids=torch.arange(6)[None])
+        report["grad_modes"] = "ok"
+    except ValueError as e:
+        report["grad_modes"] = str(e)
     # e. generation on every rank, different prompts and lengths: each rank generates alone
     llama = tiny_model("llama").eval()
     prompt = torch.randint(1, 96, (1, 9 if rank == 0 else 4), generator=g)
@@ -318,6 +333,9 @@ def test_ranks_agree_on_every_decision(tmp_path):
         assert report["window"] == "ok"
         assert report["settings"] == "ValueError"
         assert "ranks use different settings" in report["modes"] and "mode" in report["modes"]
+        assert "attention calls differ in dtype (rank 0: float16, 4 / 2 heads" in report["dtypes"], report["dtypes"]
+        assert "rank 1: bfloat16" in report["dtypes"] and "gradients" not in report["dtypes"].split("(")[0]
+        assert "differ in needs gradients" in report["grad_modes"] and "rank 1: float32" in report["grad_modes"]
         assert report["generate_equal"]
         assert report["shifted_err"] < 1e-5
     assert r1["invalid"] == "DocumentBoundaryError" and r0["invalid"] == "DistCAPeerError"

@@ -2,10 +2,13 @@
 and how they want to run, so that all of them take the same decision.
 
 Each rank all-gathers a header ``(payload size or -1 when its inputs were invalid, path, settings
-fingerprint)`` and an int64 payload (its document lengths; for ping-pong, its nano-batches'
-description). Then every rank raises the same error when one rank's inputs were invalid, the
-settings differ or only some ranks run the ping-pong stack; otherwise all go on with the same
-payloads, so they plan the same thing.
+fingerprint, attention signature)`` and an int64 payload (its document lengths; for ping-pong, its
+nano-batches' description). Then every rank raises the same error when one rank's inputs were
+invalid, the settings differ, only some ranks run the ping-pong stack, or the ranks' attention calls
+differ in dtype, heads, head sizes or whether they will run a backward (the bytes each rank sends
+are read by the others as their own dtype and shapes: a float16 rank serving a bfloat16 rank's
+queries returned garbage without a word, and one whose elements have another size aborted the
+process); otherwise all go on with the same payloads, so they plan the same thing.
 """
 
 from __future__ import annotations
@@ -18,19 +21,31 @@ from ..config import DistCAConfig, agreed_setting_names, settings_fingerprint
 from ..errors import DistCAPeerError, DistCATimeoutError
 from .comm import all_gather_documents
 
-__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_PINGPONG", "agree", "check_headers"]
+__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_PINGPONG", "agree", "attention_signature", "check_headers"]
 
 # The header's path: how a rank runs this forward.
 PATH_PLAIN = 0  # the attention function, in training or evaluation (decoding never opens a collective)
 PATH_PINGPONG = 2  # the ping-pong decoder stack
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # codes 1.. in a signature (0: other)
+_SIGNATURE_FIELDS = ("dtype", "query heads", "key/value heads", "head dim", "value head dim", "needs gradients")
+_UNCHECKED = (0,) * len(_SIGNATURE_FIELDS)  # a path whose shapes are fixed elsewhere (ping-pong, pipeline ticks)
+
+
+def attention_signature(query: torch.Tensor, key: torch.Tensor, value_head_dim: int) -> tuple[int, ...]:
+    """What every rank's attention call of one forward must share (``_SIGNATURE_FIELDS``): query
+    ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, seq, head_dim]``."""
+    dtype = 1 + _DTYPES.index(query.dtype) if query.dtype in _DTYPES else 0
+    return (dtype, query.shape[1], key.shape[1], query.shape[3], int(value_head_dim), int(query.requires_grad))
+
+
 def agree(payload: np.ndarray, path: int, error: Exception | None, config: DistCAConfig, device, number: int,
-          what: str):
+          what: str, signature: tuple[int, ...] | None = None):
     """All-gather every rank's header and ``payload`` over ``config.group``. Raises this rank's own
     ``error``, or on every rank the same ``check_headers`` error; else returns ``(headers, payloads)``
-    in rank order."""
-    header = [-1 if error else payload.size, path, settings_fingerprint(config)]
+    in rank order. ``signature``: this rank's ``attention_signature`` (``None``: not compared)."""
+    header = [-1 if error else payload.size, path, settings_fingerprint(config), *(signature or _UNCHECKED)]
     gather_device = device if dist.get_backend(config.group) == "nccl" else torch.device("cpu")
     try:
         headers, payloads = all_gather_documents(header, payload, config.group, gather_device, config.timeout_s,
@@ -64,3 +79,17 @@ def check_headers(headers, number: int) -> None:
             f"distca forward {number}: rank(s) {pingpong} run the ping-pong decoder stack but rank(s) {others} do "
             "not (they pass a KV cache or ask for hidden states / attentions, which ping-pong does not produce); "
             "every rank must run the same kind of forward")
+    signatures = [tuple(h[3:]) for h in headers]
+    if len(set(signatures) - {_UNCHECKED}) > 1:
+        fields = [f for i, f in enumerate(_SIGNATURE_FIELDS) if len({s[i] for s in signatures if s != _UNCHECKED}) > 1]
+        described = "; ".join(f"rank {r}: {_described(s)}" for r, s in enumerate(signatures) if s != _UNCHECKED)
+        raise ValueError(
+            f"distca forward {number}: the ranks' attention calls differ in {', '.join(fields)} ({described}); every "
+            "rank must run the same model in the same dtype (cast every rank's model alike, or autocast on all of "
+            "them), and run this forward with gradients on all ranks or on none (torch.no_grad / eval alike)")
+
+
+def _described(signature: tuple[int, ...]) -> str:
+    dtype = str(_DTYPES[signature[0] - 1]).removeprefix("torch.") if signature[0] else "another dtype"
+    return (f"{dtype}, {signature[1]} / {signature[2]} heads, head dim {signature[3]} / {signature[4]}, "
+            f"{'with' if signature[5] else 'without'} gradients")

@@ -42,9 +42,12 @@ class CommHandle:
             try:
                 self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
             except Exception as e:  # gloo and NCCL raise RuntimeError (or DistBackendError) subclasses
+                alive = (" Or a peer is alive but did not run this backward: every rank must call backward() on each "
+                         "distca forward that has gradients (not skip a step on some ranks)."
+                         if self._what.startswith("distca backward") else "")
                 raise DistCATimeoutError(
                     f"distca: {self._what} did not complete within {self._timeout_s:g}s (DISTCA_TIMEOUT_S); a peer "
-                    f"rank probably died or hung. Backend said: {str(e).splitlines()[0][:300]}"
+                    f"rank probably died or hung.{alive} Backend said: {str(e).splitlines()[0][:300]}"
                 ) from e
             self._work = None
             if timeline.enabled():

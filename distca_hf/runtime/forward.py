@@ -50,7 +50,7 @@ from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, 
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
-from .agree import PATH_PLAIN, agree
+from .agree import PATH_PLAIN, agree, attention_signature
 from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
                       plan_stats_of)
 from .dispatch import Dispatch, build_dispatch
@@ -227,7 +227,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
-                        number, "planning")
+                        number, "planning", signature=attention_signature(query, key, value_head_dim))
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)
