@@ -223,6 +223,12 @@ def _mixed_stacks_worker(rank, world):
         report["mixed"] = "ok"
     except distca_hf.DistCAPeerError as e:
         report["mixed"] = str(e)
+    try:  # one rank autocasts, the other not: their exchanges would read each other's bytes as their own dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0):
+            model(input_ids=ids)
+        report["dtypes"] = "ok"
+    except ValueError as e:
+        report["dtypes"] = str(e)
     return report
 
 
@@ -238,6 +244,7 @@ def test_ranks_running_different_stacks_stop_together(tmp_path):
         assert report["padded_overlap"] == "pingpong" and report["padded_err"] < 1e-5
         assert report["fallback_overlap"] == "wave" and report["warned"] and report["hidden_states"] == 3
         assert "ping-pong" in report["mixed"] and "rank(s) [0]" in report["mixed"]
+        assert "differ in dtype (rank 0: bfloat16" in report["dtypes"] and "rank 1: float32" in report["dtypes"]
 
 
 def test_overlap_summary_and_chrome_trace(tmp_path):

@@ -33,11 +33,12 @@ _SIGNATURE_FIELDS = ("dtype", "query heads", "key/value heads", "head dim", "val
 _UNCHECKED = (0,) * len(_SIGNATURE_FIELDS)  # a path whose shapes are fixed elsewhere (ping-pong, pipeline ticks)
 
 
-def attention_signature(query: torch.Tensor, key: torch.Tensor, value_head_dim: int) -> tuple[int, ...]:
-    """What every rank's attention call of one forward must share (``_SIGNATURE_FIELDS``): query
-    ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, seq, head_dim]``."""
-    dtype = 1 + _DTYPES.index(query.dtype) if query.dtype in _DTYPES else 0
-    return (dtype, query.shape[1], key.shape[1], query.shape[3], int(value_head_dim), int(query.requires_grad))
+def attention_signature(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, value_head_dim: int,
+                        needs_gradients: bool) -> tuple[int, ...]:
+    """What every rank's attention calls of one forward must share (``_SIGNATURE_FIELDS``): the dtype
+    attention computes in, the query and key/value heads, their head sizes, and whether a backward follows."""
+    code = 1 + _DTYPES.index(dtype) if dtype in _DTYPES else 0
+    return (code, int(heads), int(kv_heads), int(head_dim), int(value_head_dim), int(needs_gradients))
 
 
 def agree(payload: np.ndarray, path: int, error: Exception | None, config: DistCAConfig, device, number: int,

@@ -81,7 +81,8 @@ class PingPongPlan:
 
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
                   num_heads: int, first_position: int = 0, *, kv_window: int | None = None,
-                  dtype_bytes: int | None = None, key_split: bool = False) -> PingPongPlan:
+                  dtype_bytes: int | None = None, key_split: bool = False,
+                  signature: tuple[int, ...] | None = None) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
     (a collective: each rank sends its first position and document lengths, as the attention
     function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
@@ -91,7 +92,8 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     sliding window of the model's layers (see ``runtime.forward.context_for_call``); ``dtype_bytes``:
     bytes of an attention element (see ``plan_batch``); ``key_split``: ``tolerance="auto"`` may weigh
     key-split tiles for both nano-batches (``runtime.forward.tiles_hold_for`` of the model's attention
-    layers decides, as for a forward without ping-pong)."""
+    layers decides, as for a forward without ping-pong); ``signature``: the layers' ``agree.attention_signature``
+    (every rank's must be the same)."""
     config = current_config()
     number = next_forward_number()
     if error is None:
@@ -101,7 +103,7 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
             error = e
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PINGPONG, error, config, device, number,
-                        "ping-pong planning")
+                        "ping-pong planning", signature=signature)
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
     rows = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                  span_ranks=config.span_ranks)
