@@ -200,3 +200,27 @@ def test_fsdp1_on_cpu_processes_is_refused_naming_fsdp_version_2(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # no request: nothing to put back
     assert apply_cpu_fsdp(accelerator) is False
     assert accelerator.state.distributed_type == DistributedType.MULTI_CPU
+
+
+def test_an_fsdp_resume_torch_cannot_load_names_the_way_out():
+    """torch's bare assertion when FSDP loads a FULL_STATE_DICT checkpoint of an optimizer without state (SGD
+    without momentum) becomes an error naming the two ways out; other assertions stay what they are."""
+    from types import SimpleNamespace
+
+    from distca_hf.training.global_batches import GlobalBatchTrainerMixin
+
+    class Failing:
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            raise AssertionError(self.message)
+
+    class Trainer(GlobalBatchTrainerMixin, Failing):
+        pass
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.args = SimpleNamespace(device=torch.device("cpu"))
+    trainer.message, trainer.is_fsdp_enabled = "Expected device to be set", True
+    with pytest.raises(RuntimeError, match=r"keeps no state .* SHARDED_STATE_DICT .* \(momentum, AdamW\)"):
+        trainer._load_optimizer_and_scheduler("checkpoint-1")
+    trainer.is_fsdp_enabled = False
+    with pytest.raises(AssertionError, match="Expected device"):
+        trainer._load_optimizer_and_scheduler("checkpoint-1")

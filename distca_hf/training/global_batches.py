@@ -235,12 +235,23 @@ class GlobalBatchTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         device = self.args.device
-        if checkpoint is None or device.type != "cpu" or device.index is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        # transformers before 5.24 restores the optimizer of a multi-process run to args.device, here an indexed
-        # CPU device ("cpu:0"), which torch.load cannot restore to: every resume of a CPU job failed there
-        with _torch_load_to_plain_cpu():
-            return super()._load_optimizer_and_scheduler(checkpoint)
+        try:
+            if checkpoint is None or device.type != "cpu" or device.index is None:
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            # transformers before 5.24 restores the optimizer of a multi-process run to args.device, here an indexed
+            # CPU device ("cpu:0"), which torch.load cannot restore to: every resume of a CPU job failed there
+            with _torch_load_to_plain_cpu():
+                return super()._load_optimizer_and_scheduler(checkpoint)
+        except AssertionError as e:
+            # torch.distributed.checkpoint finds the device of a full optimizer state in its tensors: an optimizer
+            # that keeps none (SGD without momentum) cannot be loaded there (a bare assertion, torch 2.13)
+            if not (getattr(self, "is_fsdp_enabled", False) and "Expected device to be set" in str(e)):
+                raise
+            raise RuntimeError(
+                f"resuming {checkpoint}: FSDP cannot load a FULL_STATE_DICT optimizer checkpoint of an optimizer that "
+                "keeps no state (optim='sgd' without momentum; torch asserts 'Expected device to be set'). Save with "
+                "fsdp_state_dict_type: SHARDED_STATE_DICT (accelerate config; FSDP_STATE_DICT_TYPE), or train with an "
+                "optimizer that keeps state (momentum, AdamW)") from e
 
     def _get_collator_with_removed_columns(self, data_collator, description=None):
         # Packed items are PackedCollator's own format: its keys (first_position, last_label, label_pieces)
