@@ -170,13 +170,14 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     docs, first_position, error = call.describe(span_ranks=current_config().span_ranks)
     config, head_dim = model.config, layers[0].self_attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, inputs_embeds.element_size(), head_dim)
     device = inputs_embeds.device
-    # the dtype the projections give attention: autocast's when it is on here, else the hidden states'
+    # the dtype the projections give attention (what the exchanges carry): autocast's when it is on here, else the
+    # hidden states'; its size prices the plan's bytes, as the attention function's forward prices them
     dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else inputs_embeds.dtype)
+    token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, dtype.itemsize, head_dim)
     signature = attention_signature(dtype, heads, kv_heads, head_dim, head_dim, torch.is_grad_enabled())
     return plan_pingpong(docs, error, token_bytes, device, heads, first_position,
-                         kv_window=widest_window(config), dtype_bytes=inputs_embeds.element_size(),
+                         kv_window=widest_window(config), dtype_bytes=dtype.itemsize,
                          key_split=tiles_hold_for(layers[0].self_attn), signature=signature)
 
 

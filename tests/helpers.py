@@ -175,3 +175,26 @@ def checkpointing_argument(enabled: bool) -> dict:
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": enabled}
+
+
+def shifted_target_losses(logits, labels):
+    """``preprocess_logits_for_metrics`` of the usual causal-LM recipe (logit t against label t + 1):
+    ``[rows, tokens - 1, 2]``, per position its cross-entropy and 1 where the label is a target (0 else)."""
+    targets = labels[:, 1:]
+    counted = targets != -100
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets.clamp(min=0), reduction="none")
+    return torch.stack([losses * counted, counted.float()], dim=-1)
+
+
+def shifted_target_metrics(prediction):
+    """``compute_metrics``: the summed loss and the count of the targets the usual recipe meets (the
+    Trainer pads what it gathers with -100: only entries marked 1 count)."""
+    values = torch.as_tensor(prediction.predictions).reshape(-1, 2)
+    counted = values[:, 1] == 1
+    return {"recipe_loss_sum": float(values[counted, 0].sum()), "recipe_targets": int(counted.sum())}
+
+
+def shifted_target_recipe() -> dict:
+    """The trainer arguments of the usual causal-LM metrics recipe (``shifted_target_losses``,
+    ``shifted_target_metrics``): ``eval_recipe_loss_sum`` and ``eval_recipe_targets`` in its metrics."""
+    return {"compute_metrics": shifted_target_metrics, "preprocess_logits_for_metrics": shifted_target_losses}

@@ -106,7 +106,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
 
     import distca_hf
     from distca_hf import DistCAPlugin, DistCATrainer, PackingConfig
-    from helpers import checkpointing_argument, tiny_model
+    from helpers import checkpointing_argument, shifted_target_recipe, tiny_model
 
     class RecordingTrainer(DistCATrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -146,6 +146,7 @@ def _train(case: dict, out_dir: str, rank: int = 0):
         model=model, args=args, train_dataset=train_dataset,
         eval_dataset=_documents(EVAL_LENGTHS, 1) if case.get("evaluate") else None,
         packing=PackingConfig(tokens_per_rank=BUDGET, seed=0), distca_plugin=plugin,
+        **(shifted_target_recipe() if case.get("evaluate") else {}),
     )
     trainer.recorded = []
     trainer.parameter_types = set()
@@ -364,6 +365,11 @@ def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp
         assert value["eval"]["eval_loss"] == pytest.approx(expected_eval, rel=1e-5)
         assert value["eval"]["eval_label_tokens"] == sum(min(n - s, chunk) - 1 for n in EVAL_LENGTHS
                                                           for s in range(0, n, chunk))
+        # compute_metrics by the usual shift (logit t, label t + 1) meets every target the loss counts, the one
+        # across a rank boundary included (lost before: its label sat on the next rank's row), with the same loss
+        metrics = value["eval"]
+        assert metrics["eval_recipe_targets"] == metrics["eval_label_tokens"], metrics
+        assert metrics["eval_recipe_loss_sum"] / metrics["eval_recipe_targets"] == pytest.approx(expected_eval, rel=1e-5)
 
 
 def _compiled_worker(rank, world, out_dir):

@@ -216,13 +216,15 @@ def distca_sft_run(output_dir: str, max_length: int) -> dict:
     from trl import SFTConfig
 
     from distca_hf.training import DistCASFTTrainer
+    from helpers import shifted_target_recipe
 
     tokenizer = _tokenizer(_texts())
     arguments = {**_common_arguments(output_dir), "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
                  "max_grad_norm": 0.0}
     config = SFTConfig(**arguments, packing=True, max_length=max_length)
     trainer = DistCASFTTrainer(model=_model("distca", len(tokenizer)), args=config,
-                               train_dataset=_sft_documents(tokenizer), processing_class=tokenizer)
+                               train_dataset=_sft_documents(tokenizer), processing_class=tokenizer,
+                               **shifted_target_recipe())
     rows = [{key: batch[key][0].tolist() for key in ("input_ids", "position_ids")}
             for batch in itertools.islice(trainer.get_train_dataloader(), STEPS)]
     recorder = _PlanRecorder()
@@ -291,6 +293,9 @@ def _assert_equals_reference(run: dict, steps: list[list[dict]]) -> None:
     # the evaluation after training: every target of the whole documents, once
     assert run["eval"]["eval_label_tokens"] == targets
     assert run["eval"]["eval_loss"] == pytest.approx(eval_loss, rel=1e-5)
+    # compute_metrics by the usual shift meets the same targets (the completions' only), across rank boundaries too
+    assert run["eval"]["eval_recipe_targets"] == targets, run["eval"]
+    assert run["eval"]["eval_recipe_loss_sum"] / targets == pytest.approx(eval_loss, rel=1e-5)
 
 
 def test_distca_sft_trainer_on_one_process_trains_whole_documents(tmp_path):

@@ -36,7 +36,9 @@ _UNCHECKED = (0,) * len(_SIGNATURE_FIELDS)  # a path whose shapes are fixed else
 def attention_signature(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, value_head_dim: int,
                         needs_gradients: bool) -> tuple[int, ...]:
     """What every rank's attention calls of one forward must share (``_SIGNATURE_FIELDS``): the dtype
-    attention computes in, the query and key/value heads, their head sizes, and whether a backward follows."""
+    attention computes in, the query and key/value heads, their head sizes, and whether a backward may
+    follow: ``torch.is_grad_enabled()``, not whether this call's tensors need gradients (which layer opens
+    the forward says nothing of the later layers: a LoRA on later layers or on ``v_proj`` only)."""
     code = 1 + _DTYPES.index(dtype) if dtype in _DTYPES else 0
     return (code, int(heads), int(kv_heads), int(head_dim), int(value_head_dim), int(needs_gradients))
 

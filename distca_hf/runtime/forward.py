@@ -228,7 +228,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
                         number, "planning", signature=attention_signature(query.dtype, query.shape[1], key.shape[1], query.shape[3], value_head_dim,
-                                                      query.requires_grad))
+                                                      torch.is_grad_enabled()))
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)

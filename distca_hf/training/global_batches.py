@@ -36,7 +36,7 @@ from ..config import SETTINGS, configured
 from .accelerator import hf_model_of
 from .packing import GlobalBatchSampler, PackedCollator
 
-__all__ = ["GlobalBatchTrainerMixin", "model_vocab_size", "check_pad_token_id", "check_has_documents", "learned_positions",
+__all__ = ["GlobalBatchTrainerMixin", "with_boundary_targets", "model_vocab_size", "check_pad_token_id", "check_has_documents", "learned_positions",
            "check_positions_fit"]
 
 
@@ -110,6 +110,20 @@ def check_positions_fit(model, report, argument: str, *, trainer: str, shrink: s
             f"positions for {table} tokens (its position table, config.max_position_embeddings): positions past it "
             f"would fail in the embedding. Lower {shrink} to at most {table // report.group_size}"
             + (" (or span no ranks: span_ranks=False cuts documents at it)" if report.group_size > 1 else ""))
+
+
+def with_boundary_targets(logits: torch.Tensor | None, labels: torch.Tensor | None, shift_labels: torch.Tensor | None):
+    """``(logits, labels)`` as ``prediction_step`` hands them to ``compute_metrics``: a row that continues on
+    the next rank (``shift_labels[..., -1]`` a target) gets one more column, its logits padding (-100, as the
+    Trainer pads) and its label that target, so the usual ``preds[:, :-1]`` against ``labels[:, 1:]`` counts
+    every target the loss counts. (Without it, the row's last logit, which predicts the next rank's first
+    token, met no label: one target lost per rank boundary, silently.) logits ``[rows, tokens, vocab]`` (or
+    ``[rows, tokens]`` after ``preprocess_logits_for_metrics``), labels and shift_labels ``[rows, tokens]``."""
+    if logits is None or labels is None or shift_labels is None or not bool((shift_labels[..., -1] != -100).any()):
+        return logits, labels
+    labels = torch.cat([labels, shift_labels[..., -1:].to(labels)], dim=-1)
+    column = logits.new_full((*logits.shape[:1], 1, *logits.shape[2:]), -100)
+    return torch.cat([logits, column], dim=1), labels
 
 
 class _SamplerEpoch(TrainerCallback):
