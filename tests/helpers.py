@@ -191,7 +191,10 @@ def shifted_target_metrics(prediction):
     Trainer pads what it gathers with -100: only entries marked 1 count)."""
     values = torch.as_tensor(prediction.predictions).reshape(-1, 2)
     counted = values[:, 1] == 1
-    return {"recipe_loss_sum": float(values[counted, 0].sum()), "recipe_targets": int(counted.sum())}
+    metrics = {"recipe_loss_sum": float(values[counted, 0].sum()), "recipe_targets": int(counted.sum())}
+    if prediction.inputs is not None:  # include_for_metrics=["inputs"]: one width with the labels
+        metrics["recipe_inputs_shape_matches"] = tuple(prediction.inputs.shape) == tuple(prediction.label_ids.shape)
+    return metrics
 
 
 def shifted_target_recipe() -> dict:

@@ -335,7 +335,8 @@ def _chunk_of(packing: str) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("packing", list(PACKINGS))
 def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp_path, packing):
-    case = {"accumulation": 2, "checkpointing": True, "evaluate": True, **PACKINGS[packing]}
+    case = {"accumulation": 2, "checkpointing": True, "evaluate": True, **PACKINGS[packing],
+            "arguments": {"include_for_metrics": ["inputs"]}}
     values = _check_ranks(run_ranks(_train_worker, 2, tmp_path, case, str(tmp_path)))
     spanning = packing != "per_rank"
     assert all(v["world"] == 2 and v["use_cache"] is False for v in values)
@@ -369,6 +370,7 @@ def test_ddp_one_epoch_matches_single_process_and_trains_every_document_once(tmp
         # across a rank boundary included (lost before: its label sat on the next rank's row), with the same loss
         metrics = value["eval"]
         assert metrics["eval_recipe_targets"] == metrics["eval_label_tokens"], metrics
+        assert metrics["eval_recipe_inputs_shape_matches"] is True, metrics
         assert metrics["eval_recipe_loss_sum"] / metrics["eval_recipe_targets"] == pytest.approx(expected_eval, rel=1e-5)
 
 

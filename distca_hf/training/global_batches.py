@@ -36,8 +36,8 @@ from ..config import SETTINGS, configured
 from .accelerator import hf_model_of
 from .packing import GlobalBatchSampler, PackedCollator
 
-__all__ = ["GlobalBatchTrainerMixin", "with_boundary_targets", "model_vocab_size", "check_pad_token_id", "check_has_documents", "learned_positions",
-           "check_positions_fit"]
+__all__ = ["GlobalBatchTrainerMixin", "with_boundary_targets", "model_vocab_size", "check_pad_token_id",
+           "check_has_documents", "learned_positions", "check_positions_fit"]
 
 
 # -- what both trainers check of the model and the packed data (one home, one wording) -------------
@@ -117,8 +117,9 @@ def with_boundary_targets(logits: torch.Tensor | None, labels: torch.Tensor | No
     the next rank (``shift_labels[..., -1]`` a target) gets one more column, its logits padding (-100, as the
     Trainer pads) and its label that target, so the usual ``preds[:, :-1]`` against ``labels[:, 1:]`` counts
     every target the loss counts. (Without it, the row's last logit, which predicts the next rank's first
-    token, met no label: one target lost per rank boundary, silently.) logits ``[rows, tokens, vocab]`` (or
-    ``[rows, tokens]`` after ``preprocess_logits_for_metrics``), labels and shift_labels ``[rows, tokens]``."""
+    token, met no label: one target lost per rank boundary, silently.) logits ``[rows, tokens, vocab]``
+    (``preprocess_logits_for_metrics`` runs after, on these: it sees the padding column), labels and
+    shift_labels ``[rows, tokens]``."""
     if logits is None or labels is None or shift_labels is None or not bool((shift_labels[..., -1] != -100).any()):
         return logits, labels
     labels = torch.cat([labels, shift_labels[..., -1:].to(labels)], dim=-1)
@@ -275,6 +276,18 @@ class GlobalBatchTrainerMixin:
         return super()._get_collator_with_removed_columns(data_collator, description)
 
     # -- evaluation: the exact token-weighted loss of the whole set -----------------------------------
+
+    def _metrics_outputs(self, loop_inputs: dict, logits, labels, shift_labels):
+        """``prediction_step``'s ``(logits, labels)`` by ``with_boundary_targets``. With
+        ``include_for_metrics=["inputs"]`` the evaluation loop reads the inputs from ``loop_inputs`` (the
+        dict it gave ``prediction_step``) after the step: they get the same extra column (-100, as the
+        Trainer pads), so inputs, logits and labels keep one width."""
+        widened_logits, widened_labels = with_boundary_targets(logits, labels, shift_labels)
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if widened_labels is not labels and "inputs" in (self.args.include_for_metrics or ()) and name in loop_inputs:
+            ids = loop_inputs[name]
+            loop_inputs[name] = torch.cat([ids, ids.new_full((*ids.shape[:-1], 1), -100)], dim=-1)
+        return widened_logits, widened_labels
 
     def _add_eval_loss(self, loss_sum, count) -> None:
         """Add one row's summed target loss and its target count to the evaluation's totals (during

@@ -73,7 +73,7 @@ from .accelerator import (apply_cpu_fsdp, check_tensor_parallel_applies, hf_mode
                           prepare_training_arguments, require_distca_model)
 from .launch_checks import check_world_size, has_gpu
 from .global_batches import (GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, check_positions_fit,
-                             model_vocab_size, with_boundary_targets)
+                             model_vocab_size)
 from .packing import (PackedCollator, PackedDataset, PackingConfig, StreamingPackedDataset, is_streaming, refuse_masks,
                       STREAM_HEAD_DOCUMENTS, stream_head_crc)
 from .pipeline import pipeline_targets
@@ -386,7 +386,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self._pipeline is not None or "labels" not in inputs:  # PipelineTrainerMixin: the stages' loss
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        inputs = self._prepare_inputs(inputs)
+        loop_inputs, inputs = inputs, self._prepare_inputs(inputs)
         labels = inputs["labels"]
         count = _label_tokens(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -397,7 +397,7 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
         loss = loss_sum / count.clamp(min=1)
         if prediction_loss_only:
             return loss, None, None
-        return (loss, *with_boundary_targets(outputs.logits.detach(), labels, inputs.get("shift_labels")))
+        return (loss, *self._metrics_outputs(loop_inputs, outputs.logits.detach(), labels, inputs.get("shift_labels")))
 
     def evaluation_loop(self, *args, **kwargs):
         _check_eval_batch_size(self.args)  # evaluate() and predict() both come here, before any forward

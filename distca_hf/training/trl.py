@@ -50,7 +50,7 @@ from ..config import is_integer
 from .accelerator import apply_cpu_fsdp, hf_model_of, prepare_training_arguments, require_distca_model
 from .launch_checks import check_world_size
 from .global_batches import (GlobalBatchTrainerMixin, check_has_documents, check_pad_token_id, check_positions_fit,
-                             model_vocab_size, with_boundary_targets)
+                             model_vocab_size)
 from .packing import IGNORE_INDEX, PackedCollator, PackedDataset, PackingConfig, arrow_columns, is_streaming
 from .plugin import DistCAPlugin
 
@@ -310,7 +310,7 @@ class DistCASFTTrainer(GlobalBatchTrainerMixin, SFTTrainer):
         if loss is not None and "shift_labels" in inputs:
             count = inputs["shift_labels"].ne(IGNORE_INDEX).sum()
             self._add_eval_loss(loss.detach().double() * count, count)
-        return (loss, *with_boundary_targets(logits, labels, inputs.get("shift_labels")))
+        return (loss, *self._metrics_outputs(inputs, logits, labels, inputs.get("shift_labels")))
 
 
 def _check_config(args) -> None:
