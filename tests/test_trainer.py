@@ -764,6 +764,27 @@ def test_models_distca_cannot_dispatch_are_refused(tmp_path):
         accelerator.prepare(tiny_model("llama", attn="sdpa"))
 
 
+def test_own_loops_that_would_read_spanning_rows_wrong_are_refused():
+    """DistCAAccelerator.prepare: a span_ranks PackedDataset under distca's span_ranks off (its continuing pieces
+    attended only to themselves, silently), or shuffled row by row (the ranks read different global batches)."""
+    from torch.utils.data import DataLoader
+
+    import distca_hf
+    from distca_hf.training.accelerator import check_spanning_loader
+    from distca_hf.training.packing import GlobalBatchSampler, PackedDataset, PackingConfig
+
+    spanning = PackedDataset(_documents(LENGTHS, 0), PackingConfig(tokens_per_rank=BUDGET), world_size=2, span_ranks=True)
+    per_rank = PackedDataset(_documents(LENGTHS, 0), PackingConfig(tokens_per_rank=BUDGET), world_size=2)
+    in_blocks = GlobalBatchSampler(len(spanning), 2, shuffle=True)
+    with pytest.raises(ValueError, match=r"packed with span_ranks=True .* set DistCAPlugin\(span_ranks=True\)"):
+        check_spanning_loader(DataLoader(spanning, sampler=in_blocks), span_ranks=False)
+    with pytest.raises(ValueError, match=r"DataLoader\(shuffle=True\) shuffles single rows .*GlobalBatchSampler"):
+        check_spanning_loader(DataLoader(spanning, shuffle=True), span_ranks=True)
+    check_spanning_loader(DataLoader(spanning, sampler=in_blocks), span_ranks=True)
+    check_spanning_loader(DataLoader(per_rank, shuffle=True), span_ranks=False)
+    assert distca_hf.DistCAAccelerator.prepare.__code__.co_names.count("check_spanning_loader") == 1
+
+
 def test_bad_trainer_setups_say_what_is_wrong(tmp_path):
     from distca_hf import DistCATrainer, PackingConfig
     from helpers import tiny_model

@@ -21,6 +21,7 @@ from accelerate import Accelerator, ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
+from ..config import current_config
 from ..hf import ATTN_IMPLEMENTATION, uses_attention_interface
 from ..state import warn_once
 from .launch_checks import (check_world_size, has_gpu, launched_world_size, prepare_cpu_launch, uses_deepspeed,
@@ -131,6 +132,8 @@ class DistCAAccelerator(Accelerator):
                 require_distca_model(obj)
                 _disable_kv_cache(obj)
                 self._attach_sharded_model(obj)
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                check_spanning_loader(obj, span_ranks=current_config().span_ranks)  # (the trainers put theirs in force)
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model, device_placement: bool | None = None, evaluation_mode: bool = False):
@@ -162,6 +165,29 @@ class DistCAAccelerator(Accelerator):
             self.distca = self.distca_plugin.attach(model=inner)
             self._distca_attached_model = inner
         check_tensor_parallel_applies(self.distca.topology, inner, getattr(self, "torch_device_mesh", None))
+
+
+def check_spanning_loader(loader, *, span_ranks: bool) -> None:
+    """Refuse, naming the fix, a DataLoader over a ``PackedDataset`` packed with ``span_ranks=True`` that the
+    runtime would read wrong: distca's ``span_ranks`` off (``span_ranks``: the setting in force), where a piece
+    continuing the previous rank's document would attend only to itself, silently; or a shuffling sampler
+    (``shuffle=True``), which breaks the global batches a group's ranks must read in the same step."""
+    from .packing import PackedDataset
+
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, PackedDataset) or not dataset.layout.span_ranks:
+        return
+    if not span_ranks:
+        raise ValueError(
+            "the DataLoader's PackedDataset was packed with span_ranks=True (documents continue on the next rank), but "
+            "distca's span_ranks is off, so a continuing piece would attend only to itself; set "
+            "DistCAPlugin(span_ranks=True) (or DISTCA_SPAN_RANKS=1, or span_ranks: true in the distca: section), or pack "
+            "with span_ranks=False")
+    if isinstance(getattr(loader, "sampler", None), torch.utils.data.RandomSampler):
+        raise ValueError(
+            "DataLoader(shuffle=True) shuffles single rows of a span_ranks PackedDataset, but a server group's ranks "
+            "must read the slices of one global batch in the same step; pass sampler=distca_hf.training.packing."
+            "GlobalBatchSampler(len(dataset), dataset.world_size, shuffle=True, seed=...) instead of shuffle=True")
 
 
 def check_tensor_parallel_applies(topology, model, mesh) -> None:
