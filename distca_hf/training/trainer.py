@@ -360,20 +360,21 @@ class DistCATrainer(PipelineTrainerMixin, GlobalBatchTrainerMixin, Trainer):
             before, after = stats["attn_pairs_local"], stats["attn_pairs_served"]
         else:  # colocated (or one rank): every rank computes its own documents
             before = after = everyone[:, 1].tolist()
-        self._window["before"].append(imbalance(before))
-        self._window["after"].append(imbalance(after))
+        self._window["before"] += imbalance(before)  # sums and a count: a run that never logs keeps no list
+        self._window["after"] += imbalance(after)
+        self._window["plans"] += 1
         self._window["tokens"] += int(everyone[:, 0].sum()) // self._ranks_per_batch  # tensor-parallel peers: once
         self._window["plan_s"] += float(stats.get("plan_seconds", 0.0))
 
     def _reset_window(self) -> None:
-        self._window = {"before": [], "after": [], "tokens": 0, "plan_s": 0.0, "first_step": 0}
+        self._window = {"before": 0.0, "after": 0.0, "plans": 0, "tokens": 0, "plan_s": 0.0, "first_step": 0}
         self._window_start = None
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        if "loss" in logs and self._window["before"]:
+        if "loss" in logs and self._window["plans"]:
             elapsed = time.perf_counter() - self._window_start
-            logs["attn_imbalance_before"] = sum(self._window["before"]) / len(self._window["before"])
-            logs["attn_imbalance_after"] = sum(self._window["after"]) / len(self._window["after"])
+            logs["attn_imbalance_before"] = self._window["before"] / self._window["plans"]
+            logs["attn_imbalance_after"] = self._window["after"] / self._window["plans"]
             logs["tokens_per_s"] = self._window["tokens"] / elapsed if elapsed > 0 else 0.0
             steps = max(1, self.state.global_step - self._window["first_step"])
             logs["step_time_s"] = elapsed / steps
