@@ -656,6 +656,28 @@ def _resume(out_dir, rank, packing_case, *, max_steps, save_steps):
     return full, resumed
 
 
+def test_a_resume_that_would_read_other_rows_is_refused_naming_what_changed(tmp_path):
+    """The Trainer resumes by skipping the batches a checkpoint's steps trained: under another accumulation (or
+    packing, processes, seed, dataset) those are other rows, and documents trained twice or not at all this epoch,
+    silently (163 of 518 tokens left out for accumulation 1 -> 2). The checkpoint records what its run read."""
+    import json
+
+    from distca_hf.training.resume_layout import LAYOUT_FILE
+
+    out = str(tmp_path)
+    _train({"run": "first", "max_steps": 2, "save_steps": 2}, out)
+    checkpoint = os.path.join(out, "first", "checkpoint-2")
+    saved = json.loads(open(os.path.join(checkpoint, LAYOUT_FILE)).read())
+    assert saved["gradient_accumulation_steps"] == 1 and saved["packing"]["tokens_per_rank"] == BUDGET
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps: 1 then, 2 now.*some documents would train "
+                                         r"twice this epoch"):
+        _train({"run": "first", "max_steps": 4, "accumulation": 2, "resume_from": checkpoint}, out)
+    with pytest.raises(ValueError, match=r"span_ranks: False then, True now"):  # resume_from_checkpoint=True: latest
+        _train({"run": "first", "max_steps": 4, "resume_from": True, "span": True}, out)
+    resumed = _train({"run": "first", "max_steps": 3, "resume_from": checkpoint}, out)  # the same reading resumes
+    assert [step for step, *_ in resumed["recorded"]] == [2]
+
+
 def test_single_process_spanning_mode_resumes_in_a_later_epoch(tmp_path):
     """span_ranks=True on one rank (a server group of one): GlobalBatchSampler's order, reshuffled
     in the second epoch and resumed there. (On several ranks Accelerate's set_epoch does not reach

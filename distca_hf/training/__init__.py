@@ -11,6 +11,8 @@
     accelerator    DistCAAccelerator and the model checks every entry point runs
     global_batches what a Trainer subclass does when a server group shares global batches (span_ranks in
                    force while it runs, the sampler, the exact evaluation loss): DistCATrainer's and TRL's
+    resume_layout  what a checkpoint's run read (processes, packing, dataset, accumulation, seed), so that a
+                   resume that would read other rows is refused naming what changed
     trainer        DistCATrainer and its step table
     pipeline_trainer PipelineTrainerMixin: what DistCATrainer does in pipeline stages (the model split into
                    this rank's stage, rows read alike by a pipeline's stages, a step's micro-batches through

@@ -31,10 +31,12 @@ import os
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..config import SETTINGS, configured
 from .accelerator import hf_model_of
 from .packing import GlobalBatchSampler, PackedCollator
+from .resume_layout import check_resume_layout, reading_layout, save_reading_layout
 
 __all__ = ["GlobalBatchTrainerMixin", "with_boundary_targets", "model_vocab_size", "check_pad_token_id",
            "check_has_documents", "learned_positions", "check_positions_fit"]
@@ -197,8 +199,20 @@ class GlobalBatchTrainerMixin:
     def train(self, *args, **kwargs):
         if not any(isinstance(callback, _SamplerEpoch) for callback in self.callback_handler.callbacks):
             self.add_callback(_SamplerEpoch(self))
+        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(checkpoint, (str, os.PathLike)) and os.path.isdir(checkpoint):
+            check_resume_layout(str(checkpoint), reading_layout(self))  # (before any step: every rank alike)
         with configured(**getattr(self, "_forced_settings", {})):
             return super().train(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:  # what this run reads, for a resume to compare (resume_layout)
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            if os.path.isdir(folder):
+                save_reading_layout(folder, reading_layout(self))
 
     def evaluate(self, *args, **kwargs):
         with configured(**getattr(self, "_forced_settings", {})):
