@@ -5,6 +5,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# The index torch is installed from (empty: pip's own). On Linux, PyPI's torch==2.13.0 is the CUDA build
+# (several GB); where no CPU wheel is already at hand, as it is on our CI machine, get the CPU build with
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 EXTRAS ?= test,deepspeed
 PYTEST_ARGS ?=
 # The versions we tested (pip constraints); LOCK= (empty) installs the newest releases allowed by
@@ -40,7 +44,7 @@ else
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# Torch first and pinned: an unpinned `torch` dependency would pull the CUDA build (several GB).
 	# TORCH= (empty): the torch already installed is kept (pip then finds `torch>=2.4` satisfied).
-	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)",$(BIN)/python -c "import torch; print('keeping torch', torch.__version__)")
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)",$(BIN)/python -c "import torch; print('keeping torch', torch.__version__)")
 	# flash-attn compiles against the installed torch, so it must see it (no build isolation).
 	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -m pip install --quiet --no-build-isolation "flash-attn>=2.6")
 	# DeepSpeed's ops are JIT-built when first used; building them at install time needs CUDA.

@@ -568,7 +568,7 @@ def run_cli(args, parser) -> int:
         if problem:
             parser.error(problem)
         if importlib.util.find_spec("matplotlib") is None:  # checked before the simulation, not after it
-            parser.error("--plot needs matplotlib, which is not installed: pip install 'distca-hf[plot]' (or matplotlib)")
+            parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib (the 'plot' extra)")
     pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
     if args.layers is not None and not pipelined:
         parser.error("--layers is read by the pipeline model only (the layer model times one layer); give "

@@ -32,7 +32,7 @@ def ulysses_unavailable(world: int, heads: int, kv_heads: int) -> str | None:
     try:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: F401
     except ImportError as e:
-        return f"DeepSpeed's UlyssesSPAttentionHF cannot be imported ({e}); pip install 'distca-hf[deepspeed]'"
+        return f"DeepSpeed's UlyssesSPAttentionHF cannot be imported ({e}); pip install deepspeed (the 'deepspeed' extra)"
     if heads % world:
         return (f"Ulysses splits the {heads} attention heads over the ranks: --heads must be a multiple of "
                 f"--world {world}")
