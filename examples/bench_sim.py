@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from distca_hf.planning import PlannerConfig
+from distca_hf.tools.cli import help_description
 from distca_hf.tools.simulate import LABELS, default_planner_config, load_lengths, simulate
 
 import numpy as np
@@ -186,7 +187,7 @@ def run(data: Path | None, batches: int, untuned: bool = False):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=6)
     parser.add_argument("--update-docs", action="store_true",

@@ -76,7 +76,7 @@ def compare(old_path: Path, new_path: Path) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # (distca_hf imported later, per checkout)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("dump")
     d.add_argument("out", type=Path)

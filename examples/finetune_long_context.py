@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from distca_hf.training.offline_corpus import offline_tokenizer, pydoc_topics
+from distca_hf.tools.cli import help_description
 
 # Only what --help needs is imported here; torch, transformers' models and the trainer load in main().
 
@@ -134,7 +135,7 @@ def parse_args(argv=None):
     # gloo backend (DeepSpeed) to count the processes: set before TrainingArguments sets them up.
     backend = prepare_cpu_launch().get("backend")
     parser = HfArgumentParser((ModelArguments, DataArguments, PackingArguments, DistCAArguments, ComparisonArguments,
-                               TrainingArguments), description=__doc__.splitlines()[0])
+                               TrainingArguments), description=help_description(__doc__))
     parser.set_defaults(**EXAMPLE_DEFAULTS, dataloader_pin_memory=has_gpu(), **({"ddp_backend": backend} if backend
                                                                                 else {}))
     model, data, packing, distca, comparison, training = parser.parse_args_into_dataclasses(

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import distca_hf  # noqa: F401  registers attn_implementation="distca"
+from distca_hf.tools.cli import help_description
 
 BYTES = 256  # the vocabulary: one token per byte value
 
@@ -34,7 +35,7 @@ def documents(count: int, max_tokens: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=help_description(__doc__),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--max_steps", "--max-steps", type=int, default=4, help="Optimizer steps to train.")
     parser.add_argument("--per_device_train_batch_size", "--per-device-train-batch-size", type=int, default=4,

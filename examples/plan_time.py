@@ -28,6 +28,7 @@ import numpy as np
 
 from distca_hf.planning import AUTO_TOLERANCES, PlannerConfig, auto_candidates, colocated_plan, plan_candidate, plan_tasks
 from distca_hf.tools.simulate import default_planner_config, draw_batch, load_lengths, pack_pieces
+from distca_hf.tools.cli import help_description
 
 HERE = Path(__file__).resolve().parent
 SHAPES = [(64, 65536, 5.0), (512, 131072, 100.0)]  # (ranks, tokens per rank, plan-time budget in ms)
@@ -89,7 +90,7 @@ def _slowest_candidate_ms(pieces, config: PlannerConfig) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="times each batch is planned with each config")

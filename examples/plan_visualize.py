@@ -27,6 +27,7 @@ from distca_hf.training import PackingConfig, pack_lengths
 from distca_hf.planning import DocumentPieces, PlannerConfig, imbalance, plan_tasks
 from distca_hf.tools.length_samples import load_lengths
 from distca_hf.tools.output_paths import output_path_problem
+from distca_hf.tools.cli import help_description
 
 
 def rank_pieces(lengths: list[int], ranks: int, tokens_per_rank: int, seed: int) -> DocumentPieces:
@@ -100,7 +101,7 @@ def default_lengths() -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=help_description(__doc__),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--lengths", help="A JSON list of document lengths in tokens. Left out: the lengths of "
                                           "Python's help topics under the demo's tokenizer.")

@@ -22,6 +22,7 @@ from matplotlib.patches import Polygon  # noqa: E402
 
 from distca_hf.planning import causal_pairs, document_pairs  # noqa: E402
 from distca_hf.tools.length_samples import load_lengths  # noqa: E402
+from distca_hf.tools.cli import help_description
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,7 +44,7 @@ def pack_ranks(lengths, ranks: int, tokens_per_rank: int, seed: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--lengths", type=Path, default=None,
                         help="JSON list of document lengths (default: ../shared/data/doc_lengths_prolong.json, else a "
                              "synthetic lognormal sample)")

@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from distca_hf.tools.cli import help_description
 
 
 def colour(name: str, kind: str) -> str:
@@ -32,7 +33,7 @@ def colour(name: str, kind: str) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("trace")
     parser.add_argument("out")
     parser.add_argument("--title", default="distca timeline")

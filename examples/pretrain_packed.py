@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+from distca_hf.tools.cli import help_description
 
 
 @dataclass
@@ -39,7 +40,7 @@ def parse_args(argv=None):
 
     from distca_hf.training.arguments import DistCAArguments
 
-    parser = HfArgumentParser((LoopArguments, DistCAArguments), description=__doc__.splitlines()[0])
+    parser = HfArgumentParser((LoopArguments, DistCAArguments), description=help_description(__doc__))
     loop, distca = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     if loop.max_steps < 1 or loop.tokens_per_rank < 2:
         parser.error(f"--max_steps must be >= 1 and --tokens_per_rank >= 2, got {loop.max_steps} and "

@@ -36,6 +36,7 @@ from distca_hf.planning.cost import H100_MEASURED
 from distca_hf.planning.relay import relay_step_seconds, relay_where_it_helps
 from distca_hf.tools.simulate import (default_planner_config, distca_plan, draw_batch, load_lengths, pack_pieces,
                                       simulate)
+from distca_hf.tools.cli import help_description
 
 HERE = Path(__file__).resolve().parent
 # (sample, ranks, tokens per rank, hidden communication fraction)
@@ -106,7 +107,7 @@ def bench_rows(data: Path, batches: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--data", type=Path, default=HERE.parent.parent / "shared" / "data")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--rows", default=None, help="comma-separated row indexes of ROWS (default: all)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import distca_hf  # noqa: F401  registers attn_implementation="distca"
+from distca_hf.tools.cli import help_description
 
 
 def examples(count: int):
@@ -33,7 +34,7 @@ def examples(count: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=help_description(__doc__),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--max_steps", "--max-steps", type=int, default=4, help="Optimizer steps to train.")
     parser.add_argument("--max_length", "--max-length", type=int, default=1024,

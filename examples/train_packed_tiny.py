@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import distca_hf  # noqa: F401  registers attn_implementation="distca"
+from distca_hf.tools.cli import help_description
 
 
 def train_tokenizer(texts, vocab_size: int) -> Tokenizer:
@@ -73,7 +74,7 @@ def check_exact(model, batch) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=help_description(__doc__),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # The HF scripts' flag names (dashes, and the names of 0.1, work too).
     parser.add_argument("--max_steps", "--max-steps", "--steps", dest="steps", type=int, default=12,

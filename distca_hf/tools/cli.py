@@ -23,6 +23,12 @@ import sys
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "flash-attn", "datasets", "numpy")
 
 
+def help_description(doc: str) -> str:
+    """A script's ``--help`` description: the first paragraph of its docstring ``doc``, as one line (its
+    first line alone stopped mid-sentence)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
