@@ -158,7 +158,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     from distca_hf.config import current_config
     from distca_hf.hf import refuse_unsupported, widest_window
     from distca_hf.planning import TokenBytes
-    from distca_hf.runtime.agree import attention_signature
+    from distca_hf.runtime.agree import attention_dtype, attention_signature
     from distca_hf.runtime.forward import CallInputs, tiles_hold_for
     from distca_hf.runtime.pingpong import plan_pingpong
 
@@ -171,9 +171,9 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     config, head_dim = model.config, layers[0].self_attn.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     device = inputs_embeds.device
-    # the dtype the projections give attention (what the exchanges carry): autocast's when it is on here, else the
-    # hidden states'; its size prices the plan's bytes, as the attention function's forward prices them
-    dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else inputs_embeds.dtype)
+    # the dtype the exchanges carry (autocast's, else the hidden states'); its size prices the plan's bytes, as the
+    # attention function's forward prices them
+    dtype = attention_dtype(device.type, inputs_embeds.dtype)
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, dtype.itemsize, head_dim)
     signature = attention_signature(dtype, heads, kv_heads, head_dim, head_dim, torch.is_grad_enabled())
     return plan_pingpong(docs, error, token_bytes, device, heads, first_position,

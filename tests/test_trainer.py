@@ -787,7 +787,7 @@ def test_models_distca_cannot_dispatch_are_refused(tmp_path):
 
 
 def test_own_loops_that_would_read_spanning_rows_wrong_are_refused():
-    """DistCAAccelerator.prepare: a span_ranks PackedDataset under distca's span_ranks off (its continuing pieces
+    """DistCAAccelerator.prepare_data_loader: a span_ranks PackedDataset under distca's span_ranks off (its continuing pieces
     attended only to themselves, silently), or shuffled row by row (the ranks read different global batches)."""
     from torch.utils.data import DataLoader
 
@@ -804,7 +804,7 @@ def test_own_loops_that_would_read_spanning_rows_wrong_are_refused():
         check_spanning_loader(DataLoader(spanning, shuffle=True), span_ranks=True)
     check_spanning_loader(DataLoader(spanning, sampler=in_blocks), span_ranks=True)
     check_spanning_loader(DataLoader(per_rank, shuffle=True), span_ranks=False)
-    assert distca_hf.DistCAAccelerator.prepare.__code__.co_names.count("check_spanning_loader") == 1
+    assert distca_hf.DistCAAccelerator.prepare_data_loader.__code__.co_names.count("check_spanning_loader") == 1
 
 
 def test_bad_trainer_setups_say_what_is_wrong(tmp_path):

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import UnsupportedAttentionError
 from ..kernels import AttentionVariant, varlen_causal_attention
-from ..runtime import context_for_call, dispatched_attention, layer_window
+from ..runtime import attention_dtype, context_for_call, dispatched_attention, layer_window
 from ..state import warn_once
 from .model_inputs import MODEL_DOCUMENTS, document_arguments
 
@@ -38,11 +38,7 @@ def to_compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     device, the autocast dtype (eager's matmuls and SDPA run in it); otherwise the dtype of ``value``,
     the projection's output (``query`` and ``key`` may have been promoted to float32 by a float32
     rotary embedding). Autograd casts the gradients back."""
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = value.dtype
+    dtype = attention_dtype(query.device.type, value.dtype)
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in (query, key, value))
 
 

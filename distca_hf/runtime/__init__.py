@@ -19,12 +19,12 @@
     shutdown       the exit hook that closes the process groups before the interpreter shuts down
 """
 
-from .agree import DistCAPeerError
+from .agree import DistCAPeerError, attention_dtype
 from .comm import DistCATimeoutError
 from .context import ForwardContext, PlanStats, pinned_forward, plan_stats
 from .forward import begin_decoding, context_for_call, decoding, end_decoding, is_decoding, layer_window
 from .wave_schedule import dispatched_attention
 
-__all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "begin_decoding",
+__all__ = ["DistCAPeerError", "DistCATimeoutError", "ForwardContext", "PlanStats", "attention_dtype", "begin_decoding",
            "context_for_call", "decoding", "dispatched_attention", "end_decoding", "is_decoding", "layer_window",
            "pinned_forward", "plan_stats"]

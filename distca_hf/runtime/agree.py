@@ -21,7 +21,8 @@ from ..config import DistCAConfig, agreed_setting_names, settings_fingerprint
 from ..errors import DistCAPeerError, DistCATimeoutError
 from .comm import all_gather_documents
 
-__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_PINGPONG", "agree", "attention_signature", "check_headers"]
+__all__ = ["DistCAPeerError", "PATH_PLAIN", "PATH_PINGPONG", "agree", "attention_dtype", "attention_signature",
+           "check_headers"]
 
 # The header's path: how a rank runs this forward.
 PATH_PLAIN = 0  # the attention function, in training or evaluation (decoding never opens a collective)
@@ -31,6 +32,12 @@ PATH_PINGPONG = 2  # the ping-pong decoder stack
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # codes 1.. in a signature (0: other)
 _SIGNATURE_FIELDS = ("dtype", "query heads", "key/value heads", "head dim", "value head dim", "needs gradients")
 _UNCHECKED = (0,) * len(_SIGNATURE_FIELDS)  # a path whose shapes are fixed elsewhere (ping-pong, pipeline ticks)
+
+
+def attention_dtype(device_type: str, otherwise: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in on ``device_type``: autocast's while autocast is on there (HF's
+    eager matmuls and SDPA run in it), else ``otherwise`` (the projections' output dtype)."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else otherwise
 
 
 def attention_signature(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, value_head_dim: int,

@@ -226,9 +226,10 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     refuse_accelerate_alone(dist.get_world_size())
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
+    signature = attention_signature(query.dtype, query.shape[1], key.shape[1], query.shape[3], value_head_dim,
+                                    torch.is_grad_enabled())
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
-                        number, "planning", signature=attention_signature(query.dtype, query.shape[1], key.shape[1], query.shape[3], value_head_dim,
-                                                      torch.is_grad_enabled()))
+                        number, "planning", signature=signature)
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
     ranks = stitch_rank_documents(per_rank, [np.zeros_like(x) for x in per_rank], first_positions,
                                   span_ranks=config.span_ranks)

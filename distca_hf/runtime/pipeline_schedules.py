@@ -60,7 +60,7 @@ from ..config import (PINGPONG_AS_WAVE, PIPELINE_SCHEDULES, DistCAConfig, cad_1f
 from ..planning import (BACKWARD, FORWARD, TokenBytes, backward_slot, lockstep_1f1b_ticks, plan_lockstep_tick,
                         stitch_rank_documents)
 from ..state import warn_once
-from .agree import PATH_PLAIN, agree
+from .agree import PATH_PLAIN, agree, attention_dtype
 from .context import ForwardContext, next_forward_number, pinned_forward, plan_stats_of
 from .forward import CallInputs, layer_window, plan_batch, tiles_hold_for
 
@@ -352,11 +352,8 @@ class LockstepCAD1F1B(PipelineScheduleSingle):
         config = self._model_config()
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        device_type = self._stage.device.type
-        if torch.is_autocast_enabled(device_type):
-            element = torch.tensor([], dtype=torch.get_autocast_dtype(device_type)).element_size()
-        else:
-            element = next((p.element_size() for p in self._stage.submod.parameters() if p.is_floating_point()), 4)
+        parameters = next((p.dtype for p in self._stage.submod.parameters() if p.is_floating_point()), torch.float32)
+        element = attention_dtype(self._stage.device.type, parameters).itemsize
         return TokenBytes.for_model(config.hidden_size, heads, kv_heads, element, getattr(config, "head_dim", None)), heads
 
 

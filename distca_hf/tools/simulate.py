@@ -405,7 +405,7 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
                          "sp")
     else:
         sp = {"t": 0.0, "comm": 0.0, "imb": 1.0, "bytes": 0.0}
-        sp_kv = _kv_keys(np.zeros(ranks), "sp")
+        sp_kv = {}  # (no Ulysses degree: the method reports none of its keys)
     tasks = dca_loads.tasks[list(plan.servers)]
     shard = plan.source != plan.server  # the shards the planner sent away
     return {

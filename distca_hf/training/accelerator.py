@@ -28,8 +28,8 @@ from .launch_checks import (check_world_size, has_gpu, launched_world_size, prep
                             uses_fsdp)
 from .plugin import DistCAPlugin, model_parallel_sizes
 
-__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "check_tensor_parallel_applies", "hf_model_of",
-           "parallelism_config_for_cpu", "prepare_training_arguments", "require_distca_model"]
+__all__ = ["DistCAAccelerator", "apply_cpu_fsdp", "check_spanning_loader", "check_tensor_parallel_applies", "hf_model_of",
+           "is_compiled_model", "parallelism_config_for_cpu", "prepare_training_arguments", "require_distca_model"]
 
 
 def _is_pipeline_stage(module) -> bool:
@@ -64,11 +64,16 @@ def require_distca_model(model) -> None:
         )
 
 
+def is_compiled_model(model) -> bool:
+    """Whether ``model`` is ``torch.compile``'s wrapper (``OptimizedModule``: the model in ``_orig_mod``)."""
+    return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
+
+
 def hf_model_of(model):
     """The HF model inside DDP / DeepSpeed (``.module``), PEFT (``get_base_model()``) and ``torch.compile``
     (``_orig_mod``) wrappers."""
     for _ in range(8):
-        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # before the others: it forwards attributes
+        if is_compiled_model(model):  # before the others: it forwards their attributes
             model = model._orig_mod
         elif hasattr(model, "get_base_model"):
             model = model.get_base_model()
@@ -132,9 +137,12 @@ class DistCAAccelerator(Accelerator):
                 require_distca_model(obj)
                 _disable_kv_cache(obj)
                 self._attach_sharded_model(obj)
-            elif isinstance(obj, torch.utils.data.DataLoader):
-                check_spanning_loader(obj, span_ranks=current_config().span_ranks)  # (the trainers put theirs in force)
         return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_data_loader(self, data_loader, *args, **kwargs):
+        # every loader Accelerate prepares comes here (prepare() too); the trainers put their span_ranks in force
+        check_spanning_loader(data_loader, span_ranks=current_config().span_ranks)
+        return super().prepare_data_loader(data_loader, *args, **kwargs)
 
     def prepare_model(self, model, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.distca_plugin.pipeline_parallel_size > 1:

@@ -53,7 +53,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..runtime.pipeline_schedules import check_micro_batches
-from .accelerator import hf_model_of
+from .accelerator import hf_model_of, is_compiled_model
 from .packing import PackedDataset
 from .pipeline import PipelineRunner
 from .pipeline_stages import build_stage_module, save_pipeline_model, stage_state_dict
@@ -366,7 +366,7 @@ def _refused_settings(model, args, trainer_kwargs: dict) -> dict[str, bool]:
         # PipelineRunner runs the stages as built: compiled, the Trainer's model would be left unused, silently
         "torch_compile (TrainingArguments.torch_compile)": bool(args.torch_compile),
         "a torch.compile'd model (the stages are split from the model inside, and would run uncompiled)":
-            isinstance(getattr(model, "_orig_mod", None), torch.nn.Module),
+            is_compiled_model(model),
         "DeepSpeed (TrainingArguments.deepspeed)": bool(args.deepspeed),
         "FSDP (TrainingArguments.fsdp)": bool(args.fsdp),
         # PipelineRunner runs the stages without the Trainer's autocast, and the activations they exchange are
