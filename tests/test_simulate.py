@@ -207,11 +207,17 @@ def test_simulate_bad_arguments(lengths_file, tmp_path):
                                ("--kv-heads", "0", "--kv-heads must be an integer from 1 to 1048576"),
                                # ignored before: a number plans that carving
                                ("--auto-planner", "tolerances", "--auto-planner tolerances needs --tolerance auto "
-                                                                "(got 0.1)")):
+                                                                "(got 0.1)"),
+                               ("--sliding-window", "0", "--sliding-window must be an integer >= 1 (keys per query), got 0"),
+                               ("--sliding-fraction", "0.5", "--sliding-fraction needs --sliding-window W")):
         tolerance = ["--tolerance", "0.1"] if flag == "--auto-planner" else []
         result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64", flag, value,
                       *tolerance)
         assert result.returncode == 2 and match in result.stderr, result.stderr
+    for fraction in ("0", "1.5", "nan"):
+        result = _cli("simulate", "--lengths", str(lengths_file), "--ranks", "2", "--tokens-per-rank", "64",
+                      "--sliding-window", "8", "--sliding-fraction", fraction)
+        assert result.returncode == 2 and "--sliding-fraction must be in (0, 1]" in result.stderr, result.stderr
 
 
 @settings(max_examples=40, deadline=None)
@@ -653,28 +659,7 @@ def test_simulated_colocated_and_distca_steps_equal_an_independent_recount(seed,
     result = simulate(lengths, ranks, tokens, batches=2, seed=seed, config=config, time_model=model,
                       hidden_comm_fraction=hidden)
     rng = np.random.default_rng(seed)
-
-    def step(plan, pieces):
-        sent, received = np.zeros(ranks), np.zeros(ranks)
-        for src, srv, a, b in zip(plan.source, plan.server, plan.q_start, plan.q_end):
-            if src != srv:
-                sent[src] += (b - a) * tb.q
-                received[srv] += (b - a) * tb.q
-                sent[srv] += (b - a) * tb.o
-                received[src] += (b - a) * tb.o
-        t = kv_transfers(plan, pieces)
-        for src, srv, a, b in zip(t.source, t.server, t.start, t.end):
-            sent[src] += (b - a) * tb.kv
-            received[srv] += (b - a) * tb.kv
-        times = []
-        for r in range(ranks):
-            pairs = sum(q + 1 for a, b in zip(plan.q_start[plan.server == r], plan.q_end[plan.server == r])
-                        for q in range(a, b))
-            compute = 1e-6 * tokens + 1e-8 * pairs + 1e-6 * int((plan.server == r).sum())
-            wire = 2 * (sent[r] + received[r]) / 1e7  # forward + backward, sent and received
-            times.append(compute + (1 - hidden) * wire)
-        return max(times)
-
+    step = lambda plan, pieces: _recounted_step(plan, pieces, tb, hidden, tokens)
     colocated, distca = [], []
     for _ in range(2):
         pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
@@ -682,6 +667,75 @@ def test_simulated_colocated_and_distca_steps_equal_an_independent_recount(seed,
         distca.append(step(plan_tasks(pieces, config), pieces))
     assert result["colocated"]["step_time_s"] == pytest.approx(np.mean(colocated))
     assert result["distca"]["step_time_s"] == pytest.approx(np.mean(distca))
+
+
+def _recounted_step(plan, pieces, tb: TokenBytes, hidden: float, tokens: int, *, window: int | None = None,
+                    transfers=None) -> float:
+    """A layer's time recounted by hand under the time model of the tests above (linear 1e-6 s a token,
+    1e-8 s a pair, 1e-6 s a task, 1e7 bytes/s): per rank its tokens, the pairs of the tasks it serves
+    counted query by query (at most ``window`` keys each), its tasks, and its bytes from the moved
+    queries and ``transfers`` (default: the plan's K/V transfers); the slowest rank."""
+    ranks = pieces.num_ranks
+    sent, received = np.zeros(ranks), np.zeros(ranks)
+    for src, srv, a, b in zip(plan.source, plan.server, plan.q_start, plan.q_end):
+        if src != srv:
+            sent[src] += (b - a) * tb.q
+            received[srv] += (b - a) * tb.q
+            sent[srv] += (b - a) * tb.o
+            received[src] += (b - a) * tb.o
+    t = transfers if transfers is not None else kv_transfers(plan, pieces)
+    for src, srv, a, b in zip(t.source, t.server, t.start, t.end):
+        sent[src] += (b - a) * tb.kv
+        received[srv] += (b - a) * tb.kv
+    times = []
+    for r in range(ranks):
+        pairs = sum(min(q + 1, window or q + 1) for a, b in zip(plan.q_start[plan.server == r],
+                                                               plan.q_end[plan.server == r]) for q in range(a, b))
+        compute = 1e-6 * tokens + 1e-8 * pairs + 1e-6 * int((plan.server == r).sum())
+        wire = 2 * (sent[r] + received[r]) / 1e7  # forward + backward, sent and received
+        times.append(compute + (1 - hidden) * wire)
+    return max(times)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 1000), ranks=st.integers(2, 4), tokens=st.integers(16, 200), window=st.integers(1, 64),
+       fraction=st.sampled_from([0.5, 5 / 6, 1.0]))
+def test_mixed_layers_equal_an_independent_recount(seed, ranks, tokens, window, fraction):
+    """``--sliding-window``: a sliding layer on the full layers' plan computes windowed pairs but moves
+    whole prefixes; on its own plan (planned with the window) windowed pairs and windowed K/V; every
+    layer time recounted by hand, averaged over the layers as ``fraction`` of them slide."""
+    import dataclasses as dc
+
+    lengths = np.array([1, 7, 40, 333, 2000])
+    tb = TokenBytes(8, 4, 8)
+    config = PlannerConfig(tolerance=0.02, block=4, token_bytes=tb)
+    model = TimeModel(linear_s_per_token=1e-6, attn_s_per_pair=1e-8, task_s=1e-6, bytes_per_s=1e7)
+    result = simulate(lengths, ranks, tokens, batches=2, seed=seed, config=config, time_model=model,
+                      sliding_window=window, sliding_fraction=fraction)
+    mixed = result["mixed_layers"]
+    rng = np.random.default_rng(seed)
+    expected = {"colocated": [], "one_plan": [], "plan_per_kind": []}
+    for _ in range(2):
+        pieces = pack_pieces(draw_batch(lengths, ranks * tokens, rng), ranks, tokens)
+        step = lambda plan, **kw: _recounted_step(plan, pieces, tb, 0.0, tokens, **kw)
+        full_plan = plan_tasks(pieces, config)
+        full = step(full_plan)
+        windowed = dc.replace(config, window=window)
+        layers = {"colocated": (step(colocated_plan(pieces)), step(colocated_plan(pieces, window=window),
+                                                                    window=window)),
+                  "one_plan": (full, step(full_plan, window=window)),  # the full plan's whole prefixes move
+                  "plan_per_kind": (full, step(plan_tasks(pieces, windowed), window=window))}
+        for method, (full_s, sliding_s) in layers.items():
+            expected[method].append(fraction * sliding_s + (1 - fraction) * full_s)
+    for method, times in expected.items():
+        assert mixed["layer_time_s"][method] == pytest.approx(np.mean(times), rel=1e-9), method
+    assert mixed["speedup_vs_one_plan"] == pytest.approx(np.mean(expected["one_plan"]) /
+                                                         np.mean(expected["plan_per_kind"]), rel=1e-9)
+    assert mixed["full_layer_time_s"]["plan_per_kind"] == pytest.approx(result["distca"]["step_time_s"], rel=1e-9)
+    # a window as long as every document slides nothing: one plan is the plan of its kind
+    whole = simulate(lengths, ranks, tokens, batches=2, seed=seed, config=config, time_model=model,
+                     sliding_window=ranks * tokens, sliding_fraction=fraction)["mixed_layers"]
+    assert whole["layer_time_s"]["one_plan"] == pytest.approx(whole["layer_time_s"]["plan_per_kind"], rel=1e-9)
 
 
 def test_ulysses_unavailable_when_no_degree_deepspeed_accepts_holds_the_longest_document():

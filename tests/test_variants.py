@@ -257,14 +257,35 @@ def test_widest_window_reads_the_config():
     assert widest_window(tiny_config("llama")) is None
 
 
+def test_mixed_sliding_window_is_the_sliding_layers_window_of_mixed_models_only():
+    """The window a mixed model's sliding layers are planned under on their own; ``None`` for models
+    whose layers are all of one kind (every layer slides: one plan under the window) and for chunked
+    attention beside full layers (Llama 4: its chunks are not a window)."""
+    from transformers import Llama4TextConfig
+
+    from distca_hf.hf import mixed_sliding_window
+    from helpers import tiny_config
+
+    models = _window_models()
+    assert mixed_sliding_window(models["gemma3 mixed w4"]) == 4
+    assert mixed_sliding_window(models["gemma2 softcap mixed w4"]) == 4
+    assert mixed_sliding_window(models["qwen2 mixed w6"]) == 6
+    assert mixed_sliding_window(models["mistral w5"]) is None
+    assert mixed_sliding_window(tiny_config("llama")) is None
+    assert mixed_sliding_window(tiny_config("qwen2", use_sliding_window=False, sliding_window=6)) is None
+    chunked = Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0])
+    assert "chunked_attention" in chunked.layer_types and mixed_sliding_window(chunked) is None
+
+
 # ---- several ranks: windows shorter than documents that span ranks ----
 
 WINDOW_CASES = {
-    # name: (world, family, model overrides, document lengths, slice lengths per rank)
-    "mistral w7, documents over both ranks": (2, "mistral", {"sliding_window": 7}, [30, 50, 7, 1, 12], [60, 40]),
+    # name: (world, family, model overrides, document lengths, slice lengths per rank, checkpointing)
+    "mistral w7, documents over both ranks": (2, "mistral", {"sliding_window": 7}, [30, 50, 7, 1, 12], [60, 40],
+                                              (False,)),
     "qwen2 mixed w9, one document over three ranks": (
         3, "qwen2", {"use_sliding_window": True, "sliding_window": 9, "max_window_layers": 1, "num_hidden_layers": 3},
-        [9, 100, 5], [40, 40, 34]),
+        [9, 100, 5], [40, 40, 34], (False, True)),
 }
 
 
@@ -272,16 +293,21 @@ WINDOW_CASES = {
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
 def test_windowed_spanning_documents_are_exact(tmp_path, case):
     """Every overlap mode and both backward modes, exact against each whole document alone; a
-    uniformly windowed model moves fewer K/V tokens than its unwindowed plan would."""
+    uniformly windowed model moves fewer K/V tokens than its unwindowed plan would, and a mixed model's
+    sliding layers run a plan of their own that moves only their window's keys (checkpointed layers
+    recomputed in the plan of their kind)."""
     from dist_harness import run_ranks
     from workers import exact_runs, span_worker
 
-    world, family, overrides, doc_lengths, slice_lengths = WINDOW_CASES[case]
+    world, family, overrides, doc_lengths, slice_lengths, checkpointing = WINDOW_CASES[case]
     results = run_ranks(span_worker, world, tmp_path, family, doc_lengths, slice_lengths,
-                        ("none", "wave", "pingpong"), overrides, (False,), env={"DISTCA_TOLERANCE": "0.02"})
-    for rank, runs in exact_runs(results, 7):
+                        ("none", "wave", "pingpong"), overrides, checkpointing, env={"DISTCA_TOLERANCE": "0.02"})
+    for rank, runs in exact_runs(results, 6 * len(checkpointing) + 1):
         for run in runs:
             assert run["stats"]["dispatched"]
+            # the ping-pong decoder stack plans its nano-batches once for every layer (whole prefixes)
+            mixed = case.startswith("qwen2") and run["overlap"] != "pingpong"
+            assert ("sliding_layers" in run["stats"]) == mixed, run
     colocated = results[0]["value"][-2]["stats"]
     if case.startswith("mistral"):  # pairs are counted under the window (at most 7 per query)
         lengths = [30, 50, 7, 1, 12]
@@ -290,5 +316,9 @@ def test_windowed_spanning_documents_are_exact(tmp_path, case):
         # colocated: only rank 1's piece [30, 50) of document 1 needs keys from rank 0, and under the
         # window only [key_start(30, 7), 30) = [24, 30): 6 tokens, not the whole 30-token prefix
         assert sum(colocated["kv_tokens_received_per_layer"]) == 6
-    else:  # a full-attention layer: whole prefixes travel
-        assert sum(colocated["kv_tokens_received_per_layer"]) > 9
+    else:  # the full-attention layer: whole prefixes travel (document 1 from token 31 on rank 1, 71 on rank 2)
+        assert sum(colocated["kv_tokens_received_per_layer"]) == 31 + 71
+        # its sliding layers: the 8 keys before each continuing piece, [23, 31) and [63, 71)
+        sliding = colocated["sliding_layers"]["9"]
+        assert sum(sliding["kv_tokens_received_per_layer"]) == 8 + 8
+        assert sum(sliding["attn_pairs_local"]) == sum(sum(min(t + 1, 9) for t in range(n)) for n in doc_lengths)

@@ -10,12 +10,12 @@ dispatches through transformers' attention interface.
 """
 
 from .attention import (ATTN_IMPLEMENTATION, UnsupportedAttentionError, attention_chunk, distca_attention_forward,
-                        widest_window, refuse_unsupported, to_compute_dtype)
+                        mixed_sliding_window, widest_window, refuse_unsupported, to_compute_dtype)
 from .mask import distca_mask
 from .model_check import refuse_models_that_ignore_the_interface, uses_attention_interface
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward", "distca_mask",
-           "widest_window", "refuse_unsupported", "register", "register_attention", "register_mask",
+           "mixed_sliding_window", "widest_window", "refuse_unsupported", "register", "register_attention", "register_mask",
            "to_compute_dtype", "uses_attention_interface"]
 
 

@@ -28,7 +28,7 @@ from ..state import warn_once
 from .model_inputs import MODEL_DOCUMENTS, document_arguments
 
 __all__ = ["ATTN_IMPLEMENTATION", "UnsupportedAttentionError", "attention_chunk", "distca_attention_forward",
-           "widest_window", "refuse_unsupported", "to_compute_dtype"]
+           "widest_window", "mixed_sliding_window", "refuse_unsupported", "to_compute_dtype"]
 
 ATTN_IMPLEMENTATION = "distca"
 
@@ -113,6 +113,21 @@ def widest_window(config) -> int | None:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t != "sliding_attention" for t in layer_types):
+        return None
+    return int(window)
+
+
+def mixed_sliding_window(config) -> int | None:
+    """The window of a model's sliding layers when it mixes them with layers of another type (Gemma 2/3,
+    GPT-OSS, Cohere2, Qwen2 with ``max_window_layers``: ``config.layer_types`` holds
+    ``"sliding_attention"`` and ``"full_attention"`` or ``"chunked_attention"``), else ``None``. Such a
+    forward is planned twice: once for its full layers (whole prefixes, ``widest_window`` is ``None``)
+    and once for its sliding layers under this window, whose work is nearly even per token and whose
+    CA-tasks need only the last ``window`` keys (``runtime.forward``); one plan for both made the sliding
+    layers carry whole prefixes and balance pairs they do not compute."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if not window or "sliding_attention" not in layer_types or widest_window(config) is not None:
         return None
     return int(window)
 
@@ -218,11 +233,14 @@ def distca_attention_forward(
     query = _per_document_temperature(module, query, kv_len, lambda: _document_positions(
         batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q))
     model_forward = kwargs.get(MODEL_DOCUMENTS)
+    config = getattr(module, "config", None)
     context = context_for_call(module, query, key, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k,
-                               kv_window=widest_window(getattr(module, "config", None)), value_head_dim=value_dim,
-                               model_contexts=model_forward.contexts if model_forward is not None else None)
+                               kv_window=widest_window(config), value_head_dim=value_dim,
+                               model_contexts=model_forward.contexts if model_forward is not None else None,
+                               sliding_window=mixed_sliding_window(config))
     # the window the model hands the interface, else the one its mask applies (PhiMoE, Qwen2-MoE hand none)
     variant = AttentionVariant(kwargs.get("sliding_window") or layer_window(module), kwargs.get("softcap"), chunk)
+    context = context.for_window(variant.window)  # a mixed model's sliding layers run their own plan
     q = query.transpose(1, 2).reshape(batch_size * query_len, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, head_dim)
     v = value.transpose(1, 2).reshape(batch_size * kv_len, num_kv_heads, value_dim)

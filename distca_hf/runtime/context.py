@@ -68,6 +68,9 @@ class PlanStats:
             ping-pong's nano-batches; the documents' all-gather and building the dispatch are not
             counted.
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
+        sliding_layers: for a model that mixes sliding and full layers (``hf.mixed_sliding_window``),
+            ``(window, PlanStats)`` of the plan its sliding layers run (``plan_stats()["sliding_layers"]``:
+            ``{str(window): stats}``); the fields above describe the full layers' plan.
     """
 
     attn_pairs_local: list
@@ -89,12 +92,15 @@ class PlanStats:
     kv_exchange_rounds: int = 1
     plan_seconds: float = 0.0
     nano_batches: tuple = ()
+    sliding_layers: tuple = ()
 
     def as_dict(self) -> dict:
         out = asdict(self)
         out["nano_batches"] = [s.as_dict() for s in self.nano_batches]
-        if not self.nano_batches:
-            del out["nano_batches"]
+        out["sliding_layers"] = {str(window): s.as_dict() for window, s in self.sliding_layers}  # (JSON's keys)
+        for name in ("nano_batches", "sliding_layers"):
+            if not out[name]:
+                del out[name]
         return out
 
 
@@ -210,7 +216,10 @@ class ForwardContext:
         local: the fused batch of this rank's own documents, when it computes them itself.
         dispatch: this rank's dispatch, when CA-tasks run on servers.
         counters: bytes this rank sent and kept so far in this forward (shared by ping-pong's two
-            dispatches).
+            dispatches, and by the full and sliding layers' dispatches).
+        sliding: ``{window: ForwardContext}``: for a model that mixes sliding and full layers
+            (``hf.mixed_sliding_window``), the context its sliding layers run, planned under their window
+            (``for_window``); this context is the full layers'.
     """
 
     number: int
@@ -222,6 +231,12 @@ class ForwardContext:
     dispatch: Dispatch | None = None
     counters: DispatchCounters | None = field(default=None)
     masks: list = field(default_factory=list)
+    sliding: dict = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> "ForwardContext":
+        """The context a layer of sliding ``window`` (``None``: whole prefixes) runs in: the one planned
+        for that window, else this one (its K/V cover every window)."""
+        return self.sliding.get(window, self) if window is not None else self
 
 
 def current_forward() -> ForwardContext | None:

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import DistCAConfig, block_for_device, current_config
-from ..planning import (DocumentBoundaryError, DocumentPieces, PackedDocuments, PlannerConfig, RankDocuments,
-                        TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers,
+from ..planning import (DocumentBoundaryError, DocumentPieces, FusedBatch, PackedDocuments, PlannerConfig,
+                        RankDocuments, TokenBytes, colocated_plan, find_documents, fuse_tasks, kv_transfers,
                         resolve_time_model, stitch_rank_documents, whole_document_tasks)
 from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
@@ -121,7 +121,7 @@ def _starts_forward(module) -> bool:
 
 def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_mask, position_ids, cu_seq_lens_q,
                      cu_seq_lens_k, *, kv_window: int | None = None, value_head_dim: int | None = None,
-                     model_contexts: list | None = None) -> ForwardContext:
+                     model_contexts: list | None = None, sliding_window: int | None = None) -> ForwardContext:
     """The context of the forward this attention call belongs to (made now if the call opens one).
     query ``[batch, heads, seq, head_dim]``, key ``[batch, kv_heads, kv_len, head_dim]``;
     ``kv_window``: the widest sliding window of the model's layers (``None`` when a layer attends to
@@ -129,7 +129,9 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
     head dim when it is not ``head_dim`` (DeepSeek's MLA), for the bytes a plan moves;
     ``model_contexts``: the contexts of the model forward this call is part of
     (``hf.model_inputs.ModelForward.contexts``, the same list when a checkpointed layer is
-    recomputed): filled in a forward, and in a backward the recomputation runs in the one it holds."""
+    recomputed): filled in a forward, and in a backward the recomputation runs in the one it holds;
+    ``sliding_window``: the window of the sliding layers of a model that mixes them with full ones
+    (``hf.mixed_sliding_window``), planned on their own (``ForwardContext.for_window``)."""
     batch_size, num_heads, query_len, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     pinned = pinned_context()
@@ -148,7 +150,8 @@ def context_for_call(module, query: torch.Tensor, key: torch.Tensor, attention_m
         return _joined(current, model_contexts)
 
     call = CallInputs(batch_size, query_len, kv_len, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k)
-    context = _open_forward(module, query, key, call, call_key, identifying, kv_window, value_head_dim or head_dim)
+    context = _open_forward(module, query, key, call, call_key, identifying, kv_window, value_head_dim or head_dim,
+                            sliding_window)
     context.masks.append(_mask_entry(attention_mask))
     return _joined(begin_forward(context), model_contexts)
 
@@ -207,9 +210,10 @@ def _check_pinned(context: ForwardContext, module, query_rows: int, key_rows: in
 
 
 def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_window: int | None,
-                  value_head_dim: int) -> ForwardContext:
+                  value_head_dim: int, sliding_window: int | None = None) -> ForwardContext:
     """Find the documents, agree with the other ranks of the server group (a collective when there
-    are any) and plan."""
+    are any) and plan: once, or for a model mixing sliding and full layers (``sliding_window``) once
+    for each kind, in that order on every rank (each plan may be a collective)."""
     config = current_config()
     number = next_forward_number()
     group_size = distributed_group_size(config)
@@ -227,7 +231,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     signature = attention_signature(query.dtype, query.shape[1], key.shape[1], query.shape[3], value_head_dim,
-                                    torch.is_grad_enabled())
+                                    torch.is_grad_enabled(), sliding_window=sliding_window)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
                         number, "planning", signature=signature)
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
@@ -238,14 +242,27 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     token_bytes = TokenBytes(q=num_heads * head_dim * element, kv=key.shape[1] * (head_dim + value_head_dim) * element,
                              o=num_heads * value_head_dim * element, lse=4 * num_heads)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
-    dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
-                                   kv_window=kv_window, dtype_bytes=query.element_size(), local_when_colocated=True,
-                                   key_split=tiles_hold_for(module))
-    if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
-        return _local_context(number, call_key, inputs, docs, query.device, ranks.longest_document, planned)
-    stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, overlap=overlap)
-    return ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
-                          counters=dispatch.counters)
+    counters = DispatchCounters()  # (one forward's bytes, whichever of its plans sent them)
+    windows = [kv_window] + ([sliding_window] if sliding_window is not None else [])
+    contexts = []
+    for window in windows:
+        dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
+                                       counters=counters, kv_window=window, dtype_bytes=query.element_size(),
+                                       local_when_colocated=True, key_split=tiles_hold_for(module))
+        if dispatch is None:  # the plan moves nothing: every rank computes its own documents, as colocated does
+            context = _local_context(number, call_key, inputs, docs, query.device, ranks.longest_document, planned,
+                                     local=contexts[0].local if contexts else None)
+        else:
+            stats = plan_stats_of(number, [planned], token_bytes=token_bytes, num_heads=num_heads, overlap=overlap)
+            context = ForwardContext(number, call_key, inputs, ranks.longest_document, stats, dispatch=dispatch,
+                                     counters=counters)
+        contexts.append(context)
+    main = contexts[0]
+    if len(contexts) > 1:
+        main.sliding = {sliding_window: contexts[1]}
+        main.stats = dataclasses.replace(main.stats, sliding_layers=((sliding_window, contexts[1].stats),))
+        main.counters = counters
+    return main
 
 
 def _refuse_continuations(call: "CallInputs", docs: PackedDocuments, number: int) -> None:
@@ -319,9 +336,10 @@ class CallInputs:
 
 
 def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device, longest: int,
-                   planned: BatchPlan | None = None) -> ForwardContext:
+                   planned: BatchPlan | None = None, local: FusedBatch | None = None) -> ForwardContext:
     """This rank computes its own documents (one process, colocated mode, decoding, or a plan that
-    moves nothing: ``planned``, every rank's batch as planned, for the stats)."""
+    moves nothing: ``planned``, every rank's batch as planned, for the stats); ``local``: their fused
+    batch when already made (another plan of the same forward)."""
     if docs.num_docs == 0:
         raise ValueError("distca: the batch holds no real tokens (the attention_mask is all padding)")
     if planned is None:
@@ -330,7 +348,7 @@ def _local_context(number: int, call_key, inputs, docs: PackedDocuments, device,
         planned = BatchPlan(pieces)
     stats = plan_stats_of(number, [planned])
     return ForwardContext(number, call_key, inputs, longest, stats,
-                          local=fuse_tasks(whole_document_tasks(docs), docs).to(device))
+                          local=local if local is not None else fuse_tasks(whole_document_tasks(docs), docs).to(device))
 
 
 EXPOSED_COMM = {"none": 1.0, "wave": 0.5, "pingpong": 0.5}

@@ -11,6 +11,7 @@
     ulysses           DeepSpeed Ulysses (ALST) over distca's kernel: the bench's Ulysses baseline
     simulate          ``distca-hf simulate``: cluster-scale balance, bytes and speedup, no processes
     simulate_tables   ``distca-hf simulate``'s text tables
+    simulate_mixed    ``distca-hf simulate --sliding-window``: models mixing sliding and full layers
     simulate_checks   ``distca-hf simulate``'s sizes, checked before anything is drawn
     simulate_plot     ``distca-hf simulate --plot``: its figure
     length_samples    the document-length files the commands read (``--lengths``, ``sample:FILE.json``), checked

@@ -77,12 +77,14 @@ from ..planning.pipeline_bound import pipeline_floors
 from ..planning.pipeline_cost import PIPELINE_METHODS, check_layers, held_micro_batches, pipeline_step
 from .length_samples import check_lengths, load_lengths, span_problem
 from .output_paths import output_path_problem
-from .simulate_checks import check_sizes, draws_problem
+from .simulate_checks import check_sizes, draws_problem, pipeline_flags, time_model_flag
+from .simulate_mixed import (DEFAULT_SLIDING_FRACTION, add_mixed_arguments, check_mixed, format_mixed_table, mixed_flags_problem,
+                             mixed_layer_times, simulate_mixed_layers)
 from .simulate_tables import LABELS, METHODS, PIPELINE_LABELS, format_pipeline_table, format_table
 
 __all__ = ["METHODS", "LABELS", "PIPELINE_LABELS", "draw_batch", "cut_to", "pack_pieces", "per_doc_cp_kv_received",
-           "distca_plan", "default_planner_config", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table", "build_parser",
-           "main"]
+           "distca_plan", "default_planner_config", "simulate", "simulate_pipeline", "format_table", "format_pipeline_table",
+           "format_mixed_table", "build_parser", "main"]
 
 
 def draw_batch(lengths: np.ndarray, total_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -180,13 +182,16 @@ def default_planner_config() -> PlannerConfig:
 def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: int = 0,
              config: PlannerConfig | None = None, time_model: TimeModel = H100_MEASURED, keep_first: bool = False,
              *, hidden_comm_fraction: float = 0.0, heads: int = 32, kv_heads: int = 8,
-             wlb_threshold: int | None = None, auto_planner: str = "descent"):
+             wlb_threshold: int | None = None, auto_planner: str = "descent", sliding_window: int | None = None,
+             sliding_fraction: float = DEFAULT_SLIDING_FRACTION):
     """Run the comparison; returns the contract's JSON object (and the first batch's details as
     ``_first`` when ``keep_first``).
 
     ``heads`` / ``kv_heads`` decide which Ulysses degrees DeepSpeed accepts and its K/V bytes;
     ``wlb_threshold`` (tokens, default ``tokens_per_rank // 2``) is the length above which WLB-LLM
-    packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``)."""
+    packing queues a document; ``auto_planner``: a key of ``AUTO_PLANNERS`` (``distca_plan``).
+    ``sliding_window``: also model a model whose ``sliding_fraction`` of the layers slide with this
+    window (key ``"mixed_layers"``, ``simulate_mixed``); the rest of the object is its full layers'."""
     config = _checked_run(config, seed)
     problem = head_split_problem(heads, kv_heads)
     if problem:
@@ -196,6 +201,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     if auto_planner not in AUTO_PLANNERS:
         raise ValueError(f"auto_planner must be one of {sorted(AUTO_PLANNERS)}, got {auto_planner!r}")
     check_sizes(ranks=ranks, tokens_per_rank=tokens_per_rank, batches=batches)
+    check_mixed(sliding_window, sliding_fraction)
     lengths = check_lengths(lengths)
     threshold = wlb_threshold if wlb_threshold is not None else max(1, tokens_per_rank // 2)
     longest = int(min(lengths.max(), ranks * tokens_per_rank))  # a batch cuts what it cannot hold
@@ -204,7 +210,7 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
     rng = np.random.default_rng(seed)
     drawn = [draw_batch(lengths, ranks * tokens_per_rank, rng) for _ in range(batches)]
     measured = [_measure_batch(docs, ranks, tokens_per_rank, config, time_model, hidden_comm_fraction, cp_degree,
-                               sp_degree, kv_heads, auto_planner) for docs in drawn]
+                               sp_degree, kv_heads, auto_planner, sliding_window) for docs in drawn]
     wlb_packed, _ = wlb_steps(drawn, ranks, tokens_per_rank, threshold)
     wlb = []
     for pieces, _ in wlb_packed:
@@ -290,6 +296,9 @@ def simulate(lengths, ranks: int, tokens_per_rank: int, batches: int = 8, seed: 
         "tuned_baseline": {"method": tuned_best[0], "degree": tuned_best[1], "step_time_s": tuned[tuned_best]},
         "speedup_vs_tuned_baseline": tuned[tuned_best] / step["distca"],
     }
+    if sliding_window is not None:
+        result["mixed_layers"] = simulate_mixed_layers([m["_mixed"] for m in measured], sliding_window=sliding_window,
+                                                       sliding_fraction=sliding_fraction)
     if keep_first:
         result["_first"] = measured[0]["_first"]
     return result
@@ -370,8 +379,9 @@ def _pieces_loads(pieces: DocumentPieces, token_bytes: TokenBytes) -> RankLoads:
 
 def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: PlannerConfig,
                    time_model: TimeModel, hidden: float, cp_degree: int, sp_degree: int | None,
-                   kv_heads: int, auto_planner: str = "descent") -> dict:
-    """One batch's numbers for every method but WLB (which carries a queue across batches)."""
+                   kv_heads: int, auto_planner: str = "descent", sliding_window: int | None = None) -> dict:
+    """One batch's numbers for every method but WLB (which carries a queue across batches); with
+    ``sliding_window``, ``_mixed``: ``simulate_mixed.mixed_layer_times``."""
     total = ranks * tokens_per_rank
     pieces = pack_pieces(docs, ranks, tokens_per_rank)
     start = time.perf_counter()
@@ -426,6 +436,10 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         **dict(zip(("dca_fan_mean", "dca_fan_max"), long_document_servers(plan, pieces, tokens_per_rank))),
         **memory, "dca_resend": float(plan.backward == "resend"), "dca_rounds": rounds,
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
+        **({"_mixed": mixed_layer_times(pieces, plan, _planning_config(config, time_model, hidden),
+                                        sliding_window=sliding_window,
+                                        planner=lambda p, c: distca_plan(p, c, time_model, hidden, auto_planner))}
+           if sliding_window is not None else {}),
     }
 
 
@@ -492,6 +506,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "only with --tolerance auto")
     parser.add_argument("--wlb-threshold", type=int, help="WLB-LLM packing queues documents longer than this "
                         "(tokens; default tokens-per-rank / 2)")
+    add_mixed_arguments(parser)
     pipeline = parser.add_argument_group(
         "pipeline parallelism", "model one training step of a non-interleaved 1F1B pipeline (JSON key 'pipeline'): "
         "stock 1F1B with colocated packing, with micro-batches balanced for attention, with CAD inside each "
@@ -520,24 +535,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     return run_cli(parser.parse_args(argv), parser)
-
-
-def _time_model_flag(path, parser, args) -> TimeModel:
-    """``--time-model``'s file as a ``TimeModel``, its problems reported naming the flag; a profile of
-    another shape than ``--hidden`` / ``--heads`` / ``--kv-heads`` is refused (its costs would be
-    mixed with this shape's bytes)."""
-    try:
-        model, shape = TimeModel.load_profile(path)
-    except ValueError as e:
-        parser.error(f"--time-model: {e}")
-    flags = {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads}
-    differ = {k: v for k, v in flags.items() if shape and k in shape and shape[k] != v}
-    if differ:
-        measured = " ".join(f"--{k.replace('_', '-')} {shape[k]}" for k in flags if k in shape)
-        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
-        parser.error(f"--time-model {path} was profiled on {measured}, this run models {given}: pass the profile's "
-                     "shape, or profile this one (distca-hf profile --hidden ... --heads ... --kv-heads ...)")
-    return model
 
 
 def run_cli(args, parser) -> int:
@@ -569,24 +566,10 @@ def run_cli(args, parser) -> int:
             parser.error(problem)
         if importlib.util.find_spec("matplotlib") is None:  # checked before the simulation, not after it
             parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib (the 'plot' extra)")
-    pipelined = args.pipeline_parallel is not None or args.micro_batches is not None
-    if args.layers is not None and not pipelined:
-        parser.error("--layers is read by the pipeline model only (the layer model times one layer); give "
-                     "--pipeline-parallel P too, or leave --layers out")
-    layers = args.layers if args.layers is not None else DEFAULT_LAYERS
-    if pipelined:
-        stages = args.pipeline_parallel if args.pipeline_parallel is not None else 1
-        if stages < 1:
-            parser.error(f"--pipeline-parallel must be >= 1, got {stages}")
-        if args.ranks % stages:
-            parser.error(f"--ranks ({args.ranks}) must be divisible by --pipeline-parallel ({stages}): --ranks is "
-                         f"the total, {stages} stages x --ranks / {stages} data-parallel pipelines")
-        micro_batches = args.micro_batches if args.micro_batches is not None else 2 * stages
-        if micro_batches < 1:
-            parser.error(f"--micro-batches must be >= 1, got {micro_batches}")
-        if layers % stages:
-            parser.error(f"--layers ({layers}) must be a positive multiple of --pipeline-parallel ({stages}): "
-                         "every stage holds the same number of layers")
+    problem = mixed_flags_problem(args.sliding_window, args.sliding_fraction)
+    if problem:
+        parser.error(problem)
+    pipelined, stages, micro_batches, layers = pipeline_flags(args, parser, DEFAULT_LAYERS)
     problem = draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
     if problem:
         parser.error(problem)
@@ -607,7 +590,7 @@ def run_cli(args, parser) -> int:
                                backward=args.backward, memory_budget=args.memory_budget, key_split=True,
                                kv_cap=args.kv_cap, kv_relays=args.kv_relays)
         # the planner's built-in CUDA model, carried to this shape (bf16), unless a profile is given
-        time_model = _time_model_flag(args.time_model, parser, args) if args.time_model else \
+        time_model = time_model_flag(args.time_model, parser, args) if args.time_model else \
             default_time_model("cuda", token_bytes, 2)
         if args.bytes_per_s is not None:
             time_model = dataclasses.replace(time_model, bytes_per_s=args.bytes_per_s)
@@ -629,15 +612,20 @@ def run_cli(args, parser) -> int:
         print(f"distca-hf simulate: {longer} of the {lengths.size} lengths are longer than a {what[0]} ({batch} tokens "
               f"= {what[1]} --tokens-per-rank): drawn, such a document is cut where the batch is full", file=sys.stderr)
     options = {"hidden_comm_fraction": args.hidden_comm_fraction, "heads": args.heads, "kv_heads": args.kv_heads,
-               "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner}
+               "wlb_threshold": args.wlb_threshold, "auto_planner": args.auto_planner,
+               "sliding_window": args.sliding_window,
+               "sliding_fraction": args.sliding_fraction or DEFAULT_SLIDING_FRACTION}  # (0 was refused)
     result = simulate(lengths, args.ranks, args.tokens_per_rank, args.batches, args.seed, config, time_model,
                       keep_first=bool(args.plot), **options)
     if args.plot:
         from .simulate_plot import plot_simulation  # matplotlib, only when asked for
 
-        plot_simulation(args.plot, lengths, args, config, time_model, result, options)
+        plot_simulation(args.plot, lengths, args, config, time_model, result,
+                        {k: v for k, v in options.items() if not k.startswith("sliding_")})  # (the full layers')
     public = {k: v for k, v in result.items() if not k.startswith("_")}
     table = format_table(public)
+    if "mixed_layers" in public:
+        table += "\n\n" + format_mixed_table(public["mixed_layers"])
     if pipelined:
         public["pipeline"] = simulate_pipeline(
             lengths, args.ranks, args.tokens_per_rank, stages=stages, micro_batches=micro_batches,
