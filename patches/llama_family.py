@@ -175,9 +175,11 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     # attention function's forward prices them
     dtype = attention_dtype(device.type, inputs_embeds.dtype)
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, dtype.itemsize, head_dim)
-    signature = attention_signature(dtype, heads, kv_heads, head_dim, head_dim, torch.is_grad_enabled())
+    window = widest_window(config)
+    signature = attention_signature(dtype, heads, kv_heads, head_dim, head_dim, torch.is_grad_enabled(),
+                                    kv_window=window)
     return plan_pingpong(docs, error, token_bytes, device, heads, first_position,
-                         kv_window=widest_window(config), dtype_bytes=dtype.itemsize,
+                         kv_window=window, dtype_bytes=dtype.itemsize,
                          key_split=tiles_hold_for(layers[0].self_attn), signature=signature)
 
 

@@ -320,6 +320,17 @@ def _agreement_worker(rank, world):
     with torch.no_grad():
         alone = torch.cat([shifted(input_ids=d[None], use_cache=False).logits[0] for d in docs])
     report["shifted_err"] = max(float((e - alone).abs().max()) for e in errs)
+    # g. models whose layers slide with other windows on each rank (their plans would cut K/V to other
+    # keys: a gloo abort before), and a mixed model beside one whose layers are all full
+    for name, model in (("windows", tiny_model("mistral", sliding_window=4 if rank == 0 else 6)),
+                        ("mixed_beside_full", tiny_model("qwen2", use_sliding_window=rank == 0, sliding_window=6,
+                                                         max_window_layers=1, num_hidden_layers=3))):
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.randint(1, 96, (1, 20), generator=g))
+            report[name] = "ok"
+        except ValueError as e:
+            report[name] = str(e)
     report["peer_error_type"] = DistCAPeerError.__name__
     return report
 
@@ -341,6 +352,9 @@ def test_ranks_agree_on_every_decision(tmp_path):
         assert "differ in needs gradients" in report["grad_modes"] and "rank 1: float32" in report["grad_modes"]
         assert report["generate_equal"]
         assert report["shifted_err"] < 1e-5
+        assert "differ in window of every layer" in report["windows"], report["windows"]
+        assert "every layer's window 4" in report["windows"] and "every layer's window 6" in report["windows"]
+        assert "differ in sliding layers' window" in report["mixed_beside_full"], report["mixed_beside_full"]
     assert r1["invalid"] == "DocumentBoundaryError" and r0["invalid"] == "DistCAPeerError"
 
 

@@ -31,7 +31,7 @@ PATH_PINGPONG = 2  # the ping-pong decoder stack
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # codes 1.. in a signature (0: other)
 _SIGNATURE_FIELDS = ("dtype", "query heads", "key/value heads", "head dim", "value head dim", "needs gradients",
-                     "sliding layers' window")
+                     "window of every layer", "sliding layers' window")
 _UNCHECKED = (0,) * len(_SIGNATURE_FIELDS)  # a path whose shapes are fixed elsewhere (ping-pong, pipeline ticks)
 
 
@@ -42,16 +42,19 @@ def attention_dtype(device_type: str, otherwise: torch.dtype) -> torch.dtype:
 
 
 def attention_signature(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, value_head_dim: int,
-                        needs_gradients: bool, *, sliding_window: int | None = None) -> tuple[int, ...]:
+                        needs_gradients: bool, *, kv_window: int | None = None,
+                        sliding_window: int | None = None) -> tuple[int, ...]:
     """What every rank's attention calls of one forward must share (``_SIGNATURE_FIELDS``): the dtype
     attention computes in, the query and key/value heads, their head sizes, whether a backward may
     follow (``torch.is_grad_enabled()``, not whether this call's tensors need gradients: which layer opens
-    the forward says nothing of the later layers, a LoRA on later layers or on ``v_proj`` only), and the
-    window of the sliding layers planned on their own (``hf.mixed_sliding_window``; 0: none), since
-    each rank then plans, and runs the collectives of, one more plan."""
+    the forward says nothing of the later layers, a LoRA on later layers or on ``v_proj`` only), the
+    window the plan cuts K/V to when every layer slides (``hf.widest_window``; 0: whole prefixes: ranks
+    planning different keys exchange buffers of different sizes) and the window of the sliding layers
+    planned on their own (``hf.mixed_sliding_window``; 0: none: each rank then plans, and runs the
+    collectives of, one more plan)."""
     code = 1 + _DTYPES.index(dtype) if dtype in _DTYPES else 0
     return (code, int(heads), int(kv_heads), int(head_dim), int(value_head_dim), int(needs_gradients),
-            int(sliding_window or 0))
+            int(kv_window or 0), int(sliding_window or 0))
 
 
 def agree(payload: np.ndarray, path: int, error: Exception | None, config: DistCAConfig, device, number: int,
@@ -107,4 +110,5 @@ def _described(signature: tuple[int, ...]) -> str:
     dtype = str(_DTYPES[signature[0] - 1]).removeprefix("torch.") if signature[0] else "another dtype"
     return (f"{dtype}, {signature[1]} / {signature[2]} heads, head dim {signature[3]} / {signature[4]}, "
             f"{'with' if signature[5] else 'without'} gradients"
-            + (f", sliding layers' window {signature[6]}" if signature[6] else ""))
+            + (f", every layer's window {signature[6]}" if signature[6] else "")
+            + (f", sliding layers' window {signature[7]}" if signature[7] else ""))

@@ -65,8 +65,8 @@ class PlanStats:
         plan_seconds: wall seconds this rank spent planning the forward (the planner; under
             ``tolerance="auto"`` and ``kv_relays="auto"`` on 3 ranks or more, its candidates planned
             across ranks with their all-reduce and broadcast, ``runtime.shared_planning``), summed over
-            ping-pong's nano-batches; the documents' all-gather and building the dispatch are not
-            counted.
+            ping-pong's nano-batches and over a mixed model's two plans (``sliding_layers``); the
+            documents' all-gather and building the dispatch are not counted.
         nano_batches: with ping-pong, the stats of each nano-batch (the lists above are their sums).
         sliding_layers: for a model that mixes sliding and full layers (``hf.mixed_sliding_window``),
             ``(window, PlanStats)`` of the plan its sliding layers run (``plan_stats()["sliding_layers"]``:

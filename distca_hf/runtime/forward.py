@@ -231,7 +231,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     docs, first_position, error = call.describe(span_ranks=config.span_ranks)
     lengths = docs.lengths if docs is not None else np.zeros(0, dtype=np.int64)
     signature = attention_signature(query.dtype, query.shape[1], key.shape[1], query.shape[3], value_head_dim,
-                                    torch.is_grad_enabled(), sliding_window=sliding_window)
+                                    torch.is_grad_enabled(), kv_window=kv_window, sliding_window=sliding_window)
     _, gathered = agree(np.concatenate(([first_position], lengths)), PATH_PLAIN, error, config, query.device,
                         number, "planning", signature=signature)
     per_rank, first_positions = [x[1:] for x in gathered], [int(x[0]) for x in gathered]
@@ -260,7 +260,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     main = contexts[0]
     if len(contexts) > 1:
         main.sliding = {sliding_window: contexts[1]}
-        main.stats = dataclasses.replace(main.stats, sliding_layers=((sliding_window, contexts[1].stats),))
+        main.stats = dataclasses.replace(main.stats, sliding_layers=((sliding_window, contexts[1].stats),),
+                                         plan_seconds=main.stats.plan_seconds + contexts[1].stats.plan_seconds)
         main.counters = counters
     return main
 

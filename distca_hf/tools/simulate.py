@@ -436,7 +436,7 @@ def _measure_batch(docs: np.ndarray, ranks: int, tokens_per_rank: int, config: P
         **dict(zip(("dca_fan_mean", "dca_fan_max"), long_document_servers(plan, pieces, tokens_per_rank))),
         **memory, "dca_resend": float(plan.backward == "resend"), "dca_rounds": rounds,
         "_first": {"local": pieces.local_pairs(), "served": plan.server_pairs()},
-        **({"_mixed": mixed_layer_times(pieces, plan, _planning_config(config, time_model, hidden),
+        **({"_mixed": mixed_layer_times(pieces, _planning_config(config, time_model, hidden),
                                         sliding_window=sliding_window,
                                         planner=lambda p, c: distca_plan(p, c, time_model, hidden, auto_planner))}
            if sliding_window is not None else {}),
@@ -566,10 +566,10 @@ def run_cli(args, parser) -> int:
             parser.error(problem)
         if importlib.util.find_spec("matplotlib") is None:  # checked before the simulation, not after it
             parser.error("--plot needs matplotlib, which is not installed: pip install matplotlib (the 'plot' extra)")
-    problem = mixed_flags_problem(args.sliding_window, args.sliding_fraction)
+    pipelined, stages, micro_batches, layers = pipeline_flags(args, parser, DEFAULT_LAYERS)
+    problem = mixed_flags_problem(args.sliding_window, args.sliding_fraction, pipelined)
     if problem:
         parser.error(problem)
-    pipelined, stages, micro_batches, layers = pipeline_flags(args, parser, DEFAULT_LAYERS)
     problem = draws_problem(args.batches, micro_batches if pipelined else None, ("--batches", "--micro-batches"))
     if problem:
         parser.error(problem)

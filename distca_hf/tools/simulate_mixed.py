@@ -17,7 +17,10 @@ layers (``sliding_fraction`` of them slide):
 - ``plan_per_kind``: the sliding layers run a plan of their own (``PlannerConfig.window = W``).
 
 Each is the time model's layer (``rank_time``: compute and the exposed share of the bytes, the slowest
-rank), forward + backward; the full layers' plan is the one ``simulate`` times for distca.
+rank), forward + backward. Both plans are made without key-split tiles, as the runtime makes them for
+such models (``runtime.forward.tiles_hold_for``: a tile holds exactly only for one window), so the full
+layers' plan may differ from the one ``simulate`` times for distca (a model of one kind of layer).
+``sliding_fraction`` is below 1: a model whose every layer slides is planned under its window already.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 import numpy as np
 
 from ..config import is_integer
-from ..planning import DocumentPieces, Plan, PlannerConfig, TimeModel, colocated_plan
+from ..planning import DocumentPieces, Plan, PlannerConfig, colocated_plan
 from ..planning.by_time import loads_seconds, plan_loads
 from ..planning.rank_time import rank_seconds, sends_timing
 from ..planning.relay_trees import plan_kv_sends
@@ -54,15 +57,16 @@ def add_mixed_arguments(parser: argparse.ArgumentParser) -> None:
     mixed.add_argument("--sliding-window", type=int, metavar="W",
                        help="keys per query of the sliding layers (Gemma 3: 1024, Gemma 2: 4096)")
     mixed.add_argument("--sliding-fraction", type=float, metavar="F",
-                       help=f"share of the layers that slide, in (0, 1] (default {DEFAULT_SLIDING_FRACTION}, Gemma 2; "
+                       help=f"share of the layers that slide, in (0, 1) (default {DEFAULT_SLIDING_FRACTION}, Gemma 2; "
                             "Gemma 3: 0.833, Cohere2 and Olmo 3: 0.75); only with --sliding-window")
 
 
 def _problems(window, fraction, names) -> str | None:
     if window is not None and not (is_integer(window) and window >= 1):
         return f"{names[0]} must be an integer >= 1 (keys per query), got {window!r}"
-    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0.0 < fraction <= 1.0):
-        return f"{names[1]} must be in (0, 1] (the share of the layers that slide), got {fraction!r}"
+    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0.0 < fraction < 1.0):
+        return (f"{names[1]} must be in (0, 1) (the share of the layers that slide; a model whose every layer "
+                f"slides is planned under its window already), got {fraction!r}")
     return None
 
 
@@ -73,10 +77,14 @@ def check_mixed(sliding_window: int | None, sliding_fraction: float) -> None:
         raise ValueError(problem)
 
 
-def mixed_flags_problem(sliding_window: int | None, sliding_fraction: float | None) -> str | None:
-    """What is wrong with ``--sliding-window`` / ``--sliding-fraction`` (None: nothing)."""
+def mixed_flags_problem(sliding_window: int | None, sliding_fraction: float | None, pipelined: bool) -> str | None:
+    """What is wrong with ``--sliding-window`` / ``--sliding-fraction`` (None: nothing); ``pipelined``:
+    the pipeline model is asked for too (it times full layers only)."""
     if sliding_fraction is not None and sliding_window is None:
         return "--sliding-fraction needs --sliding-window W (the window of the layers that slide)"
+    if sliding_window is not None and pipelined:
+        return ("--sliding-window is read by the layer model only; the pipeline model (--pipeline-parallel, "
+                "--micro-batches) times full layers: run them apart")
     return _problems(sliding_window, DEFAULT_SLIDING_FRACTION if sliding_fraction is None else sliding_fraction,
                      ("--sliding-window", "--sliding-fraction"))
 
@@ -97,13 +105,14 @@ def _windowed_layer_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerC
     return float((compute + exposed).max(initial=0.0))
 
 
-def mixed_layer_times(pieces: DocumentPieces, full_plan: Plan, config: PlannerConfig, *, sliding_window: int,
-                      planner) -> dict:
-    """One batch: ``{"full": {method: s}, "sliding": {method: s}, "sliding_plan_ms": ms}``, the layer times
-    of a full and of a sliding layer for every ``MIXED_METHODS`` method. ``full_plan``: the full
-    layers' plan (made with ``config``, whole prefixes); ``planner``: ``(pieces, PlannerConfig) -> Plan``,
-    which plans the sliding layers under ``config`` with ``window=sliding_window``."""
+def mixed_layer_times(pieces: DocumentPieces, config: PlannerConfig, *, sliding_window: int, planner) -> dict:
+    """One batch: ``{"full": {method: s}, "sliding": {method: s}, "sliding_plan_ms": ms, ...}``, the layer
+    times of a full and of a sliding layer for every ``MIXED_METHODS`` method. ``planner``: ``(pieces,
+    PlannerConfig) -> Plan``; it plans the full layers under ``config`` and the sliding ones with
+    ``window=sliding_window``, both without key-split tiles (module docstring)."""
+    config = dataclasses.replace(config, key_split=False, window=None)
     windowed = dataclasses.replace(config, window=sliding_window)
+    full_plan = planner(pieces, config)
     start = time.perf_counter()
     sliding_plan = planner(pieces, windowed)
     sliding_ms = (time.perf_counter() - start) * 1e3
