@@ -262,7 +262,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
         main.sliding = {sliding_window: contexts[1]}
         main.stats = dataclasses.replace(main.stats, sliding_layers=((sliding_window, contexts[1].stats),),
                                          plan_seconds=main.stats.plan_seconds + contexts[1].stats.plan_seconds)
-        main.counters = counters
+        if contexts[1].dispatch is not None:  # (plan_stats() reports the bytes of a forward that dispatched)
+            main.counters = counters
     return main
 
 
