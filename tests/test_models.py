@@ -343,6 +343,8 @@ SPREAD_FIELDS = {  # model_type -> config fields beyond the common tiny ones
     # nor do PhiMoE's: every layer slides (no layer_types), as its mask says
     "phimoe": dict(num_local_experts=2, sliding_window=4, router_jitter_noise=0.0, input_jitter_noise=0.0),
     "exaone4": dict(sliding_window=4),
+    "olmo3": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "cohere2": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "glm": dict(head_dim=8),
 }
 

@@ -41,6 +41,8 @@ TESTED_MODEL_TYPES = {
     "qwen2_moe": "exact (MoE with shared expert; sliding and full layers, its window given by its mask)",
     "phimoe": "exact (MoE; a sliding window on every layer, given by its mask)",
     "exaone4": "exact (sliding and full layers)",
+    "olmo3": "exact (sliding and full layers, q/k norms)",
+    "cohere2": "exact (sliding and full layers, parallel block; NoPE full layers)",
 }
 
 
