@@ -156,7 +156,7 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     """Refuse what distca cannot do, find the documents, and plan both nano-batches with every rank
     (a rank whose inputs are invalid still joins, so every rank stops)."""
     from distca_hf.config import current_config
-    from distca_hf.hf import refuse_unsupported, widest_window
+    from distca_hf.hf import mixed_sliding_window, refuse_unsupported, widest_window
     from distca_hf.planning import TokenBytes
     from distca_hf.runtime.agree import attention_dtype, attention_signature
     from distca_hf.runtime.forward import CallInputs, tiles_hold_for
@@ -175,12 +175,12 @@ def _plan(model, layers, inputs_embeds, attention_mask, position_ids, kwargs):
     # attention function's forward prices them
     dtype = attention_dtype(device.type, inputs_embeds.dtype)
     token_bytes = TokenBytes.for_model(heads * head_dim, heads, kv_heads, dtype.itemsize, head_dim)
-    window = widest_window(config)
+    window, sliding = widest_window(config), mixed_sliding_window(config)
     signature = attention_signature(dtype, heads, kv_heads, head_dim, head_dim, torch.is_grad_enabled(),
-                                    kv_window=window)
+                                    kv_window=window, sliding_window=sliding)
     return plan_pingpong(docs, error, token_bytes, device, heads, first_position,
                          kv_window=window, dtype_bytes=dtype.itemsize,
-                         key_split=tiles_hold_for(layers[0].self_attn), signature=signature)
+                         key_split=tiles_hold_for(layers[0].self_attn), signature=signature, sliding_window=sliding)
 
 
 def _run_layer(layer, plan, rope, h_a, h_b):
@@ -191,8 +191,9 @@ def _run_layer(layer, plan, rope, h_a, h_b):
 
     scale, index = layer.self_attn.scaling, layer.self_attn.layer_idx
     variant = AttentionVariant(window=sliding_window(layer.self_attn))  # no Llama-family model softcaps
-    a = NanoAttention(plan.dispatch_a, scale, f"A layer {index}", variant=variant, queue=plan.issue_queue)
-    b = NanoAttention(plan.dispatch_b, scale, f"B layer {index}", variant=variant, queue=plan.issue_queue)
+    dispatch_a, dispatch_b = plan.dispatches_for(variant.window)  # (a mixed model's sliding layers: their own)
+    a = NanoAttention(dispatch_a, scale, f"A layer {index}", variant=variant, queue=plan.issue_queue)
+    b = NanoAttention(dispatch_b, scale, f"B layer {index}", variant=variant, queue=plan.issue_queue)
     with timeline.span(f"{a.name}: norm, q/k/v"):
         q_a, k_a, v_a = to_compute_dtype(*attention_inputs(layer, h_a, *rope["a"]))
     a.launch(q_a, k_a, v_a)

@@ -25,6 +25,7 @@ Llama-like decoder layers and installs the ping-pong decoder stack.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +60,9 @@ class PingPongPlan:
         longest_document: tokens of the longest document over every rank of the server group.
         issue_queue: the order in which both nano-batches' exchanges are issued, every layer's
             (``IssueQueue``; give it to each ``NanoAttention``).
+        sliding: ``{window: (dispatch_a, dispatch_b)}``: for a model mixing sliding and full layers
+            (``hf.mixed_sliding_window``), the nano-batches' dispatches of its sliding layers, planned
+            under their window (``dispatches_for``); the two above are the full layers'.
     """
 
     split: NanoSplit
@@ -70,6 +74,13 @@ class PingPongPlan:
     pinned_rows: torch.Tensor
     longest_document: int
     issue_queue: IssueQueue = field(default_factory=IssueQueue)
+    sliding: dict = field(default_factory=dict)
+
+    def dispatches_for(self, window: int | None) -> tuple[Dispatch, Dispatch]:
+        """Nano-batches A's and B's dispatches for a layer of sliding ``window`` (``None``: whole prefixes):
+        the ones planned for that window, else the full layers' (their K/V cover every window)."""
+        return self.sliding.get(window, (self.dispatch_a, self.dispatch_b)) if window is not None else \
+            (self.dispatch_a, self.dispatch_b)
 
     def keys_b(self, k_a: torch.Tensor, k_b: torch.Tensor) -> torch.Tensor:
         """Nano-batch B's key (or value) stream from both nano-batches' rows: ``[A's cut prefix] ++
@@ -82,7 +93,7 @@ class PingPongPlan:
 def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_bytes: TokenBytes, device,
                   num_heads: int, first_position: int = 0, *, kv_window: int | None = None,
                   dtype_bytes: int | None = None, key_split: bool = False,
-                  signature: tuple[int, ...] | None = None) -> PingPongPlan:
+                  signature: tuple[int, ...] | None = None, sliding_window: int | None = None) -> PingPongPlan:
     """Split this rank's micro-batch and plan both nano-batches with every rank of the server group
     (a collective: each rank sends its first position and document lengths, as the attention
     function's forward does; a rank whose inputs were invalid, ``error``, still joins so that every
@@ -93,7 +104,8 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     bytes of an attention element (see ``plan_batch``); ``key_split``: ``tolerance="auto"`` may weigh
     key-split tiles for both nano-batches (``runtime.forward.tiles_hold_for`` of the model's attention
     layers decides, as for a forward without ping-pong); ``signature``: the layers' ``agree.attention_signature``
-    (every rank's must be the same)."""
+    (every rank's must be the same); ``sliding_window``: the window of a mixed model's sliding layers
+    (``hf.mixed_sliding_window``), whose nano-batches are planned again under it (``PingPongPlan.sliding``)."""
     config = current_config()
     number = next_forward_number()
     if error is None:
@@ -111,23 +123,34 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
                    for r in range(len(per_rank))]
     split = split_nano_batches(docs, assignments[dist.get_rank(config.group)])
     counters = DispatchCounters()
-    dispatches, planned = [], []
-    for name, nano_docs, world_docs in (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
-                                        ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1))):
-        # each nano-batch's dispatch runs without waves; the other nano-batch's compute hides its
-        # communication, which "auto" counts as ping-pong's exposure
-        dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none", counters,
-                                     kv_window=kv_window, dtype_bytes=dtype_bytes, planning_overlap="pingpong",
-                                     key_split=key_split)
-        for w in dispatch.waves:
-            w.name = "nano-batch " + name
-        dispatches.append(dispatch)
-        planned.append(batch)
+    worlds = (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
+              ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1)))
+    by_window = {}  # window -> (both nano-batches' dispatches, their BatchPlans), in the order every rank plans
+    for window in [kv_window] + ([sliding_window] if sliding_window is not None else []):
+        dispatches, planned = [], []
+        for name, nano_docs, world_docs in worlds:
+            # each nano-batch's dispatch runs without waves; the other nano-batch's compute hides its
+            # communication, which "auto" counts as ping-pong's exposure
+            dispatch, batch = plan_batch(nano_docs, world_docs, config, token_bytes, device, number, "none",
+                                         counters, kv_window=window, dtype_bytes=dtype_bytes,
+                                         planning_overlap="pingpong", key_split=key_split)
+            for w in dispatch.waves:
+                w.name = "nano-batch " + name + (", sliding layers" if window != kv_window else "")
+            dispatches.append(dispatch)
+            planned.append(batch)
+        by_window[window] = (tuple(dispatches), planned)
+    (dispatches, planned), sliding = by_window.pop(kv_window), by_window
     stats = plan_stats_of(number, planned, token_bytes=token_bytes, num_heads=num_heads, overlap="pingpong")
+    if sliding:
+        layers = tuple((w, plan_stats_of(number, p, token_bytes=token_bytes, num_heads=num_heads, overlap="pingpong"))
+                       for w, (_, p) in sliding.items())
+        stats = dataclasses.replace(stats, sliding_layers=layers,
+                                    plan_seconds=stats.plan_seconds + sum(s.plan_seconds for _, s in layers))
     begin_forward(ForwardContext(number, ("pingpong", number), (), rows.longest_document, stats, counters=counters))
     as_tensor = lambda x: torch.from_numpy(x).to(device)
     return PingPongPlan(split, *dispatches, as_tensor(split.rows_a), as_tensor(split.rows_b),
-                        as_tensor(split.prefix_rows), as_tensor(split.pinned_rows), rows.longest_document)
+                        as_tensor(split.prefix_rows), as_tensor(split.pinned_rows), rows.longest_document,
+                        sliding={w: d for w, (d, _) in sliding.items()})
 
 
 def _continues_on_next_rank(rows: RankDocuments, rank: int) -> bool:
