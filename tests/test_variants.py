@@ -297,7 +297,7 @@ def test_windowed_spanning_documents_are_exact(tmp_path, case):
     sliding layers run a plan of their own that moves only their window's keys (checkpointed layers
     recomputed in the plan of their kind)."""
     from dist_harness import run_ranks
-    from workers import exact_runs, span_worker
+    from workers import check_forward_bytes, exact_runs, span_worker
 
     world, family, overrides, doc_lengths, slice_lengths, checkpointing = WINDOW_CASES[case]
     results = run_ranks(span_worker, world, tmp_path, family, doc_lengths, slice_lengths,
@@ -310,6 +310,9 @@ def test_windowed_spanning_documents_are_exact(tmp_path, case):
             if case.startswith("qwen2"):  # the sliding layers' tasks need the 8 keys before them, not prefixes
                 sliding = run["stats"]["sliding_layers"]["9"]
                 assert sum(sliding["kv_tokens_received_per_layer"]) < sum(run["stats"]["kv_tokens_received_per_layer"])
+    # what the ranks sent is what the plans say: a mixed Qwen2's layers 1 and 2 slide, on their own plan
+    mixed = case.startswith("qwen2")
+    check_forward_bytes(results, layers=3 if mixed else 2, sliding=2 if mixed else 0)
     colocated = results[0]["value"][-2]["stats"]
     if case.startswith("mistral"):  # pairs are counted under the window (at most 7 per query)
         lengths = [30, 50, 7, 1, 12]

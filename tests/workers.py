@@ -66,15 +66,20 @@ def exactness_worker(rank, world, family, overlap="none"):
     return report
 
 
-def check_forward_bytes(results, layers=2):
+def check_forward_bytes(results, layers=2, sliding=0):
     """plan_stats' bytes_sent_per_layer is what the ranks really sent in one layer's forward (runs
-    without checkpointing, whose recomputation sends the forward again)."""
+    without checkpointing, whose recomputation sends the forward again); ``sliding`` of the ``layers``
+    are a mixed model's sliding layers, which send their own plan's bytes (``sliding_layers``)."""
     for i, run in enumerate(results[0]["value"][:-1]):
         if run["checkpointing"]:
             continue
         sent = sum(v for r in results for kind, v in r["value"][i]["stats"]["rank_bytes_sent_this_step"].items()
                    if kind.startswith("forward"))
-        assert sent == layers * run["stats"]["bytes_sent_per_layer"], (i, run["backward"], sent)
+        plans = list(run["stats"].get("sliding_layers", {}).values())
+        assert len(plans) == (1 if sliding else 0), (i, run["overlap"])
+        expected = (layers - sliding) * run["stats"]["bytes_sent_per_layer"] + \
+            sum(sliding * p["bytes_sent_per_layer"] for p in plans)
+        assert sent == expected, (i, run["overlap"], run["backward"], sent, expected)
 
 
 def global_stream(doc_lengths, seed=0):

@@ -111,8 +111,8 @@ FEATURES = (
             "dispatch moves only those keys; when some layers are full (Gemma 2/3, Cohere2, Olmo 3, Qwen2's "
             "`max_window_layers`) each forward is planned twice, the full layers with whole prefixes and the sliding "
             "layers under their window (`plan_stats()['sliding_layers']`; `distca-hf simulate --sliding-window`: "
-            "1.06-1.69x per layer over one plan for both; ping-pong's nano-batches likewise). `cad_1f1b` ticks "
-            "still run one plan for both kinds (whole prefixes, each layer's window in the kernel)"),
+            "1.06-1.69x per layer over one plan for both). Ping-pong plans its nano-batches per kind too; `cad_1f1b` "
+            "ticks still run one plan for both kinds (whole prefixes, each layer's window in the kernel)"),
     Feature("chunked attention (Llama 4's `attention_chunk_size`)", "exact on every backend and path: a chunk is a "
             "document of its own, so each CA-task is cut at chunk boundaries into plain causal sub-tasks (a query at "
             "document position `p` sees keys `[p // C * C, p]`); tested with chunks shorter than documents on 1 and 2 "

@@ -2,7 +2,8 @@
 
 The micro-batch's documents are split into nano-batches A and B of equal tokens
 (``planning.splits.split_nano_batches``: at most one document is cut, its prefix in A and its
-suffix in B, which then holds the prefix's K/V as key-only rows). Each nano-batch gets its own plan.
+suffix in B, which then holds the prefix's K/V as key-only rows). Each nano-batch gets its own plan
+(two, for a model mixing sliding and full layers: one per kind of layer, ``PingPongPlan.sliding``).
 Per decoder layer the schedule is
 
     A: norm, q/k/v  | A: send q/k/v ---------->|
@@ -55,7 +56,8 @@ class PingPongPlan:
 
     Attributes:
         split: the two nano-batches (``planning.splits.NanoSplit``).
-        dispatch_a, dispatch_b: their dispatches (one wave each; they share byte counters).
+        dispatch_a, dispatch_b: their dispatches for the full layers, or every layer of a model of one
+            kind (one wave each; every dispatch of the forward shares its byte counters).
         rows_a, rows_b, prefix_rows, pinned_rows: ``split``'s row indices as device tensors.
         longest_document: tokens of the longest document over every rank of the server group.
         issue_queue: the order in which both nano-batches' exchanges are issued, every layer's
