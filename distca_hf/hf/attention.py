@@ -119,7 +119,7 @@ def widest_window(config) -> int | None:
 
 def mixed_sliding_window(config) -> int | None:
     """The window of a model's sliding layers when it mixes them with layers of another type (Gemma 2/3,
-    GPT-OSS, Cohere2, Qwen2 with ``max_window_layers``: ``config.layer_types`` holds
+    Cohere2, Olmo 3, Qwen2 with ``max_window_layers``: ``config.layer_types`` holds
     ``"sliding_attention"`` and ``"full_attention"`` or ``"chunked_attention"``), else ``None``. Such a
     forward is planned twice: once for its full layers (whole prefixes, ``widest_window`` is ``None``)
     and once for its sliding layers under this window, whose work is nearly even per token and whose
