@@ -23,7 +23,7 @@ from ..state import STATE
 from .dispatch import Dispatch
 from .tables import DispatchCounters
 
-__all__ = ["ForwardContext", "PlanStats", "BatchPlan", "plan_stats_of", "plan_stats", "current_forward",
+__all__ = ["ForwardContext", "PlanStats", "BatchPlan", "plan_stats_of", "planned_windows", "plan_stats", "current_forward",
            "begin_forward", "next_forward_number", "pinned_forward", "pinned_context"]
 
 
@@ -94,6 +94,12 @@ class PlanStats:
     nano_batches: tuple = ()
     sliding_layers: tuple = ()
 
+    def with_sliding_layers(self, window: int, sliding: "PlanStats") -> "PlanStats":
+        """These stats (the full layers' plan) with a mixed model's sliding layers' plan added, and the
+        time spent planning both."""
+        return dataclasses.replace(self, sliding_layers=((window, sliding),),
+                                   plan_seconds=self.plan_seconds + sliding.plan_seconds)
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["nano_batches"] = [s.as_dict() for s in self.nano_batches]
@@ -141,6 +147,12 @@ class BatchPlan:
     @property
     def pair_window(self) -> int | None:
         return self.plan.window if self.plan is not None else self.window
+
+
+def planned_windows(kv_window: int | None, sliding_window: int | None) -> list:
+    """The windows one forward plans for, in the order every rank plans them: ``kv_window`` (the full
+    layers', or every layer's), then a mixed model's ``sliding_window`` when there is one."""
+    return [kv_window] + ([sliding_window] if sliding_window is not None else [])
 
 
 def plan_stats_of(number: int, batches: Sequence[BatchPlan], *, token_bytes: TokenBytes | None = None,

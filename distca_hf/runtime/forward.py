@@ -52,7 +52,7 @@ from ..planning.documents import check_positions_agree
 from ..state import STATE, warn_once
 from .agree import PATH_PLAIN, agree, attention_signature
 from .context import (BatchPlan, ForwardContext, begin_forward, current_forward, next_forward_number, pinned_context,
-                      plan_stats_of)
+                      plan_stats_of, planned_windows)
 from .dispatch import Dispatch, build_dispatch
 from .processes import refuse_accelerate_alone, warn_if_fsdp_dropped, warn_if_launched_alone
 from .shared_planning import plan_across_ranks
@@ -243,9 +243,8 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
                              o=num_heads * value_head_dim * element, lse=4 * num_heads)
     overlap = _overlap_of(module, config) if config.mode == "distca" else "none"
     counters = DispatchCounters()  # (one forward's bytes, whichever of its plans sent them)
-    windows = [kv_window] + ([sliding_window] if sliding_window is not None else [])
     contexts = []
-    for window in windows:
+    for window in planned_windows(kv_window, sliding_window):
         dispatch, planned = plan_batch(docs, ranks, config, token_bytes, query.device, number, overlap,
                                        counters=counters, kv_window=window, dtype_bytes=query.element_size(),
                                        local_when_colocated=True, key_split=tiles_hold_for(module))
@@ -260,8 +259,7 @@ def _open_forward(module, query, key, call: "CallInputs", call_key, inputs, kv_w
     main = contexts[0]
     if len(contexts) > 1:
         main.sliding = {sliding_window: contexts[1]}
-        main.stats = dataclasses.replace(main.stats, sliding_layers=((sliding_window, contexts[1].stats),),
-                                         plan_seconds=main.stats.plan_seconds + contexts[1].stats.plan_seconds)
+        main.stats = main.stats.with_sliding_layers(sliding_window, contexts[1].stats)
         if contexts[1].dispatch is not None:  # (plan_stats() reports the bytes of a forward that dispatched)
             main.counters = counters
     return main

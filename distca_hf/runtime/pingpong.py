@@ -26,7 +26,6 @@ Llama-like decoder layers and installs the ping-pong decoder stack.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +38,7 @@ from ..planning import (NanoSplit, PackedDocuments, RankDocuments, TokenBytes, a
                         rank_documents, split_nano_batches, stitch_rank_documents)
 from . import timeline
 from .agree import PATH_PINGPONG, agree
-from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of
+from .context import ForwardContext, begin_forward, next_forward_number, plan_stats_of, planned_windows
 from .dispatch import Dispatch
 from .forward import plan_batch
 from .issue_queue import IssueQueue
@@ -128,7 +127,7 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
     worlds = (("A", split.docs_a, _nano_world(rows, per_rank, assignments, 0)),
               ("B", split.docs_b, _nano_world(rows, per_rank, assignments, 1)))
     by_window = {}  # window -> (both nano-batches' dispatches, their BatchPlans), in the order every rank plans
-    for window in [kv_window] + ([sliding_window] if sliding_window is not None else []):
+    for window in planned_windows(kv_window, sliding_window):
         dispatches, planned = [], []
         for name, nano_docs, world_docs in worlds:
             # each nano-batch's dispatch runs without waves; the other nano-batch's compute hides its
@@ -143,11 +142,9 @@ def plan_pingpong(docs: PackedDocuments | None, error: Exception | None, token_b
         by_window[window] = (tuple(dispatches), planned)
     (dispatches, planned), sliding = by_window.pop(kv_window), by_window
     stats = plan_stats_of(number, planned, token_bytes=token_bytes, num_heads=num_heads, overlap="pingpong")
-    if sliding:
-        layers = tuple((w, plan_stats_of(number, p, token_bytes=token_bytes, num_heads=num_heads, overlap="pingpong"))
-                       for w, (_, p) in sliding.items())
-        stats = dataclasses.replace(stats, sliding_layers=layers,
-                                    plan_seconds=stats.plan_seconds + sum(s.plan_seconds for _, s in layers))
+    for window, (_, sliding_planned) in sliding.items():  # (at most one)
+        stats = stats.with_sliding_layers(window, plan_stats_of(number, sliding_planned, token_bytes=token_bytes,
+                                                                num_heads=num_heads, overlap="pingpong"))
     begin_forward(ForwardContext(number, ("pingpong", number), (), rows.longest_document, stats, counters=counters))
     as_tensor = lambda x: torch.from_numpy(x).to(device)
     return PingPongPlan(split, *dispatches, as_tensor(split.rows_a), as_tensor(split.rows_b),

@@ -35,8 +35,7 @@ import numpy as np
 
 from ..config import is_integer
 from ..planning import DocumentPieces, Plan, PlannerConfig, colocated_plan
-from ..planning.by_time import loads_seconds, plan_loads
-from ..planning.rank_time import rank_seconds, sends_timing
+from ..planning.rank_time import rank_seconds
 from ..planning.relay_trees import plan_kv_sends
 
 __all__ = ["MIXED_METHODS", "DEFAULT_SLIDING_FRACTION", "add_mixed_arguments", "check_mixed", "mixed_flags_problem",
@@ -91,18 +90,10 @@ def mixed_flags_problem(sliding_window: int | None, sliding_fraction: float | No
 
 def _windowed_layer_seconds(plan: Plan, pieces: DocumentPieces, config: PlannerConfig, window: int) -> float:
     """A sliding layer of ``window`` run on ``plan``, a plan made for whole prefixes: its servers
-    compute the windowed pairs and keys of the plan's tasks, and the plan's bytes move (whole prefixes
-    of K/V, along its relay trees)."""
-    sends = plan_kv_sends(plan, pieces)
-    loads = plan_loads(plan, pieces, config.token_bytes, sends)  # the plan's bytes
-    windowed = dataclasses.replace(plan, window=window)  # what the kernel computes under the window
-    n = pieces.num_ranks
-    loads = dataclasses.replace(loads, pairs=windowed.server_pairs().astype(np.float64),
-                                keys=np.bincount(windowed.server, weights=windowed.keys(), minlength=n))
-    rounds, wait = sends_timing(sends, config.token_bytes, config.time_model, config.exposed_comm, plan.backward, n)
-    compute, exposed = loads_seconds(loads, config.time_model, config.exposed_comm, plan.backward, rounds=rounds,
-                                     wait_s=wait)
-    return float((compute + exposed).max(initial=0.0))
+    compute the windowed pairs and keys of the plan's tasks (the plan under the window), while the
+    plan's K/V sends move (whole prefixes, along its relay trees)."""
+    windowed = dataclasses.replace(plan, window=window)
+    return float(rank_seconds(windowed, pieces, config, plan_kv_sends(plan, pieces)).max(initial=0.0))
 
 
 def mixed_layer_times(pieces: DocumentPieces, config: PlannerConfig, *, sliding_window: int, planner) -> dict:
